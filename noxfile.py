@@ -1,0 +1,61 @@
+"""Sessions for trio_pd. They run in the current environment (set up by ./dev).
+
+    ./dev nox -s lint typecheck tests
+    ./dev nox -s bench -- --plot bench.png
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["lint", "typecheck", "tests"]
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.run("ruff", "check", "trio_pd", "tests", "noxfile.py")
+    # ruff lacks ASYNC910/911/912 (checkpoint-on-every-path rules); flake8-async has them.
+    session.run(
+        "flake8", "--select=ASYNC910,ASYNC911,ASYNC912", "--max-line-length=100", "trio_pd"
+    )
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.run("mypy")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The full suite, both engines; GPU tests skip without a device."""
+    session.run(
+        "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
+        "--durations=15", *session.posargs,
+    )
+
+
+@nox.session
+def gpu_tests(session: nox.Session) -> None:
+    session.run("pytest", "-q", "-m", "gpu", *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Long demo runs full of aborts and faults, on both engines."""
+    for engine in ("mooncake", "nixl"):
+        session.run(
+            "trio-pd", "demo", "--engine", engine, "--requests", "2000",
+            "--abort-rate", "0.3", "--fault-rate", "0.05", "--json", *session.posargs,
+        )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    session.run("trio-pd", "bench", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The tutorials' code runs in the test suite; this checks the pages' snippets."""
+    session.run("pytest", "-q", "tests/test_docs.py", *session.posargs)

@@ -1,0 +1,40 @@
+"""The error family. Every failure a caller can see is a :class:`TransferError`.
+
+At the public boundary trio_pd raises one of these ``from`` the ExceptionGroup that carried
+it; nothing unwraps groups by hand.
+"""
+
+from __future__ import annotations
+
+
+class TransferError(Exception):
+    """Base of every error trio_pd reports for a room, a peer or a message."""
+
+
+class TransferAborted(TransferError):
+    """The room was aborted (by the scheduler, a peer, or a deadline) before it concluded."""
+
+
+class PeerLost(TransferError):
+    """A peer stopped answering, or its engine reports it gone."""
+
+
+class EngineError(TransferError):
+    """A transfer engine call returned an error. Completion of the call's blocks is unknown."""
+
+    def __init__(self, message: str, *, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ProtocolError(TransferError):
+    """A control message was malformed, truncated, oversized, of an unknown version or type,
+    or referred to something that does not exist (an unknown room, an out-of-range page)."""
+
+
+class RegionError(ProtocolError):
+    """A planned write would land outside the memory the destination registered (SPEC I8)."""
+
+
+class BootstrapError(TransferError):
+    """The bootstrap service refused a request or could not be reached."""

@@ -1,0 +1,236 @@
+"""The sans-I/O core: KVPoll rules, leases, and the per-room books of both sides.
+
+Nothing here imports trio or touches a socket. The trio layer (``_prefill``, ``_decode``)
+owns one of these objects per room and asks it what to do; every rule of SPEC §4 and §5 that
+is about *state* (as opposed to *tasks*) lives here, under a name that says it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ._errors import TransferAborted, TransferError
+
+
+class KVPoll(enum.IntEnum):
+    """A room's status. Ordered: it only moves forward, and Failed (the minimum) absorbs."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+TERMINAL = frozenset({KVPoll.Failed, KVPoll.Success})
+
+
+def combine(statuses: Iterable[KVPoll]) -> KVPoll:
+    """The status of a request served by several ranks: the minimum (SPEC §4, I6)."""
+    return min(statuses, default=KVPoll.Bootstrapping)
+
+
+class StatusCell:
+    """One room's status on one side.
+
+    Forward only; Failed is absorbing; a terminal status never changes again (so a handle that
+    saw it keeps seeing it). The first failure's reason wins and stays readable.
+    """
+
+    __slots__ = ("_status", "failure", "propagated")
+
+    def __init__(self) -> None:
+        self._status = KVPoll.Bootstrapping
+        self.failure: TransferError | None = None
+        self.propagated = False
+
+    @property
+    def status(self) -> KVPoll:
+        return self._status
+
+    @property
+    def terminal(self) -> bool:
+        return self._status in TERMINAL
+
+    def advance(self, new: KVPoll) -> bool:
+        """Move to ``new`` if that is forward and we are not terminal. Returns whether it moved.
+        Use :meth:`fail` for Failed (it needs a reason)."""
+        if new is KVPoll.Failed:
+            raise ValueError("use fail() to record a failure with its reason")
+        if self.terminal or new <= self._status:
+            return False
+        self._status = new
+        return True
+
+    def fail(self, error: TransferError, *, propagated: bool = False) -> bool:
+        """Fail with a reason. Returns False if already terminal (Success stands; the first
+        failure's reason stays)."""
+        if self.terminal:
+            return False
+        self._status = KVPoll.Failed
+        self.failure = error
+        self.propagated = propagated
+        return True
+
+
+class Outcome(enum.Enum):
+    """How a lease's I/O ended (SPEC §5.3)."""
+
+    COMPLETED = "completed"  # every engine call returned success: proof of drain
+    CANCELLED = "cancelled"  # no engine call was ever started
+    ERROR = "error"  # an engine call failed: completion of in-flight pieces is unknown
+
+
+class LeaseState(enum.Enum):
+    LIVE = "live"
+    QUARANTINED = "quarantined"
+    RETIRED = "retired"
+
+
+class AdmissionClosed(TransferAborted):
+    """The room no longer admits chunks (it was aborted, failed or concluded)."""
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    """A claim on one chunk's pages from admission until its I/O is terminal."""
+
+    room: int
+    serial: int
+    npages: int
+    state: LeaseState = LeaseState.LIVE
+    outcome: Outcome | None = None
+
+
+@dataclass(slots=True)
+class LeaseBook:
+    """The leases of one room, and the rule for when its pages may go back (SPEC §5.3, I1, I3).
+
+    The room's pages may be handed back (its release callback run) exactly once, when the room
+    is *closed* and holds no live and no quarantined lease.
+    """
+
+    room: int
+    closed: bool = False
+    released: bool = False
+    _serial: int = 0
+    live: set[Lease] = field(default_factory=set)
+    quarantined: set[Lease] = field(default_factory=set)
+
+    def admit(self, npages: int) -> Lease:
+        """Take a lease at admission. Raises AdmissionClosed once the room is closed (I2)."""
+        if self.closed:
+            raise AdmissionClosed(f"room {self.room} is closed to new chunks")
+        self._serial += 1
+        lease = Lease(self.room, self._serial, npages)
+        self.live.add(lease)
+        return lease
+
+    def close(self) -> None:
+        """Close admission. Idempotent."""
+        self.closed = True
+
+    def settle(self, lease: Lease, outcome: Outcome) -> None:
+        """Record how a lease's I/O ended: completed/cancelled retire it, error quarantines it."""
+        if lease.state is not LeaseState.LIVE:
+            raise RuntimeError(f"lease {lease.serial} of room {self.room} settled twice")
+        self.live.discard(lease)
+        lease.outcome = outcome
+        if outcome is Outcome.ERROR:
+            lease.state = LeaseState.QUARANTINED
+            self.quarantined.add(lease)
+        else:
+            lease.state = LeaseState.RETIRED
+
+    def end_quarantine(self, lease: Lease) -> None:
+        """Retire a quarantined lease on proof that the engine can no longer touch its pages
+        (the peer is proven gone, or the engine's own deadline for the call has passed)."""
+        if lease.state is not LeaseState.QUARANTINED:
+            raise RuntimeError(f"lease {lease.serial} of room {self.room} is not quarantined")
+        self.quarantined.discard(lease)
+        lease.state = LeaseState.RETIRED
+
+    @property
+    def holds_nothing(self) -> bool:
+        """No lease can still read or write this room's pages."""
+        return not self.live and not self.quarantined
+
+    def take_release(self) -> bool:
+        """True exactly once: when the room is closed and holds nothing. The caller then runs
+        the room's release callback."""
+        if self.released or not self.closed or not self.holds_nothing:
+            return False
+        self.released = True
+        return True
+
+
+@dataclass(slots=True)
+class AckBook:
+    """Prefill side of the drain ack (SPEC §5.5, I2).
+
+    Ack targets are registered only after admission closed, one per decode endpoint, never
+    overwritten; an ack is due once the room holds nothing. Each target is acked once.
+    """
+
+    targets: dict[str, int] = field(default_factory=dict)  # endpoint -> epoch
+    acked: set[str] = field(default_factory=set)
+
+    def add_target(self, leases: LeaseBook, endpoint: str, epoch: int) -> None:
+        if not leases.closed:
+            raise RuntimeError("an ack target is registered only after admission closed")
+        self.targets.setdefault(endpoint, epoch)
+
+    def due(self, leases: LeaseBook) -> list[tuple[str, int]]:
+        """The (endpoint, epoch) pairs to ack now; each is returned once."""
+        if not leases.closed or not leases.holds_nothing:
+            return []
+        out = [(ep, e) for ep, e in self.targets.items() if ep not in self.acked]
+        self.acked.update(ep for ep, _ in out)
+        return out
+
+
+@dataclass(slots=True)
+class DecodeBook:
+    """Decode side of one room: statuses from prefill ranks, drain acks, held pages (SPEC §4,
+    §5.5, I6).
+
+    ``required`` are the prefill rank ids that must report Success; ``contacted`` the ones that
+    were sent a TRANSFER (they must ack a drain before the pages go back).
+    """
+
+    room: int
+    epoch: int
+    required: frozenset[int]
+    cell: StatusCell = field(default_factory=StatusCell)
+    contacted: set[int] = field(default_factory=set)
+    succeeded: set[int] = field(default_factory=set)
+    acked: set[int] = field(default_factory=set)
+    aborting: bool = False
+    released: bool = False
+
+    def on_status(self, rank: int, ok: bool) -> None:
+        """Record one rank's STATUS. Duplicates count once; unknown ranks are ignored."""
+        if rank in self.required and ok:
+            self.succeeded.add(rank)
+
+    @property
+    def all_succeeded(self) -> bool:
+        return self.succeeded >= self.required
+
+    def on_ack(self, rank: int) -> None:
+        if rank in self.contacted:
+            self.acked.add(rank)
+
+    @property
+    def drained(self) -> bool:
+        """Every rank that may write our pages has acked its drain."""
+        return self.acked >= self.contacted
+
+    def take_release(self) -> bool:
+        """True exactly once: the room failed, every contacted rank acked, pages may go back."""
+        if self.released or self.cell.status is not KVPoll.Failed or not self.drained:
+            return False
+        self.released = True
+        return True

@@ -1,0 +1,59 @@
+"""Counters every agent keeps; ``statistics()`` returns a frozen snapshot of them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatistics:
+    """A snapshot of one agent's counters. Counters only grow; gauges (``rooms_active``,
+    ``leases_live``, ``leases_quarantined``, ``pages_held``) are current values."""
+
+    rooms_active: int = 0
+    leases_live: int = 0
+    leases_quarantined: int = 0
+    pages_held: int = 0  # decode: destination pages held for a drain ack
+    succeeded: int = 0
+    failed: int = 0
+    aborted: int = 0
+    timeouts: int = 0
+    bad_messages: int = 0  # malformed / unknown-version / oversized input
+    refused_messages: int = 0  # well-formed, but about an unknown peer, a bad page, ...
+    late_messages: int = 0  # for an epoch or room no longer held: ignored
+    engine_calls: int = 0
+    engine_errors: int = 0
+    bytes_written: int = 0
+    send_backpressure: int = 0  # a non-blocking send found the socket full
+    acks_sent: int = 0
+    acks_received: int = 0
+    quarantined: int = 0
+    released_after_quarantine: int = 0
+    released_by_timeout: int = 0
+    released_peer_gone: int = 0
+    peers_failed: int = 0
+    peers_lost: int = 0
+
+
+_COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(AgentStatistics))
+
+
+class Counters:
+    """The mutable twin of :class:`AgentStatistics` that an agent increments."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self) -> None:
+        self._values = dict.fromkeys(_COUNTER_NAMES, 0)
+
+    def bump(self, name: str, by: int = 1) -> None:
+        if name not in self._values:
+            raise KeyError(f"unknown counter {name!r}")
+        self._values[name] += by
+
+    def __getitem__(self, name: str) -> int:
+        return self._values[name]
+
+    def snapshot(self, **gauges: int) -> AgentStatistics:
+        return AgentStatistics(**{**self._values, **gauges})

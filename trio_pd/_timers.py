@@ -1,0 +1,46 @@
+"""One task per agent runs every deadline the agent has (bootstrap and waiting timeouts,
+quarantine fences, ack and send retries, tombstone expiry): no task, and no cancel scope, per
+room. Actions are synchronous and run in deadline order."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+
+import trio
+
+
+class Timers:
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._wakeup = trio.Event()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def at(self, deadline: float, action: Callable[[], None]) -> None:
+        """Run ``action()`` once ``trio.current_time()`` reaches ``deadline``."""
+        heapq.heappush(self._heap, (deadline, next(self._seq), action))
+        if self._heap[0][0] == deadline:
+            self._wakeup.set()
+
+    def after(self, delay: float, action: Callable[[], None]) -> None:
+        self.at(trio.current_time() + delay, action)
+
+    async def run(self) -> None:
+        """Run due actions until cancelled.
+
+        **Cancellation:** safe at any point; an action runs whole or not at all.
+        """
+        while True:
+            now = trio.current_time()
+            while self._heap and self._heap[0][0] <= now:
+                _, _, action = heapq.heappop(self._heap)
+                action()
+            self._wakeup = trio.Event()
+            deadline = self._heap[0][0] if self._heap else math.inf
+            with trio.move_on_at(deadline):
+                await self._wakeup.wait()

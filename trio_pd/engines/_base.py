@@ -1,0 +1,78 @@
+"""The small protocol every transfer engine adapter implements.
+
+Every method here is *blocking* and thread-safe: the trio layer calls the data-moving ones only
+through ``trio.to_thread.run_sync`` with its own ``CapacityLimiter``, never on the event loop.
+An adapter never retries and never hides an error: a failed write raises
+:class:`~trio_pd.EngineError`, which means "outcome unknown" (some blocks may have landed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+Addrs = npt.NDArray[np.uint64]
+Lens = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One registered memory range: [base, base + length)."""
+
+    base: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.base + self.length
+
+
+@runtime_checkable
+class TransferEngine(Protocol):
+    """What trio_pd needs from an engine. One instance per rank (per agent)."""
+
+    #: short engine name for metrics and errors ("mooncake", "nixl")
+    name: str
+
+    @property
+    def session_id(self) -> str:
+        """How peers address this engine (Mooncake: "host:rpc_port"; NIXL: agent name)."""
+        ...
+
+    def register(self, regions: list[Region]) -> None:
+        """Register memory with the engine. Call before publishing :attr:`session_id`."""
+        ...
+
+    def unregister(self, regions: list[Region]) -> None:
+        """Deregister memory. Only once no call can still touch it."""
+        ...
+
+    def metadata(self) -> bytes:
+        """Opaque bytes a peer must load before writing to us (NIXL agent metadata; empty
+        for Mooncake). Travels in the REGISTER message."""
+        ...
+
+    def add_peer(self, session_id: str, metadata: bytes) -> None:
+        """Make a peer addressable (NIXL: add_remote_agent). Idempotent."""
+        ...
+
+    def remove_peer(self, session_id: str) -> None:
+        """Forget a peer (it re-registers after a restart). Idempotent."""
+        ...
+
+    def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
+        """Write ``lens[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``, for all i,
+        and return when every block is complete. Raises EngineError on any failure."""
+        ...
+
+    def probe(self, peer: str) -> bool:
+        """True if the peer's engine answers, False if it is provably gone. May block for as
+        long as the engine's own probe does; callers bound it."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine. Idempotent."""
+        ...
