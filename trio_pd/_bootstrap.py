@@ -1,0 +1,887 @@
+"""The bootstrap service: an HTTP rendezvous beside a prefill instance (SPEC §2, §6).
+
+Each prefill rank registers where its control socket and transfer engine can be reached;
+decode ranks read the complete topology (or one rank) before they send REGISTER. The service
+is also the liveness target of the instance (``GET /health``).
+
+Routes:
+
+``PUT /route``
+    Body: a :class:`PrefillRankInfo` as JSON. ``200 {"ok": true}`` when stored.
+    Registering a ``tp_rank`` that is already known replaces it (a restarted rank).
+    ``400`` for malformed JSON or a field out of range (``tp_rank`` outside
+    ``[0, tp_size)``, ``tp_size < 1``, an unknown ``layout``, MLA with ``kv_heads != 1``...).
+    ``409`` when the rank disagrees with the *other* registered ranks about ``tp_size``,
+    ``engine``, ``layout``, ``kv_heads`` or ``page_size``: a prefill instance that restarts with
+    a different shape must restart its bootstrap service too. ``413`` for a body over 64 KiB.
+
+``GET /route`` (no query, or ``tp_rank=-1``)
+    The :class:`Topology`. ``503`` until every rank ``0..tp_size-1`` registered; that
+    includes the case where no rank registered yet (there is no separate ``404`` for it).
+
+``GET /route?tp_rank=N``
+    That rank's :class:`PrefillRankInfo`. ``400`` if the query is not exactly one
+    ``tp_rank`` that is a decimal integer ``>= -1``; ``404`` if the registered ranks say
+    ``tp_size <= N`` (no such rank will ever exist); otherwise ``503`` until every rank
+    registered.
+
+``GET /health``
+    ``200 OK``.
+
+``GET /metrics``
+    Prometheus text format, only for a server created with a ``metrics_registry``;
+    ``404`` otherwise.
+
+Any other path is ``404``; a known path with the wrong method is ``405``. Error replies are
+JSON ``{"ok": false, "error": "..."}``. Every answer is counted by (method, route, status) in
+:meth:`BootstrapServer.statistics`; ``400`` and ``413`` answers are also counted as
+*malformed*. A malformed request never affects other requests or the registered ranks.
+When the server stops, a registration still waiting for its body is answered ``503`` and
+idle connections are closed, so that no client can hold the shutdown up.
+
+The pure part (validation and the rank table) has no I/O; the ASGI app around it is served by
+hypercorn's trio worker on a socket this module binds itself, so port ``0`` works and the
+listening socket is closed when the server stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from http import HTTPStatus
+from types import MappingProxyType, TracebackType
+from typing import Annotated, Any, Final, TypeVar
+from urllib.parse import parse_qs
+
+import httpx
+import msgspec
+import trio
+from hypercorn.config import Config as _HypercornConfig
+from hypercorn.config import Sockets as _HypercornSockets
+from hypercorn.trio import serve as _hypercorn_serve
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ._errors import BootstrapError
+
+__all__ = [
+    "BootstrapClient",
+    "BootstrapServer",
+    "BootstrapStatistics",
+    "BootstrapUnreachable",
+    "NotReady",
+    "PrefillRankInfo",
+    "Topology",
+    "UnknownRank",
+    "open_bootstrap_server",
+    "serve_bootstrap",
+]
+
+logger = logging.getLogger("trio_pd.bootstrap")
+
+#: Largest request body the service reads; a longer one is answered ``413``.
+MAX_BODY_BYTES: Final = 64 * 1024
+
+# How long requests still in flight at shutdown may take before hypercorn cancels them, and
+# the hard bound on the whole shutdown after which the serving task itself is cancelled.
+_GRACEFUL_TIMEOUT: Final = 0.5
+_SHUTDOWN_BACKSTOP: Final = 1.0
+# A connection that sends nothing for this long while a request is open is dropped.
+_READ_TIMEOUT: Final = 30
+
+_LAYOUTS: Final = ("mha", "mla")
+_RANK_INT: Final = re.compile(r"-?[0-9]{1,9}")
+
+_T = TypeVar("_T")
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+
+
+class PrefillRankInfo(msgspec.Struct, frozen=True):
+    """What one prefill rank publishes about itself.
+
+    ``endpoint`` is the rank's ZeroMQ control endpoint (``"tcp://10.0.0.5:5555"``);
+    ``engine_session`` is how peers address its transfer engine. ``kv_heads`` is the model's
+    total number of KV heads for MHA, and 1 for MLA.
+    """
+
+    tp_rank: Annotated[int, msgspec.Meta(ge=0)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    endpoint: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    engine: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    engine_session: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    layout: str
+    kv_heads: Annotated[int, msgspec.Meta(ge=1)]
+    page_size: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class Topology(msgspec.Struct, frozen=True):
+    """Every rank of a prefill instance: ``ranks[i].tp_rank == i`` for ``i < tp_size``."""
+
+    tp_size: int
+    ranks: list[PrefillRankInfo]
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class NotReady(BootstrapError):
+    """The service answered 503: not every prefill rank has registered yet."""
+
+
+class UnknownRank(BootstrapError):
+    """The service answered 404 for a rank: the registered ranks say it does not exist."""
+
+
+class BootstrapUnreachable(BootstrapError):
+    """The service could not be reached, or the connection broke before it answered."""
+
+
+# --------------------------------------------------------------------------------------------
+# The pure part: validation and the rank table. No I/O.
+
+# Fields every rank of one prefill instance must agree on.
+_SHARED_FIELDS: Final = ("tp_size", "engine", "layout", "kv_heads", "page_size")
+
+
+def _invalid_reason(info: PrefillRankInfo) -> str | None:
+    """Why ``info`` is not a valid registration on its own, or None.
+
+    Single-field bounds are checked by msgspec while decoding; these are the rules that
+    relate fields to each other.
+    """
+    if not 0 <= info.tp_rank < info.tp_size:
+        return f"tp_rank {info.tp_rank} is outside [0, tp_size={info.tp_size})"
+    if info.layout not in _LAYOUTS:
+        return f"layout {info.layout!r} is not one of {', '.join(_LAYOUTS)}"
+    if info.layout == "mla" and info.kv_heads != 1:
+        return f"an MLA rank has kv_heads 1, not {info.kv_heads}"
+    return None
+
+
+class _RankTable:
+    """The registered ranks of one prefill instance."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[int, PrefillRankInfo] = {}
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def tp_size(self) -> int | None:
+        """The tp_size the registered ranks agree on, or None if none registered."""
+        for info in self._ranks.values():
+            return info.tp_size
+        return None
+
+    def conflict(self, info: PrefillRankInfo) -> str | None:
+        """Why ``info`` disagrees with the other registered ranks, or None.
+
+        The rank ``info`` would replace is not compared with: a lone rank may re-register
+        with a different shape.
+        """
+        for other in self._ranks.values():
+            if other.tp_rank == info.tp_rank:
+                continue
+            for field in _SHARED_FIELDS:
+                mine, theirs = getattr(info, field), getattr(other, field)
+                if mine != theirs:
+                    return (
+                        f"{field} {mine!r} disagrees with {theirs!r} of registered "
+                        f"tp_rank {other.tp_rank}"
+                    )
+        return None
+
+    def register(self, info: PrefillRankInfo) -> None:
+        """Store ``info``, replacing any earlier registration of its ``tp_rank``.
+
+        The caller checked :func:`_invalid_reason` and :meth:`conflict` first.
+        """
+        self._ranks[info.tp_rank] = info
+
+    def topology(self) -> Topology | None:
+        """The complete topology, or None while some rank is missing."""
+        tp_size = self.tp_size
+        if tp_size is None or len(self._ranks) != tp_size:
+            return None
+        return Topology(tp_size=tp_size, ranks=[self._ranks[i] for i in range(tp_size)])
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics and metrics
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapStatistics:
+    """A snapshot of a :class:`BootstrapServer`'s counters.
+
+    ``requests`` maps ``(method, route, status)`` to the number of answers. ``route`` is the
+    path for the service's own paths and ``"<other>"`` for any other; ``method`` is the
+    request method when it is a standard one and ``"<other>"`` otherwise (so the key space
+    stays bounded whatever clients send). ``malformed`` counts ``400`` and ``413`` answers;
+    requests that hypercorn itself rejects (unparseable HTTP) never reach the service and
+    are not counted.
+    """
+
+    requests: Mapping[tuple[str, str, int], int]
+    malformed: int
+    registered_ranks: int
+    tp_size: int | None
+    ready: bool
+
+    @property
+    def total_requests(self) -> int:
+        """Every answer, all routes and statuses."""
+        return sum(self.requests.values())
+
+
+class _MetricsCollector(Collector):
+    """Exports a server's statistics at scrape time (one source of truth)."""
+
+    def __init__(self, server: BootstrapServer) -> None:
+        self._server = server
+
+    def describe(self) -> Iterable[Metric]:
+        # Lets a registry refuse a second server's metrics instead of exporting both.
+        return self._families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._server.statistics())
+
+    def _families(self, stats: BootstrapStatistics | None) -> list[Metric]:
+        """The metric families, with samples from ``stats`` (none when it is None)."""
+        requests = CounterMetricFamily(
+            "trio_pd_bootstrap_requests",
+            "Requests answered by the bootstrap service.",
+            labels=["method", "route", "status"],
+        )
+        malformed = CounterMetricFamily(
+            "trio_pd_bootstrap_malformed_requests",
+            "Requests answered 400 or 413 by the bootstrap service.",
+        )
+        registered = GaugeMetricFamily(
+            "trio_pd_bootstrap_registered_ranks",
+            "Prefill ranks registered with the bootstrap service.",
+        )
+        ready = GaugeMetricFamily(
+            "trio_pd_bootstrap_ready", "1 once every prefill rank registered, else 0."
+        )
+        if stats is not None:
+            for (method, route, status), count in sorted(stats.requests.items()):
+                requests.add_metric([method, route, str(status)], count)
+            malformed.add_metric([], stats.malformed)
+            registered.add_metric([], stats.registered_ranks)
+            ready.add_metric([], 1 if stats.ready else 0)
+        return [requests, malformed, registered, ready]
+
+
+# --------------------------------------------------------------------------------------------
+# The server
+
+_ROUTE_METHODS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {"/route": ("GET", "PUT"), "/health": ("GET",), "/metrics": ("GET",)}
+)
+_STANDARD_METHODS: Final = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "CONNECT", "TRACE"}
+)
+_JSON: Final = b"application/json"
+_TEXT: Final = b"text/plain; charset=utf-8"
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    status: int
+    body: bytes
+    content_type: bytes = _JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+    @classmethod
+    def error(cls, status: int, message: str, **kwargs: Any) -> _Reply:
+        return cls(status, msgspec.json.encode({"ok": False, "error": message}), **kwargs)
+
+
+_TOO_LARGE: Final = _Reply.error(
+    413, f"request body over {MAX_BODY_BYTES} bytes", headers=((b"connection", b"close"),)
+)
+_SHUTTING_DOWN: Final = _Reply.error(
+    503, "bootstrap server shutting down", headers=((b"connection", b"close"),)
+)
+
+
+class BootstrapServer:
+    """A running bootstrap service. Made by :func:`open_bootstrap_server` or
+    :func:`serve_bootstrap`, never directly.
+
+    ``host`` and ``port`` are what the listening socket is bound to (``port`` is the real
+    one when 0 was asked for); ``url`` is the base URL clients use.
+    """
+
+    def __init__(
+        self, *, host: str, port: int, url: str, metrics_registry: CollectorRegistry | None
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.url = url
+        self._metrics_registry = metrics_registry
+        self._table = _RankTable()
+        self._requests: Counter[tuple[str, str, int]] = Counter()
+        self._malformed = 0
+        self._closing = False
+        self._body_reads: set[trio.CancelScope] = set()
+        self._collector = _MetricsCollector(self)
+
+    def __repr__(self) -> str:
+        return f"<BootstrapServer {self.url}>"
+
+    def statistics(self) -> BootstrapStatistics:
+        """A snapshot of the counters; see :class:`BootstrapStatistics`."""
+        return BootstrapStatistics(
+            requests=MappingProxyType(dict(self._requests)),
+            malformed=self._malformed,
+            registered_ranks=len(self._table),
+            tp_size=self._table.tp_size,
+            ready=self._table.topology() is not None,
+        )
+
+    def _begin_shutdown(self) -> None:
+        """Stop waiting for request bodies: such requests are answered 503 at once, so
+        that a slow or stalled client cannot hold up the shutdown."""
+        self._closing = True
+        for scope in self._body_reads:
+            scope.cancel(reason="bootstrap server shutting down")
+
+    # -- ASGI ---------------------------------------------------------------------------
+
+    async def _asgi(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+        else:
+            # A websocket upgrade: returning without accepting makes hypercorn refuse it.
+            await trio.lowlevel.checkpoint()
+
+    async def _lifespan(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(
+        self, scope: HTTPScope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        method = scope["method"]
+        path = scope["path"]
+        method_label = method if method in _STANDARD_METHODS else "<other>"
+        route_label = path if path in _ROUTE_METHODS else "<other>"
+        if method == "PUT" and path == "/route":
+            body = await self._read_body(scope, receive)
+            if body is None:
+                return  # the client went away before sending its whole request
+            reply = self._put_route(body) if isinstance(body, bytes) else body
+        else:
+            reply = self._dispatch(method, path, scope)
+        self._requests[method_label, route_label, reply.status] += 1
+        if reply.status in (400, 413):
+            self._malformed += 1
+        headers = [
+            (b"content-type", reply.content_type),
+            (b"content-length", str(len(reply.body)).encode("ascii")),
+            *reply.headers,
+        ]
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await send({"type": "http.response.body", "body": reply.body, "more_body": False})
+
+    def _dispatch(self, method: str, path: str, scope: HTTPScope) -> _Reply:
+        """The reply to every request except ``PUT /route`` (which has a body to read)."""
+        allowed = _ROUTE_METHODS.get(path)
+        if allowed is None:
+            return _Reply.error(404, f"no such path: {path}")
+        if method not in allowed:
+            return _Reply.error(
+                405,
+                f"{path} does not accept {method}",
+                headers=((b"allow", ", ".join(allowed).encode("ascii")),),
+            )
+        if path == "/route":
+            return self._get_route(scope["query_string"])
+        if path == "/health":
+            return _Reply(200, b"OK", content_type=_TEXT)
+        return self._get_metrics()
+
+    async def _read_body(
+        self, scope: HTTPScope, receive: ASGIReceiveCallable
+    ) -> bytes | _Reply | None:
+        """The whole request body, or the reply that refuses it, or None if the client
+        went away.
+
+        The body is refused with 413 when over MAX_BODY_BYTES (checked against
+        Content-Length before reading anything, and against what arrives), and with 503
+        when the server begins to shut down before it arrived.
+        """
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY_BYTES:
+                await trio.lowlevel.checkpoint()
+                return _TOO_LARGE
+        body = bytearray()
+        with trio.CancelScope() as read_scope:
+            if self._closing:
+                read_scope.cancel(reason="bootstrap server shutting down")
+            self._body_reads.add(read_scope)
+            try:
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return None  # http.disconnect
+                    body += message["body"]
+                    if len(body) > MAX_BODY_BYTES:
+                        return _TOO_LARGE
+                    if not message["more_body"]:
+                        return bytes(body)
+            finally:
+                self._body_reads.discard(read_scope)
+        return _SHUTTING_DOWN
+
+    def _put_route(self, body: bytes) -> _Reply:
+        try:
+            info = msgspec.json.decode(body, type=PrefillRankInfo)
+        except msgspec.DecodeError as exc:
+            logger.info("bootstrap: refused a malformed registration: %s", exc)
+            return _Reply.error(400, f"malformed PrefillRankInfo: {exc}")
+        reason = _invalid_reason(info)
+        if reason is not None:
+            logger.info("bootstrap: refused registration %r: %s", info, reason)
+            return _Reply.error(400, reason)
+        conflict = self._table.conflict(info)
+        if conflict is not None:
+            logger.info("bootstrap: refused conflicting registration %r: %s", info, conflict)
+            return _Reply.error(409, conflict)
+        self._table.register(info)
+        logger.debug("bootstrap: registered %r", info)
+        return _Reply(200, b'{"ok":true}')
+
+    def _get_route(self, query_string: bytes) -> _Reply:
+        try:
+            query = (
+                parse_qs(query_string.decode("ascii"), keep_blank_values=True, strict_parsing=True)
+                if query_string
+                else {}
+            )
+        except (UnicodeDecodeError, ValueError):
+            return _Reply.error(400, "unparseable query string")
+        unknown = sorted(set(query) - {"tp_rank"})
+        if unknown:
+            return _Reply.error(400, f"unknown query parameter(s): {', '.join(unknown)}")
+        tp_rank = -1
+        if "tp_rank" in query:
+            values = query["tp_rank"]
+            if len(values) != 1 or not _RANK_INT.fullmatch(values[0]):
+                return _Reply.error(400, f"tp_rank must be one integer >= -1, not {values!r}")
+            tp_rank = int(values[0])
+            if tp_rank < -1:
+                return _Reply.error(400, f"tp_rank must be >= -1, not {tp_rank}")
+        tp_size = self._table.tp_size
+        if tp_size is not None and tp_rank >= tp_size:
+            return _Reply.error(404, f"no tp_rank {tp_rank}: tp_size is {tp_size}")
+        topology = self._table.topology()
+        if topology is None:
+            return _Reply.error(
+                503, f"not ready: {len(self._table)} of {tp_size or '?'} ranks registered"
+            )
+        if tp_rank == -1:
+            return _Reply(200, msgspec.json.encode(topology))
+        return _Reply(200, msgspec.json.encode(topology.ranks[tp_rank]))
+
+    def _get_metrics(self) -> _Reply:
+        if self._metrics_registry is None:
+            return _Reply.error(404, "metrics are not enabled on this server")
+        return _Reply(
+            200,
+            generate_latest(self._metrics_registry),
+            content_type=CONTENT_TYPE_LATEST.encode("ascii"),
+        )
+
+
+class _PreboundConfig(_HypercornConfig):
+    """Hypercorn configuration that serves on a socket bound (and owned) by us.
+
+    Hypercorn's trio worker asks its config for the sockets to listen on; handing it ours
+    lets us learn the port before serving and close the socket afterwards (hypercorn does
+    not close the sockets it creates).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self._prebound = sock
+
+    def create_sockets(self) -> _HypercornSockets:
+        return _HypercornSockets(
+            secure_sockets=[], insecure_sockets=[self._prebound], quic_sockets=[]
+        )
+
+
+async def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not yet listening (hypercorn listens)."""
+    try:
+        infos = await trio.socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, type_, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, type_, proto)
+    except OSError as exc:
+        raise BootstrapError(f"cannot bind the bootstrap service to {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise BootstrapError(f"cannot bind the bootstrap service to {host}:{port}: {exc}") from exc
+    return sock
+
+
+def _close_listening(sock: socket.socket) -> None:
+    if sock.fileno() != -1:
+        trio.lowlevel.notify_closing(sock)
+        sock.close()
+
+
+def _new_server(sock: socket.socket, metrics_registry: CollectorRegistry | None) -> BootstrapServer:
+    """The server for ``sock``, its metrics registered with ``metrics_registry``."""
+    addr = sock.getsockname()
+    host, port = addr[0], addr[1]
+    shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
+    server = BootstrapServer(
+        host=host, port=port, url=f"http://{shown}:{port}", metrics_registry=metrics_registry
+    )
+    if metrics_registry is not None:
+        try:
+            metrics_registry.register(server._collector)
+        except ValueError as exc:  # the registry already has these names
+            raise BootstrapError(f"cannot export bootstrap metrics: {exc}") from exc
+    return server
+
+
+def _release(server: BootstrapServer, sock: socket.socket) -> None:
+    if server._metrics_registry is not None:
+        server._metrics_registry.unregister(server._collector)
+    _close_listening(sock)
+
+
+async def _serve(
+    server: BootstrapServer,
+    sock: socket.socket,
+    *,
+    task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run hypercorn on ``sock`` until cancelled, then shut it down gracefully, bounded."""
+    config = _PreboundConfig(sock)
+    config.accesslog = None
+    config.errorlog = logging.getLogger("trio_pd.bootstrap.http")
+    config.graceful_timeout = _GRACEFUL_TIMEOUT
+    config.read_timeout = _READ_TIMEOUT
+    shutdown = trio.Event()
+    listening = _Listening()
+    # Shielded so that cancelling us starts a graceful shutdown instead of tearing the
+    # connections down mid-write; the deadline set below bounds that shutdown.
+    serve_scope = trio.CancelScope(shield=True)
+
+    async def run_hypercorn() -> None:
+        with serve_scope:
+            await _hypercorn_serve(
+                server._asgi,
+                config,
+                shutdown_trigger=shutdown.wait,
+                task_status=listening,
+                mode="asgi",
+            )
+        if serve_scope.cancelled_caught:
+            logger.warning("bootstrap service %s: shutdown overran, cancelled it", server.url)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            # Not nursery.start(): if we were cancelled while it waits, trio would leave
+            # the (shielded) child where it is and wait for it to exit, which it only does
+            # once the finally below has run: a deadlock.
+            nursery.start_soon(run_hypercorn)
+            try:
+                await listening.event.wait()
+                logger.info("bootstrap service listening on %s", server.url)
+                task_status.started(server)
+                await trio.sleep_forever()
+            finally:
+                server._begin_shutdown()
+                shutdown.set()
+                serve_scope.deadline = trio.current_time() + _SHUTDOWN_BACKSTOP
+    except ExceptionGroup as group:  # hypercorn failed (a Cancelled is never in one)
+        raise BootstrapError(f"bootstrap service on {server.url} failed") from group
+
+
+class _Listening(trio.TaskStatus[list[str]]):
+    """Hypercorn's "now listening" signal as an Event (see :func:`_serve`)."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def started(self, value: list[str] | None = None) -> None:
+        self.event.set()
+
+
+async def serve_bootstrap(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    metrics_registry: CollectorRegistry | None = None,
+    task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the bootstrap service on ``host:port`` until cancelled.
+
+    Binds the socket first (port 0 picks a free port; the server's ``port`` is the real
+    one), starts hypercorn on it, and calls ``task_status.started(server)`` with the
+    :class:`BootstrapServer` once it accepts connections. With ``metrics_registry`` (a
+    ``prometheus_client.CollectorRegistry``), the server's counters are registered with it
+    (one server per registry) and ``GET /metrics`` serves that registry; they are
+    unregistered when the server stops.
+
+    Raises :class:`BootstrapError` if the address cannot be bound, the registry already
+    holds bootstrap metrics, or hypercorn fails.
+
+    **Cancellation:** cancellation is the normal way to stop. The server stops accepting,
+    answers any request still waiting for its body with 503, lets requests in flight finish
+    for up to half a second, closes idle connections, and re-raises ``Cancelled`` once
+    hypercorn has stopped and the listening socket is closed. The shutdown is shielded but
+    bounded: past one second it is cancelled outright (and a warning is logged).
+    """
+    sock = await _bind(host, port)
+    try:
+        server = _new_server(sock, metrics_registry)
+    except BaseException:
+        _close_listening(sock)
+        raise
+    try:
+        await _serve(server, sock, task_status=task_status)
+    finally:
+        _release(server, sock)
+
+
+@asynccontextmanager
+async def open_bootstrap_server(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    metrics_registry: CollectorRegistry | None = None,
+) -> AsyncIterator[BootstrapServer]:
+    """Run the bootstrap service for the duration of an ``async with`` block.
+
+    Yields the :class:`BootstrapServer` once it accepts connections; see
+    :func:`serve_bootstrap` for the arguments. Errors at start (the address cannot be
+    bound...) are raised as they are. Leaving the block shuts the server down, well under a
+    second. As with any context manager that owns a nursery, an exception raised in the
+    block comes out inside an ``ExceptionGroup``.
+
+    **Cancellation:** if the block is cancelled, the server shuts down as on a normal exit
+    and the ``Cancelled`` propagates; the shutdown itself is shielded and bounded (see
+    :func:`serve_bootstrap`).
+    """
+    sock = await _bind(host, port)
+    try:
+        server = _new_server(sock, metrics_registry)
+    except BaseException:
+        _close_listening(sock)
+        raise
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(_serve, server, sock))
+            try:
+                yield server
+            finally:
+                nursery.cancel_scope.cancel(reason="open_bootstrap_server block exited")
+    finally:
+        _release(server, sock)
+
+
+# --------------------------------------------------------------------------------------------
+# The client
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+class BootstrapClient:
+    """Talks to one bootstrap service at ``url`` (``"http://10.0.0.5:8998"``).
+
+    Use it as an async context manager, or call :meth:`aclose`. No call has a timeout of its
+    own: compose ``trio.fail_after`` / ``trio.move_on_after`` around it. Proxy settings from
+    the environment are ignored (the service is on the serving network, not behind a proxy).
+    Every failure is a :class:`BootstrapError`: :class:`NotReady` for 503,
+    :class:`UnknownRank` for a rank that does not exist, :class:`BootstrapUnreachable` when
+    the connection fails.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        # Certificate verification only means something for https; skipping it for plain
+        # http avoids loading the CA bundle (~80 ms) for every client.
+        plain = httpx.URL(self.url).scheme == "http"
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=None, trust_env=False, verify=not plain
+        )
+
+    def __repr__(self) -> str:
+        return f"<BootstrapClient {self.url}>"
+
+    async def __aenter__(self) -> BootstrapClient:
+        await trio.lowlevel.checkpoint()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the pooled connections.
+
+        **Cancellation:** the connections are closed even if cancelled (closing a socket
+        does not wait), then ``Cancelled`` propagates.
+        """
+        await self._http.aclose()
+
+    async def register(self, info: PrefillRankInfo) -> None:
+        """Register (or re-register) one prefill rank.
+
+        Raises :class:`BootstrapError` if the service refuses it (400: invalid; 409:
+        disagrees with the ranks already registered) or cannot be reached.
+
+        **Cancellation:** safe to cancel; the registration may or may not have been stored
+        (registering again is harmless, it replaces).
+        """
+        await self._request(
+            "PUT",
+            "/route",
+            content=msgspec.json.encode(info),
+            headers={"content-type": "application/json"},
+        )
+
+    async def topology(self) -> Topology:
+        """The complete topology of the prefill instance.
+
+        Raises :class:`NotReady` while some rank has not registered, and
+        :class:`BootstrapError` for any other failure (including a reply that is not a
+        complete, ordered topology).
+
+        **Cancellation:** safe to cancel; nothing changes on the service.
+        """
+        response = await self._request("GET", "/route")
+        topology = self._decode(response, Topology)
+        expected = list(range(topology.tp_size))
+        if [r.tp_rank for r in topology.ranks] != expected or any(
+            r.tp_size != topology.tp_size for r in topology.ranks
+        ):
+            raise BootstrapError(f"bootstrap service at {self.url} sent an inconsistent topology")
+        return topology
+
+    async def rank(self, tp_rank: int) -> PrefillRankInfo:
+        """One prefill rank's information.
+
+        Raises :class:`NotReady` while some rank has not registered, :class:`UnknownRank`
+        if the instance has no such rank, and :class:`BootstrapError` otherwise.
+
+        **Cancellation:** safe to cancel; nothing changes on the service.
+        """
+        response = await self._request("GET", "/route", params={"tp_rank": str(tp_rank)})
+        info = self._decode(response, PrefillRankInfo)
+        if info.tp_rank != tp_rank:
+            raise BootstrapError(
+                f"bootstrap service at {self.url} answered tp_rank {info.tp_rank} "
+                f"for tp_rank {tp_rank}"
+            )
+        return info
+
+    async def wait_topology(self) -> Topology:
+        """The complete topology, waiting for it as long as the caller lets it.
+
+        Retries, with a backoff from 20 ms up to 500 ms, while the service answers 503 or
+        cannot be reached (it may not have started yet). Any other error is raised at once.
+
+        **Cancellation:** this only returns or fails on its own for a definite error; bound
+        it with ``trio.fail_after``. Cancelling it is safe at any point.
+        """
+        delay = 0.02
+        while True:
+            try:
+                return await self.topology()
+            except (NotReady, BootstrapUnreachable) as exc:
+                logger.debug("bootstrap: waiting for topology at %s: %s", self.url, exc)
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def health(self) -> bool:
+        """Whether the service answers ``GET /health`` with 200.
+
+        False for any other answer and when it cannot be reached; never raises
+        :class:`BootstrapError`.
+
+        **Cancellation:** safe to cancel.
+        """
+        try:
+            response = await self._http.get("/health")
+        except httpx.TransportError:
+            await trio.lowlevel.checkpoint()
+            return False
+        return response.status_code == 200
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise BootstrapUnreachable(
+                f"bootstrap service at {self.url} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
+        if response.status_code == 200:
+            return response
+        try:
+            reason = msgspec.json.decode(response.content, type=dict[str, Any])["error"]
+        except (msgspec.DecodeError, KeyError):
+            reason = response.text[:200]
+        message = (
+            f"{method} {path} on bootstrap service {self.url}: "
+            f"{response.status_code} {_phrase(response.status_code)}: {reason}"
+        )
+        if response.status_code == 503:
+            raise NotReady(message)
+        if response.status_code == 404 and path == "/route":
+            raise UnknownRank(message)
+        raise BootstrapError(message)
+
+    def _decode(self, response: httpx.Response, type_: type[_T]) -> _T:
+        try:
+            return msgspec.json.decode(response.content, type=type_)
+        except msgspec.DecodeError as exc:
+            raise BootstrapError(
+                f"bootstrap service at {self.url} sent a malformed {type_.__name__}: {exc}"
+            ) from exc

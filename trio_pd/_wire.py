@@ -1,0 +1,422 @@
+"""Control messages: typed, versioned, bounded; encode and decode. No I/O. (SPEC §6)
+
+A message travels as a ZeroMQ multipart message. Frame 0 is a msgpack *header*: a map whose
+``"t"`` key names the message type and whose ``"v"`` key is :data:`WIRE_VERSION`. Only a
+:class:`Transfer` has a second frame: the destination page ids as raw little-endian int32,
+exactly ``num_pages`` of them (the frame is present, and empty, when ``num_pages == 0``: the
+last chunk of a room may carry only the aux row).
+
+Who sends what:
+
+- decode → prefill: :class:`Register` (once per decode rank and prefill rank),
+  :class:`Transfer`, :class:`Abort`, :class:`Ping`;
+- prefill → decode: :class:`Status`, :class:`AbortAck`, :class:`Pong`.
+
+Decoding is strict and bounded. Whatever arrives (a wrong frame count, an oversized header,
+bytes that are not msgpack, a truncated or extended header, an unknown type or version, a
+missing, extra or wrongly typed field, an out-of-range integer, a page frame of the wrong
+length, a page id no pool can have, a pool layout that makes no sense), :func:`decode` raises
+:class:`ProtocolError` with a message that says what was wrong; nothing else escapes it, so a
+listener can log and count the error and carry on. :func:`encode` applies the same rules to what
+it is given and raises :class:`ProtocolError` rather than put a message on the wire that the
+peer would refuse.
+
+The structs themselves do not validate on construction (msgspec only checks constraints while
+decoding); :func:`encode` is the gate on the way out, :func:`decode` the gate on the way in.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Final, Literal, TypeAlias
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import ProtocolError
+from ._plan import PoolSpec
+
+WIRE_VERSION: Final = 1
+"""The only header version this module speaks; any other is refused."""
+
+MAX_HEADER_BYTES: Final = 2 * 1024 * 1024
+"""Largest header frame :func:`decode` will look at (a full :class:`Register` fits)."""
+
+MAX_ENDPOINT_CHARS: Final = 256
+MAX_REASON_CHARS: Final = 1024
+"""A :class:`Status` reason longer than this is truncated by :func:`encode`."""
+MAX_NAME_CHARS: Final = 64
+"""Bound of :attr:`Register.engine`."""
+MAX_SESSION_CHARS: Final = 256
+MAX_ENGINE_META_BYTES: Final = 1 << 20
+MAX_BUFFERS: Final = 4096
+"""Most KV buffers one pool may register (MHA: two per layer)."""
+MAX_TRANSFER_PAGES: Final = 1 << 22
+"""Most page ids one :class:`Transfer` may carry."""
+MAX_POOL_PAGES: Final = 1 << 30  # a power of two: see _check_page_ids
+"""Bound of a pool's ``num_pages``; a page id at or above it is absurd whatever the pool."""
+MAX_RANKS: Final = 1 << 16
+"""Bound of a rank id, a TP size and a required sender count."""
+
+_U64_LIMIT: Final = 1 << 64
+_I64_MAX: Final = (1 << 63) - 1
+
+# Integer kinds. msgspec checks these while decoding.
+_Id = Annotated[int, msgspec.Meta(ge=0, le=_I64_MAX)]  # room, epoch, nonce, aux slot
+_Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+_Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+_Version = Annotated[int, msgspec.Meta(ge=0, le=_I64_MAX)]  # equality checked after decoding
+_Size = Annotated[int, msgspec.Meta(ge=1, le=_I64_MAX)]
+# msgspec cannot bound an int above int64; addresses are checked against 2**64 by to_spec().
+_Address = Annotated[int, msgspec.Meta(ge=0)]
+_NumPages = Annotated[int, msgspec.Meta(ge=0, le=MAX_TRANSFER_PAGES)]
+
+_Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENDPOINT_CHARS)]
+_Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
+
+
+class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """:class:`PoolSpec` on the wire: the same fields, checked by :meth:`to_spec`."""
+
+    layout: Literal["mha", "mla"]
+    page_size: _Size
+    num_pages: Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL_PAGES)]
+    num_layers: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUFFERS)]
+    head_bytes: _Size
+    heads: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+    first_head: Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+    buffer_bases: Annotated[tuple[_Address, ...], msgspec.Meta(max_length=MAX_BUFFERS)]
+    aux_base: _Address
+    aux_item_len: _Size
+    aux_slots: Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL_PAGES)]
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec) -> PoolWire:
+        """Copy ``spec`` field by field. Checking happens in :meth:`to_spec` / :func:`encode`."""
+        return cls(
+            layout=spec.layout,
+            page_size=spec.page_size,
+            num_pages=spec.num_pages,
+            num_layers=spec.num_layers,
+            head_bytes=spec.head_bytes,
+            heads=spec.heads,
+            first_head=spec.first_head,
+            buffer_bases=tuple(spec.buffer_bases),
+            aux_base=spec.aux_base,
+            aux_item_len=spec.aux_item_len,
+            aux_slots=spec.aux_slots,
+        )
+
+    def to_spec(self) -> PoolSpec:
+        """Check that the layout makes sense and return it as a :class:`PoolSpec`.
+
+        Raises :class:`ProtocolError` unless: the layout is ``"mha"`` or ``"mla"``; every size
+        and count is a positive int (``first_head`` non-negative) within the bounds above;
+        there are ``2 * num_layers`` buffers for MHA, ``num_layers`` for MLA; MLA has
+        ``heads == 1`` and ``first_head == 0``; and every buffer and the aux buffer lie, end
+        included, inside the 64-bit address space.
+        """
+        if self.layout not in ("mha", "mla"):
+            raise ProtocolError(f"pool layout must be 'mha' or 'mla', not {self.layout!r}")
+        _check_int("page_size", self.page_size, 1, _I64_MAX + 1)
+        _check_int("num_pages", self.num_pages, 1, MAX_POOL_PAGES + 1)
+        _check_int("num_layers", self.num_layers, 1, MAX_BUFFERS + 1)
+        _check_int("head_bytes", self.head_bytes, 1, _I64_MAX + 1)
+        _check_int("heads", self.heads, 1, MAX_RANKS + 1)
+        _check_int("first_head", self.first_head, 0, MAX_RANKS)
+        _check_int("aux_base", self.aux_base, 0, _U64_LIMIT)
+        _check_int("aux_item_len", self.aux_item_len, 1, _I64_MAX + 1)
+        _check_int("aux_slots", self.aux_slots, 1, MAX_POOL_PAGES + 1)
+        bases = self.buffer_bases
+        if not isinstance(bases, (tuple, list)):
+            raise ProtocolError(f"pool buffer_bases must be a sequence of ints, not {bases!r}")
+        per_layer = 2 if self.layout == "mha" else 1
+        if len(bases) != per_layer * self.num_layers:
+            raise ProtocolError(
+                f"{self.layout} pool with {self.num_layers} layers needs "
+                f"{per_layer * self.num_layers} buffers, got {len(bases)}"
+            )
+        if self.layout == "mla" and (self.heads != 1 or self.first_head != 0):
+            raise ProtocolError(
+                f"mla pool must have heads=1, first_head=0 "
+                f"(got heads={self.heads}, first_head={self.first_head})"
+            )
+        buffer_len = self.num_pages * self.page_size * self.heads * self.head_bytes
+        for i, base in enumerate(bases):
+            _check_int(f"buffer_bases[{i}]", base, 0, _U64_LIMIT)
+            if base + buffer_len > _U64_LIMIT:
+                raise ProtocolError(
+                    f"pool buffer {i} at {base:#x} of {buffer_len} bytes "
+                    "runs past the 64-bit address space"
+                )
+        if self.aux_base + self.aux_slots * self.aux_item_len > _U64_LIMIT:
+            raise ProtocolError(
+                f"pool aux buffer at {self.aux_base:#x} of {self.aux_slots} x "
+                f"{self.aux_item_len} bytes runs past the 64-bit address space"
+            )
+        return PoolSpec(
+            layout=self.layout,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            num_layers=self.num_layers,
+            head_bytes=self.head_bytes,
+            heads=self.heads,
+            first_head=self.first_head,
+            buffer_bases=tuple(bases),
+            aux_base=self.aux_base,
+            aux_item_len=self.aux_item_len,
+            aux_slots=self.aux_slots,
+        )
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    """Raise unless ``value`` is an int (not a bool) with ``lo <= value < hi``."""
+    if type(value) is not int or not lo <= value < hi:
+        raise ProtocolError(f"pool {name} must be an int in [{lo}, {hi}), not {value!r}")
+
+
+class _Header(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=True):
+    """Base of every header: frozen, tagged by ``"t"``, unknown fields refused."""
+
+
+class Register(_Header, frozen=True, tag="register"):
+    """decode → prefill, once per (decode rank, prefill rank): who I am and where to write.
+
+    ``endpoint`` is the decode rank's ZeroMQ address for replies; ``engine`` names its
+    transfer engine, ``session`` its engine session id and ``engine_meta`` any opaque bytes the
+    engine needs to connect (at most 1 MiB). ``decode_rank`` must be below ``decode_tp``.
+    """
+
+    v: _Version
+    endpoint: _Endpoint
+    decode_rank: _Rank
+    decode_tp: _Count
+    engine: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    session: Annotated[str, msgspec.Meta(max_length=MAX_SESSION_CHARS)]
+    engine_meta: Annotated[bytes, msgspec.Meta(max_length=MAX_ENGINE_META_BYTES)]
+    pool: PoolWire
+
+
+class Transfer(_Header, frozen=True, tag="transfer"):
+    """decode → prefill: write one chunk of room ``room`` (attempt ``epoch``) into my pages.
+
+    The page ids travel in frame 1. ``aux_slot`` is the destination aux row; ``required`` is
+    how many prefill ranks must report Success before the room is complete.
+    """
+
+    v: _Version
+    room: _Id
+    epoch: _Id
+    endpoint: _Endpoint
+    decode_rank: _Rank
+    aux_slot: _Id
+    required: _Count
+    num_pages: _NumPages
+
+
+class Status(_Header, frozen=True, tag="status"):
+    """prefill → decode: prefill rank ``rank`` finished (``ok``) or failed room ``room``."""
+
+    v: _Version
+    room: _Id
+    epoch: _Id
+    rank: _Rank
+    ok: bool
+    reason: _Reason = ""
+
+
+class Abort(_Header, frozen=True, tag="abort"):
+    """decode → prefill: give up room ``room``; answer with :class:`AbortAck` to ``endpoint``
+    once nothing of the room is in flight any more."""
+
+    v: _Version
+    room: _Id
+    epoch: _Id
+    endpoint: _Endpoint
+
+
+class AbortAck(_Header, frozen=True, tag="abort_ack"):
+    """prefill → decode: rank ``rank`` holds nothing of room ``room`` and will write no more."""
+
+    v: _Version
+    room: _Id
+    epoch: _Id
+    rank: _Rank
+
+
+class Ping(_Header, frozen=True, tag="ping"):
+    """decode → prefill: heartbeat; answer with a :class:`Pong` echoing ``nonce``."""
+
+    v: _Version
+    nonce: _Id
+    endpoint: _Endpoint
+
+
+class Pong(_Header, frozen=True, tag="pong"):
+    """prefill → decode: answer to the :class:`Ping` with the same ``nonce``."""
+
+    v: _Version
+    nonce: _Id
+    rank: _Rank
+
+
+Message: TypeAlias = Register | Transfer | Status | Abort | AbortAck | Ping | Pong
+_MESSAGE_TYPES: Final = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong)
+
+
+class _Probe(msgspec.Struct):
+    """What an unreadable header may still tell: its version and type, for the error."""
+
+    v: int | None = None
+    t: str | None = None
+
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_DECODER: Final = msgspec.msgpack.Decoder(Message)
+_PROBE: Final = msgspec.msgpack.Decoder(_Probe)
+_PAGE_DTYPE: Final = np.dtype("<i4")
+_LITTLE_ENDIAN: Final = sys.byteorder == "little"
+
+
+def _frame_bytes(frame: object, what: str) -> int:
+    """The length of a frame that must be a contiguous bytes-like object."""
+    if type(frame) is bytes:
+        return len(frame)
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"{what} frame must be bytes, not {type(frame).__name__}")
+    view = memoryview(frame)
+    if not view.c_contiguous:
+        raise ProtocolError(f"{what} frame is not a contiguous buffer")
+    return view.nbytes
+
+
+def _decode_header(header: bytes | bytearray | memoryview) -> Message:
+    """Decode and check a header frame; :class:`ProtocolError` for anything amiss."""
+    try:
+        msg = _DECODER.decode(header)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        # RecursionError: msgspec skips unknown values recursively, and says so (no crash)
+        # when a hostile header nests them deeply.
+        try:
+            probe = _PROBE.decode(header)
+        except (msgspec.DecodeError, RecursionError):
+            probe = _Probe()
+        # A header of another version may well fail validation: say so if we can tell.
+        if probe.v is not None and probe.v != WIRE_VERSION:
+            raise ProtocolError(
+                f"unsupported wire version {probe.v} (this side speaks {WIRE_VERSION})"
+            ) from exc
+        kind = f"{probe.t!r} " if probe.t is not None and len(probe.t) <= 32 else ""
+        if isinstance(exc, RecursionError):
+            raise ProtocolError(f"malformed {kind}message header: nested too deeply") from exc
+        raise ProtocolError(f"malformed {kind}message header: {exc}") from exc
+    if msg.v != WIRE_VERSION:
+        raise ProtocolError(f"unsupported wire version {msg.v} (this side speaks {WIRE_VERSION})")
+    if isinstance(msg, Register):
+        msg.pool.to_spec()
+        if msg.decode_rank >= msg.decode_tp:
+            raise ProtocolError(
+                f"register: decode_rank {msg.decode_rank} is not below decode_tp {msg.decode_tp}"
+            )
+    return msg
+
+
+def _check_page_ids(pages: npt.NDArray[np.integer], what: str) -> None:
+    # MAX_POOL_PAGES is a power of two: every id lies in [0, MAX_POOL_PAGES) exactly when the
+    # bitwise OR of all of them does (a negative id sets the sign bit). One pass, no temporary.
+    if pages.size and not 0 <= int(np.bitwise_or.reduce(pages)) < MAX_POOL_PAGES:
+        raise ProtocolError(f"{what}: page ids must lie in [0, {MAX_POOL_PAGES})")
+
+
+def encode(msg: Message, pages: npt.NDArray[np.int32] | None = None) -> list[bytes]:
+    """Encode ``msg`` as ZeroMQ frames: ``[header]``, or ``[header, page_ids]`` for a Transfer.
+
+    A :class:`Transfer` needs ``pages``: a 1-D integer array of exactly ``msg.num_pages`` ids,
+    each in ``[0, MAX_POOL_PAGES)``; any integer dtype is range-checked, then sent as
+    little-endian int32. Every other message refuses ``pages``. A :class:`Status` reason is
+    truncated to :data:`MAX_REASON_CHARS` characters.
+
+    Raises :class:`ProtocolError` if ``msg`` would not pass :func:`decode` on the other side
+    (a wrong version, an out-of-range field, a nonsensical pool, ...).
+    """
+    if not isinstance(msg, _MESSAGE_TYPES):
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: not a control message")
+    reason = msg.reason if isinstance(msg, Status) else None
+    if isinstance(reason, str) and len(reason) > MAX_REASON_CHARS:
+        msg = msgspec.structs.replace(msg, reason=reason[:MAX_REASON_CHARS])
+    name = type(msg).__name__
+    try:
+        header = _ENCODER.encode(msg)
+    except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"refusing to encode {name}: {exc}") from exc
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"refusing to encode {name}: header of {len(header)} bytes")
+    try:
+        _decode_header(header)
+    except ProtocolError as exc:
+        raise ProtocolError(f"refusing to encode {name}: {exc}") from exc
+    if not isinstance(msg, Transfer):
+        if pages is not None:
+            raise ProtocolError(f"{name} carries no page ids")
+        return [header]
+    if pages is None:
+        raise ProtocolError("Transfer needs its page ids")
+    try:
+        arr = np.asarray(pages)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"Transfer page ids are not an array: {exc}") from exc
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ProtocolError(
+            f"Transfer page ids must be a 1-D integer array, not {arr.ndim}-D {arr.dtype}"
+        )
+    if arr.shape[0] != msg.num_pages:
+        raise ProtocolError(
+            f"Transfer says num_pages={msg.num_pages} but carries {arr.shape[0]} page ids"
+        )
+    _check_page_ids(arr, "Transfer")
+    return [header, arr.astype(_PAGE_DTYPE, copy=False).tobytes()]
+
+
+def decode(
+    frames: Sequence[bytes | bytearray | memoryview],
+) -> tuple[Message, npt.NDArray[np.int32] | None]:
+    """Decode the frames of one ZeroMQ multipart message into ``(message, page_ids)``.
+
+    ``page_ids`` is ``None`` except for a :class:`Transfer`, where it is a 1-D int32 array of
+    ``num_pages`` ids: a read-only view of the frame when that is ``bytes``, else a copy.
+
+    Raises :class:`ProtocolError`, and nothing else, for any input that is not a well-formed
+    message of this version (see the module docstring).
+    """
+    try:
+        count = len(frames)
+    except TypeError as exc:
+        raise ProtocolError(f"frames must be a sequence, not {type(frames).__name__}") from exc
+    if count not in (1, 2):
+        raise ProtocolError(f"a control message has 1 or 2 frames, got {count}")
+    header = frames[0]
+    size = _frame_bytes(header, "header")
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {size} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    msg = _decode_header(header)
+    if not isinstance(msg, Transfer):
+        if count != 1:
+            raise ProtocolError(f"{type(msg).__name__} has 1 frame, got {count}")
+        return msg, None
+    if count != 2:
+        raise ProtocolError("Transfer has 2 frames (header, page ids), got 1")
+    raw = frames[1]
+    size = _frame_bytes(raw, "page id")
+    if size != 4 * msg.num_pages:
+        raise ProtocolError(
+            f"Transfer page frame has {size} bytes, expected 4 * num_pages = {4 * msg.num_pages}"
+        )
+    pages: npt.NDArray[np.int32] = np.frombuffer(raw, dtype=_PAGE_DTYPE)
+    if not _LITTLE_ENDIAN:
+        pages = pages.astype(np.int32)
+    elif type(raw) is not bytes and pages.flags.writeable:
+        pages = pages.copy()  # don't alias a buffer the caller may still change
+    _check_page_ids(pages, "Transfer")
+    return msg, pages
