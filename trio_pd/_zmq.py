@@ -1,0 +1,366 @@
+"""ZeroMQ driven from trio: the one module that touches ``zmq.FD`` and :mod:`trio.lowlevel`.
+
+libzmq gives each socket one file descriptor (``zmq.FD``). It is *not* a readiness
+descriptor in the usual sense:
+
+* It becomes readable when the socket's command mailbox receives a command (a message
+  arrived, a pipe drained, a peer attached...). It says "something may have changed", never
+  *what* changed, and it serves both directions: a socket waiting to send also waits for it
+  to become *readable*.
+* It is edge-triggered. A libzmq call on the socket that processes commands (``send``,
+  ``recv``, and reading ``zmq.EVENTS`` itself; libzmq does not promise which others) may
+  drain the descriptor. If the call that drains it belongs to a different task than the one
+  waiting, the waiting task is never woken: a lost wake-up.
+* ``zmq.EVENTS`` (``POLLIN`` / ``POLLOUT``) is the truth. It must be read *after* the last
+  libzmq call and before going to sleep on the descriptor.
+
+:class:`Socket` keeps three rules so that any number of trio tasks may share one socket:
+
+1. **One task sleeps on the descriptor** (trio allows only one ``wait_readable`` per fd).
+   Other waiting tasks park in a per-direction :class:`trio.lowlevel.ParkingLot`. When the
+   descriptor task wakes up, for whatever reason (readable, kicked, cancelled, closed), it
+   unparks everyone, so that a new descriptor task is chosen and nobody sleeps unwatched.
+2. **After every libzmq call, if anybody is waiting, read ``zmq.EVENTS`` and hand it out**:
+   parked tasks whose direction is ready are unparked, and the descriptor task is "kicked"
+   (its private cancel scope is cancelled) if its direction is ready. This is what makes an
+   edge drained by one task visible to the others.
+3. **Never sleep without having read ``zmq.EVENTS`` since the last libzmq call**, and with no
+   checkpoint between that read and going to sleep.
+
+Closing calls :func:`trio.lowlevel.notify_closing` before the zmq socket is closed, so that a
+task sleeping on the descriptor gets :exc:`trio.ClosedResourceError` rather than waiting on a
+number the kernel may hand to somebody else.
+
+Only ``POLLIN``/``POLLOUT`` readiness is handled here; message contents are the caller's
+business (see ``_wire``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, Final, TypeVar, cast
+
+import trio
+import zmq
+
+__all__ = ["Socket", "open_socket"]
+
+_T = TypeVar("_T")
+
+_POLLIN: Final = int(zmq.POLLIN)
+_POLLOUT: Final = int(zmq.POLLOUT)
+
+# libzmq errors that mean "this socket cannot be used any more".
+_CLOSED_ERRNOS: Final = frozenset({zmq.ETERM, zmq.ENOTSOCK})
+
+
+class Socket:
+    """A zmq socket driven from trio. One per zmq socket; several trio tasks may use it.
+
+    The wrapper takes ownership of *zsock*: closing the wrapper closes the zmq socket. If the
+    socket's ``LINGER`` is still libzmq's default (``-1``, wait forever for unsent messages)
+    it is set to ``0``, because an infinite linger makes :meth:`zmq.Context.term` hang on
+    messages that will never leave; a linger the caller chose is kept.
+
+    Any number of tasks may call :meth:`send_multipart` and :meth:`recv_multipart`
+    concurrently on the same wrapper (and the ``*_nowait`` twins from anywhere on the trio
+    thread). Each message is sent or received whole: frames of two messages never interleave.
+
+    Every method must be called from the trio thread that runs the socket's tasks; zmq
+    sockets are not thread-safe.
+
+    Waiting is driven by ``zmq.EVENTS``, which is per socket, not per peer. Where a socket
+    can say ``POLLOUT`` and still refuse a message (a ``ROUTER`` with ``ROUTER_MANDATORY``
+    whose addressed peer is full), :meth:`send_multipart` polls, yielding on every round,
+    instead of sleeping: use :meth:`send_multipart_nowait` there.
+    """
+
+    def __init__(self, zsock: zmq.Socket[bytes]) -> None:
+        if zsock.closed:
+            raise ValueError("cannot wrap a closed zmq socket")
+        self._zsock = zsock
+        self._fd: int = int(zsock.get(zmq.FD))
+        if int(zsock.get(zmq.LINGER)) == -1:
+            zsock.set(zmq.LINGER, 0)
+        self._closed = False
+        # The task sleeping in wait_readable(fd), its direction, and its private scope, which
+        # other tasks cancel to wake it ("kick") when zmq.EVENTS says its direction is ready.
+        self._fd_scope: trio.CancelScope | None = None
+        self._fd_flag = 0
+        # Tasks waiting while another task sleeps on the fd, by direction.
+        self._parked_in = trio.lowlevel.ParkingLot()
+        self._parked_out = trio.lowlevel.ParkingLot()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def zsock(self) -> zmq.Socket[bytes]:
+        """The wrapped :class:`zmq.Socket`, for options (``setsockopt`` / ``getsockopt``).
+
+        Do not send, receive, bind, connect, poll or read ``zmq.EVENTS`` through it while
+        the wrapper is in use: those calls can drain the socket's edge-triggered descriptor
+        behind the wrapper's back and strand a waiting task. Do not close it either; call
+        :meth:`close`.
+        """
+        return self._zsock
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` (or :meth:`aclose`) was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("this zmq socket was closed")
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        """Run one libzmq call, translate its errors, and hand out readiness afterwards."""
+        self._check_open()
+        try:
+            return fn()
+        except zmq.Again:
+            raise trio.WouldBlock from None
+        except zmq.ZMQError as exc:
+            if exc.errno in _CLOSED_ERRNOS:
+                raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
+            raise
+        finally:
+            self._after_call()
+
+    def _after_call(self) -> None:
+        """The call just made may have drained the fd: if anyone is waiting on it, make sure
+        they learn what it may have hidden from them (rule 2)."""
+        if self._closed or not self._has_waiters():
+            return
+        try:
+            self._poll_events()
+        except (trio.ClosedResourceError, zmq.ZMQError):
+            # Don't let the hand-out replace the outcome of the call just made; wake every
+            # waiter instead, so that each meets the error on a call of its own.
+            self._wake_all()
+
+    def _has_waiters(self) -> bool:
+        return self._fd_scope is not None or len(self._parked_in) > 0 or len(self._parked_out) > 0
+
+    def _poll_events(self) -> int:
+        """Read ``zmq.EVENTS`` (itself a libzmq call that may drain the fd) and wake every
+        waiter whose direction it reports ready."""
+        self._check_open()
+        try:
+            events = int(self._zsock.get(zmq.EVENTS))
+        except zmq.ZMQError as exc:
+            if exc.errno in _CLOSED_ERRNOS:
+                raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
+            raise
+        if events & _POLLIN:
+            self._parked_in.unpark_all()
+        if events & _POLLOUT:
+            self._parked_out.unpark_all()
+        if self._fd_scope is not None and events & self._fd_flag:
+            self._fd_scope.cancel(reason="zmq.EVENTS reports the socket ready")
+        return events
+
+    def _unpark_all(self) -> None:
+        self._parked_in.unpark_all()
+        self._parked_out.unpark_all()
+
+    def _wake_all(self) -> None:
+        self._unpark_all()
+        if self._fd_scope is not None:
+            self._fd_scope.cancel(reason="waking every waiter of this zmq socket")
+
+    async def _wait(self, flag: int) -> None:
+        """Sleep until *flag* may have become ready. May return spuriously; the caller retries.
+
+        Cancellable; nothing is consumed or sent while waiting.
+        """
+        events = self._poll_events()
+        if events & flag:
+            # EVENTS says go, but the operation just said EAGAIN (it may not have processed
+            # the pending commands). Retry, but yield first so that a socket whose EVENTS
+            # and operations disagree can never spin the event loop.
+            await trio.lowlevel.checkpoint()
+            return
+        if self._fd_scope is None:
+            # Become the one task sleeping on the fd.
+            self._fd_flag = flag
+            with trio.CancelScope() as scope:
+                self._fd_scope = scope
+                try:
+                    await trio.lowlevel.wait_readable(self._fd)
+                finally:
+                    # Whatever woke us (readable, kicked, cancelled, closed), others may now
+                    # sleep unwatched: let them all re-check and elect a new fd task.
+                    self._fd_scope = None
+                    self._unpark_all()
+        else:
+            lot = self._parked_in if flag == _POLLIN else self._parked_out
+            await lot.park()
+
+    async def _run(self, flag: int, op: Callable[[], _T]) -> _T:
+        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            result = op()
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return result
+        while True:
+            # Cancelled can only come out of _wait, before op() succeeded: nothing consumed.
+            await self._wait(flag)
+            try:
+                return op()
+            except trio.WouldBlock:
+                continue
+
+    # ------------------------------------------------------------------ setup
+
+    def bind(self, addr: str) -> str:
+        """Bind to *addr* and return the endpoint actually bound (``zmq.LAST_ENDPOINT``).
+
+        With a wildcard port (``"tcp://127.0.0.1:*"``) the result names the port the kernel
+        chose, e.g. ``"tcp://127.0.0.1:41237"``.
+
+        Raises:
+          trio.ClosedResourceError: if the socket was closed.
+          zmq.ZMQError: if libzmq refuses (address in use, bad address...).
+        """
+        self._call(lambda: self._zsock.bind(addr))
+        endpoint = self._zsock.get(zmq.LAST_ENDPOINT)
+        return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+    def connect(self, addr: str) -> None:
+        """Connect to *addr*. As with any zmq socket, the peer need not exist yet.
+
+        Raises:
+          trio.ClosedResourceError: if the socket was closed.
+          zmq.ZMQError: if libzmq refuses the address.
+        """
+        self._call(lambda: self._zsock.connect(addr))
+
+    # ------------------------------------------------------------------ send
+
+    def send_multipart_nowait(self, frames: Sequence[bytes | memoryview]) -> None:
+        """Queue one multipart message without waiting; never checkpoints.
+
+        The frames are copied, so the caller may reuse its buffers as soon as this returns.
+        Queued is not delivered: zmq transmits in the background.
+
+        Raises:
+          trio.WouldBlock: if the socket cannot take the message now (its high-water mark is
+            reached, or a PUSH/DEALER has no peer yet). Nothing was queued.
+          trio.ClosedResourceError: if the socket was closed.
+          ValueError: if *frames* is empty.
+        """
+        if not frames:
+            raise ValueError("a zmq message needs at least one frame")
+        # Only the first frame can meet EAGAIN: once it is accepted, libzmq takes the rest
+        # of the message regardless of the high-water mark. So nothing is half-sent.
+        self._call(lambda: self._zsock.send_multipart(frames, flags=zmq.DONTWAIT))
+
+    async def send_multipart(self, frames: Sequence[bytes | memoryview]) -> None:
+        """Queue one multipart message, waiting for room in the socket if needed.
+
+        The frames are copied, so the caller may reuse its buffers as soon as this returns.
+
+        **Cancellation:** cancel-atomic. If :exc:`trio.Cancelled` is raised, the message was
+        not queued and never will be; if the call returns, it was queued. Always checkpoints,
+        even when the socket had room.
+
+        Raises:
+          trio.ClosedResourceError: if the socket was closed before or during the call.
+          ValueError: if *frames* is empty.
+        """
+        if not frames:
+            raise ValueError("a zmq message needs at least one frame")
+        await self._run(_POLLOUT, lambda: self.send_multipart_nowait(frames))
+
+    # ------------------------------------------------------------------ receive
+
+    def recv_multipart_nowait(self) -> list[bytes]:
+        """Take one whole multipart message if one is waiting; never checkpoints.
+
+        Raises:
+          trio.WouldBlock: if no message is waiting.
+          trio.ClosedResourceError: if the socket was closed.
+        """
+        return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT))
+
+    async def recv_multipart(self) -> list[bytes]:
+        """Receive one whole multipart message, waiting until one arrives.
+
+        **Cancellation:** cancel-atomic. If :exc:`trio.Cancelled` is raised, no message was
+        taken from the socket: it stays there for the next receive. Always checkpoints, even
+        when a message was already waiting.
+
+        Raises:
+          trio.ClosedResourceError: if the socket was closed before or during the call.
+        """
+        return await self._run(_POLLIN, self.recv_multipart_nowait)
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Close the socket. Idempotent.
+
+        Tasks waiting in :meth:`send_multipart` or :meth:`recv_multipart` get
+        :exc:`trio.ClosedResourceError` at once; later calls raise it too. Messages still
+        queued for sending are kept only as long as the socket's ``LINGER`` allows (``0``
+        unless the caller set one: dropped).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        self._unpark_all()
+        self._zsock.close()
+
+    async def aclose(self) -> None:
+        """Close the socket, then checkpoint.
+
+        **Cancellation:** the socket is closed whether or not the call is cancelled;
+        :exc:`trio.Cancelled` may be raised afterwards.
+        """
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Socket:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def open_socket(
+    ctx: zmq.Context[Any],
+    socket_type: int,
+    *,
+    sndhwm: int | None = None,
+    rcvhwm: int | None = None,
+) -> Socket:
+    """Create a zmq socket of *socket_type* in *ctx* and wrap it in a :class:`Socket`.
+
+    *sndhwm* / *rcvhwm* set the high-water marks (messages) before the socket is bound or
+    connected, which is when libzmq reads them. ``LINGER`` is set to ``0`` as described in
+    :class:`Socket`. Use the result as an async context manager, or close it.
+
+    A plain (non-asyncio) socket is created whatever the context's default socket class.
+    """
+    zsock = cast("zmq.Socket[bytes]", ctx.socket(socket_type, socket_class=zmq.Socket))
+    try:
+        if sndhwm is not None:
+            zsock.set(zmq.SNDHWM, sndhwm)
+        if rcvhwm is not None:
+            zsock.set(zmq.RCVHWM, rcvhwm)
+        return Socket(zsock)
+    except BaseException:
+        zsock.close(linger=0)
+        raise

@@ -1,0 +1,30 @@
+"""Transfer engines behind one small protocol."""
+
+from typing import Any
+
+from .._errors import EngineError
+from ._base import Addrs as Addrs
+from ._base import Lens as Lens
+from ._base import Region as Region
+from ._base import TransferEngine as TransferEngine
+
+ENGINE_NAMES = ("mooncake", "nixl")
+
+
+def make_engine(name: str, host: str = "127.0.0.1", **kw: Any) -> TransferEngine:
+    """Build the engine called ``name``: "mooncake" or "nixl".
+
+    The adapters are imported here, so this package imports without either wheel. ``host`` is
+    the address Mooncake peers reach this engine on (NIXL's UCX finds its own interfaces and
+    ignores it). Other keywords go to the adapter's constructor. Raises
+    :class:`~trio_pd.EngineError` naming the pip package if the wheel is missing.
+    """
+    if name == "mooncake":
+        from .mooncake import MooncakeEngine
+
+        return MooncakeEngine(host, **kw)
+    if name == "nixl":
+        from .nixl import NixlEngine
+
+        return NixlEngine(**kw)
+    raise EngineError(f"unknown engine {name!r}; one of {', '.join(ENGINE_NAMES)}")

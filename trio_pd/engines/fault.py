@@ -1,0 +1,315 @@
+"""A fault-injecting wrapper around a real engine, for tests and the demo's ``--fault-rate``.
+
+:class:`FaultEngine` delegates everything to the engine it wraps. For each :meth:`~FaultEngine.
+write` it asks a *policy* — ``policy(call_index, peer, nblocks) -> Fault | None`` — whether to
+inject a :class:`Fault`, and what kind:
+
+``delay_before``
+    sleep ``delay_s``, then make the real call.
+``delay_after``
+    make the real call, then sleep ``delay_s`` (the bytes have landed; the caller hears late).
+``fail``
+    raise :class:`~trio_pd.EngineError` without calling the engine: nothing is written.
+``partial``
+    write the first half of the blocks for real, then raise
+    :class:`~trio_pd.EngineError`: the realistic Mooncake failure (a batch with one bad block
+    returns -1 after writing the others).
+``stall``
+    block inside ``write()`` on :attr:`FaultEngine.stalls` (a :class:`StallGate`) until the
+    test releases the call, then make the real call.
+
+A stalled call is numbered in the order it reached the gate (0, 1, ...). A test learns that
+call ``k`` has entered the engine with ``gate.wait_stalled(k + 1)`` (blocking, for threads) or
+``await gate.wait_stalled_async(k + 1)`` (trio), lets it go with :meth:`StallGate.release`,
+and opens the gate for good with :meth:`StallGate.release_all`. None of these sleep.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import trio
+
+from .._errors import EngineError
+from ._base import Addrs, Lens, Region, TransferEngine
+
+FaultKind = Literal["delay_before", "delay_after", "fail", "partial", "stall"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("delay_before", "delay_after", "fail", "partial", "stall")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected fault. ``delay_s`` is used by the delay kinds, ``code`` is the
+    :attr:`~trio_pd.EngineError.code` of the error raised by ``fail`` and ``partial``."""
+
+    kind: FaultKind
+    delay_s: float = 0.0
+    code: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; one of {FAULT_KINDS}")
+        if self.delay_s < 0:
+            raise ValueError("delay_s must not be negative")
+
+
+#: ``policy(call_index, peer, nblocks)``: the fault for this write() call, or None
+Policy = Callable[[int, str, int], Fault | None]
+
+
+@dataclass(frozen=True, slots=True)
+class FaultStats:
+    """Counters of a :class:`FaultEngine` (a snapshot)."""
+
+    #: write() calls made (empty ones included)
+    calls: int
+    #: write() calls that raised, injected or real
+    errors: int
+    #: injected faults, by kind
+    faults: dict[str, int] = field(default_factory=dict)
+    #: blocks the wrapped engine reported written (a partial fault's first half included)
+    blocks_written: int = 0
+    #: probe() calls answered by the override instead of the wrapped engine
+    probes_overridden: int = 0
+
+
+class StallGate:
+    """Where ``stall`` faults wait. Thread-safe; the async method needs a trio run.
+
+    Call ``k`` (the k-th call to reach the gate, from 0) passes once more than ``k`` releases
+    were granted, or once the gate is open. Releases granted before calls arrive are kept.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._entered = 0  # calls that reached the gate
+        self._passed = 0  # calls that left it
+        self._granted = 0  # releases granted
+        self._open = False
+        self._arrivals: list[int] = []  # write() call index of each arrival
+
+    @property
+    def entered(self) -> int:
+        """How many calls have reached the gate so far."""
+        with self._cond:
+            return self._entered
+
+    @property
+    def arrivals(self) -> list[int]:
+        """The write() call index (``call_index`` of the policy) of each call that reached
+        the gate, in arrival order."""
+        with self._cond:
+            return list(self._arrivals)
+
+    @property
+    def waiting(self) -> int:
+        """How many calls are held at the gate now."""
+        with self._cond:
+            return self._entered - self._passed
+
+    def _hold(self, call_index: int) -> int:
+        """Called by the stalled write(): block until this call may go. Returns its number."""
+        with self._cond:
+            k = self._entered
+            self._entered += 1
+            self._arrivals.append(call_index)
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._open or self._granted > k)
+            self._passed += 1
+            return k
+
+    def release(self, n: int = 1) -> None:
+        """Let the next ``n`` calls (in arrival order) go, whether they arrived yet or not."""
+        if n < 0:
+            raise ValueError("n must not be negative")
+        with self._cond:
+            self._granted += n
+            self._cond.notify_all()
+
+    def release_all(self) -> None:
+        """Open the gate: every held call, and every later one, goes at once."""
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def wait_stalled(self, n: int, timeout: float | None = None) -> bool:
+        """Block until at least ``n`` calls have reached the gate (in total). False on
+        timeout, or if the gate was opened (:meth:`release_all`) before that: an open gate
+        holds nothing, so waiting for it to hold a call could last forever."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._entered >= n or self._open, timeout) and (
+                self._entered >= n
+            )
+
+    async def wait_stalled_async(self, n: int) -> None:
+        """Wait until at least ``n`` calls have reached the gate (in total).
+
+        Raises :class:`RuntimeError` if the gate is opened before that.
+
+        **Cancellation:** cancellable at any point; the helper thread that waits on the gate
+        is abandoned and finishes on its own when a call arrives or the gate opens (this
+        thread is no engine call).
+        """
+        reached = await trio.to_thread.run_sync(self.wait_stalled, n, abandon_on_cancel=True)
+        if not reached:
+            raise RuntimeError(f"stall gate opened before {n} calls reached it")
+
+
+class FaultEngine:
+    """Wraps ``inner`` (any :class:`~trio_pd.engines.TransferEngine`) and injects the faults
+    ``policy`` picks, one decision per :meth:`write` call. Thread-safe.
+
+    ``probe_override``: None delegates :meth:`probe`; True or False answers without asking
+    the wrapped engine (False makes a live peer look dead).
+    """
+
+    def __init__(
+        self,
+        inner: TransferEngine,
+        policy: Policy | None = None,
+        *,
+        probe_override: bool | None = None,
+    ) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.policy: Policy = policy if policy is not None else (lambda _i, _p, _n: None)
+        self.probe_override = probe_override
+        self.stalls = StallGate()
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._errors = 0
+        self._faults: dict[str, int] = {}
+        self._blocks_written = 0
+        self._probes_overridden = 0
+
+    @classmethod
+    def random(
+        cls,
+        inner: TransferEngine,
+        rate: float,
+        seed: int,
+        *,
+        kinds: Sequence[FaultKind] = ("fail", "partial", "delay_before", "delay_after"),
+        delay_s: float = 0.01,
+    ) -> FaultEngine:
+        """Inject a fault into a fraction ``rate`` of write() calls, of a kind drawn evenly from
+        ``kinds``. The draw for call ``i`` depends only on ``seed`` and ``i``, not on which
+        thread got there first. ``stall`` is left out by default: nothing would release it."""
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError("rate must be within [0, 1]")
+        if not kinds:
+            raise ValueError("kinds must not be empty")
+        choices = tuple(kinds)
+        for kind in choices:
+            Fault(kind)  # validates
+
+        def policy(call_index: int, peer: str, nblocks: int) -> Fault | None:
+            rng = random.Random(f"{seed}:{call_index}")
+            if rng.random() >= rate:
+                return None
+            return Fault(rng.choice(choices), delay_s=delay_s)
+
+        return cls(inner, policy)
+
+    def __repr__(self) -> str:
+        return f"<FaultEngine around {self.inner!r}>"
+
+    # -- delegated ---------------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        return self.inner.session_id
+
+    def register(self, regions: list[Region]) -> None:
+        self.inner.register(regions)
+
+    def unregister(self, regions: list[Region]) -> None:
+        self.inner.unregister(regions)
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def add_peer(self, session_id: str, metadata: bytes) -> None:
+        self.inner.add_peer(session_id, metadata)
+
+    def remove_peer(self, session_id: str) -> None:
+        self.inner.remove_peer(session_id)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def probe(self, peer: str) -> bool:
+        override = self.probe_override
+        if override is None:
+            return self.inner.probe(peer)
+        with self._lock:
+            self._probes_overridden += 1
+        return override
+
+    # -- faults ------------------------------------------------------------------------------
+
+    def statistics(self) -> FaultStats:
+        with self._lock:
+            return FaultStats(
+                calls=self._calls,
+                errors=self._errors,
+                faults=dict(self._faults),
+                blocks_written=self._blocks_written,
+                probes_overridden=self._probes_overridden,
+            )
+
+    def _inner_write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
+        self.inner.write(peer, src, dst, lens)
+        with self._lock:
+            self._blocks_written += len(src)
+
+    def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
+        n = len(src)
+        with self._lock:
+            index = self._calls
+            self._calls += 1
+        try:
+            fault = self.policy(index, peer, n)
+            if fault is not None:
+                with self._lock:
+                    self._faults[fault.kind] = self._faults.get(fault.kind, 0) + 1
+            self._write(fault, index, peer, src, dst, lens)
+        except BaseException:
+            with self._lock:
+                self._errors += 1
+            raise
+
+    def _write(
+        self, fault: Fault | None, index: int, peer: str, src: Addrs, dst: Addrs, lens: Lens
+    ) -> None:
+        n = len(src)
+        if fault is None:
+            self._inner_write(peer, src, dst, lens)
+        elif fault.kind == "delay_before":
+            time.sleep(fault.delay_s)
+            self._inner_write(peer, src, dst, lens)
+        elif fault.kind == "delay_after":
+            self._inner_write(peer, src, dst, lens)
+            time.sleep(fault.delay_s)
+        elif fault.kind == "fail":
+            raise EngineError(
+                f"injected fault in write #{index} to {peer}: fail ({n} blocks, none written)",
+                code=fault.code,
+            )
+        elif fault.kind == "partial":
+            half = n // 2
+            if half:
+                self._inner_write(peer, src[:half], dst[:half], lens[:half])
+            raise EngineError(
+                f"injected fault in write #{index} to {peer}: partial ({half} of {n} blocks "
+                f"written): outcome unknown",
+                code=fault.code,
+            )
+        else:  # stall
+            self.stalls._hold(index)
+            self._inner_write(peer, src, dst, lens)

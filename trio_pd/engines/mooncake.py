@@ -1,0 +1,265 @@
+"""The Mooncake Transfer Engine adapter (``mooncake.engine.TransferEngine``).
+
+One :class:`MooncakeEngine` per rank. It uses the engine's P2P handshake (no metadata server):
+the session id is ``"host:rpc_port"`` and peers need nothing else, so :meth:`metadata` is empty
+and :meth:`add_peer` / :meth:`remove_peer` do nothing.
+
+What a call costs and how it fails (see ENGINES.md for the measurements):
+
+* :meth:`write` is one or more ``batch_transfer_sync_write`` calls. Each releases the GIL and
+  then busy-polls a CPU core until its blocks are done, so keep the number of threads calling
+  it small. It is thread-safe.
+* A return code of -1 means **"outcome unknown"**: a batch with one bad block fails after the
+  others were written; a batch cut short by a dead peer may have landed in part. The adapter
+  raises :class:`~trio_pd.EngineError` and never retries.
+* More than about 2048 blocks in flight to one peer makes the engine fail the call without
+  delivering the admitted part, and can leave that link dead. The adapter splits a call into
+  sub-batches of at most :data:`MAX_BLOCKS_PER_CALL` blocks and caps the blocks in flight to
+  each peer, across all threads, at ``max_blocks_in_flight_per_peer``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .._errors import EngineError
+from ._base import Addrs, Lens, Region
+
+#: the most blocks one ``batch_transfer_sync_write`` call carries
+MAX_BLOCKS_PER_CALL = 1024
+
+#: default cap on blocks in flight to one peer, summed over every thread writing to it
+MAX_BLOCKS_IN_FLIGHT_PER_PEER = 1024
+
+#: the per-call deadline set when the environment does not set one (seconds, as a string)
+DEFAULT_TRANSFER_TIMEOUT_S = "5"
+
+_PIP_NAME = "mooncake-transfer-engine-non-cuda"  # or mooncake-transfer-engine on CUDA hosts
+
+
+def _set_env_defaults() -> None:
+    """Environment knobs the engine reads when the Python object is built.
+
+    ``MC_TRANSFER_TIMEOUT`` (whole seconds, ``atoi``; values below 5 become 5; default 30) is
+    read by the constructor of the Python binding's ``TransferEngine``. Every sync call then
+    gives up after ``MC_TRANSFER_TIMEOUT`` seconds plus one nanosecond per byte of the call
+    (an allowance of 1 GB/s) and returns -1.
+
+    trio_pd relies on that deadline for one thing only: a write call that has been handed to a
+    thread *returns* within a known bound, so the shielded wait for it in the trio layer is
+    bounded and the call's pages can be quarantined on time. It is **not** a fence for the
+    bytes: on timeout the engine frees the batch without cancelling the requests already
+    queued, and the transport still delivers them afterwards (measured: a write to a stopped
+    peer returned -1 after 5.0 s; every byte landed once the peer was resumed). Pages touched
+    by a failed call stay quarantined until something stronger (the peer's drain ack, or its
+    proven death) says no write can land.
+
+    Nor does it bound the *first* call to a peer: that call opens the peer's segment with a
+    handshake that has no deadline of its own (about 60 s against a stopped peer, like
+    ``send_probe``).
+
+    The default here is 5 seconds (the engine's own floor) instead of the engine's 30, and is
+    applied only when the variable is not already set.
+    """
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S)
+
+
+class _PeerBudget:
+    """Blocks in flight per peer, across threads: ``acquire(peer, n)`` blocks until ``n`` fit."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._in_flight: dict[str, int] = {}
+
+    @contextmanager
+    def hold(self, peer: str, n: int) -> Iterator[None]:
+        n = min(n, self._limit)  # a call never waits for more than the whole budget
+        with self._cond:
+            self._cond.wait_for(lambda: self._in_flight.get(peer, 0) + n <= self._limit)
+            self._in_flight[peer] = self._in_flight.get(peer, 0) + n
+        try:
+            yield
+        finally:
+            with self._cond:
+                left = self._in_flight[peer] - n
+                if left:
+                    self._in_flight[peer] = left
+                else:
+                    del self._in_flight[peer]
+                self._cond.notify_all()
+
+
+class MooncakeEngine:
+    """A Mooncake Transfer Engine over the P2P handshake.
+
+    ``host`` is the address peers reach this engine on. ``protocol`` is passed to
+    ``initialize`` ("tcp" or "rdma"); note that it does not force the transport: the engine
+    uses RDMA when it finds an RDMA NIC (set ``MC_FORCE_TCP=1`` to force TCP). ``device`` is the
+    RDMA device filter ("" for all).
+
+    Construction sets ``MC_TRANSFER_TIMEOUT`` to :data:`DEFAULT_TRANSFER_TIMEOUT_S` seconds if
+    it is not set (see :func:`_set_env_defaults` for what that deadline does and does not
+    promise). Raises :class:`~trio_pd.EngineError` if the wheel is missing or initialisation
+    fails.
+    """
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        protocol: str = "tcp",
+        device: str = "",
+        max_blocks_in_flight_per_peer: int = MAX_BLOCKS_IN_FLIGHT_PER_PEER,
+    ) -> None:
+        if max_blocks_in_flight_per_peer < 1:
+            raise ValueError("max_blocks_in_flight_per_peer must be at least 1")
+        _set_env_defaults()
+        try:
+            from mooncake.engine import TransferEngine as _MooncakeTE
+        except ImportError as exc:
+            raise EngineError(
+                f"the Mooncake engine needs the `mooncake` module: pip install {_PIP_NAME} "
+                f"(or mooncake-transfer-engine on CUDA hosts): {exc}"
+            ) from exc
+        engine: Any = _MooncakeTE()
+        rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise EngineError(
+                f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
+                f"returned {rc}",
+                code=rc,
+            )
+        self._engine: Any = engine
+        self._session_id = f"{host}:{engine.get_rpc_port()}"
+        self._lock = threading.Lock()  # registration book and close
+        self._registered: dict[int, int] = {}  # base -> length
+        self._closed = False
+        self._budget = _PeerBudget(max_blocks_in_flight_per_peer)
+
+    def __repr__(self) -> str:
+        return f"<MooncakeEngine {self._session_id}{' closed' if self._closed else ''}>"
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def _live_engine(self) -> Any:
+        engine = self._engine
+        if self._closed or engine is None:
+            raise EngineError(f"mooncake engine {self._session_id} is closed")
+        return engine
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def register(self, regions: list[Region]) -> None:
+        """Register every region in one ``batch_register_memory`` call (it releases the GIL)."""
+        if not regions:
+            return
+        with self._lock:
+            engine = self._live_engine()
+            bases = [r.base for r in regions]
+            rc = engine.batch_register_memory(bases, [r.length for r in regions])
+            if rc != 0:
+                raise EngineError(
+                    f"mooncake batch_register_memory of {len(regions)} regions returned {rc}",
+                    code=rc,
+                )
+            for r in regions:
+                self._registered[r.base] = r.length
+
+    def unregister(self, regions: list[Region]) -> None:
+        """Deregister regions this engine registered. Only once no call can still touch them."""
+        if not regions:
+            return
+        with self._lock:
+            engine = self._live_engine()
+            unknown = [r for r in regions if r.base not in self._registered]
+            if unknown:
+                raise EngineError(f"mooncake: unregister of regions never registered: {unknown}")
+            rc = engine.batch_unregister_memory([r.base for r in regions])
+            if rc != 0:
+                raise EngineError(
+                    f"mooncake batch_unregister_memory of {len(regions)} regions returned {rc}",
+                    code=rc,
+                )
+            for r in regions:
+                del self._registered[r.base]
+
+    # -- peers (the P2P handshake needs no metadata) -----------------------------------------
+
+    def metadata(self) -> bytes:
+        return b""
+
+    def add_peer(self, session_id: str, metadata: bytes) -> None:
+        return None
+
+    def remove_peer(self, session_id: str) -> None:
+        return None
+
+    # -- data --------------------------------------------------------------------------------
+
+    def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
+        """Write every block to ``peer``; returns when all are complete.
+
+        Splits into sub-batches of :data:`MAX_BLOCKS_PER_CALL` blocks, issued one after the
+        other, each holding its share of the peer's in-flight budget. The first failing
+        sub-batch raises :class:`~trio_pd.EngineError` (later ones are not issued); earlier
+        sub-batches are complete, the failing one may be written in part.
+        """
+        n = len(src)
+        if len(dst) != n or len(lens) != n:
+            raise ValueError(f"src, dst, lens differ in length: {n}, {len(dst)}, {len(lens)}")
+        if n == 0:
+            return
+        engine = self._live_engine()
+        parts = (n + MAX_BLOCKS_PER_CALL - 1) // MAX_BLOCKS_PER_CALL
+        for k, lo in enumerate(range(0, n, MAX_BLOCKS_PER_CALL)):
+            hi = min(lo + MAX_BLOCKS_PER_CALL, n)
+            srcs = src[lo:hi].tolist()
+            dsts = dst[lo:hi].tolist()
+            sizes = lens[lo:hi].tolist()
+            with self._budget.hold(peer, hi - lo):
+                rc = engine.batch_transfer_sync_write(peer, srcs, dsts, sizes)
+            if rc != 0:
+                raise EngineError(
+                    f"mooncake write to {peer} failed (rc={rc}) in sub-batch {k + 1}/{parts} "
+                    f"(blocks {lo}..{hi - 1} of {n}): outcome unknown: some blocks may have "
+                    f"been written",
+                    code=rc,
+                )
+
+    def probe(self, peer: str) -> bool:
+        """``send_probe`` answers at once for a live or a dead peer, but takes about 60 s for a
+        hung one (stopped process, black-holed host): callers bound it."""
+        return bool(self._live_engine().send_probe(peer) == 0)
+
+    def close(self) -> None:
+        """Deregister what is still registered and drop the engine. Idempotent.
+
+        Call it only once no write can still be running (the trio layer's shutdown order).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            engine, self._engine = self._engine, None
+            bases = list(self._registered)
+            self._registered.clear()
+        try:
+            if bases:
+                rc = engine.batch_unregister_memory(bases)
+                if rc != 0:
+                    raise EngineError(
+                        f"mooncake close: batch_unregister_memory of {len(bases)} regions "
+                        f"returned {rc}",
+                        code=rc,
+                    )
+        finally:
+            del engine  # the binding's destructor closes segments and stops the engine
