@@ -1,7 +1,7 @@
 """Sessions for trio_pd. They run in the current environment (set up by ./dev).
 
     ./dev nox -s lint typecheck tests
-    ./dev nox -s bench -- --plot bench.png
+    ./dev nox -s soak
 """
 
 from __future__ import annotations
@@ -48,11 +48,6 @@ def soak(session: nox.Session) -> None:
             "trio-pd", "demo", "--engine", engine, "--requests", "2000",
             "--abort-rate", "0.3", "--fault-rate", "0.05", "--json", *session.posargs,
         )
-
-
-@nox.session
-def bench(session: nox.Session) -> None:
-    session.run("trio-pd", "bench", *session.posargs)
 
 
 @nox.session

@@ -84,9 +84,16 @@ class ControlPlane:
                 self._counters.bump("refused_messages")
                 log.warning("refused %s: %s", type(msg).__name__, exc)
 
-    def close(self) -> None:
+    async def aclose(self, linger: float = 0.5) -> None:
+        """Close every socket. What is still queued for a peer (a last STATUS, an ABORT, an
+        ack) gets ``linger`` seconds to leave; ``Context.term`` waits for that in a thread.
+
+        **Cancellation:** if cancelled, the sockets are closed anyway and queued messages may
+        be lost.
+        """
         for sock in self._push.values():
+            sock.zsock.setsockopt(zmq.LINGER, int(linger * 1000))
             sock.close()
         self._push.clear()
         self._pull.close()
-        self._ctx.term()
+        await trio.to_thread.run_sync(self._ctx.term)

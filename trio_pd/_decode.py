@@ -198,6 +198,7 @@ class DecodeAgent:
         tp_size: int,
         host: str,
         config: DecodeConfig,
+        control: ControlPlane | None = None,
     ) -> None:
         self.engine = engine
         self.pool = pool
@@ -205,12 +206,14 @@ class DecodeAgent:
         self.tp_size = tp_size
         self.config = config
         self.counters = Counters()
-        self.control = ControlPlane(host, self.counters, sndhwm=config.sndhwm)
+        self.control = control or ControlPlane(host, self.counters, sndhwm=config.sndhwm)
         self._rooms: dict[int, _Room] = {}
         self._instances: dict[str, _Instance] = {}
         self._ranks: dict[str, _PrefillRank] = {}  # endpoint -> rank we registered with
         self.timers = Timers()
         self._ping_ids = itertools.count(1)
+        #: probes run in their own thread: one of a hung peer can take a minute
+        self._probe_limiter = trio.CapacityLimiter(1)
         self._nursery: trio.Nursery | None = None
         self._token = trio.lowlevel.current_trio_token()
 
@@ -279,9 +282,11 @@ class DecodeAgent:
         """The instance is resolved: the room knows its source ranks."""
         room.sources = list(room.instance.sources)
         room.book = DecodeBook(room.room, room.epoch, frozenset(r.tp_rank for r in room.sources))
-        for rank in room.sources:
-            rank.rooms.add(room.room)
+        if self._rooms.get(room.room) is room:
+            for rank in room.sources:
+                rank.rooms.add(room.room)
         if room.early_failure is not None:
+            room.book.cell.fail(room.early_failure)  # counted when it happened
             self._fail_and_drain(room, room.early_failure)
             return
         room.book.cell.advance(KVPoll.WaitingForInput)
@@ -415,7 +420,9 @@ class DecodeAgent:
         """If the writer's engine is provably gone, its writes are over: count its ack."""
         alive = True
         with trio.move_on_after(self.config.ack_timeout):
-            alive = await trio.to_thread.run_sync(self.engine.probe, rank.session)
+            alive = await trio.to_thread.run_sync(
+                self.engine.probe, rank.session, limiter=self._probe_limiter
+            )
         if not alive and room.book is not None and not room.released.is_set():
             room.book.acked.add(rank.tp_rank)
             if room.book.drained and room.book.take_release():
@@ -446,7 +453,9 @@ class DecodeAgent:
         inst.ready = True
         waiting, inst.waiting = inst.waiting, []
         for room in waiting:
-            if room.book is None and self._rooms.get(room.room) is room:
+            if room.book is None:
+                # also rooms already failed and forgotten here: their prefill ranks must hear
+                # the ABORT, or their senders would wait for the bootstrap deadline
                 self._bind(room)
 
     def _source_ranks(self, topo: Topology) -> range:
@@ -611,5 +620,5 @@ async def open_decode(
         agent._nursery = None
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await trio.to_thread.run_sync(engine.unregister, regions)
-        agent._shutdown_rooms()
-        agent.control.close()
+            agent._shutdown_rooms()
+            await agent.control.aclose()

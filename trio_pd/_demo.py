@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -145,14 +146,12 @@ async def _bounded_wait(wait: Callable[[], Any], bound: float) -> KVPoll | None:
     return None
 
 
-class _Drain:
-    """Waits until an allocator has everything back (quarantines and drains included)."""
-
-    @staticmethod
-    async def wait(allocs: list[PageAllocator], bound: float) -> None:
-        with trio.move_on_after(bound):
-            while any(a.outstanding for a in allocs):
-                await trio.sleep(0.05)
+async def _all_returned(allocs: list[PageAllocator], bound: float) -> None:
+    """Wait (at most ``bound`` s) until every allocator has every row back: quarantines and
+    drain acks included."""
+    with trio.move_on_after(bound):
+        for alloc in allocs:
+            await alloc.wait_all_returned()
 
 
 async def run_prefill_rank(
@@ -168,7 +167,7 @@ async def run_prefill_rank(
     try:
         async with open_prefill(
             engine=engine, pool=pool.spec, bootstrap_url=bootstrap_url, tp_rank=rank,
-            tp_size=opts.prefill_tp, kv_heads=opts.kv_heads,
+            tp_size=opts.prefill_tp, kv_heads=opts.kv_heads if opts.layout == "mha" else 1,
             config=PrefillConfig(bootstrap_timeout=opts.request_bound),
         ) as agent:
 
@@ -219,7 +218,7 @@ async def run_prefill_rank(
                     await slots.acquire()
                     nursery.start_soon(one, req)
             # quarantined leases come back after their fence; wait for them
-            await _Drain.wait([pages_alloc, aux_alloc], agent._fence + 5)
+            await _all_returned([pages_alloc, aux_alloc], agent._fence + 5)
             result.stats = asdict(agent.statistics())
     finally:
         engine.close()
@@ -257,13 +256,16 @@ async def run_decode_rank(
                         pages_alloc.free(pages)
                         aux_alloc.free(aux)
                         if aborted_at:
-                            result.abort_release_ms.append((time.perf_counter() - aborted_at[0]) * 1e3)
+                            waited = time.perf_counter() - aborted_at[0]
+                            result.abort_release_ms.append(waited * 1e3)
 
                     def abort(why: str) -> None:
                         aborted_at.append(time.perf_counter())
                         receiver.abort(why)
 
-                    receiver = agent.receiver(req.room, bootstrap_url=bootstrap_url, epoch=req.epoch)
+                    receiver = agent.receiver(
+                        req.room, bootstrap_url=bootstrap_url, epoch=req.epoch
+                    )
                     point = req.abort[1] if req.abort and req.abort[0] == "decode" else None
                     if point == "before_bootstrap":
                         abort("demo: abort before bootstrap")
@@ -289,7 +291,7 @@ async def run_decode_rank(
                 for req in plan_requests(opts):
                     await slots.acquire()
                     nursery.start_soon(one, req)
-            await _Drain.wait([pages_alloc, aux_alloc], opts.request_bound)
+            await _all_returned([pages_alloc, aux_alloc], opts.request_bound)
             result.stats = asdict(agent.statistics())
     finally:
         engine.close()
@@ -345,7 +347,9 @@ def summarize(opts: DemoOptions, results: list[RankResult], seconds: float) -> d
             aborted += 1
         else:
             failed += 1
-    stat = lambda name: sum(r.stats.get(name, 0) for r in results)  # noqa: E731
+    def stat(name: str) -> int:
+        return sum(r.stats.get(name, 0) for r in results)
+
     ms = sorted(m for r in decode for m in r.abort_release_ms)
     total_bytes = sum(r.bytes for r in decode)
     return {
@@ -421,31 +425,28 @@ async def run_processes(
     exe = [sys.executable, "-m", "trio_pd.cli"]
     results: list[RankResult] = []
     start = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        boot = await trio.lowlevel.open_process(
-            [*exe, "bootstrap", "--port", "0"], stdout=trio.subprocess.PIPE
-        )
-        try:
-            assert boot.stdout is not None
-            url = (await _read_line(boot.stdout)).strip()
-            workers = [("prefill", p) for p in range(opts.prefill_tp)] + [
-                ("decode", d) for d in range(opts.decode_tp)
-            ]
+    boot = await trio.lowlevel.open_process(
+        [*exe, "bootstrap", "--port", "0"], stdout=subprocess.PIPE
+    )
+    try:
+        assert boot.stdout is not None
+        url = (await _read_line(boot.stdout)).strip()
+        workers = [("prefill", p) for p in range(opts.prefill_tp)] + [
+            ("decode", d) for d in range(opts.decode_tp)
+        ]
+        async with trio.open_nursery() as nursery:
             for role, rank in workers:
                 nursery.start_soon(
                     _worker_process, exe, role, rank, url, opts, results,
                     progress if (role, rank) == ("decode", 0) else lambda: None,
                 )
-            await _wait_results(results, len(workers))
-        finally:
-            boot.terminate()
+    finally:
+        boot.terminate()
+        with trio.CancelScope(shield=True):
             await boot.wait()
+    if len(results) != len(workers):
+        raise RuntimeError(f"{len(workers) - len(results)} rank processes gave no result")
     return summarize(opts, results, time.perf_counter() - start)
-
-
-async def _wait_results(results: list[RankResult], n: int) -> None:
-    while len(results) < n:
-        await trio.sleep(0.05)
 
 
 async def _worker_process(
@@ -453,7 +454,7 @@ async def _worker_process(
     results: list[RankResult], progress: Callable[[], None],
 ) -> None:
     cmd = [*exe, "_worker", role, str(rank), url, json.dumps(asdict(opts))]
-    proc = await trio.lowlevel.open_process(cmd, stdout=trio.subprocess.PIPE)
+    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
     assert proc.stdout is not None
     buf = b""
     async for data in proc.stdout:
@@ -464,7 +465,9 @@ async def _worker_process(
             if text.startswith("progress"):
                 progress()
             elif text.startswith("result "):
-                results.append(RankResult(**json.loads(text[7:])))
+                raw = json.loads(text[7:])
+                raw["outcomes"] = {int(k): v for k, v in raw["outcomes"].items()}
+                results.append(RankResult(**raw))
     code = await proc.wait()
     if code != 0:
         raise RuntimeError(f"{role} rank {rank} exited with {code}")

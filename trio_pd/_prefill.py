@@ -142,6 +142,7 @@ class _Room:
     expected_targets: int | None = None
     epoch: int | None = None
     waiting: list[_Chunk] = field(default_factory=list)  # admitted before metadata arrived
+    queued: set[_Chunk] = field(default_factory=set)  # handed to the workers, not yet started
     scopes: set[trio.CancelScope] = field(default_factory=set)
     sent_pages: int = 0
     last_admitted: bool = False
@@ -228,6 +229,7 @@ class PrefillAgent:
         kv_heads: int,
         host: str,
         config: PrefillConfig,
+        control: ControlPlane | None = None,
     ) -> None:
         self.engine = engine
         self.pool = pool
@@ -236,15 +238,23 @@ class PrefillAgent:
         self.kv_heads = kv_heads
         self.config = config
         self.counters = Counters()
-        self.control = ControlPlane(host, self.counters, sndhwm=config.sndhwm)
+        self.control = control or ControlPlane(host, self.counters, sndhwm=config.sndhwm)
         self._limiter = trio.CapacityLimiter(config.engine_threads)
+        #: probes get their own thread: a probe of a hung peer can take a minute and must
+        #: not hold a write slot
+        self._probe_limiter = trio.CapacityLimiter(1)
+        #: how engine calls reach a thread; the schedule explorer swaps in a thread-free twin
+        #: with the same contract (Cancelled only before the call starts)
+        self.run_sync_in_thread = trio.to_thread.run_sync
         self._jobs_tx, self._jobs_rx = trio.open_memory_channel[tuple[_Room, _Chunk | _Publish]](
             math.inf
         )
         self._rooms: dict[int, _Room] = {}
         self._peers: dict[str, _DecodePeer] = {}
         self._pending_meta: dict[int, dict[int, tuple[_wire.Transfer, npt.NDArray[np.int32]]]] = {}
-        self._tombstones: dict[tuple[int, int], float] = {}
+        #: room -> epochs aborted by decode before this rank knew the room: a late TRANSFER
+        #: for one is refused, and a sender created for the room fails at once
+        self._tombstones: dict[int, set[int]] = {}
         #: rooms that failed and were forgotten: a late TRANSFER for one is answered Failed
         self._failed_recently: dict[int, str] = {}
         self.timers = Timers()
@@ -282,6 +292,10 @@ class PrefillAgent:
         r = _Room(room, num_pages, aux_slot, on_release)
         self._rooms[room] = r
         self.timers.after(self.config.bootstrap_timeout, partial(self._bootstrap_due, r))
+        if room in self._tombstones:
+            # decode aborted this room before the scheduler created it here: fail it now
+            # rather than at the bootstrap deadline
+            self._close_room(r, TransferAborted(f"room {room} was aborted by decode"))
         for msg, pages in self._pending_meta.pop(room, {}).values():
             self._add_target(r, msg, pages)
         return PrefillSender(self, r)
@@ -311,17 +325,23 @@ class PrefillAgent:
         room.last_admitted = last
         if room.ready:
             room.cell.advance(KVPoll.Transferring)
-            self._jobs_tx.send_nowait((room, chunk))
+            self._submit(room, chunk)
         else:
             room.waiting.append(chunk)
 
     # ------------------------------------------------------------------ the chunk path
 
+    def _submit(self, room: _Room, chunk: _Chunk) -> None:
+        room.queued.add(chunk)
+        self._jobs_tx.send_nowait((room, chunk))
+
     async def _worker(self) -> None:
         async for room, job in self._jobs_rx:
             if isinstance(job, _Publish):
                 await self._publish(room)
-            else:
+                self._settle_room(room)
+            elif job in room.queued:  # else it was cancelled while queued
+                room.queued.discard(job)
                 await self._run_chunk(room, job)
 
     async def _run_chunk(self, room: _Room, chunk: _Chunk) -> None:
@@ -413,7 +433,7 @@ class PrefillAgent:
         """
         write = partial(self.engine.write, peer.session, blocks.src, blocks.dst, blocks.lens)
         try:
-            await trio.to_thread.run_sync(write, limiter=self._limiter)
+            await self.run_sync_in_thread(write, limiter=self._limiter)
         except trio.Cancelled:
             raise
         except BaseException:
@@ -449,14 +469,32 @@ class PrefillAgent:
                 v=_wire.WIRE_VERSION, room=room.room, epoch=target.epoch, rank=self.tp_rank,
                 ok=ok, reason=reason,
             )
-            if not self.control.send_nowait(target.peer.endpoint, status) and ok:
+            if self.control.send_nowait(target.peer.endpoint, status):
+                continue
+            if ok:  # back-pressure: the room fails here and now; the lock is not held on
                 ok = False
                 reason = f"STATUS to {target.peer.endpoint} refused: its socket is full"
                 room.cell.fail(TransferError(reason))
+                self.counters.bump("failed")
+            self._retry_failed_status(room.room, target, reason)
         if ok:
             room.cell.advance(KVPoll.Success)
             self.counters.bump("succeeded")
         self._on_status_change(room)
+
+    def _retry_failed_status(self, room: int, target: _Target, reason: str) -> None:
+        """A Failed STATUS must get through (decode would otherwise wait for its own
+        deadline): retry it shortly, outside any lock."""
+        status = _wire.Status(
+            v=_wire.WIRE_VERSION, room=room, epoch=target.epoch, rank=self.tp_rank, ok=False,
+            reason=reason,
+        )
+
+        def retry() -> None:
+            if not self.control.send_nowait(target.peer.endpoint, status):
+                self.timers.after(0.05, retry)
+
+        self.timers.after(0.05, retry)
 
     # ------------------------------------------------------------------ closing, acks, release
 
@@ -469,9 +507,12 @@ class PrefillAgent:
             self.counters.bump("aborted" if isinstance(error, TransferAborted) else "failed")
         for scope in room.scopes:
             scope.cancel(f"room {room.room}: {error}")
-        for chunk in room.waiting:
+        # chunks that never reached a worker are cancelled now, not when a worker gets to
+        # them: the drain ack must not wait behind other rooms' work
+        for chunk in (*room.waiting, *room.queued):
             room.leases.settle(chunk.lease, Outcome.CANCELLED)
         room.waiting.clear()
+        room.queued.clear()
         self._on_status_change(room)
         if not room.published:
             self._jobs_tx.send_nowait((room, _Publish()))
@@ -536,7 +577,7 @@ class PrefillAgent:
             alive = False
             with trio.move_on_after(self._fence):
                 alive = await trio.to_thread.run_sync(
-                    self.engine.probe, peer.session, limiter=self._limiter
+                    self.engine.probe, peer.session, limiter=self._probe_limiter
                 )
         finally:
             peer.probing = False
@@ -592,7 +633,7 @@ class PrefillAgent:
         peer.ready.set()
 
     def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
-        if (msg.room, msg.epoch) in self._tombstones:
+        if msg.epoch in self._tombstones.get(msg.room, ()):
             self.counters.bump("late_messages")
             return
         room = self._rooms.get(msg.room)
@@ -650,8 +691,15 @@ class PrefillAgent:
             if room.waiting:
                 room.cell.advance(KVPoll.Transferring)
             for chunk in room.waiting:
-                self._jobs_tx.send_nowait((room, chunk))
+                self._submit(room, chunk)
             room.waiting.clear()
+
+    def _expire_tombstone(self, room: int, epoch: int) -> None:
+        epochs = self._tombstones.get(room)
+        if epochs is not None:
+            epochs.discard(epoch)
+            if not epochs:
+                del self._tombstones[room]
 
     def _refuse_transfer(self, msg: _wire.Transfer, reason: str) -> None:
         """The room already failed here: tell that decode rank now rather than let it wait."""
@@ -669,10 +717,12 @@ class PrefillAgent:
             # Unknown or concluded: rooms are forgotten only once they hold nothing, so this
             # (room, epoch) provably holds nothing. A late TRANSFER for it will be refused.
             self._pending_meta.pop(msg.room, None)
-            key = (msg.room, msg.epoch)
-            if key not in self._tombstones:
-                self._tombstones[key] = trio.current_time() + self.config.tombstone_ttl
-                self.timers.at(self._tombstones[key], partial(self._tombstones.pop, key, None))
+            epochs = self._tombstones.setdefault(msg.room, set())
+            if msg.epoch not in epochs:
+                epochs.add(msg.epoch)
+                self.timers.after(
+                    self.config.tombstone_ttl, partial(self._expire_tombstone, msg.room, msg.epoch)
+                )
             self._send_ack(msg.room, msg.epoch, msg.endpoint)
             return
         self._close_room(room, TransferAborted(f"aborted by decode {msg.endpoint}"))
@@ -703,9 +753,8 @@ class PrefillAgent:
                 room.terminal.set()
             room.leases.close()
             room.published = True
-            for chunk in room.waiting:
-                room.leases.settle(chunk.lease, Outcome.CANCELLED)
             room.waiting.clear()
+            room.queued.clear()
             for lease in list(room.leases.live):
                 room.leases.settle(lease, Outcome.CANCELLED)
             for lease in list(room.leases.quarantined):
@@ -783,4 +832,4 @@ async def open_prefill(
         agent._shutdown_rooms()
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await trio.to_thread.run_sync(engine.unregister, regions)
-        agent.control.close()
+            await agent.control.aclose()

@@ -6,28 +6,31 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 from collections.abc import Callable
 
 import trio
 
+log = logging.getLogger("trio_pd.timers")
+
 
 class Timers:
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, Callable[[], object]]] = []
         self._seq = itertools.count()
         self._wakeup = trio.Event()
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def at(self, deadline: float, action: Callable[[], None]) -> None:
+    def at(self, deadline: float, action: Callable[[], object]) -> None:
         """Run ``action()`` once ``trio.current_time()`` reaches ``deadline``."""
         heapq.heappush(self._heap, (deadline, next(self._seq), action))
         if self._heap[0][0] == deadline:
             self._wakeup.set()
 
-    def after(self, delay: float, action: Callable[[], None]) -> None:
+    def after(self, delay: float, action: Callable[[], object]) -> None:
         self.at(trio.current_time() + delay, action)
 
     async def run(self) -> None:
@@ -39,7 +42,10 @@ class Timers:
             now = trio.current_time()
             while self._heap and self._heap[0][0] <= now:
                 _, _, action = heapq.heappop(self._heap)
-                action()
+                try:
+                    action()
+                except Exception:  # one room's bug must not end the agent (SPEC §5.7)
+                    log.exception("timer action %r raised", action)
             self._wakeup = trio.Event()
             deadline = self._heap[0][0] if self._heap else math.inf
             with trio.move_on_at(deadline):

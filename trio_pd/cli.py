@@ -1,4 +1,4 @@
-"""The ``trio-pd`` command line: ``demo``, ``bench``, ``bootstrap``."""
+"""The ``trio-pd`` command line: ``demo`` and ``bootstrap``."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _options(args: argparse.Namespace) -> Any:
 
 
 def _with_progress(total: int, quiet: bool, run: Callable[[Callable[[], None]], Any]) -> Any:
-    if quiet or not sys.stderr.isatty() and os.environ.get("TRIO_PD_PROGRESS") != "1":
+    if quiet or (not sys.stderr.isatty() and os.environ.get("TRIO_PD_PROGRESS") != "1"):
         return run(lambda: None)
     from rich.progress import (
         BarColumn,
@@ -95,7 +95,8 @@ def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
         f"trio_pd demo: {s['requests']} requests, engine {s['engine']}, layout {s['layout']}, "
         f"prefill TP {s['prefill_tp']} -> decode TP {s['decode_tp']}",
         f"  succeeded {s['succeeded']}   failed {s['failed']}   aborted {s['aborted']}",
-        f"  moved {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.2f} s ({s['gbps']:.2f} GB/s verified)",
+        f"  moved {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.2f} s "
+        f"({s['gbps']:.2f} GB/s verified)",
         f"  corrupt pages {s['corrupt_pages']}   late writes {s['late_writes']}   "
         f"leaked pages {s['leaked_pages']}   hung {s['hung']}",
         f"  engine errors {s['engine_errors']}   quarantined {s['quarantined']}   released after "
@@ -132,12 +133,6 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from ._bench import main as bench_main
-
-    return bench_main(args)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trio-pd", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -151,12 +146,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("rank", type=int)
     w.add_argument("url")
     w.add_argument("options")
-    try:
-        from ._bench import add_parser as add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR,
@@ -164,7 +153,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "demo": _cmd_demo, "bootstrap": _cmd_bootstrap, "_worker": _cmd_worker,
-        "bench": _cmd_bench,
     }
     return handlers[args.command](args)
 

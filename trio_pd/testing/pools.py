@@ -173,6 +173,15 @@ class PageAllocator:
         await trio.lowlevel.checkpoint()
         return ids
 
+    async def wait_all_returned(self) -> None:
+        """Wait until every row handed out has been freed.
+
+        **Cancellation:** safe; nothing changes.
+        """
+        while self._out:
+            await self._freed.wait()
+        await trio.lowlevel.checkpoint()
+
     def free(self, ids: npt.NDArray[np.int64]) -> None:
         for i in ids.tolist():
             if i not in self._out:

@@ -1,0 +1,99 @@
+"""Shared fixtures: real engines, the real bootstrap server, host pools, agent pairs."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from trio_pd import (
+    DecodeAgent,
+    DecodeConfig,
+    PrefillAgent,
+    PrefillConfig,
+    open_bootstrap_server,
+    open_decode,
+    open_prefill,
+)
+from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.testing.pools import HostKVPool
+
+HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
+ENGINES = [
+    "mooncake",
+    pytest.param(
+        "nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 not installed")
+    ),
+]
+
+
+@pytest.fixture(params=ENGINES)
+def engine_name(request: pytest.FixtureRequest) -> str:
+    """Every integration test that takes this runs once per real engine."""
+    return str(request.param)
+
+
+@pytest.fixture
+async def bootstrap_url() -> AsyncIterator[str]:
+    async with open_bootstrap_server() as server:
+        yield server.url
+
+
+def host_pool(layout: str = "mha", *, num_pages: int = 256, **kw: Any) -> HostKVPool:
+    args: dict[str, Any] = dict(
+        layout=layout, num_pages=num_pages, num_layers=2, page_size=4, head_bytes=16,
+        heads=2 if layout == "mha" else 1, aux_slots=32,
+    )
+    args.update(kw)
+    return HostKVPool(**args)
+
+
+@dataclass
+class Pair:
+    """One prefill rank and one decode rank on loopback, with their host pools."""
+
+    prefill: PrefillAgent
+    decode: DecodeAgent
+    src: HostKVPool
+    dst: HostKVPool
+    url: str
+    prefill_engine: TransferEngine
+    released: list[int] = field(default_factory=list)
+
+    def verify(self, room: int, dst_pages: np.ndarray, aux_slot: int) -> bool:
+        """The destination holds exactly the source's bytes for ``room``."""
+        want = self.src.expected(room, len(dst_pages))
+        return bool((self.dst.kv[:, dst_pages, :] == want).all()) and self.dst.aux_ok(
+            aux_slot, room
+        )
+
+
+@asynccontextmanager
+async def open_pair(
+    engine_name: str,
+    url: str,
+    *,
+    layout: str = "mha",
+    wrap: Callable[[TransferEngine], TransferEngine] | None = None,
+    prefill_config: PrefillConfig | None = None,
+    decode_config: DecodeConfig | None = None,
+) -> AsyncIterator[Pair]:
+    src, dst = host_pool(layout), host_pool(layout)
+    pe: TransferEngine = make_engine(engine_name)
+    de = make_engine(engine_name)
+    if wrap is not None:
+        pe = wrap(pe)
+    try:
+        async with open_prefill(
+            engine=pe, pool=src.spec, bootstrap_url=url, kv_heads=2 if layout == "mha" else 1,
+            config=prefill_config,
+        ) as prefill, open_decode(engine=de, pool=dst.spec, config=decode_config) as decode:
+            yield Pair(prefill, decode, src, dst, url, pe)
+    finally:
+        pe.close()
+        de.close()
