@@ -254,6 +254,8 @@ class Socket:
             reached, or a PUSH/DEALER has no peer yet). Nothing was queued.
           trio.ClosedResourceError: if the socket was closed.
           ValueError: if *frames* is empty.
+          zmq.ZMQError: for other libzmq refusals (``EHOSTUNREACH`` from a ``ROUTER`` with
+            ``ROUTER_MANDATORY``, for example).
         """
         if not frames:
             raise ValueError("a zmq message needs at least one frame")

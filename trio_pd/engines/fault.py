@@ -222,6 +222,11 @@ class FaultEngine:
     # -- delegated ---------------------------------------------------------------------------
 
     @property
+    def write_deadline_s(self) -> float:
+        """The wrapped engine's deadline (the fence the trio layer waits out)."""
+        return float(getattr(self.inner, "write_deadline_s", 10.0))
+
+    @property
     def session_id(self) -> str:
         return self.inner.session_id
 

@@ -16,6 +16,9 @@ What a call costs and how it fails (see ENGINES.md for the measurements):
   delivering the admitted part, and can leave that link dead. The adapter splits a call into
   sub-batches of at most :data:`MAX_BLOCKS_PER_CALL` blocks and caps the blocks in flight to
   each peer, across all threads, at ``max_blocks_in_flight_per_peer``.
+* The receiving engine checks that destinations lie in memory it registered (-1 in ~0.1 ms),
+  but the TCP transport does **not** check sources (0.3.13): a block from unregistered local
+  memory is sent as is. trio_pd validates its blocks before calling the engine.
 """
 
 from __future__ import annotations
@@ -147,6 +150,16 @@ class MooncakeEngine:
         return f"<MooncakeEngine {self._session_id}{' closed' if self._closed else ''}>"
 
     @property
+    def write_deadline_s(self) -> float:
+        """How long a write call may take before the engine gives up on it (seconds, for a
+        call of a few MB): ``MC_TRANSFER_TIMEOUT`` as the engine reads it (floor 5)."""
+        try:
+            value = int(os.environ.get("MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S))
+        except ValueError:
+            value = 30
+        return float(max(5, value)) + 1.0
+
+    @property
     def session_id(self) -> str:
         return self._session_id
 
@@ -244,6 +257,10 @@ class MooncakeEngine:
         """Deregister what is still registered and drop the engine. Idempotent.
 
         Call it only once no write can still be running (the trio layer's shutdown order).
+        The binding's destructor joins the engine's threads and takes 0.4-1 s **holding the
+        GIL**: every Python thread, an event loop included, stalls for that long wherever
+        close() runs (``trio.to_thread`` does not help). Close engines when nothing is
+        timing-sensitive any more, e.g. all ranks of a process together at the end.
         """
         with self._lock:
             if self._closed:

@@ -173,6 +173,11 @@ class NixlEngine:
         return f"<NixlEngine {self._name}{' closed' if self._closed else ''}>"
 
     @property
+    def write_deadline_s(self) -> float:
+        """How long a write waits for its handle before giving up (seconds, a few-MB call)."""
+        return float(self._timeout_s) + 1.0
+
+    @property
     def session_id(self) -> str:
         return self._name
 
@@ -344,8 +349,8 @@ class NixlEngine:
             raise error
 
     def probe(self, peer: str) -> bool:
-        """False if the peer's metadata is not loaded, or if UCX reports the connection to it
-        lost; True otherwise. Never blocks.
+        """False only if UCX reports the connection to a loaded peer lost; True otherwise
+        (also for a peer whose metadata we never loaded: unknown is not gone). Never blocks.
 
         NIXL has no liveness call. This sends the peer an empty notification: UCX refuses it
         at once (``NIXL_ERR_REMOTE_DISCONNECT``) once it has seen the peer's process go away
@@ -357,7 +362,9 @@ class NixlEngine:
         agent = self._live_agent()
         try:
             if not agent.check_remote_metadata(peer):
-                return False
+                # We never loaded this peer (decode never loads prefill's metadata): nothing
+                # here can prove it gone, and a False would let pages go without a drain.
+                return True
             agent.send_notif(peer, b"")
         except self._gone_errors:
             return False
