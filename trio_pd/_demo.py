@@ -146,6 +146,13 @@ async def _bounded_wait(wait: Callable[[], Any], bound: float) -> KVPoll | None:
     return None
 
 
+def _hand_over(engine: TransferEngine, engines: list[TransferEngine] | None) -> None:
+    if engines is None:
+        engine.close()
+    else:
+        engines.append(engine)
+
+
 async def _all_returned(allocs: list[PageAllocator], bound: float) -> None:
     """Wait (at most ``bound`` s) until every allocator has every row back: quarantines and
     drain acks included."""
@@ -155,7 +162,11 @@ async def _all_returned(allocs: list[PageAllocator], bound: float) -> None:
 
 
 async def run_prefill_rank(
-    opts: DemoOptions, rank: int, bootstrap_url: str, progress: Callable[[], None] = lambda: None
+    opts: DemoOptions,
+    rank: int,
+    bootstrap_url: str,
+    progress: Callable[[], None] = lambda: None,
+    engines: list[TransferEngine] | None = None,
 ) -> RankResult:
     result = RankResult("prefill", rank)
     pool = _pool(opts, rank, opts.prefill_tp)
@@ -221,7 +232,9 @@ async def run_prefill_rank(
             await _all_returned([pages_alloc, aux_alloc], agent._fence + 5)
             result.stats = asdict(agent.statistics())
     finally:
-        engine.close()
+        # Mooncake's close() holds the GIL for up to a second: the caller closes every
+        # engine once no rank is still moving bytes.
+        _hand_over(engine, engines)
     result.late_writes = (
         pages_alloc.late_writes + aux_alloc.late_writes + _late_in_free_rows(pages_alloc)
         + _late_in_free_rows(aux_alloc)
@@ -231,7 +244,11 @@ async def run_prefill_rank(
 
 
 async def run_decode_rank(
-    opts: DemoOptions, rank: int, bootstrap_url: str, progress: Callable[[], None] = lambda: None
+    opts: DemoOptions,
+    rank: int,
+    bootstrap_url: str,
+    progress: Callable[[], None] = lambda: None,
+    engines: list[TransferEngine] | None = None,
 ) -> RankResult:
     result = RankResult("decode", rank)
     pool = _pool(opts, rank, opts.decode_tp)
@@ -294,7 +311,9 @@ async def run_decode_rank(
             await _all_returned([pages_alloc, aux_alloc], opts.request_bound)
             result.stats = asdict(agent.statistics())
     finally:
-        engine.close()
+        # Mooncake's close() holds the GIL for up to a second: the caller closes every
+        # engine once no rank is still moving bytes.
+        _hand_over(engine, engines)
     result.late_writes = (
         pages_alloc.late_writes + aux_alloc.late_writes + _late_in_free_rows(pages_alloc)
         + _late_in_free_rows(aux_alloc)
@@ -391,17 +410,23 @@ async def run_in_process(
 ) -> dict[str, Any]:
     """Every rank as tasks of one trio run."""
     results: list[RankResult] = []
+    engines: list[TransferEngine] = []
     start = time.perf_counter()
-    async with open_bootstrap_server() as server, trio.open_nursery() as nursery:
+    try:
+        async with open_bootstrap_server() as server, trio.open_nursery() as nursery:
 
-        async def run(fn: Any, rank: int, tick: Callable[[], None]) -> None:
-            results.append(await fn(opts, rank, server.url, tick))
+            async def run(fn: Any, rank: int, tick: Callable[[], None]) -> None:
+                results.append(await fn(opts, rank, server.url, tick, engines))
 
-        for p in range(opts.prefill_tp):
-            nursery.start_soon(run, run_prefill_rank, p, lambda: None)
-        for d in range(opts.decode_tp):
-            nursery.start_soon(run, run_decode_rank, d, progress if d == 0 else lambda: None)
-    return summarize(opts, results, time.perf_counter() - start)
+            for p in range(opts.prefill_tp):
+                nursery.start_soon(run, run_prefill_rank, p, lambda: None)
+            for d in range(opts.decode_tp):
+                nursery.start_soon(run, run_decode_rank, d, progress if d == 0 else lambda: None)
+        seconds = time.perf_counter() - start
+    finally:
+        for engine in engines:
+            engine.close()
+    return summarize(opts, results, seconds)
 
 
 async def run_worker(role: str, rank: int, url: str, opts: DemoOptions) -> None:
@@ -414,8 +439,11 @@ async def run_worker(role: str, rank: int, url: str, opts: DemoOptions) -> None:
         print(f"progress {done}", flush=True)
 
     fn = run_prefill_rank if role == "prefill" else run_decode_rank
-    result = await fn(opts, rank, url, tick)
+    engines: list[TransferEngine] = []
+    result = await fn(opts, rank, url, tick, engines)
     print("result " + json.dumps(asdict(result)), flush=True)
+    for engine in engines:
+        engine.close()
 
 
 async def run_processes(

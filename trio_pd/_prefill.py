@@ -554,7 +554,35 @@ class PrefillAgent:
         """An errored lease: its pages stay out until the engine provably cannot touch them."""
         for peer in peers:
             self._mark_failed(peer)
-        self.timers.after(self._fence, partial(self._end_quarantine, room, lease))
+        self.timers.after(self._fence, partial(self._fence_passed, room, lease, peers))
+
+    def _fence_passed(self, room: _Room, lease: Lease, peers: list[_DecodePeer]) -> None:
+        """The engine's own deadline for the failed call has passed, so the call has
+        returned; requests it left queued may still be on their way. End the quarantine once
+        every peer it wrote to answers a probe (the link is moving again, so what was queued
+        has been delivered) or is proven gone. A peer that does not answer keeps the pages
+        out for another fence."""
+        if lease not in room.leases.quarantined:
+            return
+        if self._nursery is None:
+            return
+        self._nursery.start_soon(self._confirm_quarantine_end, room, lease, peers)
+
+    async def _confirm_quarantine_end(
+        self, room: _Room, lease: Lease, peers: list[_DecodePeer]
+    ) -> None:
+        answered = True
+        with trio.move_on_after(self._fence) as scope:
+            for peer in peers:
+                await trio.to_thread.run_sync(
+                    self.engine.probe, peer.session, limiter=self._probe_limiter
+                )
+        if scope.cancelled_caught:
+            answered = False
+        if answered:
+            self._end_quarantine(room, lease)
+        elif lease in room.leases.quarantined:
+            self.timers.after(self._fence, partial(self._fence_passed, room, lease, peers))
 
     def _end_quarantine(self, room: _Room, lease: Lease) -> None:
         if lease in room.leases.quarantined:
