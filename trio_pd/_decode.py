@@ -513,6 +513,8 @@ class DecodeAgent:
         error = PeerLost(f"prefill rank {rank.tp_rank} at {rank.endpoint} stopped answering")
         for room_id in list(rank.rooms):
             room = self._rooms.get(room_id)
+            if room is not None and room.book is not None and rank.tp_rank in room.book.succeeded:
+                continue  # it delivered its part and will write nothing more
             if room is not None:
                 self._fail_and_drain(room, error)
                 assert self._nursery is not None

@@ -708,6 +708,8 @@ class PrefillAgent:
                 raise ProtocolError(f"aux slot {msg.aux_slot} outside the decode aux buffer")
         except ProtocolError as exc:
             self._close_room(room, exc)
+            if peer is not None:  # that decode rank must not wait for its own deadline
+                self._refuse_transfer(msg, _reason(exc))
             raise
         room.epoch = msg.epoch
         room.targets[peer.decode_rank] = _Target(

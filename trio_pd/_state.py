@@ -225,8 +225,9 @@ class DecodeBook:
 
     @property
     def drained(self) -> bool:
-        """Every rank that may write our pages has acked its drain."""
-        return self.acked >= self.contacted
+        """Every rank that may write our pages has acked its drain, or reported Success (it
+        reports Success only once all of its writes returned)."""
+        return (self.acked | self.succeeded) >= self.contacted
 
     def take_release(self) -> bool:
         """True exactly once: the room failed, every contacted rank acked, pages may go back."""

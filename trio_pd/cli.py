@@ -147,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("url")
     w.add_argument("options")
     args = parser.parse_args(argv)
+    # Mooncake logs every connection through glog on stderr; keep warnings and errors only
+    # unless asked (read when the engine library loads, so set before any engine exists).
+    if not args.verbose:
+        os.environ.setdefault("GLOG_minloglevel", "1")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -1,0 +1,541 @@
+"""Malformed and hostile control input against live agents (SPEC §6, §8 item 13, I7, I8).
+
+Bad messages go through a raw ZeroMQ PUSH socket connected to ``agent.endpoint``, so they
+reach the real listener exactly as a broken or hostile peer would send them. Replies to a
+fake decode land on a real :class:`~trio_pd._control.ControlPlane`.
+
+Ordering trick used as a barrier: messages from one PUSH socket are handled in order, so after
+an ABORT for an unknown room sent last on the same socket has been acked, every message sent
+before it has been handled (and anything it made prefill send to us came first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import trio
+import zmq
+
+from trio_pd import (
+    AdmissionClosed,
+    EngineError,
+    KVPoll,
+    PrefillSender,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    _wire,
+)
+from trio_pd._control import ControlPlane
+from trio_pd._stats import Counters
+from trio_pd._zmq import Socket, open_socket
+from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.testing.pools import HostKVPool
+
+from .conftest import Pair, host_pool, open_pair
+
+V = _wire.WIRE_VERSION
+_nonces = itertools.count(10_000_000)
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+async def poll_until(pred: Callable[[], bool]) -> None:
+    """Wait for a condition that has no event to wait on (a statistics counter, an agent's
+    private table) by polling it. Callers bound every use with ``trio.fail_after``."""
+    while not pred():  # noqa: ASYNC110 - counters and private tables have no trio.Event
+        await trio.sleep(0.005)
+
+
+@asynccontextmanager
+async def raw_push(endpoint: str) -> AsyncIterator[Socket]:
+    """A raw PUSH socket to an agent's control endpoint: sends whatever bytes it is given."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = open_socket(ctx, zmq.PUSH)
+    try:
+        sock.connect(endpoint)
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@dataclass
+class FakeDecode:
+    """A fake decode rank: a real control plane (its PULL socket collects what prefill sends)
+    and, optionally, a real engine with real registered memory."""
+
+    cp: ControlPlane
+    got: list[_wire.Message] = field(default_factory=list)
+    arrived: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def endpoint(self) -> str:
+        return self.cp.endpoint
+
+    def _handle(self, msg: _wire.Message, _pages: Any) -> None:
+        self.got.append(msg)
+        self.arrived.set()
+        self.arrived = trio.Event()
+
+    async def next_matching(self, pred: Callable[[_wire.Message], bool]) -> _wire.Message:
+        while True:
+            for m in self.got:
+                if pred(m):
+                    return m
+            await self.arrived.wait()
+
+    def statuses(self, room: int) -> list[_wire.Status]:
+        return [m for m in self.got if isinstance(m, _wire.Status) and m.room == room]
+
+
+@asynccontextmanager
+async def fake_decode() -> AsyncIterator[FakeDecode]:
+    cp = ControlPlane("127.0.0.1", Counters())
+    fake = FakeDecode(cp)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cp.serve, fake._handle)
+            yield fake
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await cp.aclose(linger=0)
+
+
+async def barrier(sock: Socket, fake: FakeDecode) -> None:
+    """Every message sent on ``sock`` before this call has been handled by the prefill
+    agent (see the module docstring)."""
+    room = next(_nonces)
+    await sock.send_multipart(
+        _wire.encode(_wire.Abort(v=V, room=room, epoch=room, endpoint=fake.endpoint))
+    )
+    with trio.fail_after(10):
+        await fake.next_matching(lambda m: isinstance(m, _wire.AbortAck) and m.room == room)
+
+
+def enc(d: dict[str, Any]) -> bytes:
+    return msgspec.msgpack.encode(d)
+
+
+def as_dict(msg: _wire.Message) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.to_builtins(msg, builtin_types=(bytes,))
+    return out
+
+
+def transfer(room: int, epoch: int, endpoint: str, num_pages: int, **kw: Any) -> _wire.Transfer:
+    args: dict[str, Any] = dict(
+        v=V, room=room, epoch=epoch, endpoint=endpoint, decode_rank=0, aux_slot=0, required=1,
+        num_pages=num_pages,
+    )
+    args.update(kw)
+    return _wire.Transfer(**args)
+
+
+def register(endpoint: str, eng: TransferEngine, pool: Any, **kw: Any) -> _wire.Register:
+    args: dict[str, Any] = dict(
+        v=V, endpoint=endpoint, decode_rank=0, decode_tp=1, engine=eng.name,
+        session=eng.session_id, engine_meta=eng.metadata(),
+        pool=_wire.PoolWire.from_spec(pool),
+    )
+    args.update(kw)
+    return _wire.Register(**args)
+
+
+def malformed(pool: HostKVPool, engine: TransferEngine) -> dict[str, list[bytes]]:
+    """One multipart message per way of being malformed; each must count one bad message."""
+    reg = as_dict(register("tcp://127.0.0.1:1", engine, pool.spec))
+    reg_header = enc(reg)
+    t = as_dict(transfer(1, 1, "tcp://127.0.0.1:1", 2))
+    abort = {"t": "abort", "v": V, "room": 1, "epoch": 1, "endpoint": "tcp://127.0.0.1:1"}
+
+    def reg_with(**pool_kw: Any) -> list[bytes]:
+        return [enc({**reg, "pool": {**reg["pool"], **pool_kw}})]
+
+    return {
+        "garbage": [b"\xc1\xc1 not msgpack at all"],
+        "empty frame": [b""],
+        "no frames of substance": [b"\x00"],
+        "truncated msgpack": [reg_header[: len(reg_header) // 2]],
+        "wrong version": [enc({"t": "ping", "v": V + 1, "nonce": 1, "endpoint": "tcp://x:1"})],
+        "version zero": [enc({**abort, "v": 0})],
+        "unknown tag": [enc({"t": "format_disk", "v": V})],
+        "no tag": [enc({k: v for k, v in abort.items() if k != "t"})],
+        "missing field": [enc({"t": "abort", "v": V, "room": 1})],
+        "extra field": [enc({**abort, "extra": 1})],
+        "wrong field type": [enc({**abort, "room": "one"})],
+        "negative room": [enc({**abort, "room": -1})],
+        "room past int64": [enc({**abort, "epoch": 1 << 63})],
+        "endpoint too long": [enc({**abort, "endpoint": "x" * 10_000})],
+        "too many frames": [enc(abort), b"", b""],
+        "pages on a non-transfer": [enc(abort), b"\x00" * 8],
+        "transfer without pages": [enc(t)],
+        "transfer short page frame": [enc(t), b"\x00" * 7],
+        "transfer negative page": [enc(t), np.array([-1, 0], dtype="<i4").tobytes()],
+        "transfer absurd page id": [enc(t), np.array([0, 1 << 30], dtype="<i4").tobytes()],
+        "transfer too many pages": [enc({**t, "num_pages": _wire.MAX_TRANSFER_PAGES + 1}), b""],
+        "transfer required 0": [enc({**t, "required": 0}), b"\x00" * 8],
+        "huge header": [b"\xc4" + b"\x00" * (_wire.MAX_HEADER_BYTES + 16)],
+        "huge page frame": [enc(t), b"\x00" * (16 << 20)],
+        "deeply nested": [b"\x91" * 100_000 + b"\x00"],
+        "register rank >= tp": [enc({**reg, "decode_rank": 4, "decode_tp": 2})],
+        "register buffer count": reg_with(buffer_bases=reg["pool"]["buffer_bases"][:1]),
+        "register zero pages": reg_with(num_pages=0),
+        "register buffer past 2**64": reg_with(buffer_bases=[(1 << 64) - 64] * 4),
+        "register aux past 2**64": reg_with(aux_base=(1 << 64) - 8),
+        "register absurd sizes": reg_with(page_size=1 << 40, head_bytes=1 << 40,
+                                          num_pages=1 << 29),
+        "register mla with heads": reg_with(layout="mla", buffer_bases=[4096] * 2, heads=2),
+        "register unknown layout": reg_with(layout="gqa"),
+        "register huge engine meta": [enc({**reg, "engine_meta": b"\x00" * (2 << 20)})],
+    }
+
+
+async def good_room(pair: Pair, url: str, room: int) -> tuple[PrefillSender, Any, np.ndarray]:
+    """A room started before the bad input: receiver ready, first chunk sent, last not."""
+    src, dst = np.array([30, 31, 32, 33, 34]), np.array([60, 61, 2, 3, 4])
+    pair.src.fill(src, room)
+    pair.src.fill_aux(7, room)
+    sender = pair.prefill.sender(room, num_pages=5, aux_slot=7)
+    receiver = pair.decode.receiver(room, bootstrap_url=url)
+    receiver.init(dst, 7)
+    sender.send(src[:2])
+    with trio.fail_after(10):  # the first chunk has landed
+        await poll_until(lambda: pair.prefill.statistics().leases_live == 0)
+    return sender, receiver, src
+
+
+async def finish_good_room(
+    pair: Pair, room: int, sender: PrefillSender, receiver: Any, src: np.ndarray
+) -> None:
+    sender.send(src[2:], last=True)
+    with trio.fail_after(15):
+        assert await receiver.wait() is KVPoll.Success, receiver.failure
+        assert await sender.wait() is KVPoll.Success, sender.failure
+    assert pair.verify(room, np.array([60, 61, 2, 3, 4]), 7)
+
+
+# ------------------------------------------------------------------------ malformed input
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_malformed_messages_are_counted_and_harmless(
+    engine_name: str, bootstrap_url: str, side: str
+) -> None:
+    """Every malformed message counts one bad message; the listener lives on; a room that was
+    in flight meanwhile succeeds with the right bytes; nothing is refused or written."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        agent = pair.prefill if side == "prefill" else pair.decode
+        bad = malformed(pair.dst, pair.prefill_engine)
+        sender, receiver, src = await good_room(pair, bootstrap_url, 1)
+        before = agent.statistics()
+        async with raw_push(agent.endpoint) as sock:
+            for frames in bad.values():
+                await sock.send_multipart(frames)
+            with trio.fail_after(10):
+                await poll_until(
+                    lambda: agent.statistics().bad_messages - before.bad_messages >= len(bad)
+                )
+        after = agent.statistics()
+        assert after.bad_messages - before.bad_messages == len(bad)
+        assert after.refused_messages == before.refused_messages
+        assert after.engine_calls == before.engine_calls
+        await finish_good_room(pair, 1, sender, receiver, src)
+        # the listener still answers after all that: a second room succeeds too
+        sender2, receiver2, src2 = await good_room(pair, bootstrap_url, 2)
+        await finish_good_room(pair, 2, sender2, receiver2, src2)
+
+
+# ------------------------------------------------------------------------ refused input: prefill
+
+
+async def test_prefill_refuses_wellformed_nonsense(engine_name: str, bootstrap_url: str) -> None:
+    """Well-formed messages that make no sense here are refused and counted; rooms they name
+    fail with a ProtocolError; other rooms are untouched; nothing is written."""
+    async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake:
+        p = pair.prefill
+        decode_ep = pair.decode.endpoint
+        sender, receiver, src = await good_room(pair, bootstrap_url, 1)
+        with trio.fail_after(10):
+            await poll_until(lambda: sender.poll() >= KVPoll.WaitingForInput)
+        victims = {room: p.sender(room, num_pages=2, aux_slot=1) for room in (11, 12, 13, 14)}
+        before = p.statistics()
+        refused: list[tuple[_wire.Message, np.ndarray | None]] = [
+            # REGISTER for another engine, another layout
+            (register(fake.endpoint, pair.prefill_engine, pair.dst.spec, engine="nosuch"), None),
+            (register(fake.endpoint, pair.prefill_engine,
+                      host_pool("mla").spec), None),
+            # TRANSFER from an endpoint that never registered, for an existing room
+            (transfer(11, 5, "tcp://127.0.0.1:9", 2), np.array([1, 2], dtype=np.int32)),
+            # TRANSFERs from the registered decode endpoint that its pool cannot take
+            (transfer(12, 5, decode_ep, 2), np.array([0, 10_000], dtype=np.int32)),  # range
+            (transfer(13, 5, decode_ep, 2), np.array([3, 3], dtype=np.int32)),  # repeated
+            (transfer(14, 5, decode_ep, 2, aux_slot=10_000), np.array([1, 2], dtype=np.int32)),
+            # messages only decode takes
+            (_wire.Status(v=V, room=1, epoch=1, rank=0, ok=False, reason="forged"), None),
+            (_wire.AbortAck(v=V, room=1, epoch=1, rank=0), None),
+            (_wire.Pong(v=V, nonce=1, rank=0), None),
+        ]
+        async with raw_push(p.endpoint) as sock:
+            for msg, pages in refused:
+                await sock.send_multipart(_wire.encode(msg, pages))
+            await barrier(sock, fake)
+        after = p.statistics()
+        assert after.refused_messages - before.refused_messages == len(refused)
+        assert after.bad_messages == before.bad_messages
+        for room in (12, 13, 14):
+            assert victims[room].poll() is KVPoll.Failed
+            assert isinstance(victims[room].failure, ProtocolError), victims[room].failure
+        assert after.engine_calls == before.engine_calls  # nothing was written for them
+        assert not fake.statuses(1)  # nobody but the real decode hears about room 1
+        await finish_good_room(pair, 1, sender, receiver, src)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a TRANSFER for a room prefill has not created yet is queued in _pending_meta "
+    "without checking that its endpoint is a registered peer or that its pages fit that "
+    "peer's pool, and it replaces a legitimate queued TRANSFER of the same decode rank; "
+    "PrefillAgent.sender() then raises the peer's ProtocolError into the scheduler, the "
+    "legitimate decode is never answered (it waits for its waiting timeout) and the room id "
+    "stays 'in use'",
+)
+async def test_unregistered_transfer_for_future_room_is_refused_at_once(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake:
+        p = pair.prefill
+        room = 33
+        src, dst = np.array([1, 2]), np.array([7, 8])
+        pair.src.fill(src, room)
+        pair.src.fill_aux(0, room)
+        receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url)
+        receiver.init(dst, 1)  # the legitimate TRANSFER is queued: prefill has no room yet
+        with trio.fail_after(10):  # the legitimate TRANSFER is queued
+            await poll_until(lambda: room in p._pending_meta)
+        before = p.statistics()
+        async with raw_push(p.endpoint) as sock:
+            hostile = transfer(room, 666, "tcp://127.0.0.1:9", 2)
+            await sock.send_multipart(_wire.encode(hostile, np.array([1, 2], dtype=np.int32)))
+            await barrier(sock, fake)
+        assert p.statistics().refused_messages == before.refused_messages + 1
+        sender = p.sender(room, num_pages=2, aux_slot=0)  # must not raise
+        sender.send(src, last=True)
+        with trio.fail_after(10):
+            assert await receiver.wait() is KVPoll.Success, receiver.failure
+        assert pair.verify(room, dst, 1)
+
+
+async def test_refused_transfer_is_answered_with_failed_status(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake:
+        p = pair.prefill
+        engine = make_engine(engine_name)
+        try:
+            async with raw_push(p.endpoint) as sock:
+                await sock.send_multipart(
+                    _wire.encode(register(fake.endpoint, engine, pair.dst.spec))
+                )
+                sender = p.sender(21, num_pages=2, aux_slot=0)
+                bad = transfer(21, 5, fake.endpoint, 2)
+                await sock.send_multipart(
+                    _wire.encode(bad, np.array([0, 99_999], dtype=np.int32))
+                )
+                await barrier(sock, fake)
+            assert sender.poll() is KVPoll.Failed
+            statuses = fake.statuses(21)
+            assert statuses and not statuses[0].ok and "ProtocolError" in statuses[0].reason
+        finally:
+            await trio.to_thread.run_sync(engine.close)
+
+
+async def test_abort_for_unknown_room_is_acked_and_late_transfer_dropped(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake:
+        p = pair.prefill
+        before = p.statistics()
+        async with raw_push(p.endpoint) as sock:
+            await sock.send_multipart(
+                _wire.encode(_wire.Abort(v=V, room=404, epoch=17, endpoint=fake.endpoint))
+            )
+            with trio.fail_after(10):
+                ack = await fake.next_matching(lambda m: isinstance(m, _wire.AbortAck))
+            assert isinstance(ack, _wire.AbortAck)
+            assert (ack.room, ack.epoch, ack.rank) == (404, 17, p.tp_rank)
+            # the TRANSFER of that (room, epoch), arriving late, is dropped: the room stays
+            # unknown and nothing waits for it
+            await sock.send_multipart(
+                _wire.encode(transfer(404, 17, pair.decode.endpoint, 1),
+                             np.array([0], dtype=np.int32))
+            )
+            await barrier(sock, fake)
+        after = p.statistics()
+        assert after.late_messages == before.late_messages + 1
+        assert after.acks_sent >= before.acks_sent + 2  # ours and the barrier's
+        assert 404 not in p._pending_meta and after.rooms_active == before.rooms_active
+
+
+# ------------------------------------------------------------------------ refused input: decode
+
+
+async def test_decode_refuses_and_ignores_stray_messages(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """STATUS / ABORT_ACK for unknown rooms or other epochs are late (ignored, counted);
+    messages decode does not take, or a STATUS from a rank that is not a source, are refused;
+    the live room they name is unaffected and succeeds."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        d = pair.decode
+        sender, receiver, src = await good_room(pair, bootstrap_url, 1)
+        with trio.fail_after(10):
+            await poll_until(lambda: receiver.poll() >= KVPoll.WaitingForInput)
+        epoch = receiver.epoch
+        late: list[_wire.Message] = [
+            _wire.Status(v=V, room=999, epoch=1, rank=0, ok=True),
+            _wire.Status(v=V, room=1, epoch=epoch ^ 1, rank=0, ok=False, reason="stale"),
+            _wire.AbortAck(v=V, room=999, epoch=1, rank=0),
+            _wire.AbortAck(v=V, room=1, epoch=epoch ^ 1, rank=0),
+        ]
+        refused: list[tuple[_wire.Message, np.ndarray | None]] = [
+            (_wire.Status(v=V, room=1, epoch=epoch, rank=5, ok=False, reason="not a source"),
+             None),
+            (_wire.Ping(v=V, nonce=1, endpoint="tcp://127.0.0.1:9"), None),
+            (_wire.Abort(v=V, room=1, epoch=epoch, endpoint="tcp://127.0.0.1:9"), None),
+            (transfer(1, epoch, "tcp://127.0.0.1:9", 1), np.array([0], dtype=np.int32)),
+            (register("tcp://127.0.0.1:9", pair.prefill_engine, pair.dst.spec), None),
+        ]
+        before = d.statistics()
+        async with raw_push(d.endpoint) as sock:
+            for msg in late:
+                await sock.send_multipart(_wire.encode(msg))
+            for msg, pages in refused:
+                await sock.send_multipart(_wire.encode(msg, pages))
+            want_refused = before.refused_messages + len(refused)
+            want_late = before.late_messages + len(late)
+            with trio.fail_after(10):
+                await poll_until(
+                    lambda: d.statistics().refused_messages >= want_refused
+                    and d.statistics().late_messages >= want_late
+                )
+        after = d.statistics()
+        assert after.late_messages - before.late_messages == len(late)
+        assert after.refused_messages - before.refused_messages == len(refused)
+        assert after.bad_messages == before.bad_messages
+        assert receiver.poll() is KVPoll.WaitingForInput  # untouched by any of it
+        await finish_good_room(pair, 1, sender, receiver, src)
+
+
+# ------------------------------------------------------------------------ hostile REGISTER (I8)
+
+
+@asynccontextmanager
+async def real_registration(
+    engine_name: str, pool: HostKVPool, real_pages: int
+) -> AsyncIterator[TransferEngine]:
+    """A real engine that registers only the first ``real_pages`` pages of each buffer of
+    ``pool`` (and its aux buffer): the rest is memory that exists but is not registered."""
+    spec = dataclasses.replace(pool.spec, num_pages=real_pages)
+    engine = make_engine(engine_name)
+    try:
+        await trio.to_thread.run_sync(engine.register, spec.regions())
+        yield engine
+        await trio.to_thread.run_sync(engine.unregister, spec.regions())
+    finally:
+        await trio.to_thread.run_sync(engine.close)
+
+
+async def test_hostile_register_cannot_make_prefill_write_outside(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A decode rank REGISTERs a pool twice the size of what it registered with its engine.
+    A TRANSFER into pages it registered works; one into pages it only *claimed* fails the
+    room (the engine refuses: nothing lands in the unregistered guard pages); one beyond
+    even the claim fails the room with a ProtocolError before any write. Pools whose shape
+    does not fit fail their room too, and write nothing (I8)."""
+    real, guard = 16, 16
+    mem = host_pool(num_pages=real + guard)  # every byte here belongs to this test
+    poison = 0xEE
+    mem.kv[...] = poison
+    async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake, \
+            real_registration(engine_name, mem, real) as engine:
+        p = pair.prefill
+        async with raw_push(p.endpoint) as sock:
+            await sock.send_multipart(_wire.encode(register(fake.endpoint, engine, mem.spec)))
+            cases = {
+                101: np.array([0, 1]),  # registered: lands
+                102: np.array([real + 2, real + 3]),  # claimed only: the engine refuses
+                103: np.array([real + guard + 1, 0]),  # beyond the claim: refused by prefill
+            }
+            senders = {}
+            for room, dst in cases.items():
+                src = np.array([40, 41])
+                pair.src.fill(src, room)
+                pair.src.fill_aux(2, room)
+                senders[room] = p.sender(room, num_pages=2, aux_slot=2)
+                await sock.send_multipart(
+                    _wire.encode(transfer(room, 5, fake.endpoint, 2, aux_slot=3),
+                                 dst.astype(np.int32))
+                )
+                await barrier(sock, fake)
+                if room == 103:  # refused on arrival: the room is closed before any chunk
+                    assert senders[room].poll() is KVPoll.Failed
+                    with pytest.raises(AdmissionClosed):
+                        senders[room].send(src, last=True)
+                else:
+                    senders[room].send(src, last=True)
+                with trio.fail_after(15):
+                    await senders[room].wait()
+            assert senders[101].poll() is KVPoll.Success, senders[101].failure
+            assert (mem.kv[:, [0, 1], :] == pair.src.expected(101, 2)).all()
+            assert senders[102].poll() is KVPoll.Failed
+            assert isinstance(senders[102].failure, (EngineError, ProtocolError))
+            assert senders[103].poll() is KVPoll.Failed
+            assert isinstance(senders[103].failure, ProtocolError), senders[103].failure
+            # I8: not one byte landed in the memory that was never registered
+            assert (mem.kv[:, real:, :] == poison).all()
+            assert (mem.kv[:, 2:real, :] == poison).all()
+            with trio.fail_after(10):
+                status = await fake.next_matching(
+                    lambda m: isinstance(m, _wire.Status) and m.room == 102
+                )
+            assert isinstance(status, _wire.Status) and not status.ok and status.reason
+
+
+async def test_register_with_mismatched_pool_shape_fails_rooms_without_writing(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A REGISTER whose pool claims fewer heads per token (or other page sizes) than this
+    topology gives it: the plan does not fit, the room fails, and nothing is written."""
+    mem = host_pool(num_pages=32, heads=1)  # prefill (kv_heads=2, TP 1) writes 2 heads
+    mem.kv[...] = 0xEE
+    async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake, \
+            real_registration(engine_name, mem, 32) as engine:
+        p = pair.prefill
+        async with raw_push(p.endpoint) as sock:
+            await sock.send_multipart(_wire.encode(register(fake.endpoint, engine, mem.spec)))
+            pair.src.fill(np.array([1, 2]), 201)
+            sender = p.sender(201, num_pages=2, aux_slot=0)
+            await sock.send_multipart(
+                _wire.encode(transfer(201, 5, fake.endpoint, 2), np.array([30, 31], np.int32))
+            )
+            await barrier(sock, fake)
+            sender.send(np.array([1, 2]), last=True)
+            with trio.fail_after(10):
+                assert await sender.wait() is KVPoll.Failed
+        assert isinstance(sender.failure, TransferError)
+        assert not isinstance(sender.failure, TransferAborted)
+        assert (mem.kv == 0xEE).all()
+        assert p.statistics().engine_calls == 0
+
+

@@ -1,0 +1,88 @@
+"""The demo driver (``trio_pd._demo``) and the ``trio-pd demo`` command, on real engines."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import trio
+
+from trio_pd import KVPoll
+from trio_pd._demo import DemoOptions, RankResult, check, plan_requests, run_in_process, summarize
+
+SMALL = dict(requests=20, concurrency=8, max_tokens=256, chunk_pages=4, layers=2)
+
+
+async def test_demo_clean_run(engine_name: str) -> None:
+    opts = DemoOptions(engine=engine_name, **SMALL)  # type: ignore[arg-type]
+    with trio.fail_after(30):
+        summary = await run_in_process(opts)
+    assert summary["succeeded"] == summary["requests"] == opts.requests, summary
+    assert summary["failed"] == summary["aborted"] == 0
+    assert summary["corrupt_pages"] == summary["source_uaf_pages"] == 0
+    assert summary["bytes"] > 0
+    assert check(opts, summary) == []
+
+
+async def test_demo_aborts_and_faults_leave_no_trace(engine_name: str) -> None:
+    """Aborts at random points on both sides plus engine faults: requests fail or abort, but
+    no page is corrupt, written late or leaked, nothing hangs, and nothing was freed by a
+    timeout (every release had its drain proof). The quarantine fence makes this ~11 s."""
+    opts = DemoOptions(
+        engine=engine_name, requests=30, concurrency=8, max_tokens=256, chunk_pages=2,
+        layers=1, abort_rate=0.3, fault_rate=0.05, seed=0,
+    )
+    with trio.fail_after(40):
+        summary = await run_in_process(opts)
+    for key in ("late_writes", "leaked_pages", "hung", "released_by_timeout", "corrupt_pages",
+                "source_uaf_pages"):
+        assert summary[key] == 0, (key, summary)
+    assert summary["succeeded"] + summary["failed"] + summary["aborted"] == opts.requests
+    planned_aborts = sum(r.abort is not None for r in plan_requests(opts))
+    assert planned_aborts > 0 and summary["aborted"] <= planned_aborts
+    assert summary["succeeded"] > 0
+    assert summary["engine_errors"] >= 1  # the faults really happened (seeded)
+    # every lease quarantined by an engine error came back after its fence
+    assert summary["quarantined"] == summary["released_after_quarantine"]
+    assert check(opts, summary) == []
+
+
+def test_check_flags_corrupt_pages() -> None:
+    opts = DemoOptions(requests=3)
+    decode = RankResult("decode", 0, outcomes={i: int(KVPoll.Success) for i in range(3)})
+    prefill = RankResult("prefill", 0, outcomes=dict(decode.outcomes))
+    clean = summarize(opts, [prefill, decode], 1.0)
+    assert clean["succeeded"] == 3 and check(opts, clean) == []
+
+    decode.corrupt_pages = 2
+    problems = check(opts, summarize(opts, [prefill, decode], 1.0))
+    assert any("corrupt_pages = 2" in p for p in problems), problems
+
+    for key in ("late_writes", "leaked_pages", "hung", "released_by_timeout"):
+        assert any(key in p for p in check(opts, {**clean, key: 1})), key
+    assert check(opts, {**clean, "succeeded": 2}) == ["requests unaccounted for"]
+    assert any("without injected faults" in p
+               for p in check(opts, {**clean, "succeeded": 2, "failed": 1}))
+
+
+async def test_demo_mla_with_default_kv_heads() -> None:
+    """MLA ignores kv_heads (an MLA rank holds one replicated latent): the MHA default of 8
+    must not make the bootstrap service refuse the ranks."""
+    opts = DemoOptions(layout="mla", requests=4, max_tokens=64, concurrency=2, layers=1)
+    with trio.fail_after(20):
+        summary = await run_in_process(opts)
+    assert summary["succeeded"] == 4
+
+
+async def test_cli_demo_json() -> None:
+    cmd = [sys.executable, "-m", "trio_pd.cli", "demo", "--json", "--requests", "20"]
+    with trio.fail_after(60):
+        proc = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    summary = json.loads(proc.stdout.decode())  # --json prints one object, nothing else
+    for key in ("requests", "succeeded", "failed", "aborted", "bytes", "seconds", "gbps",
+                "corrupt_pages"):
+        assert key in summary, key
+    assert summary["requests"] == summary["succeeded"] == 20
+    assert summary["failed"] == summary["aborted"] == summary["corrupt_pages"] == 0
+    assert summary["bytes"] > 0 and summary["seconds"] > 0

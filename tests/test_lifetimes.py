@@ -1,0 +1,1014 @@
+"""Page lifetimes on real engines, real ZeroMQ and the real bootstrap server (SPEC §5, §7, §8).
+
+Each test forces one interleaving of SPEC §8 and checks what a user of trio_pd would notice:
+when a room's release callback runs and how often, which status each side reports, which
+acks flow, which bytes landed, and the agents' statistics.
+
+How the interleavings are forced, without sleeping:
+
+* :class:`~trio_pd.engines.fault.FaultEngine` wraps the real prefill engine. A ``stall``
+  fault holds that engine call inside the engine (in its thread) until the test releases the
+  gate; ``gate.wait_stalled_async(n)`` says the n-th call has got there. ``fail`` and
+  ``partial`` make a call raise :class:`~trio_pd.EngineError`.
+* :class:`EngineCalls` wraps the prefill agent's ``run_sync_in_thread`` (the one seam through
+  which engine calls reach their thread) and :class:`Handled` wraps one of an agent's
+  synchronous message handlers; both let the test wait for "the n-th engine call has returned
+  to trio" / "the n-th ABORT has been handled" as events.
+* Every wait is bounded by ``trio.fail_after``. Where a test must show that something does
+  *not* happen (no release while a write is in flight, no ack), it checks the state and then
+  watches for :data:`QUIET` seconds (:func:`stays_pending`): with correct code the awaited
+  thing can never happen in that window, so the check cannot flake; a broken rule shows up
+  within milliseconds.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import trio
+
+from trio_pd import (
+    AdmissionClosed,
+    DecodeAgent,
+    DecodeConfig,
+    EngineError,
+    KVPoll,
+    PeerLost,
+    PrefillAgent,
+    PrefillConfig,
+    RemoteFailure,
+    open_decode,
+    open_prefill,
+)
+from trio_pd import _wire as wire
+from trio_pd._plan import head_range
+from trio_pd._prefill import AUX_STAMP
+from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
+from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool
+
+from .conftest import Pair, host_pool, open_pair
+
+#: bound on every wait for something that must happen
+BOUND = 15.0
+#: how long a test watches for something that must not happen
+QUIET = 0.3
+KV_HEADS = 2
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def stall_all(_i: int, _peer: str, _n: int) -> Fault | None:
+    return Fault("stall")
+
+
+def stall_everything(_rank: int, fault: FaultEngine, _sessions: list[str]) -> None:
+    fault.policy = stall_all
+
+
+async def stalled(gate: StallGate, n: int = 1) -> None:
+    """Wait until ``n`` engine calls in all have reached the stall gate."""
+    with trio.fail_after(BOUND):
+        await gate.wait_stalled_async(n)
+
+
+def stall_call(index: int) -> Policy:
+    """Stall the engine call with this index (0-based, in the order calls reach the engine)."""
+    return lambda i, _peer, _n: Fault("stall") if i == index else None
+
+
+async def watch() -> None:
+    """Give stray events (a second ack, a second release) :data:`QUIET` seconds to show."""
+    await trio.sleep(QUIET)
+
+
+async def stays_pending(wait: Callable[[], Awaitable[object]], what: str) -> None:
+    """Assert that ``wait()`` does not finish within :data:`QUIET` seconds."""
+    with trio.move_on_after(QUIET) as cs:
+        await wait()
+    assert cs.cancelled_caught, f"{what} happened, but must not yet"
+
+
+class EngineCalls:
+    """Wraps ``agent.run_sync_in_thread``: counts engine calls that returned to trio (done or
+    failed; not those cancelled before they started) and appends ``"write returned"`` to
+    ``log`` for each, so a test can order them against release callbacks."""
+
+    def __init__(self, agent: PrefillAgent, log: list[str]) -> None:
+        self.returned = 0
+        self.errors = 0
+        self._log = log
+        self._changed = trio.Event()
+        inner = agent.run_sync_in_thread
+
+        async def tracked(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+            try:
+                result = await inner(fn, *args, **kw)
+            except trio.Cancelled:
+                raise  # never started
+            except BaseException:
+                self.errors += 1
+                self._returned()
+                raise
+            self._returned()
+            return result
+
+        agent.run_sync_in_thread = tracked
+
+    def _returned(self) -> None:
+        self.returned += 1
+        self._log.append("write returned")
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_returned(self, n: int) -> None:
+        with trio.fail_after(BOUND):
+            while self.returned < n:
+                await self._changed.wait()
+
+
+class Handled:
+    """Wraps one synchronous handler of an agent (``_on_abort``, ``_on_ack``, ...) in place
+    and counts the messages it has handled."""
+
+    def __init__(self, agent: object, name: str) -> None:
+        self.calls = 0
+        self._changed = trio.Event()
+        inner = getattr(agent, name)
+
+        def wrapper(*args: Any) -> Any:
+            try:
+                return inner(*args)
+            finally:
+                self.calls += 1
+                self._changed.set()
+                self._changed = trio.Event()
+
+        setattr(agent, name, wrapper)
+
+    async def wait(self, n: int = 1) -> None:
+        with trio.fail_after(BOUND):
+            while self.calls < n:
+                await self._changed.wait()
+
+
+@asynccontextmanager
+async def stalling_pair(
+    engine_name: str,
+    url: str,
+    policy: Policy,
+    *,
+    probe_override: bool | None = None,
+    prefill_config: PrefillConfig | None = None,
+    decode_config: DecodeConfig | None = None,
+) -> AsyncIterator[tuple[Pair, FaultEngine]]:
+    """:func:`open_pair` with a FaultEngine around the prefill engine. The stall gate is
+    opened on the way out, so a failing test never leaves an engine thread stuck."""
+    faults: list[FaultEngine] = []
+
+    def wrap(engine: TransferEngine) -> TransferEngine:
+        faults.append(FaultEngine(engine, policy, probe_override=probe_override))
+        return faults[0]
+
+    async with open_pair(
+        engine_name, url, wrap=wrap, prefill_config=prefill_config, decode_config=decode_config
+    ) as pair:
+        try:
+            yield pair, faults[0]
+        finally:
+            faults[0].stalls.release_all()
+
+
+@dataclass
+class Cluster:
+    """P prefill ranks and D decode ranks of one instance, each with its own real engine."""
+
+    url: str
+    prefills: list[PrefillAgent]
+    decodes: list[DecodeAgent]
+    srcs: list[HostKVPool]
+    dsts: list[HostKVPool]
+    faults: list[FaultEngine]
+    decode_sessions: list[str] = field(default_factory=list)
+
+
+def _rank_pool(rank: int, tp: int) -> HostKVPool:
+    first, heads = head_range(rank, tp, KV_HEADS)
+    return host_pool("mha", heads=heads, first_head=first)
+
+
+@asynccontextmanager
+async def open_cluster(
+    engine_name: str,
+    url: str,
+    *,
+    prefill_tp: int,
+    decode_tp: int,
+    setup: Callable[[int, FaultEngine, list[str]], None],
+    prefill_config: PrefillConfig | None = None,
+) -> AsyncIterator[Cluster]:
+    """``setup(prefill_rank, fault_engine, decode_sessions)`` sets that prefill rank's fault
+    policy (and whatever else of its FaultEngine a test needs)."""
+    srcs = [_rank_pool(r, prefill_tp) for r in range(prefill_tp)]
+    dsts = [_rank_pool(r, decode_tp) for r in range(decode_tp)]
+    d_engines = [make_engine(engine_name) for _ in range(decode_tp)]
+    sessions = [e.session_id for e in d_engines]
+    faults = [FaultEngine(make_engine(engine_name)) for _ in range(prefill_tp)]
+    for r, f in enumerate(faults):
+        setup(r, f, sessions)
+    try:
+        async with AsyncExitStack() as stack:
+            prefills = [
+                await stack.enter_async_context(
+                    open_prefill(
+                        engine=faults[r], pool=srcs[r].spec, bootstrap_url=url, tp_rank=r,
+                        tp_size=prefill_tp, kv_heads=KV_HEADS, config=prefill_config,
+                    )
+                )
+                for r in range(prefill_tp)
+            ]
+            decodes = [
+                await stack.enter_async_context(
+                    open_decode(
+                        engine=d_engines[r], pool=dsts[r].spec, tp_rank=r, tp_size=decode_tp
+                    )
+                )
+                for r in range(decode_tp)
+            ]
+            try:
+                yield Cluster(url, prefills, decodes, srcs, dsts, faults, sessions)
+            finally:
+                for f in faults:
+                    f.stalls.release_all()
+    finally:
+        for e in [*faults, *d_engines]:
+            e.close()
+
+
+def bytes_ok(src: HostKVPool, dst: HostKVPool, room: int, dst_pages: npt.NDArray[Any]) -> bool:
+    """``dst`` holds the request's KV bytes (for its own heads) in ``dst_pages``."""
+    del src
+    return bool((dst.kv[:, dst_pages, :] == dst.expected(room, len(dst_pages))).all())
+
+
+def poison_src(pool: HostKVPool, pages: npt.NDArray[Any], log: list[str]) -> Callable[[], None]:
+    """A source release callback that behaves like a real allocator's free: the pages are
+    overwritten (so a write that still reads them would carry poison)."""
+
+    def release() -> None:
+        log.append("src released")
+        pool.kv[:, pages, :] = SOURCE_POISON
+
+    return release
+
+
+def record_dst(
+    pool: HostKVPool, pages: npt.NDArray[Any], log: list[str], seen: list[npt.NDArray[Any]]
+) -> Callable[[], None]:
+    """A destination release callback: keeps a copy of what the pages held when they were
+    handed back, then poisons them (the next owner's view)."""
+
+    def release() -> None:
+        log.append("dst released")
+        seen.append(pool.kv[:, pages, :].copy())
+        pool.kv[:, pages, :] = DEST_POISON
+
+    return release
+
+
+# ------------------------------------------------------------------------------ §8.1, §8.2
+
+
+async def test_failed_part_drains_slow_sibling_before_release(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.1, I3: one part of a chunk fails while its sibling is still inside the engine.
+    The chunk (and the room's failure) ends only when the slow part returns; the release
+    runs after that, and the slow part's bytes did land."""
+
+    def setup(_rank: int, fault: FaultEngine, sessions: list[str]) -> None:
+        def policy(_i: int, peer: str, _n: int) -> Fault:
+            if peer == sessions[0]:
+                return Fault("stall")  # decode rank 0's part is slow...
+            # ... and rank 1's fails once that one is inside the engine (this runs in the
+            # failing call's engine thread, so it waits there).
+            fault.stalls.wait_stalled(1, timeout=BOUND)
+            return Fault("fail")
+
+        fault.policy = policy
+
+    async with open_cluster(
+        engine_name, bootstrap_url, prefill_tp=1, decode_tp=2, setup=setup,
+        prefill_config=PrefillConfig(quarantine_fence=0.2),
+    ) as c:
+        log: list[str] = []
+        prefill, gate = c.prefills[0], c.faults[0].stalls
+        calls = EngineCalls(prefill, log)
+        room, n = 11, 6
+        src_pages = np.arange(10, 10 + n)
+        dst_pages = np.arange(40, 40 + n)
+        c.srcs[0].fill(src_pages, room)
+        sender = prefill.sender(
+            room, num_pages=n, aux_slot=1, on_release=poison_src(c.srcs[0], src_pages, log)
+        )
+        receivers = [d.receiver(room, bootstrap_url=c.url, epoch=5) for d in c.decodes]
+        for r in receivers:
+            r.init(dst_pages, 2)
+        sender.send(src_pages, last=True)
+
+        await stalled(gate)  # the slow part is inside the engine
+        await calls.wait_returned(1)  # the failing part has returned its error to trio
+        assert calls.errors == 1
+        # The chunk is still running: nothing is decided, nothing released.
+        await stays_pending(sender.wait, "the room's outcome while a sibling runs")
+        assert prefill.statistics().leases_live == 1
+        assert "src released" not in log
+        assert all(r.poll() is KVPoll.WaitingForInput for r in receivers)
+
+        gate.release_all()
+        with trio.fail_after(BOUND):
+            assert await sender.wait() is KVPoll.Failed
+            await sender.wait_released()
+            for r in receivers:
+                assert await r.wait() is KVPoll.Failed
+                await r.wait_released()
+        assert isinstance(sender.failure, EngineError)
+        assert log == ["write returned", "write returned", "src released"]
+        # The slow part wrote its bytes before anything was handed back (poison would show).
+        assert bytes_ok(c.srcs[0], c.dsts[0], room, dst_pages)
+        stats = prefill.statistics()
+        assert stats.quarantined == 1 and stats.released_after_quarantine == 1
+        assert stats.leases_live == stats.leases_quarantined == 0
+
+
+async def test_error_while_submitting_awaits_submitted_parts(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.2: the chunk's part for decode rank 0 is handed to the engine, then submitting
+    the part for rank 1 fails: that peer could not be added (its ``add_peer`` fails only once
+    rank 0's part is inside the engine), so it is marked failed and its part raises PeerLost
+    (SPEC §5.7). The submitted part is awaited: the room fails, and its pages go back, only
+    after that part returned."""
+
+    def setup(_rank: int, fault: FaultEngine, sessions: list[str]) -> None:
+        fault.policy = stall_all
+        inner_add_peer = fault.add_peer
+
+        def add_peer(session: str, meta: bytes) -> None:
+            if session == sessions[1]:
+                fault.stalls.wait_stalled(1, timeout=BOUND)  # in the add_peer thread
+                raise EngineError(f"injected: cannot reach {session}")
+            inner_add_peer(session, meta)
+
+        fault.add_peer = add_peer  # type: ignore[method-assign]
+        fault.probe_override = False  # and it stays unreachable
+
+    async with open_cluster(
+        engine_name, bootstrap_url, prefill_tp=1, decode_tp=2, setup=setup
+    ) as c:
+        log: list[str] = []
+        prefill, gate = c.prefills[0], c.faults[0].stalls
+        EngineCalls(prefill, log)
+        transfers = Handled(prefill, "_on_transfer")
+        room, n = 12, 4
+        src_pages = np.arange(20, 20 + n)
+        dst_pages = np.arange(60, 60 + n)
+        c.srcs[0].fill(src_pages, room)
+        sender = prefill.sender(
+            room, num_pages=n, aux_slot=1, on_release=poison_src(c.srcs[0], src_pages, log)
+        )
+        receivers = [d.receiver(room, bootstrap_url=c.url, epoch=6) for d in c.decodes]
+        # Parts are submitted in the order the metadata arrived: rank 0's first.
+        receivers[0].init(dst_pages, 2)
+        await transfers.wait(1)
+        receivers[1].init(dst_pages, 2)
+        await transfers.wait(2)
+
+        sender.send(src_pages, last=True)
+        await stalled(gate)
+        await stays_pending(sender.wait, "the room's outcome while a submitted part runs")
+        assert "src released" not in log
+        assert prefill.statistics().leases_live == 1
+
+        gate.release_all()
+        with trio.fail_after(BOUND):
+            assert await sender.wait() is KVPoll.Failed
+            await sender.wait_released()
+        assert isinstance(sender.failure, PeerLost)
+        assert log == ["write returned", "src released"]
+        assert bytes_ok(c.srcs[0], c.dsts[0], room, dst_pages)
+        # The submitted part completed (proof of drain): its lease retired, nothing quarantined.
+        stats = prefill.statistics()
+        assert stats.quarantined == 0 and stats.engine_calls == 1 and stats.leases_live == 0
+        assert stats.peers_failed == 1
+
+
+# ------------------------------------------------------------------------------ §8.3
+
+
+async def test_abort_before_publication_publishes_failed(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.3: the prefill scheduler aborts while the last chunk is in the engine. The
+    chunk finishes (its bytes land) but the room's published outcome is Failed, not Success."""
+    async with stalling_pair(engine_name, bootstrap_url, stall_all) as (pair, fault):
+        log: list[str] = []
+        EngineCalls(pair.prefill, log)
+        room, n = 21, 5
+        src_pages, dst_pages = np.arange(n), np.arange(100, 100 + n)
+        pair.src.fill(src_pages, room)
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=0, on_release=poison_src(pair.src, src_pages, log)
+        )
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        receiver.init(dst_pages, 0, on_release=lambda: log.append("dst released"))
+        sender.send(src_pages, last=True)
+        await stalled(fault.stalls)
+
+        sender.abort("the scheduler changed its mind")
+        assert sender.poll() is KVPoll.Failed  # local status at once
+        # Nothing is published while the chunk is in the engine.
+        await stays_pending(receiver.wait, "a STATUS while the chunk runs")
+
+        fault.stalls.release_all()
+        with trio.fail_after(BOUND):
+            assert await receiver.wait() is KVPoll.Failed
+            await sender.wait_released()
+            await receiver.wait_released()
+        assert isinstance(receiver.failure, RemoteFailure)
+        assert "the scheduler changed its mind" in str(receiver.failure)
+        assert log.index("write returned") < log.index("src released")
+        assert pair.prefill.statistics().succeeded == 0
+        assert pair.decode.statistics().succeeded == 0
+
+
+async def test_publication_before_abort_success_stands(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.3, I5: once Success is published, an abort on either side changes nothing:
+    both handles keep reporting Success, nothing is released as if failed, no ABORT flows."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        released: list[str] = []
+        room, n = 22, 3
+        src_pages, dst_pages = np.arange(30, 30 + n), np.arange(7, 7 + n)
+        pair.src.fill(src_pages, room)
+        pair.src.fill_aux(4, room)
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=4, on_release=lambda: released.append("src")
+        )
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        receiver.init(dst_pages, 6, on_release=lambda: released.append("dst"))
+        sender.send(src_pages, last=True)
+        with trio.fail_after(BOUND):
+            assert await receiver.wait() is KVPoll.Success
+            assert await sender.wait() is KVPoll.Success
+            await sender.wait_released()
+
+        sender.abort("too late")
+        receiver.abort("too late")
+        assert sender.poll() is KVPoll.Success and sender.failure is None
+        assert receiver.poll() is KVPoll.Success and receiver.failure is None
+        assert pair.prefill.statistics().aborted == 0
+        assert pair.decode.statistics().aborted == 0
+        await stays_pending(receiver.wait_released, "a Success room's pages released as failed")
+        assert released == ["src"]
+        assert pair.prefill.statistics().acks_sent == 0
+        assert pair.verify(room, dst_pages, 6)
+
+
+# ------------------------------------------------------------------------------ §8.4
+
+
+def _dead_endpoint() -> str:
+    """A tcp endpoint nobody listens on: messages queued for it are never read."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"
+
+
+async def test_full_status_socket_fails_room_locally(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.4: the decode peer does not read its control socket, which is full. The
+    prefill room's bytes are written, but its STATUS cannot be queued: the room is Failed
+    locally, with a reason, at once; nothing waits for the peer, and the agent goes on.
+
+    The peer is a real decode engine with registered memory whose control endpoint nobody
+    reads (REGISTER and TRANSFER are handed to the prefill agent's handler directly)."""
+    src, dst = host_pool(), host_pool()
+    pe, mute = make_engine(engine_name), make_engine(engine_name)
+    try:
+        await trio.to_thread.run_sync(mute.register, dst.spec.regions())
+        async with open_prefill(
+            engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS,
+            config=PrefillConfig(sndhwm=1),
+        ) as prefill:
+            endpoint = _dead_endpoint()
+            prefill._handle(
+                wire.Register(
+                    v=wire.WIRE_VERSION, endpoint=endpoint, decode_rank=0, decode_tp=1,
+                    engine=mute.name, session=mute.session_id, engine_meta=mute.metadata(),
+                    pool=wire.PoolWire.from_spec(dst.spec),
+                ),
+                None,
+            )
+            # Fill the peer's socket: PINGs make the prefill answer PONGs nobody reads.
+            for nonce in range(1, 100):
+                before = prefill.statistics().send_backpressure
+                ping = wire.Ping(v=wire.WIRE_VERSION, nonce=nonce, endpoint=endpoint)
+                prefill._handle(ping, None)
+                if prefill.statistics().send_backpressure > before:
+                    break
+            else:
+                pytest.fail("the peer's socket never filled up")
+            backpressure = prefill.statistics().send_backpressure
+
+            released: list[str] = []
+            room, n = 31, 4
+            src_pages, dst_pages = np.arange(n), np.arange(50, 50 + n)
+            src.fill(src_pages, room)
+            sender = prefill.sender(
+                room, num_pages=n, aux_slot=0, on_release=lambda: released.append("src")
+            )
+            prefill._handle(_transfer(room, endpoint, dst_pages), dst_pages.astype(np.int32))
+            sender.send(src_pages, last=True)
+            with trio.fail_after(BOUND):
+                assert await sender.wait() is KVPoll.Failed
+                await sender.wait_released()
+            assert "socket is full" in str(sender.failure)
+            stats = prefill.statistics()
+            assert stats.succeeded == 0 and stats.send_backpressure > backpressure
+            assert stats.engine_calls == 1 and released == ["src"]
+            # The write itself landed: only the status could not be delivered.
+            assert bool((dst.kv[:, dst_pages, :] == src.expected(room, n)).all())
+            # Nothing is wedged: a second room to the same peer fails just as fast.
+            sender2 = prefill.sender(32, num_pages=0, aux_slot=1)
+            empty = np.zeros(0, np.int32)
+            prefill._handle(_transfer(32, endpoint, empty), empty)
+            sender2.send([], last=True)
+            with trio.fail_after(BOUND):
+                assert await sender2.wait() is KVPoll.Failed
+        await trio.to_thread.run_sync(mute.unregister, dst.spec.regions())
+    finally:
+        pe.close()
+        mute.close()
+
+
+def _transfer(room: int, endpoint: str, dst_pages: npt.NDArray[Any]) -> wire.Transfer:
+    return wire.Transfer(
+        v=wire.WIRE_VERSION, room=room, epoch=9, endpoint=endpoint, decode_rank=0,
+        aux_slot=room % 8, required=1, num_pages=len(dst_pages),
+    )
+
+
+# ------------------------------------------------------------------------------ §8.5
+
+
+async def test_two_batches_release_once_after_both(engine_name: str, bootstrap_url: str) -> None:
+    """SPEC §8.5, I1, I3: two chunks of one room are in flight; the last one completes while
+    the first is still in the engine. Nothing is released or published until the first
+    returns; then the release runs exactly once, and the bytes are intact."""
+    first_pages = np.array([3, 7, 11])  # not consecutive: more blocks than the last chunk
+    last_pages = np.array([40, 41])
+
+    def policy(_i: int, _peer: str, nblocks: int) -> Fault | None:
+        return Fault("stall") if nblocks == 4 * len(first_pages) else None
+
+    async with stalling_pair(engine_name, bootstrap_url, policy) as (pair, fault):
+        log: list[str] = []
+        calls = EngineCalls(pair.prefill, log)
+        room, n = 51, 5
+        src_pages = np.concatenate([first_pages, last_pages])
+        dst_pages = np.arange(200, 200 + n)
+        pair.src.fill(src_pages, room)
+        pair.src.fill_aux(2, room)
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=2, on_release=poison_src(pair.src, src_pages, log)
+        )
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        receiver.init(dst_pages, 3)
+        sender.send(first_pages)
+        sender.send(last_pages, last=True)
+
+        await stalled(fault.stalls)  # the first chunk is in the engine
+        await calls.wait_returned(1)  # the last chunk has completed
+        await stays_pending(sender.wait_released, "the release while a batch is in flight")
+        assert sender.poll() is KVPoll.Transferring
+        assert receiver.poll() is KVPoll.WaitingForInput
+        assert pair.prefill.statistics().leases_live == 1
+
+        fault.stalls.release_all()
+        with trio.fail_after(BOUND):
+            assert await receiver.wait() is KVPoll.Success
+            await sender.wait_released()
+        await watch()  # a second release would show here
+        assert log == ["write returned", "write returned", "src released"]
+        assert pair.verify(room, dst_pages, 3)
+
+
+# ------------------------------------------------------------------------------ §8.6, §8.7
+
+
+async def test_abort_with_chunk_in_flight_acks_after_drain(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.6, I1: decode aborts while prefill's chunk is inside the engine. No ack (and
+    so no release of the destination pages) until that chunk returns; then exactly one ack,
+    and both sides' pages go back after the write."""
+    async with stalling_pair(engine_name, bootstrap_url, stall_all) as (pair, fault):
+        log: list[str] = []
+        EngineCalls(pair.prefill, log)
+        room, n = 61, 4
+        src_pages, dst_pages = np.arange(8, 8 + n), np.arange(30, 30 + n)
+        pair.src.fill(src_pages, room)
+        seen: list[npt.NDArray[Any]] = []
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=0, on_release=poison_src(pair.src, src_pages, log)
+        )
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        receiver.init(dst_pages, 1, on_release=record_dst(pair.dst, dst_pages, log, seen))
+        sender.send(src_pages, last=True)
+        await stalled(fault.stalls)
+
+        receiver.abort()
+        assert receiver.poll() is KVPoll.Failed
+        with trio.fail_after(BOUND):
+            assert await sender.wait() is KVPoll.Failed  # the ABORT arrived
+        await stays_pending(receiver.wait_released, "an ack while the chunk is in the engine")
+        assert pair.prefill.statistics().acks_sent == 0
+        assert pair.decode.statistics().acks_received == 0
+        assert pair.decode.statistics().pages_held == n
+
+        fault.stalls.release_all()
+        with trio.fail_after(BOUND):
+            await receiver.wait_released()
+            await sender.wait_released()
+        await watch()  # a second ack would show here
+        assert pair.prefill.statistics().acks_sent == 1
+        assert pair.decode.statistics().acks_received == 1
+        assert log[0] == "write returned" and sorted(log[1:]) == ["dst released", "src released"]
+        # The write landed before the destination pages were handed back.
+        assert bool((seen[0] == pair.dst.expected(room, n)).all())
+        assert pair.decode.statistics().pages_held == 0
+
+
+async def test_abort_idle_room_acks_at_once_and_closes_admission(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.7, I2: ABORT for a room that has its metadata but no chunk in flight is acked
+    at once (well before any ack deadline), and the prefill side admits nothing after it."""
+    async with stalling_pair(
+        engine_name, bootstrap_url, lambda *_: None,
+        decode_config=DecodeConfig(ack_timeout=60.0),
+    ) as (pair, fault):
+        released: list[str] = []
+        room, n = 71, 3
+        transfers = Handled(pair.prefill, "_on_transfer")
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=0, on_release=lambda: released.append("src")
+        )
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        receiver.init(np.arange(n), 0, on_release=lambda: released.append("dst"))
+        await transfers.wait()
+        assert sender.poll() is KVPoll.WaitingForInput
+
+        receiver.abort()
+        with trio.fail_after(5):
+            await receiver.wait_released()
+            await sender.wait_released()
+        assert sender.poll() is KVPoll.Failed
+        with pytest.raises(AdmissionClosed):
+            sender.send(np.arange(n), last=True)
+        assert fault.statistics().calls == 0
+        assert sorted(released) == ["dst", "src"]
+        assert pair.prefill.statistics().acks_sent == 1
+        assert pair.decode.statistics().acks_received == 1
+
+
+async def test_abort_unknown_room_acks(engine_name: str, bootstrap_url: str) -> None:
+    """SPEC §8.7: decode aborts a request the prefill scheduler never started. The prefill
+    rank holds nothing for it and acks at once; the destination pages go back."""
+    async with open_pair(
+        engine_name, bootstrap_url, decode_config=DecodeConfig(ack_timeout=60.0)
+    ) as pair:
+        released: list[str] = []
+        transfers = Handled(pair.prefill, "_on_transfer")
+        receiver = pair.decode.receiver(72, bootstrap_url=pair.url)
+        receiver.init(np.arange(4), 0, on_release=lambda: released.append("dst"))
+        await transfers.wait()
+        receiver.abort()
+        with trio.fail_after(5):
+            await receiver.wait_released()
+        assert released == ["dst"]
+        assert pair.prefill.statistics().acks_sent == 1
+        assert pair.prefill.statistics().rooms_active == 0
+
+
+async def test_abort_room_with_waiting_chunk_cancels_and_acks(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.7: a chunk admitted before decode's metadata arrived holds a lease but never
+    reached the engine. ABORT cancels it (retired, not quarantined) and is acked at once."""
+    async with stalling_pair(engine_name, bootstrap_url, lambda *_: None) as (pair, fault):
+        released: list[str] = []
+        acks = Handled(pair.decode, "_on_ack")
+        room, n = 73, 2
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=0, on_release=lambda: released.append("src")
+        )
+        sender.send(np.arange(n), last=True)
+        assert pair.prefill.statistics().leases_live == 1
+        pair.prefill._handle(
+            wire.Abort(v=wire.WIRE_VERSION, room=room, epoch=3, endpoint=pair.decode.endpoint),
+            None,
+        )
+        assert sender.poll() is KVPoll.Failed
+        assert released == ["src"]
+        stats = pair.prefill.statistics()
+        assert stats.leases_live == stats.leases_quarantined == 0 and stats.acks_sent == 1
+        await acks.wait()  # the ack reached decode, which holds no such room: dropped
+        assert pair.decode.statistics().late_messages == 1
+        assert fault.statistics().calls == 0
+
+
+# ------------------------------------------------------------------------------ §8.8
+
+
+async def test_two_prefill_ranks_release_after_both_acks(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.8: a decode rank reads from two prefill ranks and aborts while both are
+    writing. One rank's ack does not release the pages, nor does a duplicate of it; an ack
+    for a room it does not hold is dropped; the second rank's ack releases them, once."""
+    async with open_cluster(
+        engine_name, bootstrap_url, prefill_tp=2, decode_tp=1,
+        setup=stall_everything,
+    ) as c:
+        decode = c.decodes[0]
+        log: list[str] = []
+        acks = Handled(decode, "_on_ack")
+        aborts = [Handled(p, "_on_abort") for p in c.prefills]
+        room, n, epoch = 81, 3, 77
+        dst_pages = np.arange(90, 90 + n)
+        senders = []
+        for r, p in enumerate(c.prefills):
+            pages = np.arange(5, 5 + n)
+            c.srcs[r].fill(pages, room)
+            release = poison_src(c.srcs[r], pages, log)
+            s = p.sender(room, num_pages=n, aux_slot=0, on_release=release)
+            s.send(pages, last=True)
+            senders.append(s)
+        receiver = decode.receiver(room, bootstrap_url=c.url, epoch=epoch)
+        receiver.init(dst_pages, 0, on_release=lambda: log.append("dst released"))
+        for f in c.faults:
+            await stalled(f.stalls)
+
+        receiver.abort()
+        for a in aborts:
+            await a.wait()
+        c.faults[0].stalls.release_all()
+        await acks.wait(1)  # rank 0 drained and acked
+        await stays_pending(receiver.wait_released, "the release after one rank's ack")
+        assert decode.statistics().pages_held == n
+        # A duplicate ack from rank 0 counts once.
+        decode._handle(wire.AbortAck(v=wire.WIRE_VERSION, room=room, epoch=epoch, rank=0), None)
+        assert "dst released" not in log and decode.statistics().pages_held == n
+        # An ack for a room this rank does not hold is dropped.
+        late = decode.statistics().late_messages
+        decode._handle(wire.AbortAck(v=wire.WIRE_VERSION, room=999, epoch=epoch, rank=1), None)
+        assert decode.statistics().late_messages == late + 1
+
+        c.faults[1].stalls.release_all()
+        with trio.fail_after(BOUND):
+            await receiver.wait_released()
+            for s in senders:
+                await s.wait_released()
+        assert log.count("dst released") == 1
+        assert decode.statistics().acks_received == 3  # rank 0, its duplicate, rank 1
+        assert decode.statistics().pages_held == 0
+
+
+# ------------------------------------------------------------------------------ §8.9
+
+
+async def test_engine_error_quarantines_lease(engine_name: str, bootstrap_url: str) -> None:
+    """SPEC §8.9: an engine error (half the blocks written, outcome unknown) fails the room
+    and quarantines its lease: no ack to decode and no source release by the error path.
+    Only the quarantine fence ends it; then the pages go back and the ack flows."""
+    fence = 2.0
+    async with stalling_pair(
+        engine_name, bootstrap_url, lambda *_: Fault("partial"), probe_override=True,
+        prefill_config=PrefillConfig(quarantine_fence=fence),
+    ) as (pair, _fault):
+        log: list[str] = []
+        aborts = Handled(pair.prefill, "_on_abort")
+        room, n = 91, 4
+        src_pages, dst_pages = np.arange(n), np.arange(10, 10 + n)
+        pair.src.fill(src_pages, room)
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=0, on_release=poison_src(pair.src, src_pages, log)
+        )
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        receiver.init(dst_pages, 0, on_release=lambda: log.append("dst released"))
+        sender.send(src_pages, last=True)
+        with trio.fail_after(BOUND):
+            assert await sender.wait() is KVPoll.Failed
+            failed_at = trio.current_time()
+            assert await receiver.wait() is KVPoll.Failed  # prefill's Failed STATUS
+        assert isinstance(sender.failure, EngineError)
+        await aborts.wait()  # decode asked for the drain
+        stats = pair.prefill.statistics()
+        assert stats.quarantined == 1 and stats.leases_quarantined == 1
+        assert stats.acks_sent == 0 and log == []
+        assert pair.decode.statistics().pages_held == n
+        assert trio.current_time() - failed_at < fence - QUIET, "machine too slow for this test"
+        await stays_pending(receiver.wait_released, "an ack while the lease is quarantined")
+
+        with trio.fail_after(fence + BOUND):
+            await sender.wait_released()
+            await receiver.wait_released()
+        assert trio.current_time() - failed_at >= fence * 0.9
+        stats = pair.prefill.statistics()
+        assert stats.released_after_quarantine == 1 and stats.acks_sent == 1
+        assert stats.leases_quarantined == 0
+        assert sorted(log) == ["dst released", "src released"]
+
+
+# ------------------------------------------------------------------------------ I4, I5
+
+
+async def test_reused_room_ignores_old_epoch(engine_name: str, bootstrap_url: str) -> None:
+    """I4: room 101 is used twice (epochs 1 and 2). Late ABORT, ACK and STATUS of epoch 1
+    reach the second use: prefill acks the old epoch without touching the new room, and
+    decode drops them (they neither fail the room nor release its held pages)."""
+    async with stalling_pair(engine_name, bootstrap_url, stall_call(1)) as (pair, fault):
+        room, n = 101, 2
+        src_pages, dst_pages = np.arange(n), np.arange(20, 20 + n)
+        pair.src.fill(src_pages, room)
+        pair.src.fill_aux(0, room)
+        # Use 1: completes normally.
+        s1 = pair.prefill.sender(room, num_pages=n, aux_slot=0)
+        r1 = pair.decode.receiver(room, bootstrap_url=pair.url, epoch=1)
+        r1.init(dst_pages, 0)
+        s1.send(src_pages, last=True)
+        with trio.fail_after(BOUND):
+            assert await r1.wait() is KVPoll.Success
+            await s1.wait_released()
+        # Use 2: its chunk stalls in the engine.
+        acks = Handled(pair.decode, "_on_ack")
+        released: list[str] = []
+        s2 = pair.prefill.sender(room, num_pages=n, aux_slot=0)
+        r2 = pair.decode.receiver(room, bootstrap_url=pair.url, epoch=2)
+        r2.init(dst_pages, 0, on_release=lambda: released.append("dst"))
+        s2.send(src_pages, last=True)
+        await stalled(fault.stalls)
+
+        late = pair.decode.statistics().late_messages
+        pair.prefill._handle(
+            wire.Abort(v=wire.WIRE_VERSION, room=room, epoch=1, endpoint=pair.decode.endpoint),
+            None,
+        )
+        assert s2.poll() is KVPoll.Transferring  # the old epoch's ABORT spares the new room
+        await acks.wait(1)  # its ack (epoch 1) reached decode: dropped
+        pair.decode._handle(
+            wire.Status(v=wire.WIRE_VERSION, room=room, epoch=1, rank=0, ok=False, reason="old"),
+            None,
+        )
+        assert r2.poll() is KVPoll.WaitingForInput
+        assert pair.decode.statistics().late_messages == late + 2
+
+        r2.abort()
+        pair.decode._handle(wire.AbortAck(v=wire.WIRE_VERSION, room=room, epoch=1, rank=0), None)
+        assert released == [] and pair.decode.statistics().pages_held == n
+        assert pair.decode.statistics().late_messages == late + 3
+
+        fault.stalls.release_all()
+        with trio.fail_after(BOUND):
+            await r2.wait_released()
+        assert released == ["dst"]
+        assert r1.poll() is KVPoll.Success  # the first use's terminal status is cached
+
+
+async def test_failed_is_absorbing_and_cached(engine_name: str, bootstrap_url: str) -> None:
+    """I5: decode aborted a room; then its KV and aux row land and a Success STATUS comes.
+    The room stays Failed (and its pages stay held for the drain); after it is released and
+    forgotten, the handle still reports Failed with the first reason."""
+    async with stalling_pair(engine_name, bootstrap_url, stall_all) as (pair, fault):
+        room, n, epoch, slot = 111, 2, 42, 5
+        src_pages, dst_pages = np.arange(n), np.arange(70, 70 + n)
+        pair.src.fill(src_pages, room)
+        sender = pair.prefill.sender(room, num_pages=n, aux_slot=0)
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url, epoch=epoch)
+        receiver.init(dst_pages, slot)
+        sender.send(src_pages, last=True)
+        await stalled(fault.stalls)
+
+        receiver.abort("first reason")
+        # The room's aux row carries this room and epoch (as if prefill's write landed), and
+        # a Success STATUS arrives: neither brings the room back.
+        pair.dst.aux[slot, : AUX_STAMP.size] = np.frombuffer(
+            AUX_STAMP.pack(room, epoch), dtype=np.uint8
+        )
+        pair.decode._handle(
+            wire.Status(v=wire.WIRE_VERSION, room=room, epoch=epoch, rank=0, ok=True), None
+        )
+        assert receiver.poll() is KVPoll.Failed
+        assert "first reason" in str(receiver.failure)
+        assert pair.decode.statistics().succeeded == 0
+        assert pair.decode.statistics().pages_held == n
+
+        fault.stalls.release_all()
+        with trio.fail_after(BOUND):
+            await receiver.wait_released()
+        assert receiver.poll() is KVPoll.Failed
+        assert "first reason" in str(receiver.failure)
+        assert pair.decode.statistics().rooms_active == 0
+
+
+# ------------------------------------------------------------------------------ I9, timeouts
+
+
+async def test_waiting_timeout_fails_but_holds_pages(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """I9, SPEC §5.6: a room whose prefill chunk never finishes fails on decode within the
+    waiting timeout, with a reason; its pages stay held until the writer drained."""
+    timeout = 0.5
+    async with stalling_pair(
+        engine_name, bootstrap_url, stall_all,
+        decode_config=DecodeConfig(waiting_timeout=timeout, ack_timeout=60.0),
+    ) as (pair, fault):
+        log: list[str] = []
+        EngineCalls(pair.prefill, log)
+        room, n = 121, 3
+        dst_pages = np.arange(n)
+        sender = pair.prefill.sender(room, num_pages=n, aux_slot=0)
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        start = trio.current_time()
+        receiver.init(dst_pages, 0, on_release=lambda: log.append("dst released"))
+        sender.send(np.arange(n), last=True)
+        await stalled(fault.stalls)
+        with trio.fail_after(timeout + BOUND):
+            assert await receiver.wait() is KVPoll.Failed
+        assert trio.current_time() - start < timeout + 2.0
+        assert "waiting timeout" in str(receiver.failure)
+        assert pair.decode.statistics().timeouts == 1
+        await stays_pending(receiver.wait_released, "the release on a timeout")
+        assert pair.decode.statistics().pages_held == n and log == []
+
+        fault.stalls.release_all()
+        with trio.fail_after(BOUND):
+            await receiver.wait_released()
+        assert log == ["write returned", "dst released"]
+        assert pair.decode.statistics().released_by_timeout == 0
+
+
+async def test_bootstrap_timeout_fails_only_rooms_without_metadata(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """SPEC §8.10: a prefill room whose decode metadata never comes fails at the bootstrap
+    deadline with a reason; its admitted chunk never reaches the engine and its pages go
+    back. A room that had its metadata (its chunk still in the engine) is untouched."""
+    timeout = 0.5
+    async with stalling_pair(
+        engine_name, bootstrap_url, stall_all,
+        prefill_config=PrefillConfig(bootstrap_timeout=timeout),
+    ) as (pair, fault):
+        released: list[int] = []
+        transfers = Handled(pair.prefill, "_on_transfer")
+        n = 2
+        good = pair.decode.receiver(131, bootstrap_url=pair.url)
+        good.init(np.arange(n), 0)
+        await transfers.wait()  # its metadata is here before its sender exists
+        pair.src.fill(np.arange(n), 131)
+        pair.src.fill_aux(0, 131)
+        s_good = pair.prefill.sender(131, num_pages=n, aux_slot=0)
+        s_lone = pair.prefill.sender(
+            132, num_pages=n, aux_slot=1, on_release=lambda: released.append(132)
+        )
+        s_good.send(np.arange(n), last=True)
+        s_lone.send(np.arange(10, 10 + n), last=True)
+        await stalled(fault.stalls)
+
+        with trio.fail_after(timeout + BOUND):
+            assert await s_lone.wait() is KVPoll.Failed
+        assert "bootstrap timeout" in str(s_lone.failure)
+        assert released == [132]
+        assert pair.prefill.statistics().timeouts == 1
+        assert s_good.poll() is KVPoll.Transferring
+
+        fault.stalls.release_all()
+        with trio.fail_after(BOUND):
+            assert await good.wait() is KVPoll.Success
+            assert await s_good.wait() is KVPoll.Success
+        assert fault.statistics().calls == 1  # the lone room never reached the engine
+        assert pair.verify(131, np.arange(n), 0)
