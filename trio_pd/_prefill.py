@@ -403,14 +403,21 @@ class PrefillAgent:
         peer = target.peer
         parts: list[Blocks] = []
         heads = write_heads(
-            self.tp_rank, peer.decode_rank, self.tp_size, peer.decode_tp, self.kv_heads,
+            self.tp_rank,
+            peer.decode_rank,
+            self.tp_size,
+            peer.decode_tp,
+            self.kv_heads,
             self.pool.layout,
         )
         if heads is not None and len(chunk.pages):
             dst = target.dst_pages[chunk.start : chunk.start + len(chunk.pages)]
             mha_heads = heads if self.pool.layout == "mha" else None
             parts.append(plan_pages(self.pool, peer.pool, chunk.pages, dst, heads=mha_heads))
-        if chunk.last and aux_writer(peer.decode_rank, self.tp_size, peer.decode_tp) == self.tp_rank:
+        if (
+            chunk.last
+            and aux_writer(peer.decode_rank, self.tp_size, peer.decode_tp) == self.tp_rank
+        ):
             self._stamp_aux(room, target.epoch)
             parts.append(plan_aux(self.pool, peer.pool, room.aux_slot, target.aux_slot))
         blocks = concat(parts)
@@ -466,8 +473,12 @@ class PrefillAgent:
         reason = "" if ok else _reason(room.cell.failure)
         for target in room.targets.values():
             status = _wire.Status(
-                v=_wire.WIRE_VERSION, room=room.room, epoch=target.epoch, rank=self.tp_rank,
-                ok=ok, reason=reason,
+                v=_wire.WIRE_VERSION,
+                room=room.room,
+                epoch=target.epoch,
+                rank=self.tp_rank,
+                ok=ok,
+                reason=reason,
             )
             if self.control.send_nowait(target.peer.endpoint, status):
                 continue
@@ -486,7 +497,11 @@ class PrefillAgent:
         """A Failed STATUS must get through (decode would otherwise wait for its own
         deadline): retry it shortly, outside any lock."""
         status = _wire.Status(
-            v=_wire.WIRE_VERSION, room=room, epoch=target.epoch, rank=self.tp_rank, ok=False,
+            v=_wire.WIRE_VERSION,
+            room=room,
+            epoch=target.epoch,
+            rank=self.tp_rank,
+            ok=False,
             reason=reason,
         )
 
@@ -636,7 +651,9 @@ class PrefillAgent:
 
     def _on_register(self, msg: _wire.Register) -> None:
         if msg.engine != self.engine.name:
-            raise ProtocolError(f"decode uses engine {msg.engine!r}, this rank {self.engine.name!r}")
+            raise ProtocolError(
+                f"decode uses engine {msg.engine!r}, this rank {self.engine.name!r}"
+            )
         pool = msg.pool.to_spec()
         if pool.layout != self.pool.layout:
             raise ProtocolError(f"decode layout {pool.layout} != prefill {self.pool.layout}")
@@ -674,16 +691,15 @@ class PrefillAgent:
                 self._pending_meta.pop(msg.room)
                 raise ProtocolError("too many TRANSFERs for rooms this rank does not know")
             if not pending:
-                self.timers.after(self.config.bootstrap_timeout,
+                self.timers.after(
+                    self.config.bootstrap_timeout,
                     partial(self._pending_meta.pop, msg.room, None),
                 )
             pending[msg.decode_rank] = (msg, pages)
             return
         self._add_target(room, msg, pages)
 
-    def _add_target(
-        self, room: _Room, msg: _wire.Transfer, pages: npt.NDArray[np.int32]
-    ) -> None:
+    def _add_target(self, room: _Room, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
         if room.leases.closed or room.published:
             if room.cell.status is KVPoll.Failed:
                 self._refuse_transfer(msg, _reason(room.cell.failure))
@@ -734,7 +750,11 @@ class PrefillAgent:
     def _refuse_transfer(self, msg: _wire.Transfer, reason: str) -> None:
         """The room already failed here: tell that decode rank now rather than let it wait."""
         status = _wire.Status(
-            v=_wire.WIRE_VERSION, room=msg.room, epoch=msg.epoch, rank=self.tp_rank, ok=False,
+            v=_wire.WIRE_VERSION,
+            room=msg.room,
+            epoch=msg.epoch,
+            rank=self.tp_rank,
+            ok=False,
             reason=reason,
         )
         self.control.send_nowait(msg.endpoint, status)
@@ -834,8 +854,13 @@ async def open_prefill(
     """
     config = config or PrefillConfig()
     agent = PrefillAgent(
-        engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, kv_heads=kv_heads,
-        host=host, config=config,
+        engine=engine,
+        pool=pool,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        kv_heads=kv_heads,
+        host=host,
+        config=config,
     )
     regions = pool.regions()
     try:
@@ -848,9 +873,14 @@ async def open_prefill(
                 nursery.start_soon(agent._worker)
             await client.register(
                 PrefillRankInfo(
-                    tp_rank=tp_rank, tp_size=tp_size, endpoint=agent.endpoint,
-                    engine=engine.name, engine_session=engine.session_id, layout=pool.layout,
-                    kv_heads=kv_heads, page_size=pool.page_size,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    endpoint=agent.endpoint,
+                    engine=engine.name,
+                    engine_session=engine.session_id,
+                    layout=pool.layout,
+                    kv_heads=kv_heads,
+                    page_size=pool.page_size,
                 )
             )
             try:
