@@ -49,7 +49,6 @@ from trio_pd import (
 )
 from trio_pd import _wire as wire
 from trio_pd._plan import head_range
-from trio_pd._prefill import AUX_STAMP
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool
@@ -253,9 +252,8 @@ async def open_cluster(
             e.close()
 
 
-def bytes_ok(src: HostKVPool, dst: HostKVPool, room: int, dst_pages: npt.NDArray[Any]) -> bool:
+def bytes_ok(dst: HostKVPool, room: int, dst_pages: npt.NDArray[Any]) -> bool:
     """``dst`` holds the request's KV bytes (for its own heads) in ``dst_pages``."""
-    del src
     return bool((dst.kv[:, dst_pages, :] == dst.expected(room, len(dst_pages))).all())
 
 
@@ -343,7 +341,7 @@ async def test_failed_part_drains_slow_sibling_before_release(
         assert isinstance(sender.failure, EngineError)
         assert log == ["write returned", "write returned", "src released"]
         # The slow part wrote its bytes before anything was handed back (poison would show).
-        assert bytes_ok(c.srcs[0], c.dsts[0], room, dst_pages)
+        assert bytes_ok(c.dsts[0], room, dst_pages)
         stats = prefill.statistics()
         assert stats.quarantined == 1 and stats.released_after_quarantine == 1
         assert stats.leases_live == stats.leases_quarantined == 0
@@ -404,7 +402,7 @@ async def test_error_while_submitting_awaits_submitted_parts(
             await sender.wait_released()
         assert isinstance(sender.failure, PeerLost)
         assert log == ["write returned", "src released"]
-        assert bytes_ok(c.srcs[0], c.dsts[0], room, dst_pages)
+        assert bytes_ok(c.dsts[0], room, dst_pages)
         # The submitted part completed (proof of drain): its lease retired, nothing quarantined.
         stats = prefill.statistics()
         assert stats.quarantined == 0 and stats.engine_calls == 1 and stats.leases_live == 0
@@ -899,36 +897,50 @@ async def test_reused_room_ignores_old_epoch(engine_name: str, bootstrap_url: st
 
 
 async def test_failed_is_absorbing_and_cached(engine_name: str, bootstrap_url: str) -> None:
-    """I5: decode aborted a room; then its KV and aux row land and a Success STATUS comes.
-    The room stays Failed (and its pages stay held for the drain); after it is released and
-    forgotten, the handle still reports Failed with the first reason."""
+    """I5: decode aborts while prefill's last chunk is in the engine, and its ABORT crosses
+    prefill's Success on the wire (held back here until the Success has arrived). The KV and
+    the aux row did land, yet the room stays Failed with its first reason; its pages go back
+    once; after it is forgotten, the handle still reports Failed."""
     async with stalling_pair(engine_name, bootstrap_url, stall_all) as (pair, fault):
         room, n, epoch, slot = 111, 2, 42, 5
         src_pages, dst_pages = np.arange(n), np.arange(70, 70 + n)
         pair.src.fill(src_pages, room)
+        pair.src.fill_aux(0, room)
+        released: list[str] = []
+        statuses = Handled(pair.decode, "_on_status")
+        held: list[tuple[str, wire.Message]] = []
+        send = pair.decode.control.send_nowait
+
+        def hold_aborts(endpoint: str, msg: wire.Message, pages: Any = None) -> bool:
+            if isinstance(msg, wire.Abort):
+                held.append((endpoint, msg))
+                return True
+            return send(endpoint, msg, pages)
+
+        pair.decode.control.send_nowait = hold_aborts  # type: ignore[method-assign]
         sender = pair.prefill.sender(room, num_pages=n, aux_slot=0)
         receiver = pair.decode.receiver(room, bootstrap_url=pair.url, epoch=epoch)
-        receiver.init(dst_pages, slot)
+        receiver.init(dst_pages, slot, on_release=lambda: released.append("dst"))
         sender.send(src_pages, last=True)
         await stalled(fault.stalls)
 
         receiver.abort("first reason")
-        # The room's aux row carries this room and epoch (as if prefill's write landed), and
-        # a Success STATUS arrives: neither brings the room back.
-        pair.dst.aux[slot, : AUX_STAMP.size] = np.frombuffer(
-            AUX_STAMP.pack(room, epoch), dtype=np.uint8
-        )
-        pair.decode._handle(
-            wire.Status(v=wire.WIRE_VERSION, room=room, epoch=epoch, rank=0, ok=True), None
-        )
-        assert receiver.poll() is KVPoll.Failed
-        assert "first reason" in str(receiver.failure)
-        assert pair.decode.statistics().succeeded == 0
-        assert pair.decode.statistics().pages_held == n
-
         fault.stalls.release_all()
         with trio.fail_after(BOUND):
+            assert await sender.wait() is KVPoll.Success
+        await statuses.wait()  # prefill's Success reached decode after its abort
+        assert pair.verify(room, dst_pages, slot)  # everything landed...
+        assert receiver.poll() is KVPoll.Failed  # ...but Failed is absorbing
+        assert "first reason" in str(receiver.failure)
+        assert pair.decode.statistics().succeeded == 0
+
+        pair.decode.control.send_nowait = send  # type: ignore[method-assign]
+        for endpoint, msg in held:
+            assert send(endpoint, msg)
+        with trio.fail_after(BOUND):
             await receiver.wait_released()
+        await watch()
+        assert released == ["dst"]
         assert receiver.poll() is KVPoll.Failed
         assert "first reason" in str(receiver.failure)
         assert pair.decode.statistics().rooms_active == 0

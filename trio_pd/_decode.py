@@ -562,6 +562,9 @@ class DecodeAgent:
                 self._fail_and_drain(
                     room, ProtocolError(f"room {room.room}: aux row does not carry this epoch")
                 )
+        # after an abort, a rank's Success proves its drain (DecodeBook.drained) and may be
+        # the last proof the held pages wait for
+        self._maybe_release(room)
 
     def _on_ack(self, msg: _wire.AbortAck) -> None:
         room = self._room_for(msg.room, msg.epoch)
