@@ -59,6 +59,9 @@ class DemoOptions:
     engine: str = "mooncake"
     abort_rate: float = 0.0
     fault_rate: float = 0.0
+    #: which faults --fault-rate injects (trio_pd.engines.fault kinds), and their delay
+    fault_kinds: tuple[str, ...] = ("fail", "partial", "delay_before", "delay_after")
+    fault_delay: float = 0.01
     seed: int = 0
     #: a request not terminal this long after it started counts as hung
     request_bound: float = 60.0
@@ -135,7 +138,11 @@ def _engine(opts: DemoOptions, role: str, rank: int) -> TransferEngine:
     if role == "prefill" and opts.fault_rate > 0:
         from .engines.fault import FaultEngine
 
-        return FaultEngine.random(engine, opts.fault_rate, seed=opts.seed * 1000 + rank)
+        return FaultEngine.random(
+            engine, opts.fault_rate, seed=opts.seed * 1000 + rank,
+            kinds=opts.fault_kinds,  # type: ignore[arg-type]  # checked by FaultEngine
+            delay_s=opts.fault_delay,
+        )
     return engine
 
 

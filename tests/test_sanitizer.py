@@ -1,0 +1,43 @@
+"""The lifetime sanitizer sees what it is there to see (issue: lifetimes, item 8).
+
+With the per-chunk drain broken (engine calls abandoned on abort, so a chunk ends while its
+write is still on its way), the demo's allocators must report late writes; with the real
+code, the same run reports none.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+
+from trio_pd import _prefill
+from trio_pd._demo import DemoOptions, run_in_process
+
+# Small delayed writes on every call and many aborts: aborts land while writes are in flight.
+OPTS = DemoOptions(
+    requests=150, concurrency=4, abort_rate=0.5, fault_rate=1.0,
+    fault_kinds=("delay_before",), fault_delay=0.005, max_tokens=512, seed=0,
+)
+
+
+async def test_real_drain_has_no_late_writes() -> None:
+    summary = await run_in_process(OPTS)
+    assert summary["aborted"] > 0
+    assert summary["late_writes"] == 0
+    assert summary["corrupt_pages"] == 0
+
+
+async def test_sanitizer_catches_a_broken_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_init = _prefill.PrefillAgent.__init__
+
+    def abandoning_init(self: _prefill.PrefillAgent, *args: Any, **kw: Any) -> None:
+        real_init(self, *args, **kw)
+        # the bug: an abort no longer waits for a call that already reached its thread
+        self.run_sync_in_thread = partial(trio.to_thread.run_sync, abandon_on_cancel=True)
+
+    monkeypatch.setattr(_prefill.PrefillAgent, "__init__", abandoning_init)
+    summary = await run_in_process(OPTS)
+    assert summary["late_writes"] + summary["corrupt_pages"] > 0, summary
