@@ -244,12 +244,6 @@ async def test_engine_error_on_one_prefill_rank_fails_the_request(
         assert faulty[0].statistics().faults.get("fail", 0) >= 1
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="BUG (open): a prefill rank lost after it reported Success can still fail the "
-    "room on Mooncake; _lose now skips rooms the rank succeeded for, but the room still "
-    "ends Failed there (passes on NIXL)",
-)
 async def test_rank_lost_after_its_success_does_not_fail_the_room(
     engine_name: str, bootstrap_url: str
 ) -> None:

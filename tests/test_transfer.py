@@ -454,7 +454,8 @@ async def test_heartbeat_loss_then_reregistered_prefill_works(
                 failed_after = trio.current_time() - lost_at
                 await released.wait()
             assert isinstance(receiver.failure, PeerLost), receiver.failure
-            assert failed_after <= bound + 0.5, failed_after
+            # + up to ~1 s: closing the dead rank's Mooncake engine holds the GIL that long
+            assert failed_after <= bound + 1.5, failed_after
             stats = dec.statistics()
             assert stats.peers_lost >= 1 and stats.pages_held == 0
             if policy == "drain":  # the writer was proven gone: its engine is closed

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +46,9 @@ from ._state import DecodeBook, KVPoll
 from ._stats import AgentStatistics, Counters
 from ._timers import Timers
 from .engines import TransferEngine
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
 
 log = logging.getLogger("trio_pd.decode")
 
@@ -79,7 +82,7 @@ class _PrefillRank:
     session: str
     ping_id: int = 0
     rooms: set[int] = field(default_factory=set)
-    last_pong: float = 0.0
+    unanswered: int = 0  # pings sent since the last pong
     lost: bool = False
 
 
@@ -199,7 +202,9 @@ class DecodeAgent:
         host: str,
         config: DecodeConfig,
         control: ControlPlane | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
+        self.metrics = metrics  # prometheus hooks (trio_pd.metrics), optional
         self.engine = engine
         self.pool = pool
         self.tp_rank = tp_rank
@@ -331,6 +336,8 @@ class DecodeAgent:
         if book.aborting or book.cell.status is not KVPoll.Failed:
             return
         book.aborting = True
+        if self.metrics is not None:
+            self.metrics.drain_started(room)
         book.contacted.update(r.tp_rank for r in room.sources)
         self._send_aborts(room)
         self.timers.after(self.config.ack_timeout, partial(self._ack_due, room))
@@ -338,6 +345,8 @@ class DecodeAgent:
 
     def _count_failure(self, error: TransferError) -> None:
         self.counters.bump("aborted" if isinstance(error, TransferAborted) else "failed")
+        if self.metrics is not None:
+            self.metrics.observe_failure(error)
 
     def _send_aborts(self, room: _Room) -> None:
         assert room.book is not None
@@ -357,6 +366,8 @@ class DecodeAgent:
         if room.released.is_set():
             return
         room.released.set()
+        if self.metrics is not None:
+            self.metrics.drain_released(room)
         self._run_on_release(room)
         self._forget(room)
 
@@ -472,7 +483,6 @@ class DecodeAgent:
         if rank is not None and rank.session == info.engine_session and not rank.lost:
             return rank
         rank = _PrefillRank(info.endpoint, info.tp_rank, info.engine_session, next(self._ping_ids))
-        rank.last_pong = trio.current_time()
         self._ranks[info.endpoint] = rank
         msg = _wire.Register(
             v=_wire.WIRE_VERSION, endpoint=self.endpoint, decode_rank=self.tp_rank,
@@ -484,18 +494,19 @@ class DecodeAgent:
         return rank
 
     async def _heartbeat(self) -> None:
-        """Ping every prefill rank we use; one that stays silent is lost, and its rooms fail
-        (they still wait for its drain, or for proof that it is gone)."""
+        """Ping every prefill rank we use; one that leaves ``heartbeat_misses`` pings in a row
+        unanswered is lost, and its rooms fail (they still wait for its drain, or for proof
+        that it is gone). Misses are counted in pings, not seconds, so a stall of this process
+        (a pong waiting unread) costs at most one miss."""
         while True:
             await trio.sleep(self.config.heartbeat_interval)
-            now = trio.current_time()
-            bound = self.config.heartbeat_interval * self.config.heartbeat_misses
             for rank in list(self._ranks.values()):
                 if rank.lost:
                     continue
-                if now - rank.last_pong > bound:
+                if rank.unanswered >= self.config.heartbeat_misses:
                     self._lose(rank)
                     continue
+                rank.unanswered += 1
                 ping = _wire.Ping(
                     v=_wire.WIRE_VERSION, nonce=rank.ping_id, endpoint=self.endpoint
                 )
@@ -530,7 +541,7 @@ class DecodeAgent:
         elif isinstance(msg, _wire.Pong):
             for rank in self._ranks.values():
                 if rank.ping_id == msg.nonce:
-                    rank.last_pong = trio.current_time()
+                    rank.unanswered = 0
         else:
             raise ProtocolError(f"decode does not take {type(msg).__name__}")
 
@@ -598,6 +609,7 @@ async def open_decode(
     tp_size: int = 1,
     host: str = "127.0.0.1",
     config: DecodeConfig | None = None,
+    metrics: AgentMetrics | None = None,
 ) -> AsyncIterator[DecodeAgent]:
     """Run a decode rank: register ``pool`` with ``engine``, bind the control socket, and serve
     until the block exits. On exit the memory is deregistered first (so no late write can land)
@@ -609,6 +621,8 @@ async def open_decode(
     agent = DecodeAgent(
         engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, host=host, config=config
     )
+    if metrics is not None:
+        metrics.attach(agent)  # sets agent.metrics; exports statistics() at scrape time
     regions = pool.regions()
     try:
         await trio.to_thread.run_sync(engine.register, regions)

@@ -24,10 +24,12 @@ import ctypes
 import logging
 import math
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +62,9 @@ from ._state import AckBook, KVPoll, Lease, LeaseBook, Outcome, StatusCell
 from ._stats import AgentStatistics, Counters
 from ._timers import Timers
 from .engines import Region, TransferEngine
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
 
 log = logging.getLogger("trio_pd.prefill")
 
@@ -230,7 +235,9 @@ class PrefillAgent:
         host: str,
         config: PrefillConfig,
         control: ControlPlane | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
+        self.metrics = metrics  # prometheus hooks (trio_pd.metrics), optional
         self.engine = engine
         self.pool = pool
         self.tp_rank = tp_rank
@@ -439,6 +446,7 @@ class PrefillAgent:
         **Cancellation:** before the start, the call is skipped; after it, the call completes.
         """
         write = partial(self.engine.write, peer.session, blocks.src, blocks.dst, blocks.lens)
+        t0 = time.perf_counter()
         try:
             await self.run_sync_in_thread(write, limiter=self._limiter)
         except trio.Cancelled:
@@ -446,10 +454,16 @@ class PrefillAgent:
         except BaseException:
             call.state = "error"
             self.counters.bump("engine_errors")
+            if self.metrics is not None:
+                self.metrics.observe_write(self.engine.name, time.perf_counter() - t0, 0, ok=False)
             raise
         call.state = "done"
         self.counters.bump("engine_calls")
         self.counters.bump("bytes_written", int(blocks.lens.sum()))
+        if self.metrics is not None:
+            self.metrics.observe_write(
+                self.engine.name, time.perf_counter() - t0, int(blocks.lens.sum())
+            )
 
     # ------------------------------------------------------------------ publication
 
@@ -520,6 +534,8 @@ class PrefillAgent:
         room.leases.close()
         if room.cell.fail(error):
             self.counters.bump("aborted" if isinstance(error, TransferAborted) else "failed")
+            if self.metrics is not None:
+                self.metrics.observe_failure(error)
         for scope in room.scopes:
             scope.cancel(f"room {room.room}: {error}")
         # chunks that never reached a worker are cancelled now, not when a worker gets to
@@ -843,6 +859,7 @@ async def open_prefill(
     kv_heads: int = 1,
     host: str = "127.0.0.1",
     config: PrefillConfig | None = None,
+    metrics: AgentMetrics | None = None,
 ) -> AsyncIterator[PrefillAgent]:
     """Run a prefill rank: register ``pool`` with ``engine``, bind the control socket,
     register with the bootstrap service, and serve until the block exits.
@@ -862,6 +879,8 @@ async def open_prefill(
         host=host,
         config=config,
     )
+    if metrics is not None:
+        metrics.attach(agent)  # sets agent.metrics; exports statistics() at scrape time
     regions = pool.regions()
     try:
         await trio.to_thread.run_sync(engine.register, regions)
