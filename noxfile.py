@@ -6,19 +6,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "none"
 nox.options.sessions = ["lint", "typecheck", "tests"]
 
 
+def _py_files(folder: str) -> list[str]:
+    return sorted(str(p) for p in Path(folder).rglob("*.py"))
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "trio_pd", "tests", "noxfile.py")
     # ruff lacks ASYNC910/911/912 (checkpoint-on-every-path rules); flake8-async has them.
-    session.run(
-        "flake8", "--select=ASYNC910,ASYNC911,ASYNC912", "--max-line-length=100", "trio_pd"
-    )
+    session.run("flake8-async", "--enable=ASYNC910,ASYNC911,ASYNC912", *_py_files("trio_pd"))
 
 
 @nox.session
@@ -48,6 +52,12 @@ def soak(session: nox.Session) -> None:
             "trio-pd", "demo", "--engine", engine, "--requests", "2000",
             "--abort-rate", "0.3", "--fault-rate", "0.05", "--json", *session.posargs,
         )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """trio_pd vs direct engine calls; pass --json, --plot FILE, --engine nixl, --quick."""
+    session.run("trio-pd", "bench", *session.posargs)
 
 
 @nox.session

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import numpy.typing as npt
 import trio
+import trio.lowlevel
 
 from . import _wire
 from ._bootstrap import BootstrapClient, Topology
@@ -460,6 +461,7 @@ class DecodeAgent:
                     self._release(room)  # no prefill rank was ever told about these pages
                 else:
                     self._forget(room)
+            await trio.lowlevel.checkpoint()
             return
         inst.ready = True
         waiting, inst.waiting = inst.waiting, []

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 import trio
+import trio.lowlevel
 
 from ._bootstrap import open_bootstrap_server
 from ._decode import DecodeConfig, open_decode
@@ -164,6 +165,7 @@ async def _all_returned(allocs: list[PageAllocator], bound: float) -> None:
     """Wait (at most ``bound`` s) until every allocator has every row back: quarantines and
     drain acks included."""
     with trio.move_on_after(bound):
+        await trio.lowlevel.checkpoint()
         for alloc in allocs:
             await alloc.wait_all_returned()
 
@@ -509,6 +511,7 @@ async def _worker_process(
 
 
 async def _read_line(stream: trio.abc.ReceiveStream) -> str:
+    await trio.lowlevel.checkpoint()
     buf = b""
     while b"\n" not in buf:
         data = await stream.receive_some(1024)

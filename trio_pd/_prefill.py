@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 import trio
+import trio.lowlevel
 
 from . import _wire
 from ._bootstrap import BootstrapClient, PrefillRankInfo
@@ -469,9 +470,11 @@ class PrefillAgent:
 
     async def _publish(self, room: _Room) -> None:
         """Decide and publish the room's outcome, once, under the room's lock."""
-        if room.published or not (room.cell.status is KVPoll.Failed or room.leases.closed):
-            return
-        if room.leases.live or (room.cell.status is not KVPoll.Failed and not room.ready):
+        due = not room.published and (room.cell.status is KVPoll.Failed or room.leases.closed)
+        if not due or room.leases.live or (
+            room.cell.status is not KVPoll.Failed and not room.ready
+        ):
+            await trio.lowlevel.checkpoint()  # a checkpoint on every path
             return
         async with room.lock:
             self._publish_locked(room)
@@ -604,6 +607,7 @@ class PrefillAgent:
     ) -> None:
         answered = True
         with trio.move_on_after(self._fence) as scope:
+            await trio.lowlevel.checkpoint()
             for peer in peers:
                 await trio.to_thread.run_sync(
                     self.engine.probe, peer.session, limiter=self._probe_limiter
@@ -691,6 +695,7 @@ class PrefillAgent:
         except Exception as exc:
             log.warning("could not add decode peer %s: %s", peer.endpoint, exc)
             self._mark_failed(peer)
+            await trio.lowlevel.checkpoint()
         peer.ready.set()
 
     def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
