@@ -1,0 +1,37 @@
+"""``trio-pd bench``: quick mode end to end (subprocess, as a user runs it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.parametrize("engine", ["mooncake"])
+def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:
+    png = tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trio_pd.cli", "bench", "--quick", "--json", "--engine", engine,
+         "--plot", str(png)],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    for key in ("ceiling_gbps", "trio_pd_gbps", "ratio", "overhead_us", "loop_lateness_ms",
+                "abort_release_ms", "scale"):
+        assert key in r, key
+    assert r["ceiling_gbps"] > 0 and r["trio_pd_gbps"] > 0 and r["ratio"] > 0
+    assert r["corrupt_pages"] == 0 and r["failed"] == 0
+    assert r["verified_bytes"] > 0
+    for key in ("overhead_us", "loop_lateness_ms", "abort_release_ms"):
+        assert set(r[key]) >= {"p50", "p99"}, key
+    assert r["overhead_us"]["p50"] is not None
+    assert r["loop_lateness_ms"]["p99"] >= r["loop_lateness_ms"]["p50"] >= 0
+    assert r["abort_samples"] == 0 or r["abort_release_ms"]["p50"] > 0
+    assert [x["rooms"] for x in r["scale"]] == r["options"]["scale_rooms"]
+    for x in r["scale"]:
+        assert x["gbps"] > 0 and x["bytes_per_room"] > 0 and x["failed"] == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
