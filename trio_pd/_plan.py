@@ -311,9 +311,11 @@ def plan_pages(
     dst_pages: npt.ArrayLike,
     *,
     heads: tuple[int, int] | None = None,
+    pages_checked: bool = False,
 ) -> Blocks:
     """Turn aligned source/destination page ids into the blocks that copy them, buffer by
-    buffer.
+    buffer. ``pages_checked=True`` skips the page-id checks for a caller that already ran
+    :func:`validate_pages` on both lists (the agents do, when the ids arrive).
 
     Whole pages (``heads is None``, which is also the MLA case, or both sides holding exactly
     heads ``[h0, h1)``): one block per run of pages consecutive on both sides per buffer, so a
@@ -335,8 +337,9 @@ def plan_pages(
         raise ValueError(f"source has {src.num_buffers} buffers, destination {dst.num_buffers}")
     if src.page_size != dst.page_size:
         raise ValueError(f"page size differs: source {src.page_size}, destination {dst.page_size}")
-    _check_pages_in_range(s_pages, src.num_pages, "source")
-    validate_pages(d_pages, dst.num_pages)
+    if not pages_checked:
+        _check_pages_in_range(s_pages, src.num_pages, "source")
+        validate_pages(d_pages, dst.num_pages)
     if s_pages.size == 0 or src.num_buffers == 0:
         return empty()
 
@@ -430,14 +433,40 @@ def _as_u64(values: npt.ArrayLike, what: str) -> npt.NDArray[np.uint64]:
     return arr.astype(_U64, copy=False)
 
 
-def validate_blocks(blocks: Blocks, regions: Sequence[Region]) -> None:
+class RegionTable:
+    """Registered regions prepared once for :func:`validate_blocks` (sorted bases and the
+    running maximum of their ends), so checking a chunk costs no per-call set-up."""
+
+    __slots__ = ("bases", "reach")
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        bases: list[int] = []
+        ends: list[int] = []
+        for r in regions:
+            if r.base < 0 or r.length < 0:
+                raise ValueError(f"invalid region {r}")
+            if r.length == 0 or r.base > _U64_MAX:
+                continue
+            bases.append(r.base)
+            ends.append(min(r.end, _U64_MAX))
+        order = np.argsort(np.array(bases, dtype=_U64), kind="stable")
+        self.bases: npt.NDArray[np.uint64] = np.array(bases, dtype=_U64)[order]
+        # Running maximum of the ends: overlapping regions are handled by asking whether
+        # *some* region starting at or before dst reaches far enough.
+        self.reach: npt.NDArray[np.uint64] = (
+            np.maximum.accumulate(np.array(ends, dtype=_U64)[order]) if ends else self.bases
+        )
+
+
+def validate_blocks(blocks: Blocks, regions: Sequence[Region] | RegionTable) -> None:
     """Refuse a batch unless every destination range ``[dst, dst + len)`` lies entirely inside
     one of ``regions`` (the memory the destination registered; SPEC I8).
 
     Zero-length blocks and ranges that would wrap past 2**64 are refused too. A range that
     straddles two adjacent regions is refused: an engine registers them separately and may
     not write across the seam. Raises :class:`~trio_pd.RegionError` naming how many blocks
-    are bad and the first of them. Cost: O((blocks + regions) log regions).
+    are bad and the first of them. Cost: O((blocks + regions) log regions); pass a
+    :class:`RegionTable` built once to skip preparing the regions on every call.
     """
     dst = _as_u64(blocks.dst, "dst")
     lens = _as_u64(blocks.lens, "len")
@@ -445,22 +474,8 @@ def validate_blocks(blocks: Blocks, regions: Sequence[Region]) -> None:
         raise RegionError(f"malformed blocks: dst shape {dst.shape}, lens shape {lens.shape}")
     if dst.size == 0:
         return
-
-    bases: list[int] = []
-    ends: list[int] = []
-    for r in regions:
-        if r.base < 0 or r.length < 0:
-            raise ValueError(f"invalid region {r}")
-        if r.length == 0 or r.base > _U64_MAX:
-            continue
-        bases.append(r.base)
-        ends.append(min(r.end, _U64_MAX))
-    order = np.argsort(np.array(bases, dtype=_U64), kind="stable")
-    sorted_bases = np.array(bases, dtype=_U64)[order]
-    # Running maximum of the ends: overlapping regions are handled by asking whether *some*
-    # region starting at or before dst reaches far enough.
-    reach = np.maximum.accumulate(np.array(ends, dtype=_U64)[order]) if ends else sorted_bases
-
+    table = regions if isinstance(regions, RegionTable) else RegionTable(regions)
+    sorted_bases, reach = table.bases, table.reach
     zero = lens == 0
     overflow = lens > (_U64(_U64_MAX) - dst)
     end = np.where(overflow, _U64(_U64_MAX), dst + np.where(overflow, _U64(0), lens))

@@ -50,6 +50,7 @@ from ._errors import (
 from ._plan import (
     Blocks,
     PoolSpec,
+    RegionTable,
     aux_writer,
     concat,
     plan_aux,
@@ -62,7 +63,7 @@ from ._plan import (
 from ._state import AckBook, KVPoll, Lease, LeaseBook, Outcome, StatusCell
 from ._stats import AgentStatistics, Counters
 from ._timers import Timers
-from .engines import Region, TransferEngine
+from .engines import TransferEngine
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -100,7 +101,7 @@ class _DecodePeer:
     decode_tp: int
     session: str
     pool: PoolSpec
-    regions: list[Region]
+    regions: RegionTable
     ready: trio.Event = field(default_factory=trio.Event)
     failed: bool = False
     probing: bool = False
@@ -421,7 +422,12 @@ class PrefillAgent:
         if heads is not None and len(chunk.pages):
             dst = target.dst_pages[chunk.start : chunk.start + len(chunk.pages)]
             mha_heads = heads if self.pool.layout == "mha" else None
-            parts.append(plan_pages(self.pool, peer.pool, chunk.pages, dst, heads=mha_heads))
+            # both page lists were validated when they arrived (_admit, _add_target)
+            parts.append(
+                plan_pages(
+                    self.pool, peer.pool, chunk.pages, dst, heads=mha_heads, pages_checked=True
+                )
+            )
         if (
             chunk.last
             and aux_writer(peer.decode_rank, self.tp_size, peer.decode_tp) == self.tp_rank
@@ -471,8 +477,10 @@ class PrefillAgent:
     async def _publish(self, room: _Room) -> None:
         """Decide and publish the room's outcome, once, under the room's lock."""
         due = not room.published and (room.cell.status is KVPoll.Failed or room.leases.closed)
-        if not due or room.leases.live or (
-            room.cell.status is not KVPoll.Failed and not room.ready
+        if (
+            not due
+            or room.leases.live
+            or (room.cell.status is not KVPoll.Failed and not room.ready)
         ):
             await trio.lowlevel.checkpoint()  # a checkpoint on every path
             return
@@ -679,7 +687,12 @@ class PrefillAgent:
             raise ProtocolError(f"decode layout {pool.layout} != prefill {self.pool.layout}")
         old = self._peers.get(msg.endpoint)
         peer = _DecodePeer(
-            msg.endpoint, msg.decode_rank, msg.decode_tp, msg.session, pool, pool.regions()
+            msg.endpoint,
+            msg.decode_rank,
+            msg.decode_tp,
+            msg.session,
+            pool,
+            RegionTable(pool.regions()),
         )
         if old is not None and old.session != msg.session:
             self.control.forget(msg.endpoint)
