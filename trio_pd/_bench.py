@@ -287,10 +287,11 @@ async def _open_pair(
     stack.callback(pre_engine.close)
     prefill = await stack.enter_async_context(open_prefill(
         engine=pre_engine, pool=src.spec, bootstrap_url=server.url, kv_heads=src.spec.heads,
-        config=PrefillConfig(bootstrap_timeout=60.0),
+        config=PrefillConfig(bootstrap_timeout=900.0),
     ))
     decode = await stack.enter_async_context(open_decode(
-        engine=dec_engine, pool=dst.spec, config=DecodeConfig(waiting_timeout=120.0),
+        # 10,000 rooms bootstrapping under tracemalloc take minutes: no deadline may fire
+        engine=dec_engine, pool=dst.spec, config=DecodeConfig(waiting_timeout=900.0),
     ))
     return _Pair(prefill, decode, server.url)
 

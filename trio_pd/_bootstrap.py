@@ -123,6 +123,9 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     layout: str
     kv_heads: Annotated[int, msgspec.Meta(ge=1)]
     page_size: Annotated[int, msgspec.Meta(ge=1)]
+    #: a second control endpoint that takes only heartbeat pings, so a backlog of transfer
+    #: messages on ``endpoint`` never delays them ("" = use ``endpoint``)
+    heartbeat_endpoint: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 class Topology(msgspec.Struct, frozen=True):

@@ -36,6 +36,10 @@ class ControlPlane:
         self._sndhwm = sndhwm
         self._pull = open_socket(self._ctx, zmq.PULL, rcvhwm=0)
         self.endpoint = self._pull.bind(f"tcp://{host}:*")
+        # Heartbeats get their own socket: behind thousands of queued TRANSFERs on the main
+        # one, a ping would wait long enough for a healthy peer to be declared lost.
+        self._ping_pull = open_socket(self._ctx, zmq.PULL, rcvhwm=0)
+        self.heartbeat_endpoint = self._ping_pull.bind(f"tcp://{host}:*")
         self._push: dict[str, Socket] = {}
 
     def send_nowait(
@@ -65,13 +69,19 @@ class ControlPlane:
             sock.close()
 
     async def serve(self, handle: Handler) -> None:
-        """Receive and dispatch messages until cancelled. ``handle`` is synchronous: it runs
-        to completion between two receives, so handlers never interleave.
+        """Receive and dispatch messages from both sockets until cancelled. ``handle`` is
+        synchronous: it runs to completion between two receives, so handlers never
+        interleave.
 
         **Cancellation:** safe at any point; a message is either handled or left unread.
         """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._serve_socket, self._pull, handle)
+            nursery.start_soon(self._serve_socket, self._ping_pull, handle)
+
+    async def _serve_socket(self, sock: Socket, handle: Handler) -> None:
         while True:
-            frames = await self._pull.recv_multipart()
+            frames = await sock.recv_multipart()
             try:
                 msg, pages = _wire.decode(frames)
             except ProtocolError as exc:
@@ -96,4 +106,5 @@ class ControlPlane:
             sock.close()
         self._push.clear()
         self._pull.close()
+        self._ping_pull.close()
         await trio.to_thread.run_sync(self._ctx.term)

@@ -82,6 +82,7 @@ class _PrefillRank:
     tp_rank: int
     session: str
     ping_id: int = 0
+    heartbeat_endpoint: str = ""
     rooms: set[int] = field(default_factory=set)
     unanswered: int = 0  # pings sent since the last pong
     lost: bool = False
@@ -252,7 +253,8 @@ class DecodeAgent:
 
     def statistics(self) -> AgentStatistics:
         held = sum(
-            len(r.pages) for r in self._rooms.values()
+            len(r.pages)
+            for r in self._rooms.values()
             if r.pages is not None and r.book is not None and r.book.aborting
         )
         return self.counters.snapshot(rooms_active=len(self._rooms), pages_held=held)
@@ -307,8 +309,13 @@ class DecodeAgent:
                 self._fail_and_drain(room, PeerLost(f"prefill rank {rank.tp_rank} is lost"))
                 return
             msg = _wire.Transfer(
-                v=_wire.WIRE_VERSION, room=room.room, epoch=room.epoch, endpoint=self.endpoint,
-                decode_rank=self.tp_rank, aux_slot=room.aux_slot, required=len(room.sources),
+                v=_wire.WIRE_VERSION,
+                room=room.room,
+                epoch=room.epoch,
+                endpoint=self.endpoint,
+                decode_rank=self.tp_rank,
+                aux_slot=room.aux_slot,
+                required=len(room.sources),
                 num_pages=len(room.pages),
             )
             room.book.contacted.add(rank.tp_rank)
@@ -484,12 +491,23 @@ class DecodeAgent:
         rank = self._ranks.get(info.endpoint)
         if rank is not None and rank.session == info.engine_session and not rank.lost:
             return rank
-        rank = _PrefillRank(info.endpoint, info.tp_rank, info.engine_session, next(self._ping_ids))
+        rank = _PrefillRank(
+            info.endpoint,
+            info.tp_rank,
+            info.engine_session,
+            next(self._ping_ids),
+            info.heartbeat_endpoint or info.endpoint,
+        )
         self._ranks[info.endpoint] = rank
         msg = _wire.Register(
-            v=_wire.WIRE_VERSION, endpoint=self.endpoint, decode_rank=self.tp_rank,
-            decode_tp=self.tp_size, engine=self.engine.name, session=self.engine.session_id,
-            engine_meta=self.engine.metadata(), pool=_wire.PoolWire.from_spec(self.pool),
+            v=_wire.WIRE_VERSION,
+            endpoint=self.endpoint,
+            decode_rank=self.tp_rank,
+            decode_tp=self.tp_size,
+            engine=self.engine.name,
+            session=self.engine.session_id,
+            engine_meta=self.engine.metadata(),
+            pool=_wire.PoolWire.from_spec(self.pool),
         )
         if not self.control.send_nowait(info.endpoint, msg):
             raise ProtocolError(f"prefill rank {p} at {info.endpoint} is not reading")
@@ -510,9 +528,11 @@ class DecodeAgent:
                     continue
                 rank.unanswered += 1
                 ping = _wire.Ping(
-                    v=_wire.WIRE_VERSION, nonce=rank.ping_id, endpoint=self.endpoint
+                    v=_wire.WIRE_VERSION,
+                    nonce=rank.ping_id,
+                    endpoint=self.control.heartbeat_endpoint,
                 )
-                self.control.send_nowait(rank.endpoint, ping)
+                self.control.send_nowait(rank.heartbeat_endpoint, ping)
 
     def _lose(self, rank: _PrefillRank) -> None:
         rank.lost = True
@@ -520,6 +540,7 @@ class DecodeAgent:
         if self._ranks.get(rank.endpoint) is rank:
             del self._ranks[rank.endpoint]
         self.control.forget(rank.endpoint)
+        self.control.forget(rank.heartbeat_endpoint)
         for url, inst in list(self._instances.items()):
             if rank in inst.sources:
                 del self._instances[url]  # the next receiver re-resolves the instance
@@ -596,8 +617,10 @@ class DecodeAgent:
                 if room.book is not None:
                     room.book.cell.fail(TransferAborted("decode agent closed"))
                 room.terminal.set()
-            if room.pages is not None and not room.released.is_set() and (
-                room.book is None or room.book.cell.status is KVPoll.Failed
+            if (
+                room.pages is not None
+                and not room.released.is_set()
+                and (room.book is None or room.book.cell.status is KVPoll.Failed)
             ):
                 self._release(room)
 

@@ -918,6 +918,7 @@ async def open_prefill(
                     layout=pool.layout,
                     kv_heads=kv_heads,
                     page_size=pool.page_size,
+                    heartbeat_endpoint=agent.control.heartbeat_endpoint,
                 )
             )
             try:
