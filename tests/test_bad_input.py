@@ -300,15 +300,6 @@ async def test_prefill_refuses_wellformed_nonsense(engine_name: str, bootstrap_u
         await finish_good_room(pair, 1, sender, receiver, src)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a TRANSFER for a room prefill has not created yet is queued in _pending_meta "
-    "without checking that its endpoint is a registered peer or that its pages fit that "
-    "peer's pool, and it replaces a legitimate queued TRANSFER of the same decode rank; "
-    "PrefillAgent.sender() then raises the peer's ProtocolError into the scheduler, the "
-    "legitimate decode is never answered (it waits for its waiting timeout) and the room id "
-    "stays 'in use'",
-)
 async def test_unregistered_transfer_for_future_room_is_refused_at_once(
     engine_name: str, bootstrap_url: str
 ) -> None:

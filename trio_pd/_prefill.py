@@ -306,7 +306,11 @@ class PrefillAgent:
             # rather than at the bootstrap deadline
             self._close_room(r, TransferAborted(f"room {room} was aborted by decode"))
         for msg, pages in self._pending_meta.pop(room, {}).values():
-            self._add_target(r, msg, pages)
+            try:
+                self._add_target(r, msg, pages)
+            except ProtocolError as exc:  # the room failed; the scheduler reads it in poll()
+                self.counters.bump("refused_messages")
+                log.warning("room %d: refused a queued TRANSFER: %s", room, exc)
         return PrefillSender(self, r)
 
     def statistics(self) -> AgentStatistics:
@@ -720,6 +724,18 @@ class PrefillAgent:
             self._refuse_transfer(msg, self._failed_recently[msg.room])
             return
         if room is None:
+            # Checked now, not when the scheduler creates the room: a bad or stray TRANSFER
+            # must neither displace a good one nor surface later in sender().
+            peer = self._peers.get(msg.endpoint)
+            if peer is None:
+                raise ProtocolError(f"TRANSFER from unregistered endpoint {msg.endpoint}")
+            validate_pages(pages, peer.pool.num_pages)
+            if not 0 <= msg.aux_slot < peer.pool.aux_slots:
+                raise ProtocolError(f"aux slot {msg.aux_slot} outside the decode aux buffer")
+            if msg.decode_rank in self._pending_meta.get(msg.room, {}):
+                raise ProtocolError(
+                    f"a second TRANSFER for room {msg.room} from decode rank {msg.decode_rank}"
+                )
             pending = self._pending_meta.setdefault(msg.room, {})
             if len(self._pending_meta) > self.config.max_pending_meta:
                 self._pending_meta.pop(msg.room)
