@@ -41,6 +41,7 @@ from ._errors import (
     TransferAborted,
     TransferError,
 )
+from ._lazy import LazyEvent
 from ._plan import PoolSpec, source_ranks, validate_pages
 from ._prefill import AUX_STAMP
 from ._state import DecodeBook, KVPoll
@@ -106,8 +107,8 @@ class _Room:
     aux_slot: int = -1
     on_release: Callable[[], None] | None = None
     sources: list[_PrefillRank] = field(default_factory=list)
-    terminal: trio.Event = field(default_factory=trio.Event)
-    released: trio.Event = field(default_factory=trio.Event)
+    terminal: LazyEvent = field(default_factory=LazyEvent)
+    released: LazyEvent = field(default_factory=LazyEvent)
     #: a failure seen before the prefill instance was resolved (no rank contacted yet)
     early_failure: TransferError | None = None
 

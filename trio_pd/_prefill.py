@@ -47,6 +47,7 @@ from ._errors import (
     TransferAborted,
     TransferError,
 )
+from ._lazy import LazyEvent
 from ._plan import (
     Blocks,
     PoolSpec,
@@ -144,7 +145,7 @@ class _Room:
     cell: StatusCell = field(default_factory=StatusCell)
     leases: LeaseBook = field(init=False)
     acks: AckBook = field(default_factory=AckBook)
-    lock: trio.Lock = field(default_factory=trio.Lock)
+    _lock: trio.Lock | None = None
     targets: dict[int, _Target] = field(default_factory=dict)  # decode rank -> target
     expected_targets: int | None = None
     epoch: int | None = None
@@ -154,11 +155,18 @@ class _Room:
     sent_pages: int = 0
     last_admitted: bool = False
     published: bool = False
-    terminal: trio.Event = field(default_factory=trio.Event)
-    released: trio.Event = field(default_factory=trio.Event)
+    terminal: LazyEvent = field(default_factory=LazyEvent)
+    released: LazyEvent = field(default_factory=LazyEvent)
 
     def __post_init__(self) -> None:
         self.leases = LeaseBook(self.room)
+
+    @property
+    def lock(self) -> trio.Lock:
+        """The publication lock, made when the room first publishes (see _lazy)."""
+        if self._lock is None:
+            self._lock = trio.Lock()
+        return self._lock
 
     @property
     def ready(self) -> bool:
