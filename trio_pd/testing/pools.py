@@ -150,16 +150,26 @@ class PageAllocator:
     def outstanding(self) -> int:
         return len(self._out)
 
+    def _broken_poison(self, ids: npt.NDArray[np.int64]) -> int:
+        """How many of these rows no longer hold their poison (were written after release)."""
+        if not self._sanitize or not len(ids):
+            return 0
+        # the trailing axes of one row, whatever its shape
+        intact = (self._rows[ids] == self._poison).reshape(len(ids), -1).all(axis=1)
+        return int(len(ids) - intact.sum())
+
     def alloc_nowait(self, n: int) -> npt.NDArray[np.int64] | None:
         if n > len(self._free):
             return None
         ids = np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
-        if self._sanitize and n:
-            # the trailing axes of one row, whatever its shape
-            intact = (self._rows[ids] == self._poison).reshape(n, -1).all(axis=1)
-            self.late_writes += int(n - intact.sum())
+        self.late_writes += self._broken_poison(ids)
         self._out.update(ids.tolist())
         return ids
+
+    def late_in_free_rows(self) -> int:
+        """Late writes into rows that are free now and were never handed out again (an audit
+        at the end of a run; changes nothing)."""
+        return self._broken_poison(np.fromiter(self._free, dtype=np.int64))
 
     async def alloc(self, n: int) -> npt.NDArray[np.int64]:
         """Allocate ``n`` rows, waiting until enough are free.
