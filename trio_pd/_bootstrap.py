@@ -647,6 +647,18 @@ class _Listening(trio.TaskStatus[list[str]]):
         self.event.set()
 
 
+async def _bound_server(
+    host: str, port: int, metrics_registry: CollectorRegistry | None
+) -> tuple[socket.socket, BootstrapServer]:
+    """Bind the listening socket and build the server on it; on failure, close the socket."""
+    sock = await _bind(host, port)
+    try:
+        return sock, _new_server(sock, metrics_registry)
+    except BaseException:
+        _close_listening(sock)
+        raise
+
+
 async def serve_bootstrap(
     host: str = "127.0.0.1",
     port: int = 0,
@@ -672,12 +684,7 @@ async def serve_bootstrap(
     hypercorn has stopped and the listening socket is closed. The shutdown is shielded but
     bounded: past one second it is cancelled outright (and a warning is logged).
     """
-    sock = await _bind(host, port)
-    try:
-        server = _new_server(sock, metrics_registry)
-    except BaseException:
-        _close_listening(sock)
-        raise
+    sock, server = await _bound_server(host, port, metrics_registry)
     try:
         await _serve(server, sock, task_status=task_status)
     finally:
@@ -703,12 +710,7 @@ async def open_bootstrap_server(
     and the ``Cancelled`` propagates; the shutdown itself is shielded and bounded (see
     :func:`serve_bootstrap`).
     """
-    sock = await _bind(host, port)
-    try:
-        server = _new_server(sock, metrics_registry)
-    except BaseException:
-        _close_listening(sock)
-        raise
+    sock, server = await _bound_server(host, port, metrics_registry)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(_serve, server, sock))
