@@ -268,6 +268,23 @@ def poison_src(pool: HostKVPool, pages: npt.NDArray[Any], log: list[str]) -> Cal
     return release
 
 
+def send_whole_room(
+    pair: Any, room: int, src_pages: npt.NDArray[Any], dst_pages: npt.NDArray[Any],
+    log: list[str],
+) -> tuple[Any, Any]:
+    """Fill the source pages, open both handles (each logging its release) and send the whole
+    room as one last chunk."""
+    pair.src.fill(src_pages, room)
+    sender = pair.prefill.sender(
+        room, num_pages=len(src_pages), aux_slot=0,
+        on_release=poison_src(pair.src, src_pages, log),
+    )
+    receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+    receiver.init(dst_pages, 0, on_release=lambda: log.append("dst released"))
+    sender.send(src_pages, last=True)
+    return sender, receiver
+
+
 def record_dst(
     pool: HostKVPool, pages: npt.NDArray[Any], log: list[str], seen: list[npt.NDArray[Any]]
 ) -> Callable[[], None]:
@@ -422,13 +439,7 @@ async def test_abort_before_publication_publishes_failed(
         EngineCalls(pair.prefill, log)
         room, n = 21, 5
         src_pages, dst_pages = np.arange(n), np.arange(100, 100 + n)
-        pair.src.fill(src_pages, room)
-        sender = pair.prefill.sender(
-            room, num_pages=n, aux_slot=0, on_release=poison_src(pair.src, src_pages, log)
-        )
-        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
-        receiver.init(dst_pages, 0, on_release=lambda: log.append("dst released"))
-        sender.send(src_pages, last=True)
+        sender, receiver = send_whole_room(pair, room, src_pages, dst_pages, log)
         await stalled(fault.stalls)
 
         sender.abort("the scheduler changed its mind")
@@ -811,13 +822,7 @@ async def test_engine_error_quarantines_lease(engine_name: str, bootstrap_url: s
         aborts = Handled(pair.prefill, "_on_abort")
         room, n = 91, 4
         src_pages, dst_pages = np.arange(n), np.arange(10, 10 + n)
-        pair.src.fill(src_pages, room)
-        sender = pair.prefill.sender(
-            room, num_pages=n, aux_slot=0, on_release=poison_src(pair.src, src_pages, log)
-        )
-        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
-        receiver.init(dst_pages, 0, on_release=lambda: log.append("dst released"))
-        sender.send(src_pages, last=True)
+        sender, receiver = send_whole_room(pair, room, src_pages, dst_pages, log)
         with trio.fail_after(BOUND):
             assert await sender.wait() is KVPoll.Failed
             failed_at = trio.current_time()
