@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from trio_pd._errors import EngineError
-from trio_pd.engines import Region, TransferEngine, make_engine
+from trio_pd.engines import Region, TransferEngine, make_engine, start_write
 from trio_pd.engines.fault import Fault, FaultEngine
 
 HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
@@ -157,6 +157,65 @@ def test_mooncake_sub_batches(p: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     p.src_engine.write(p.peer, *p.blocks(off, off, np.full(n, 512)))
     assert sizes == [MAX_BLOCKS_PER_CALL, MAX_BLOCKS_PER_CALL, 5]
     assert np.array_equal(p.dst[: n * 512], p.src[: n * 512])
+
+
+def test_started_writes_in_flight_together(p: Pair) -> None:
+    """``start_write`` (Mooncake: ``submit``; NIXL: a deferred write) with several writes
+    started before the first is waited: each wait returns once its blocks have landed."""
+    rng = np.random.default_rng(3)
+    src_off, dst_off, lens = _random_blocks(rng, 64, 64 << 10)
+    parts = np.array_split(np.arange(64), 4)
+    pending = [start_write(p.src_engine, p.peer, *p.blocks(src_off[i], dst_off[i], lens[i]))
+               for i in parts]
+    for w in pending:
+        w.wait()
+    assert np.array_equal(p.dst, _expected(p, src_off, dst_off, lens))
+
+
+def test_mooncake_submit_keeps_the_budget_and_never_waits_twice(p: Pair) -> None:
+    if p.kind != "mooncake":
+        pytest.skip("Mooncake's submit")
+    from trio_pd.engines import Deferred
+    from trio_pd.engines.mooncake import MAX_BLOCKS_PER_CALL, MooncakeEngine
+
+    engine = p.src_engine
+    assert isinstance(engine, MooncakeEngine)
+    first = engine.submit(p.peer, *p.blocks([0, 4096], [0, 4096], [4096, 4096]))
+    assert not isinstance(first, Deferred)  # an async batch, holding 2 blocks of budget
+    assert engine._budget._in_flight[p.peer] == 2
+    first.wait()
+    assert p.peer not in engine._budget._in_flight  # given back
+    with pytest.raises(RuntimeError, match="twice"):
+        first.wait()  # the engine would crash on a second wait of the same batch
+    # More blocks than one batch carries, or than the budget has left: deferred to wait()
+    n = MAX_BLOCKS_PER_CALL + 1
+    off = np.arange(n) * 512
+    big = engine.submit(p.peer, *p.blocks(off, off, np.full(n, 512)))
+    assert isinstance(big, Deferred)
+    big.wait()
+    assert np.array_equal(p.dst[: n * 512], p.src[: n * 512])
+
+
+def test_mooncake_submit_outside_the_destination_fails_at_wait(p: Pair) -> None:
+    if p.kind != "mooncake":
+        pytest.skip("Mooncake's submit")
+    with pytest.raises(EngineError):
+        start_write(
+            p.src_engine, p.peer, _u64([p.src_base]), _u64([p.dst_base + BUF]), _u64([4096])
+        ).wait()
+    assert not p.src_engine._budget._in_flight  # type: ignore[attr-defined]
+    start_write(p.src_engine, p.peer, *p.blocks([0], [0], [4096])).wait()  # the link works
+    assert np.array_equal(p.dst[:4096], p.src[:4096])
+
+
+def test_mooncake_waits_do_not_log_every_batch(p: Pair, capfd: pytest.CaptureFixture[str]) -> None:
+    """Mooncake's async wait logs each finished batch at INFO on stderr unless glog's
+    minloglevel is raised (the adapter does, from GLOG_minloglevel or 1)."""
+    if p.kind != "mooncake":
+        pytest.skip("Mooncake's logging")
+    for _ in range(3):
+        start_write(p.src_engine, p.peer, *p.blocks([0], [0], [4096])).wait()
+    assert "Batch Transfer completed" not in capfd.readouterr().err
 
 
 def test_empty_write_is_a_no_op(p: Pair) -> None:

@@ -10,7 +10,7 @@ How the interleavings are forced, without sleeping:
   fault holds that engine call inside the engine (in its thread) until the test releases the
   gate; ``gate.wait_stalled_async(n)`` says the n-th call has got there. ``fail`` and
   ``partial`` make a call raise :class:`~trio_pd.EngineError`.
-* :class:`EngineCalls` wraps the prefill agent's ``run_sync_in_thread`` (the one seam through
+* :class:`EngineCalls` wraps the prefill agent's ``run_engine_call`` (the one seam through
   which engine calls reach their thread) and :class:`Handled` wraps one of an agent's
   synchronous message handlers; both let the test wait for "the n-th engine call has returned
   to trio" / "the n-th ABORT has been handled" as events.
@@ -49,7 +49,7 @@ from trio_pd import (
 )
 from trio_pd import _wire as wire
 from trio_pd._plan import head_range
-from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.engines import TransferEngine, make_engine, start_write
 from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool
 
@@ -97,7 +97,7 @@ async def stays_pending(wait: Callable[[], Awaitable[object]], what: str) -> Non
 
 
 class EngineCalls:
-    """Wraps ``agent.run_sync_in_thread``: counts engine calls that returned to trio (done or
+    """Wraps ``agent.run_engine_call``: counts engine calls that returned to trio (done or
     failed; not those cancelled before they started) and appends ``"write returned"`` to
     ``log`` for each, so a test can order them against release callbacks."""
 
@@ -106,11 +106,13 @@ class EngineCalls:
         self.errors = 0
         self._log = log
         self._changed = trio.Event()
-        inner = agent.run_sync_in_thread
+        inner = agent.run_engine_call
 
-        async def tracked(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        async def tracked(lane: Any, fn: Callable[[], Any]) -> Any:
+            if getattr(fn, "func", None) is not start_write:
+                return await inner(lane, fn)  # add_peer: not a write
             try:
-                result = await inner(fn, *args, **kw)
+                result = await inner(lane, fn)
             except trio.Cancelled:
                 raise  # never started
             except BaseException:
@@ -120,7 +122,7 @@ class EngineCalls:
             self._returned()
             return result
 
-        agent.run_sync_in_thread = tracked
+        agent.run_engine_call = tracked
 
     def _returned(self) -> None:
         self.returned += 1
@@ -583,14 +585,15 @@ def _transfer(room: int, endpoint: str, dst_pages: npt.NDArray[Any]) -> wire.Tra
 
 
 async def test_two_batches_release_once_after_both(engine_name: str, bootstrap_url: str) -> None:
-    """SPEC §8.5, I1, I3: two chunks of one room are in flight; the last one completes while
-    the first is still in the engine. Nothing is released or published until the first
-    returns; then the release runs exactly once, and the bytes are intact."""
+    """SPEC §8.5, I1, I3: one chunk of a room has returned, the room's last chunk is still in
+    the engine. Nothing is released or published until that one returns; then the release
+    runs exactly once, and the bytes are intact. (Calls to one peer return in order, on its
+    lane: the first chunk returns before the last one is sent, so the stall is the last's.)"""
     first_pages = np.array([3, 7, 11])  # not consecutive: more blocks than the last chunk
     last_pages = np.array([40, 41])
 
     def policy(_i: int, _peer: str, nblocks: int) -> Fault | None:
-        return Fault("stall") if nblocks == 4 * len(first_pages) else None
+        return Fault("stall") if nblocks != 4 * len(first_pages) else None
 
     async with stalling_pair(engine_name, bootstrap_url, policy) as (pair, fault):
         log: list[str] = []
@@ -606,10 +609,10 @@ async def test_two_batches_release_once_after_both(engine_name: str, bootstrap_u
         receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
         receiver.init(dst_pages, 3)
         sender.send(first_pages)
+        await calls.wait_returned(1)  # the first chunk has completed
         sender.send(last_pages, last=True)
 
-        await stalled(fault.stalls)  # the first chunk is in the engine
-        await calls.wait_returned(1)  # the last chunk has completed
+        await stalled(fault.stalls)  # the last chunk is in the engine
         await stays_pending(sender.wait_released, "the release while a batch is in flight")
         assert sender.poll() is KVPoll.Transferring
         assert receiver.poll() is KVPoll.WaitingForInput

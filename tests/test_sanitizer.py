@@ -7,7 +7,6 @@ code, the same run reports none.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ import trio
 
 from trio_pd import _prefill
 from trio_pd._demo import DemoOptions, run_in_process
+from trio_pd._lane import run_to_end
 
 # Small delayed writes on every call and many aborts: aborts land while writes are in flight.
 OPTS = DemoOptions(
@@ -36,7 +36,9 @@ async def test_sanitizer_catches_a_broken_drain(monkeypatch: pytest.MonkeyPatch)
     def abandoning_init(self: _prefill.PrefillAgent, *args: Any, **kw: Any) -> None:
         real_init(self, *args, **kw)
         # the bug: an abort no longer waits for a call that already reached its thread
-        self.run_sync_in_thread = partial(trio.to_thread.run_sync, abandon_on_cancel=True)
+        self.run_engine_call = lambda _lane, fn: trio.to_thread.run_sync(
+            run_to_end, fn, abandon_on_cancel=True
+        )
 
     monkeypatch.setattr(_prefill.PrefillAgent, "__init__", abandoning_init)
     summary = await run_in_process(OPTS)

@@ -10,12 +10,13 @@ agents' three outside parts are swapped for in-memory twins:
   synchronous handler ``agent._handle(msg, pages)``, as its listener would;
 * engine: :class:`MemEngine` copies the blocks in process memory (``ctypes.memmove`` between
   the numpy pools' addresses), as a one-sided write would;
-* threads: :func:`inline_run_sync` replaces ``agent.run_sync_in_thread`` (and, for the
-  agent's ``add_peer`` / ``probe`` calls, ``trio.to_thread.run_sync``). It keeps trio's
-  contract for ``to_thread.run_sync(..., abandon_on_cancel=False)``: a cancellation is seen
-  only *before* the call starts (``checkpoint_if_cancelled``, then the limiter, exactly as
-  trio does it, so a call already past the limiter starts even if its scope was cancelled
-  meanwhile); once started, the call runs to the end and its result is always delivered.
+* threads: :func:`inline_engine_call` replaces ``agent.run_engine_call`` (the lanes), and
+  :func:`inline_run_sync` ``trio.to_thread.run_sync`` (the agents' ``probe`` calls). Both keep
+  the contract of a lane and of ``to_thread.run_sync(..., abandon_on_cancel=False)``: a
+  cancellation is seen only *before* the call starts (``checkpoint_if_cancelled``, then the
+  wait for the lane or the limiter, so a call that got its turn starts even if its scope was
+  cancelled meanwhile); once started, the call runs to the end and its result is always
+  delivered. A lane is modelled as a limiter of one, in FIFO order like its thread's queue.
   The thread's duration is modelled by ``cancel_shielded_checkpoint()`` yields after the
   call, during which every other task may run but no cancellation can interrupt the wait.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,7 +55,9 @@ from trio_pd import (
 )
 from trio_pd import _wire as wire
 from trio_pd._decode import _Instance, _PrefillRank
+from trio_pd._lane import run_to_end
 from trio_pd._prefill import AUX_STAMP, _Room
+from trio_pd.engines import start_write
 from trio_pd.testing import explore, replay
 from trio_pd.testing.pools import HostKVPool
 
@@ -119,7 +123,7 @@ def inline_run_sync(trace: Trace, *, duration: int = 1) -> Callable[..., Awaitab
             await limiter.acquire_on_behalf_of(token)  # waiting for a thread: cancellable
         try:
             trace.in_flight += 1
-            trace.add("start", getattr(fn, "func", fn))
+            trace.add("start", _called(fn))
             result = outcome.capture(fn, *args)  # "the thread runs"
             for _ in range(duration):
                 await trio.lowlevel.cancel_shielded_checkpoint()  # it takes a while
@@ -131,6 +135,28 @@ def inline_run_sync(trace: Trace, *, duration: int = 1) -> Callable[..., Awaitab
         return result.unwrap()
 
     return run_sync
+
+
+def _called(fn: Any) -> Any:
+    """The function a (nested) partial calls in the end, for the trace."""
+    while hasattr(fn, "func"):
+        fn = fn.args[0] if fn.func is run_to_end else fn.func
+    return fn
+
+
+def inline_engine_call(trace: Trace, *, duration: int = 1) -> Callable[..., Awaitable[Any]]:
+    """A thread-free ``agent.run_engine_call(lane, fn)``: each lane is a limiter of one.
+    Only writes are traced (not the peer's ``add_peer``, which shares its lane)."""
+    run_write = inline_run_sync(trace, duration=duration)
+    run_other = inline_run_sync(Trace())
+    lanes: dict[object, trio.CapacityLimiter] = {}
+
+    async def run(lane: object, fn: Callable[[], Any]) -> Any:
+        limiter = lanes.setdefault(lane, trio.CapacityLimiter(1))
+        run_sync = run_write if _called(fn) is start_write else run_other
+        return await run_sync(partial(run_to_end, fn), limiter=limiter)
+
+    return run
 
 
 class FakeControl:
@@ -274,7 +300,7 @@ async def start_prefill(
         ),
         control=control,  # type: ignore[arg-type]
     )
-    agent.run_sync_in_thread = inline_run_sync(trace, duration=duration)
+    agent.run_engine_call = inline_engine_call(trace, duration=duration)
     agent._nursery = nursery
     # Set-up runs one task at a time (each then blocks), so it adds no scheduling decisions:
     # the explorer spends its schedules on the race itself.

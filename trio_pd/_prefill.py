@@ -8,10 +8,11 @@ How a room lives here (SPEC §5):
 * A worker task runs the chunk inside the room's cancel scope. The chunk's engine calls are
   children of one nursery, so the chunk ends only when every call has returned, failed ones'
   siblings included (drain by structure, I3).
-* Each engine call goes through :meth:`PrefillAgent._engine_call`: ``trio.to_thread.run_sync``
-  with ``abandon_on_cancel=False``. If the room was aborted before the thread started, trio
-  raises Cancelled *without starting it*; once started, its result is always observed. That
-  single point decides "never started" (retire) from "started" (wait for it).
+* Each engine call goes through :meth:`PrefillAgent._engine_call`, onto the destination
+  peer's :class:`~trio_pd._lane.Lane` (one thread per decode peer, calls in order). If the room
+  was aborted while the call was still queued, it raises Cancelled *without starting it*; once
+  started, its result is always observed. That single point decides "never started" (retire)
+  from "started" (wait for it).
 * The room's outcome is decided under the room's ``trio.Lock`` with no checkpoint between the
   check and the non-blocking sends (:meth:`PrefillAgent._publish_locked`).
 * ABORT closes admission first, then registers the ack target, then acks once the room holds
@@ -25,7 +26,7 @@ import logging
 import math
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,6 +48,7 @@ from ._errors import (
     TransferAborted,
     TransferError,
 )
+from ._lane import Lane
 from ._lazy import LazyEvent
 from ._plan import (
     Blocks,
@@ -64,7 +66,7 @@ from ._plan import (
 from ._state import AckBook, KVPoll, Lease, LeaseBook, Outcome, StatusCell
 from ._stats import AgentStatistics, Counters
 from ._timers import Timers
-from .engines import TransferEngine
+from .engines import TransferEngine, start_write
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -81,8 +83,9 @@ class PrefillConfig:
     """Knobs of a prefill agent. Deadlines are in seconds."""
 
     workers: int = 8
-    #: threads that may be inside the engine at once (each Mooncake waiter spins a core)
-    engine_threads: int = 2
+    #: writes to one decode peer that may be in flight at once (started, not yet waited for):
+    #: 2 keeps the engine's queue fed while the lane waits for the oldest
+    inflight_per_peer: int = 2
     #: a room whose decode metadata has not arrived by then fails (it frees nothing)
     bootstrap_timeout: float = 30.0
     #: how long after an engine error its pages stay quarantined; None: the engine's own
@@ -103,6 +106,8 @@ class _DecodePeer:
     session: str
     pool: PoolSpec
     regions: RegionTable
+    #: the thread that makes every engine call to this peer, in order
+    lane: Lane
     ready: trio.Event = field(default_factory=trio.Event)
     failed: bool = False
     probing: bool = False
@@ -256,13 +261,15 @@ class PrefillAgent:
         self.config = config
         self.counters = Counters()
         self.control = control or ControlPlane(host, self.counters, sndhwm=config.sndhwm)
-        self._limiter = trio.CapacityLimiter(config.engine_threads)
         #: probes get their own thread: a probe of a hung peer can take a minute and must
-        #: not hold a write slot
+        #: not hold up a lane
         self._probe_limiter = trio.CapacityLimiter(1)
-        #: how engine calls reach a thread; the schedule explorer swaps in a thread-free twin
-        #: with the same contract (Cancelled only before the call starts)
-        self.run_sync_in_thread = trio.to_thread.run_sync
+        #: how an engine call reaches its lane's thread: ``run_engine_call(lane, fn)``; the
+        #: schedule explorer swaps in a thread-free twin with the same contract (Cancelled
+        #: only before the call starts)
+        self.run_engine_call: Callable[[Lane, Callable[[], object]], Awaitable[object]] = (
+            _run_in_lane
+        )
         self._jobs_tx, self._jobs_rx = trio.open_memory_channel[tuple[_Room, _Chunk | _Publish]](
             math.inf
         )
@@ -464,10 +471,10 @@ class PrefillAgent:
 
         **Cancellation:** before the start, the call is skipped; after it, the call completes.
         """
-        write = partial(self.engine.write, peer.session, blocks.src, blocks.dst, blocks.lens)
+        write = partial(start_write, self.engine, peer.session, blocks.src, blocks.dst, blocks.lens)
         t0 = time.perf_counter()
         try:
-            await self.run_sync_in_thread(write, limiter=self._limiter)
+            await self.run_engine_call(peer.lane, write)
         except trio.Cancelled:
             raise
         except BaseException:
@@ -705,18 +712,19 @@ class PrefillAgent:
             msg.session,
             pool,
             RegionTable(pool.regions()),
+            Lane(f"{msg.endpoint} ({msg.session})", depth=self.config.inflight_per_peer),
         )
-        if old is not None and old.session != msg.session:
-            self.control.forget(msg.endpoint)
+        if old is not None:
+            old.lane.close()  # what it has queued still runs
+            if old.session != msg.session:
+                self.control.forget(msg.endpoint)
         self._peers[msg.endpoint] = peer
         assert self._nursery is not None
         self._nursery.start_soon(self._add_peer, peer, msg.engine_meta)
 
     async def _add_peer(self, peer: _DecodePeer, meta: bytes) -> None:
         try:
-            await trio.to_thread.run_sync(
-                self.engine.add_peer, peer.session, meta, limiter=self._limiter
-            )
+            await self.run_engine_call(peer.lane, partial(self.engine.add_peer, peer.session, meta))
         except Exception as exc:
             log.warning("could not add decode peer %s: %s", peer.endpoint, exc)
             self._mark_failed(peer)
@@ -870,6 +878,10 @@ class PrefillAgent:
             self._settle_room(room)
 
 
+async def _run_in_lane(lane: Lane, fn: Callable[[], object]) -> object:
+    return await lane.run_sync(fn)
+
+
 def _room_error(group: BaseExceptionGroup[Exception]) -> TransferError:
     """One typed error for the room, chained from the group that carried it."""
     err: TransferError | None = None
@@ -951,6 +963,8 @@ async def open_prefill(
                 nursery.cancel_scope.cancel("prefill agent closing")
     finally:
         agent._nursery = None
+        for peer in agent._peers.values():
+            peer.lane.close()  # every call has returned: the nursery waited for them
         agent._shutdown_rooms()
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await trio.to_thread.run_sync(engine.unregister, regions)

@@ -8,6 +8,7 @@ An adapter never retries and never hides an error: a failed write raises
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -28,6 +29,37 @@ class Region:
     @property
     def end(self) -> int:
         return self.base + self.length
+
+
+class Pending(Protocol):
+    """A write that has started. :meth:`wait` returns once every block is complete, or raises
+    :class:`~trio_pd.EngineError` ("outcome unknown"). Call it exactly once."""
+
+    def wait(self) -> None: ...
+
+
+class Deferred:
+    """A :class:`Pending` that does all of its work in :meth:`wait` (a blocking write)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+
+    def wait(self) -> None:
+        self._fn()
+
+
+def start_write(engine: TransferEngine, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> Pending:
+    """Start a write and return its :class:`Pending`: ``engine.submit`` where the engine can
+    have several writes in flight (Mooncake), else a :class:`Deferred` ``engine.write``.
+
+    ``submit`` may block briefly (and on the first call to a peer, for the engine's handshake):
+    call it from a thread, like ``write``."""
+    submit: Callable[[str, Addrs, Addrs, Lens], Pending] | None = getattr(engine, "submit", None)
+    if submit is None:
+        return Deferred(lambda: engine.write(peer, src, dst, lens))
+    return submit(peer, src, dst, lens)
 
 
 @runtime_checkable
@@ -65,7 +97,10 @@ class TransferEngine(Protocol):
 
     def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
         """Write ``lens[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``, for all i,
-        and return when every block is complete. Raises EngineError on any failure."""
+        and return when every block is complete. Raises EngineError on any failure.
+
+        An engine that can keep several writes in flight also offers
+        ``submit(peer, src, dst, lens) -> Pending`` (optional: see :func:`start_write`)."""
         ...
 
     def probe(self, peer: str) -> bool:

@@ -8,7 +8,13 @@ What a call costs and how it fails (see ENGINES.md for the measurements):
 
 * :meth:`write` is one or more ``batch_transfer_sync_write`` calls. Each releases the GIL and
   then busy-polls a CPU core until its blocks are done, so keep the number of threads calling
-  it small. It is thread-safe.
+  it small.
+* :meth:`submit` starts a write (``batch_transfer_async_write``) and returns a
+  :class:`~trio_pd.engines.Pending`; several can be in flight to one peer, so the link stays
+  busy while the caller handles the previous one (trio_pd's lanes do this). Its ``wait()``
+  first *sleeps* through most of the time the batch is expected to take, from a running
+  estimate of the link's rate, and lets the engine busy-poll only the rest.
+* Both are thread-safe.
 * A return code of -1 means **"outcome unknown"**: a batch with one bad block fails after the
   others were written; a batch cut short by a dead peer may have landed in part. The adapter
   raises :class:`~trio_pd.EngineError` and never retries.
@@ -25,12 +31,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from .._errors import EngineError
-from ._base import Addrs, Lens, Region
+from ._base import Addrs, Deferred, Lens, Pending, Region
 
 #: the most blocks one ``batch_transfer_sync_write`` call carries
 MAX_BLOCKS_PER_CALL = 1024
@@ -42,6 +49,41 @@ MAX_BLOCKS_IN_FLIGHT_PER_PEER = 1024
 DEFAULT_TRANSFER_TIMEOUT_S = "5"
 
 _PIP_NAME = "mooncake-transfer-engine-non-cuda"  # or mooncake-transfer-engine on CUDA hosts
+
+#: what ``batch_transfer_async_write`` returns when it started nothing (0: refused; -1, as an
+#: unsigned id: the peer's segment could not be opened). Waiting on one crashes the process.
+_NO_BATCH = (0, -1, (1 << 64) - 1)
+
+#: a wait sleeps only if the batch is expected to need longer than this (seconds): shorter
+#: sleeps overshoot
+_MIN_SLEEP_S = 200e-6
+#: ...and never longer than this, whatever the estimate says
+_MAX_SLEEP_S = 0.05
+#: it sleeps this fraction of the expected remaining time, then busy-waits the rest
+_SLEEP_FRACTION = 0.8
+#: batches smaller than this do not update the rate estimate (their time is mostly latency)
+_RATE_MIN_BYTES = 256 << 10
+#: a wait that ends this soon after the sleep found the batch already complete: it says only
+#: that the link is faster than estimated, so the estimate is raised, not measured
+_DONE_ON_WAKE_S = 50e-6
+_MAX_RATE = 50e9
+
+
+def _quiet_info_logs() -> None:
+    """Mooncake logs "Batch Transfer completed!" at INFO for every batch an async wait sees
+    finish, on stderr; its bundled glog does not read ``GLOG_minloglevel`` from the
+    environment. Set glog's ``minloglevel`` flag to ``GLOG_minloglevel`` if the user set it,
+    else to 1 (warnings and errors stay). Process-wide, like every glog flag."""
+    import ctypes
+
+    from mooncake import engine as _binding
+
+    level = os.environ.get("GLOG_minloglevel", "1")  # noqa: SIM112 (glog's own spelling)
+    try:
+        flag = ctypes.c_int32.in_dll(ctypes.CDLL(_binding.__file__), "_ZN3fLI17FLAGS_minloglevelE")
+        flag.value = int(level)
+    except (OSError, ValueError):  # another build: its logs stay as they are
+        pass
 
 
 def _set_env_defaults() -> None:
@@ -88,13 +130,58 @@ class _PeerBudget:
         try:
             yield
         finally:
-            with self._cond:
-                left = self._in_flight[peer] - n
-                if left:
-                    self._in_flight[peer] = left
-                else:
-                    del self._in_flight[peer]
-                self._cond.notify_all()
+            self.give(peer, n)
+
+    def try_take(self, peer: str, n: int) -> bool:
+        """Take ``n`` blocks of ``peer``'s budget if they fit now; never blocks."""
+        with self._cond:
+            if self._in_flight.get(peer, 0) + n > self._limit:
+                return False
+            self._in_flight[peer] = self._in_flight.get(peer, 0) + n
+            return True
+
+    def give(self, peer: str, n: int) -> None:
+        with self._cond:
+            left = self._in_flight[peer] - n
+            if left:
+                self._in_flight[peer] = left
+            else:
+                del self._in_flight[peer]
+            self._cond.notify_all()
+
+
+class _Link:
+    """What the waits know of one peer's link: when it should be free again, and how fast it
+    has been moving bytes (an exponentially weighted average)."""
+
+    __slots__ = ("busy_until", "done_at", "rate")
+
+    def __init__(self) -> None:
+        self.busy_until = 0.0  # expected end of the last batch submitted
+        self.done_at = 0.0  # when the last batch was seen complete
+        self.rate = 1e9  # bytes per second; corrected by the first large batches
+
+
+class _InFlight:
+    """One submitted batch (the :class:`Pending` of :meth:`MooncakeEngine.submit`)."""
+
+    __slots__ = ("bid", "blocks", "expected_done", "nbytes", "owner", "peer", "submitted", "waited")
+
+    def __init__(
+        self, owner: MooncakeEngine, peer: str, bid: int, blocks: int, nbytes: int,
+        submitted: float, expected_done: float,
+    ) -> None:
+        self.owner = owner
+        self.peer = peer
+        self.bid = bid
+        self.blocks = blocks
+        self.nbytes = nbytes
+        self.submitted = submitted
+        self.expected_done = expected_done
+        self.waited = False
+
+    def wait(self) -> None:
+        self.owner._wait(self)
 
 
 class MooncakeEngine:
@@ -131,6 +218,7 @@ class MooncakeEngine:
                 f"the Mooncake engine needs the `mooncake` module: pip install {_PIP_NAME} "
                 f"(or mooncake-transfer-engine on CUDA hosts): {exc}"
             ) from exc
+        _quiet_info_logs()
         engine: Any = _MooncakeTE()
         rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
@@ -145,6 +233,8 @@ class MooncakeEngine:
         self._registered: dict[int, int] = {}  # base -> length
         self._closed = False
         self._budget = _PeerBudget(max_blocks_in_flight_per_peer)
+        self._links_lock = threading.Lock()
+        self._links: dict[str, _Link] = {}
 
     def __repr__(self) -> str:
         return f"<MooncakeEngine {self._session_id}{' closed' if self._closed else ''}>"
@@ -218,6 +308,30 @@ class MooncakeEngine:
 
     # -- data --------------------------------------------------------------------------------
 
+    def submit(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> Pending:
+        """Start writing every block to ``peer``; the returned :class:`Pending`'s ``wait()``
+        returns when all are complete (call it exactly once).
+
+        One async batch when the blocks fit in one sub-batch and in the peer's in-flight
+        budget now; otherwise the write happens in ``wait()`` (a :class:`Deferred`
+        :meth:`write`), so a caller that holds earlier batches of this peer in flight never
+        blocks here on a budget only its own waits would free. :meth:`write`, made for one
+        call at a time, busy-waits instead: sleeping only pays when the next batch is
+        already queued behind this one. Raises
+        :class:`~trio_pd.EngineError` if the engine refuses the batch (outcome unknown).
+        """
+        n = _check_lengths(src, dst, lens)
+        if n == 0:
+            return Deferred(lambda: None)
+        engine = self._live_engine()
+        if n > MAX_BLOCKS_PER_CALL or not self._budget.try_take(peer, n):
+            return Deferred(lambda: self.write(peer, src, dst, lens))
+        try:
+            return self._submit(engine, peer, src, dst, lens)
+        except BaseException:
+            self._budget.give(peer, n)
+            raise
+
     def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
         """Write every block to ``peer``; returns when all are complete.
 
@@ -226,9 +340,7 @@ class MooncakeEngine:
         sub-batch raises :class:`~trio_pd.EngineError` (later ones are not issued); earlier
         sub-batches are complete, the failing one may be written in part.
         """
-        n = len(src)
-        if len(dst) != n or len(lens) != n:
-            raise ValueError(f"src, dst, lens differ in length: {n}, {len(dst)}, {len(lens)}")
+        n = _check_lengths(src, dst, lens)
         if n == 0:
             return
         engine = self._live_engine()
@@ -247,6 +359,67 @@ class MooncakeEngine:
                     f"been written",
                     code=rc,
                 )
+
+    def _submit(self, engine: Any, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> _InFlight:
+        nbytes = int(lens.sum())
+        now = time.monotonic()
+        with self._links_lock:
+            link = self._links.get(peer)
+            if link is None:
+                link = self._links[peer] = _Link()
+            expected_done = max(now, link.busy_until) + nbytes / link.rate
+            link.busy_until = expected_done
+        bid = engine.batch_transfer_async_write(peer, src.tolist(), dst.tolist(), lens.tolist())
+        if bid in _NO_BATCH:
+            raise EngineError(
+                f"mooncake write to {peer} refused (batch id {bid}) for {len(src)} blocks: "
+                f"outcome unknown",
+                code=-1,
+            )
+        return _InFlight(self, peer, bid, len(src), nbytes, now, expected_done)
+
+    def _wait(self, flight: _InFlight) -> None:
+        """Sleep through most of the batch's expected time, then let the engine busy-wait the
+        rest (``get_batch_transfer_status`` has the engine's own deadline, like
+        ``batch_transfer_sync_write``), then give the blocks' budget back."""
+        if flight.waited:
+            raise RuntimeError("a mooncake batch was waited twice")  # it would crash
+        flight.waited = True
+        try:
+            self._wait_batch(flight)
+        finally:
+            self._budget.give(flight.peer, flight.blocks)
+
+    def _wait_batch(self, flight: _InFlight) -> None:
+        engine = self._engine
+        if engine is None:
+            raise EngineError(f"mooncake engine {self._session_id} closed with a batch in flight")
+        ahead = flight.expected_done - time.monotonic()
+        slept = ahead > _MIN_SLEEP_S
+        if slept:
+            time.sleep(min(ahead * _SLEEP_FRACTION, _MAX_SLEEP_S))
+        woke = time.monotonic()
+        rc = engine.get_batch_transfer_status([flight.bid])
+        done = time.monotonic()
+        with self._links_lock:
+            link = self._links[flight.peer]
+            if rc == 0 and flight.nbytes >= _RATE_MIN_BYTES:
+                if slept and done - woke < _DONE_ON_WAKE_S:
+                    # complete before we looked: we only know it was faster than we thought
+                    link.rate = min(link.rate * 1.25, _MAX_RATE)
+                else:
+                    took = done - max(flight.submitted, link.done_at)
+                    if took > 0:
+                        link.rate = 0.75 * link.rate + 0.25 * (flight.nbytes / took)
+            link.done_at = done
+            if rc != 0:
+                link.busy_until = done  # whatever was queued behind it is not on time either
+        if rc != 0:
+            raise EngineError(
+                f"mooncake write to {flight.peer} failed (rc={rc}) for {flight.blocks} blocks: "
+                f"outcome unknown: some blocks may have been written",
+                code=rc,
+            )
 
     def probe(self, peer: str) -> bool:
         """``send_probe`` answers at once for a live or a dead peer, but takes about 60 s for a
@@ -280,3 +453,10 @@ class MooncakeEngine:
                     )
         finally:
             del engine  # the binding's destructor closes segments and stops the engine
+
+
+def _check_lengths(src: Addrs, dst: Addrs, lens: Lens) -> int:
+    n = len(src)
+    if len(dst) != n or len(lens) != n:
+        raise ValueError(f"src, dst, lens differ in length: {n}, {len(dst)}, {len(lens)}")
+    return n

@@ -1,0 +1,222 @@
+"""The lane: one thread per destination, calls in order, the to_thread cancellation contract,
+and writes started ahead of the one being waited for (``Pending``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_pd._lane import Lane, LaneClosed, run_to_end
+
+BOUND = 10.0  # seconds; nothing here should take more than a fraction of it
+
+
+class Held:
+    """A blocking call the test lets go of: ``entered`` is set once the lane's thread runs it."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.value = value
+
+    def __call__(self) -> Any:
+        self.entered.set()
+        assert self.go.wait(BOUND)
+        return self.value
+
+    async def wait_entered(self) -> None:
+        assert await trio.to_thread.run_sync(self.entered.wait, BOUND)
+
+
+class FakePending:
+    """A started write: ``wait()`` blocks until released; the log says what happened when."""
+
+    def __init__(self, name: str, log: list[str], error: Exception | None = None) -> None:
+        self.name = name
+        self.log = log
+        self.error = error
+        self.release = threading.Event()
+
+    def wait(self) -> str:
+        self.log.append(f"wait {self.name}")
+        assert self.release.wait(BOUND)
+        self.log.append(f"done {self.name}")
+        if self.error is not None:
+            raise self.error
+        return self.name
+
+
+async def test_calls_run_in_order_on_one_thread() -> None:
+    lane = Lane("t")
+    seen: list[tuple[int, int]] = []
+    results: list[int] = []
+
+    async def call(i: int) -> None:
+        results.append(await lane.run_sync(lambda: seen.append((i, threading.get_ident())) or i))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(call, i)
+            await trio.testing.wait_all_tasks_blocked()  # queued in this order
+    assert [i for i, _ in seen] == list(range(20))
+    assert len({t for _, t in seen}) == 1 and seen[0][1] != threading.get_ident()
+    assert sorted(results) == list(range(20))
+    lane.close()
+
+
+async def test_errors_reach_the_caller_and_the_lane_goes_on() -> None:
+    lane = Lane("t")
+
+    def boom() -> None:
+        raise ValueError("engine said no")
+
+    with pytest.raises(ValueError, match="engine said no"):
+        await lane.run_sync(boom)
+    assert await lane.run_sync(lambda: 7) == 7
+    lane.close()
+
+
+async def test_cancelled_while_queued_never_runs() -> None:
+    lane = Lane("t", depth=1)
+    held = Held("first")
+    ran: list[str] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lane.run_sync, held)
+        await held.wait_entered()
+        with trio.move_on_after(0.05) as scope:
+            await lane.run_sync(lambda: ran.append("second"))
+        assert scope.cancelled_caught
+        held.go.set()
+    assert await lane.run_sync(lambda: "third") == "third"
+    assert ran == []  # the cancelled call was skipped, not run late
+
+
+async def test_cancelled_after_start_waits_for_the_result() -> None:
+    lane = Lane("t")
+    held = Held("landed")
+    got: list[Any] = []
+
+    async def caller(scope: trio.CancelScope) -> None:
+        with scope:
+            got.append(await lane.run_sync(held))
+            await trio.lowlevel.checkpoint()  # the cancellation is seen here, after the result
+
+    scope = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(caller, scope)
+        await held.wait_entered()
+        scope.cancel()
+        await trio.sleep(0.05)
+        assert got == []  # still waiting for the call: not abandoned
+        held.go.set()
+    assert got == ["landed"]
+    assert scope.cancelled_caught
+    lane.close()
+
+
+async def test_the_next_write_starts_before_the_first_is_waited() -> None:
+    """depth 2: B is started while A is in flight; C waits until A is done."""
+    lane = Lane("t", depth=2)
+    log: list[str] = []
+    pend = {n: FakePending(n, log) for n in "ABC"}
+    results: dict[str, Any] = {}
+
+    def start(name: str) -> FakePending:
+        log.append(f"start {name}")
+        return pend[name]
+
+    async def call(name: str) -> None:
+        results[name] = await lane.run_sync(start, name)
+
+    async with trio.open_nursery() as nursery:
+        for n in "ABC":
+            nursery.start_soon(call, n)
+            await trio.testing.wait_all_tasks_blocked()
+        await trio.to_thread.run_sync(_until, lambda: "wait A" in log)
+        assert log == ["start A", "start B", "wait A"]  # C is not started: depth 2
+        assert results == {}
+        pend["A"].release.set()
+        await trio.to_thread.run_sync(_until, lambda: "wait B" in log)
+        assert log[:6] == ["start A", "start B", "wait A", "done A", "start C", "wait B"]
+        pend["B"].release.set()
+        pend["C"].release.set()
+    assert results == {"A": "A", "B": "B", "C": "C"}  # each caller got its own wait()
+    lane.close()
+
+
+async def test_depth_one_waits_before_starting_the_next() -> None:
+    lane = Lane("t", depth=1)
+    log: list[str] = []
+    pend = {n: FakePending(n, log) for n in "AB"}
+    for p in pend.values():
+        p.release.set()
+    for n in "AB":
+        await lane.run_sync(lambda n=n: (log.append(f"start {n}"), pend[n])[1])
+    assert log == ["start A", "wait A", "done A", "start B", "wait B", "done B"]
+    lane.close()
+
+
+async def test_a_failed_wait_fails_only_its_caller() -> None:
+    lane = Lane("t", depth=2)
+    log: list[str] = []
+    bad = FakePending("A", log, error=RuntimeError("outcome unknown"))
+    good = FakePending("B", log)
+    bad.release.set()
+    good.release.set()
+    outcomes: dict[str, Any] = {}
+
+    async def call(name: str, p: FakePending) -> None:
+        try:
+            outcomes[name] = await lane.run_sync(lambda: p)
+        except RuntimeError as exc:
+            outcomes[name] = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, "A", bad)
+        nursery.start_soon(call, "B", good)
+    assert isinstance(outcomes["A"], RuntimeError) and outcomes["B"] == "B"
+    lane.close()
+
+
+async def test_close_runs_what_is_queued_then_refuses() -> None:
+    lane = Lane("t")
+    held = Held(1)
+    got: list[Any] = []
+
+    async def call(fn: Any) -> None:
+        got.append(await lane.run_sync(fn))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, held)
+        await held.wait_entered()
+        nursery.start_soon(call, lambda: 2)
+        await trio.testing.wait_all_tasks_blocked()
+        lane.close()
+        with pytest.raises(LaneClosed):
+            await lane.run_sync(lambda: 3)
+        held.go.set()
+    assert sorted(got) == [1, 2]  # (trio wakes the two callers in either order)
+    thread = lane._thread
+    assert thread is not None
+    await trio.to_thread.run_sync(thread.join, BOUND)
+    assert not thread.is_alive()
+
+
+def test_run_to_end_waits_a_pending() -> None:
+    log: list[str] = []
+    p = FakePending("A", log)
+    p.release.set()
+    assert run_to_end(lambda: p) == "A" and log == ["wait A", "done A"]
+    assert run_to_end(lambda: 5) == 5
+
+
+def _until(cond: Any) -> None:
+    for _ in range(int(BOUND / 0.001)):
+        if cond():
+            return
+        threading.Event().wait(0.001)
+    raise AssertionError("condition never came true")
