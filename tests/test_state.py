@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -15,6 +15,7 @@ from trio_pd._state import (
     KVPoll,
     LeaseBook,
     Outcome,
+    RankSet,
     StatusCell,
     combine,
 )
@@ -125,7 +126,7 @@ def test_ack_target_needs_closed_admission() -> None:
 
 
 def test_decode_book_counts_ranks_once() -> None:
-    book = DecodeBook(room=1, epoch=2, required=frozenset({0, 1}))
+    book = DecodeBook(room=1, epoch=2, required=RankSet({0, 1}))
     book.contacted.update({0, 1})
     book.on_status(0, True)
     book.on_status(0, True)
@@ -135,6 +136,19 @@ def test_decode_book_counts_ranks_once() -> None:
     book.on_ack(1)
     assert book.take_release()  # rank 0 succeeded (its writes returned), rank 1 acked
     assert not book.take_release()
+
+
+@given(st.sets(st.integers(0, 70)), st.sets(st.integers(0, 70)), st.integers(-3, 75))
+def test_rank_set_behaves_like_a_set(a: set[int], b: set[int], probe: int) -> None:
+    ra, rb = RankSet(a), RankSet(b)
+    assert set(ra) == a and len(ra) == len(a) and ra == a
+    assert (probe in ra) == (probe in a)
+    assert set(ra | rb) == a | b
+    assert (ra >= rb) == (a >= b)
+    ra |= rb
+    assert set(ra) == a | b
+    with pytest.raises(ValueError):
+        ra.add(-1)
 
 
 def test_combined_status_is_the_minimum() -> None:

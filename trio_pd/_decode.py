@@ -44,7 +44,7 @@ from ._errors import (
 from ._lazy import LazyEvent
 from ._plan import PoolSpec, source_ranks, validate_pages
 from ._prefill import AUX_STAMP
-from ._state import DecodeBook, KVPoll
+from ._state import DecodeBook, KVPoll, RankSet
 from ._stats import AgentStatistics, Counters
 from ._timers import Timers
 from .engines import TransferEngine
@@ -97,7 +97,7 @@ class _Instance:
     waiting: list[_Room] = field(default_factory=list)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Room:
     room: int
     epoch: int
@@ -290,7 +290,7 @@ class DecodeAgent:
     def _bind(self, room: _Room) -> None:
         """The instance is resolved: the room knows its source ranks."""
         room.sources = list(room.instance.sources)
-        room.book = DecodeBook(room.room, room.epoch, frozenset(r.tp_rank for r in room.sources))
+        room.book = DecodeBook(room.room, room.epoch, RankSet(r.tp_rank for r in room.sources))
         if self._rooms.get(room.room) is room:
             for rank in room.sources:
                 rank.rooms.add(room.room)

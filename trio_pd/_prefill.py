@@ -141,7 +141,7 @@ class _Call:
         self.state = "not-started"  # -> "done" | "error"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Room:
     room: int
     num_pages: int
@@ -155,8 +155,9 @@ class _Room:
     expected_targets: int | None = None
     epoch: int | None = None
     waiting: list[_Chunk] = field(default_factory=list)  # admitted before metadata arrived
-    queued: set[_Chunk] = field(default_factory=set)  # handed to the workers, not yet started
-    scopes: set[trio.CancelScope] = field(default_factory=set)
+    # dicts used as sets: an empty dict is a third of an empty set, and rooms are many
+    queued: dict[_Chunk, None] = field(default_factory=dict)  # with the workers, not started
+    scopes: dict[trio.CancelScope, None] = field(default_factory=dict)
     sent_pages: int = 0
     last_admitted: bool = False
     published: bool = False
@@ -360,7 +361,7 @@ class PrefillAgent:
     # ------------------------------------------------------------------ the chunk path
 
     def _submit(self, room: _Room, chunk: _Chunk) -> None:
-        room.queued.add(chunk)
+        room.queued[chunk] = None
         self._jobs_tx.send_nowait((room, chunk))
 
     async def _worker(self) -> None:
@@ -369,7 +370,7 @@ class PrefillAgent:
                 await self._publish(room)
                 self._settle_room(room)
             elif job in room.queued:  # else it was cancelled while queued
-                room.queued.discard(job)
+                del room.queued[job]
                 await self._run_chunk(room, job)
 
     async def _run_chunk(self, room: _Room, chunk: _Chunk) -> None:
@@ -378,13 +379,13 @@ class PrefillAgent:
         try:
             try:
                 with trio.CancelScope() as scope:
-                    room.scopes.add(scope)
+                    room.scopes[scope] = None
                     if room.leases.closed:
                         scope.cancel("room closed before the chunk started")
                     try:
                         await self._transfer_chunk(room, chunk, calls)
                     finally:
-                        room.scopes.discard(scope)
+                        room.scopes.pop(scope, None)
             except* Exception as group:  # planning, validation or engine: the room fails
                 failure = _room_error(group)
         finally:
@@ -566,7 +567,7 @@ class PrefillAgent:
             self.counters.bump("aborted" if isinstance(error, TransferAborted) else "failed")
             if self.metrics is not None:
                 self.metrics.observe_failure(error)
-        for scope in room.scopes:
+        for scope in list(room.scopes):
             scope.cancel(f"room {room.room}: {error}")
         # chunks that never reached a worker are cancelled now, not when a worker gets to
         # them: the drain ack must not wait behind other rooms' work
