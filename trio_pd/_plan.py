@@ -5,6 +5,7 @@ Pure numpy, no I/O, no trio. (SPEC §3)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -263,10 +264,15 @@ def contiguous_runs(
     if s.size == 0:
         z = np.zeros(0, dtype=np.int64)
         return z, z.copy(), z.copy()
-    breaks = (np.diff(s) != 1) | (np.diff(d) != 1)
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    lengths = np.diff(np.concatenate((starts, [s.size])))
-    return s[starts], d[starts], lengths.astype(np.int64)
+    # (slices and preallocated outputs, not np.diff/concatenate: on the chunk hot path the
+    # per-call overhead of numpy's helpers was most of the cost for small chunks)
+    breaks = np.flatnonzero((s[1:] - s[:-1] != 1) | (d[1:] - d[:-1] != 1))
+    bounds = np.empty(breaks.size + 2, dtype=np.int64)
+    bounds[0] = 0
+    bounds[1:-1] = breaks + 1
+    bounds[-1] = s.size
+    starts = bounds[:-1]
+    return s[starts], d[starts], bounds[1:] - starts
 
 
 def _check_pages_in_range(pages: npt.NDArray[np.int64], num_pages: int, what: str) -> None:
@@ -302,6 +308,14 @@ def validate_pages(pages: npt.ArrayLike, num_pages: int) -> None:
 
 def _u64(values: Sequence[int]) -> npt.NDArray[np.uint64]:
     return np.array([int(v) for v in values], dtype=_U64)
+
+
+@functools.lru_cache(maxsize=256)
+def _bases_column(bases: tuple[int, ...]) -> npt.NDArray[np.uint64]:
+    """A pool's buffer bases as a read-only (buffers, 1) column, made once per pool."""
+    col = _u64(bases)[:, None]
+    col.flags.writeable = False
+    return col
 
 
 def plan_pages(
@@ -343,8 +357,8 @@ def plan_pages(
     if s_pages.size == 0 or src.num_buffers == 0:
         return empty()
 
-    src_bases = _u64(src.buffer_bases)[:, None]
-    dst_bases = _u64(dst.buffer_bases)[:, None]
+    src_bases = _bases_column(src.buffer_bases)
+    dst_bases = _bases_column(dst.buffer_bases)
     whole = heads is None or (
         src.first_head == dst.first_head == heads[0]
         and src.heads == dst.heads == heads[1] - heads[0]
@@ -477,13 +491,14 @@ def validate_blocks(blocks: Blocks, regions: Sequence[Region] | RegionTable) -> 
     table = regions if isinstance(regions, RegionTable) else RegionTable(regions)
     sorted_bases, reach = table.bases, table.reach
     zero = lens == 0
-    overflow = lens > (_U64(_U64_MAX) - dst)
-    end = np.where(overflow, _U64(_U64_MAX), dst + np.where(overflow, _U64(0), lens))
-    idx = np.searchsorted(sorted_bases, dst, side="right") - 1
-    has_region = idx >= 0
-    fits = np.zeros(dst.size, dtype=bool)
+    end = dst + lens  # wraps modulo 2**64 where it overflows: caught as end < dst
+    overflow = end < dst
     if sorted_bases.size:
-        fits[has_region] = end[has_region] <= reach[idx[has_region]]
+        idx = np.searchsorted(sorted_bases, dst, side="right") - 1
+        # idx -1 (below every region) reads reach[-1]; it is refused by idx >= 0
+        fits = (idx >= 0) & (end <= reach[idx])
+    else:
+        fits = np.zeros(dst.size, dtype=bool)
     bad = zero | overflow | ~fits
     if not bad.any():
         return
