@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from .._errors import EngineError
@@ -162,23 +163,18 @@ class _Link:
         self.rate = 1e9  # bytes per second; corrected by the first large batches
 
 
+@dataclass(eq=False, slots=True)
 class _InFlight:
     """One submitted batch (the :class:`Pending` of :meth:`MooncakeEngine.submit`)."""
 
-    __slots__ = ("bid", "blocks", "expected_done", "nbytes", "owner", "peer", "submitted", "waited")
-
-    def __init__(
-        self, owner: MooncakeEngine, peer: str, bid: int, blocks: int, nbytes: int,
-        submitted: float, expected_done: float,
-    ) -> None:
-        self.owner = owner
-        self.peer = peer
-        self.bid = bid
-        self.blocks = blocks
-        self.nbytes = nbytes
-        self.submitted = submitted
-        self.expected_done = expected_done
-        self.waited = False
+    owner: MooncakeEngine
+    peer: str
+    bid: int
+    blocks: int
+    nbytes: int
+    submitted: float
+    expected_done: float
+    waited: bool = False
 
     def wait(self) -> None:
         self.owner._wait(self)
