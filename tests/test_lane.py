@@ -119,7 +119,8 @@ async def test_cancelled_after_start_waits_for_the_result() -> None:
 
 
 async def test_the_next_write_starts_before_the_first_is_waited() -> None:
-    """depth 2: B is started while A is in flight; C waits until A is done."""
+    """depth 2: B is started while A is in flight; C waits until A is done. (All three are
+    queued before the thread looks: with nothing queued, it waits for A at once.)"""
     lane = Lane("t", depth=2)
     log: list[str] = []
     pend = {n: FakePending(n, log) for n in "ABC"}
@@ -132,10 +133,14 @@ async def test_the_next_write_starts_before_the_first_is_waited() -> None:
     async def call(name: str) -> None:
         results[name] = await lane.run_sync(start, name)
 
+    held = Held()  # keeps the thread busy until A, B and C are all queued
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(lane.run_sync, held)
+        await held.wait_entered()
         for n in "ABC":
             nursery.start_soon(call, n)
             await trio.testing.wait_all_tasks_blocked()
+        held.go.set()
         await trio.to_thread.run_sync(_until, lambda: "wait A" in log)
         assert log == ["start A", "start B", "wait A"]  # C is not started: depth 2
         assert results == {}
