@@ -517,14 +517,7 @@ class PrefillAgent:
         ok = room.cell.status is not KVPoll.Failed
         reason = "" if ok else _reason(room.cell.failure)
         for target in room.targets.values():
-            status = _wire.Status(
-                v=_wire.WIRE_VERSION,
-                room=room.room,
-                epoch=target.epoch,
-                rank=self.tp_rank,
-                ok=ok,
-                reason=reason,
-            )
+            status = self._status(room.room, target.epoch, ok, reason)
             if self.control.send_nowait(target.peer.endpoint, status):
                 continue
             if ok:  # back-pressure: the room fails here and now; the lock is not held on
@@ -538,17 +531,15 @@ class PrefillAgent:
             self.counters.bump("succeeded")
         self._on_status_change(room)
 
+    def _status(self, room: int, epoch: int, ok: bool, reason: str) -> _wire.Status:
+        return _wire.Status(
+            v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.tp_rank, ok=ok, reason=reason
+        )
+
     def _retry_failed_status(self, room: int, target: _Target, reason: str) -> None:
         """A Failed STATUS must get through (decode would otherwise wait for its own
         deadline): retry it shortly, outside any lock."""
-        status = _wire.Status(
-            v=_wire.WIRE_VERSION,
-            room=room,
-            epoch=target.epoch,
-            rank=self.tp_rank,
-            ok=False,
-            reason=reason,
-        )
+        status = self._status(room, target.epoch, False, reason)
 
         def retry() -> None:
             if not self.control.send_nowait(target.peer.endpoint, status):
@@ -816,15 +807,7 @@ class PrefillAgent:
 
     def _refuse_transfer(self, msg: _wire.Transfer, reason: str) -> None:
         """The room already failed here: tell that decode rank now rather than let it wait."""
-        status = _wire.Status(
-            v=_wire.WIRE_VERSION,
-            room=msg.room,
-            epoch=msg.epoch,
-            rank=self.tp_rank,
-            ok=False,
-            reason=reason,
-        )
-        self.control.send_nowait(msg.endpoint, status)
+        self.control.send_nowait(msg.endpoint, self._status(msg.room, msg.epoch, False, reason))
 
     def _on_abort(self, msg: _wire.Abort) -> None:
         """ABORT from a decode rank: close admission, then register the ack target, then ack

@@ -238,15 +238,6 @@ class RankSet:
         """Superset, as for sets."""
         return other.bits & ~self.bits == 0
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, RankSet):
-            return self.bits == other.bits
-        if isinstance(other, (set, frozenset)):
-            return set(self) == other
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"RankSet({sorted(self)})"
 

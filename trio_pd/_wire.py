@@ -27,11 +27,13 @@ decoding); :func:`encode` is the gate on the way out, :func:`decode` the gate on
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Final, Literal, TypeAlias
 
 import msgspec
+import msgspec.structs
 import numpy as np
 import numpy.typing as npt
 
@@ -94,20 +96,9 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_spec(cls, spec: PoolSpec) -> PoolWire:
-        """Copy ``spec`` field by field. Checking happens in :meth:`to_spec` / :func:`encode`."""
-        return cls(
-            layout=spec.layout,
-            page_size=spec.page_size,
-            num_pages=spec.num_pages,
-            num_layers=spec.num_layers,
-            head_bytes=spec.head_bytes,
-            heads=spec.heads,
-            first_head=spec.first_head,
-            buffer_bases=tuple(spec.buffer_bases),
-            aux_base=spec.aux_base,
-            aux_item_len=spec.aux_item_len,
-            aux_slots=spec.aux_slots,
-        )
+        """Copy ``spec`` field by field (the two classes have the same fields). Checking
+        happens in :meth:`to_spec` / :func:`encode`."""
+        return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
 
     def to_spec(self) -> PoolSpec:
         """Check that the layout makes sense and return it as a :class:`PoolSpec`.
@@ -156,19 +147,7 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"pool aux buffer at {self.aux_base:#x} of {self.aux_slots} x "
                 f"{self.aux_item_len} bytes runs past the 64-bit address space"
             )
-        return PoolSpec(
-            layout=self.layout,
-            page_size=self.page_size,
-            num_pages=self.num_pages,
-            num_layers=self.num_layers,
-            head_bytes=self.head_bytes,
-            heads=self.heads,
-            first_head=self.first_head,
-            buffer_bases=tuple(bases),
-            aux_base=self.aux_base,
-            aux_item_len=self.aux_item_len,
-            aux_slots=self.aux_slots,
-        )
+        return PoolSpec(**(msgspec.structs.asdict(self) | {"buffer_bases": tuple(bases)}))
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:

@@ -381,22 +381,19 @@ class MooncakeEngine:
         if flight.waited:
             raise RuntimeError("a mooncake batch was waited twice")  # it would crash
         flight.waited = True
+        engine = self._engine
         try:
-            self._wait_batch(flight)
+            if engine is None:
+                raise EngineError(f"mooncake engine {self._session_id} closed, batch in flight")
+            ahead = flight.expected_done - time.monotonic()
+            slept = ahead > _MIN_SLEEP_S
+            if slept:
+                time.sleep(min(ahead * _SLEEP_FRACTION, _MAX_SLEEP_S))
+            woke = time.monotonic()
+            rc = engine.get_batch_transfer_status([flight.bid])
+            done = time.monotonic()
         finally:
             self._budget.give(flight.peer, flight.blocks)
-
-    def _wait_batch(self, flight: _InFlight) -> None:
-        engine = self._engine
-        if engine is None:
-            raise EngineError(f"mooncake engine {self._session_id} closed with a batch in flight")
-        ahead = flight.expected_done - time.monotonic()
-        slept = ahead > _MIN_SLEEP_S
-        if slept:
-            time.sleep(min(ahead * _SLEEP_FRACTION, _MAX_SLEEP_S))
-        woke = time.monotonic()
-        rc = engine.get_batch_transfer_status([flight.bid])
-        done = time.monotonic()
         with self._links_lock:
             link = self._links[flight.peer]
             if rc == 0 and flight.nbytes >= _RATE_MIN_BYTES:
