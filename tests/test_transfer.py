@@ -29,6 +29,7 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
+from trio_pd import _wire as wire
 from trio_pd._demo import DemoOptions, RankResult, summarize
 from trio_pd._plan import chunk_ranges
 from trio_pd.engines import TransferEngine, make_engine
@@ -67,6 +68,64 @@ async def test_one_room_bytes_arrive(engine_name: str, bootstrap_url: str) -> No
         assert receiver.poll() is KVPoll.Success  # terminal status is cached
         stats = pair.prefill.statistics()
         assert stats.succeeded == 1 and stats.leases_live == 0 and stats.rooms_active == 0
+
+
+async def test_decode_re_registering_keeps_or_retires_its_lane(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A REGISTER again from the same decode endpoint: with the same engine session (a
+    reconnect) the peer keeps its lane and rooms already bound to it carry on; with a new one
+    (decode restarted) the old lane is closed and a chunk for a room bound to the old engine
+    fails the room with PeerLost, never reaching the engine, and its pages go back."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+
+        def register(session: str) -> None:
+            pair.prefill._handle(
+                wire.Register(
+                    v=wire.WIRE_VERSION, endpoint=pair.decode.endpoint, decode_rank=0,
+                    decode_tp=1, engine=pair.decode.engine.name, session=session,
+                    engine_meta=pair.decode.engine.metadata(),
+                    pool=wire.PoolWire.from_spec(pair.decode.pool),
+                ),
+                None,
+            )
+
+        async def bound_room(room: int) -> tuple[Any, Any, list[str]]:
+            released: list[str] = []
+            sender = pair.prefill.sender(
+                room, num_pages=2, aux_slot=room % 4, on_release=lambda: released.append("src")
+            )
+            receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url)
+            receiver.init(np.array([10 + room, 20 + room]), room % 4)
+            with trio.fail_after(20):
+                while sender.poll() is not KVPoll.WaitingForInput:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            return sender, receiver, released
+
+        sender, receiver, _ = await bound_room(1)
+        session = pair.decode.engine.session_id
+        lane = pair.prefill._peers[pair.decode.endpoint].lane
+        register(session)  # a reconnect: same engine
+        assert pair.prefill._peers[pair.decode.endpoint].lane is lane
+        pair.src.fill(np.array([1, 2]), room=1)
+        pair.src.fill_aux(1, room=1)
+        sender.send(np.array([1, 2]), last=True)
+        with trio.fail_after(20):
+            assert await receiver.wait() is KVPoll.Success
+        assert pair.verify(1, np.array([11, 21]), 1)
+
+        sender, receiver, released = await bound_room(2)
+        calls = pair.prefill.counters.snapshot().engine_calls
+        register(session + "-restarted")
+        assert pair.prefill._peers[pair.decode.endpoint].lane is not lane
+        sender.send(np.array([3, 4]), last=True)
+        with trio.fail_after(20):
+            assert await sender.wait() is KVPoll.Failed
+            await sender.wait_released()
+        assert isinstance(sender.failure, PeerLost)
+        assert released == ["src"]
+        assert pair.prefill.counters.snapshot().engine_calls == calls  # nothing was written
+        assert not pair.dst.kv[:, [12, 22], :].any()
 
 
 # ------------------------------------------------------------------------ many rooms at once

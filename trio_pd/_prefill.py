@@ -48,7 +48,7 @@ from ._errors import (
     TransferAborted,
     TransferError,
 )
-from ._lane import Lane
+from ._lane import Lane, LaneClosed
 from ._lazy import LazyEvent
 from ._plan import (
     Blocks,
@@ -478,6 +478,10 @@ class PrefillAgent:
             await self.run_engine_call(peer.lane, write)
         except trio.Cancelled:
             raise
+        except LaneClosed as exc:  # never started: the peer re-registered with a new engine
+            raise PeerLost(
+                f"decode peer {peer.endpoint} re-registered with another engine session"
+            ) from exc
         except BaseException:
             call.state = "error"
             self.counters.bump("engine_errors")
@@ -697,6 +701,13 @@ class PrefillAgent:
         if pool.layout != self.pool.layout:
             raise ProtocolError(f"decode layout {pool.layout} != prefill {self.pool.layout}")
         old = self._peers.get(msg.endpoint)
+        if old is not None and old.session == msg.session:
+            lane = old.lane  # the same destination engine keeps its lane: one FIFO per engine
+        else:
+            lane = Lane(f"{msg.endpoint} ({msg.session})", depth=self.config.inflight_per_peer)
+            if old is not None:  # a new engine behind the endpoint (decode restarted)
+                old.lane.close()  # what it has queued still runs; later calls: LaneClosed
+                self.control.forget(msg.endpoint)
         peer = _DecodePeer(
             msg.endpoint,
             msg.decode_rank,
@@ -704,12 +715,8 @@ class PrefillAgent:
             msg.session,
             pool,
             RegionTable(pool.regions()),
-            Lane(f"{msg.endpoint} ({msg.session})", depth=self.config.inflight_per_peer),
+            lane,
         )
-        if old is not None:
-            old.lane.close()  # what it has queued still runs
-            if old.session != msg.session:
-                self.control.forget(msg.endpoint)
         self._peers[msg.endpoint] = peer
         assert self._nursery is not None
         self._nursery.start_soon(self._add_peer, peer, msg.engine_meta)
