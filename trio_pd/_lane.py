@@ -107,12 +107,6 @@ class Lane:
             self._closed = True
             self._cond.notify()
 
-    @property
-    def queued(self) -> int:
-        """Calls waiting for the thread (cancelled ones not yet skipped included)."""
-        with self._cond:
-            return len(self._jobs)
-
     def _serve(self) -> None:
         flying: deque[tuple[_Job, Any]] = deque()  # started, returned a Pending, not waited
         while True:

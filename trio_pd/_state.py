@@ -222,9 +222,6 @@ class RankSet:
             bits >>= 1
             rank += 1
 
-    def __len__(self) -> int:
-        return self.bits.bit_count()
-
     def __or__(self, other: RankSet) -> RankSet:
         out = RankSet()
         out.bits = self.bits | other.bits
