@@ -30,6 +30,9 @@ Handler = Callable[[_wire.Message, npt.NDArray[np.int32] | None], None]
 class ControlPlane:
     """One agent's sockets. Create with :meth:`open`; close with :meth:`close`."""
 
+    #: at most this many waiting messages are handled in one scheduling step
+    BATCH = 64
+
     def __init__(self, host: str, counters: Counters, *, sndhwm: int = 10_000) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._counters = counters
@@ -81,18 +84,29 @@ class ControlPlane:
 
     async def _serve_socket(self, sock: Socket, handle: Handler) -> None:
         while True:
-            frames = await sock.recv_multipart()
-            try:
-                msg, pages = _wire.decode(frames)
-            except ProtocolError as exc:
-                self._counters.bump("bad_messages")
-                log.warning("dropped a malformed control message: %s", exc)
-                continue
-            try:
-                handle(msg, pages)
-            except TransferError as exc:
-                self._counters.bump("refused_messages")
-                log.warning("refused %s: %s", type(msg).__name__, exc)
+            self._dispatch(await sock.recv_multipart(), handle)
+            # Then everything already waiting, in the same step: under a busy loop every
+            # receive that checkpoints costs a whole scheduling round, and an ABORT queued
+            # behind a burst of TRANSFERs would wait one round per message ahead of it.
+            for _ in range(self.BATCH - 1):
+                try:
+                    frames = sock.recv_multipart_nowait()
+                except trio.WouldBlock:
+                    break
+                self._dispatch(frames, handle)
+
+    def _dispatch(self, frames: list[bytes], handle: Handler) -> None:
+        try:
+            msg, pages = _wire.decode(frames)
+        except ProtocolError as exc:
+            self._counters.bump("bad_messages")
+            log.warning("dropped a malformed control message: %s", exc)
+            return
+        try:
+            handle(msg, pages)
+        except TransferError as exc:
+            self._counters.bump("refused_messages")
+            log.warning("refused %s: %s", type(msg).__name__, exc)
 
     async def aclose(self, linger: float = 0.5) -> None:
         """Close every socket. What is still queued for a peer (a last STATUS, an ABORT, an
