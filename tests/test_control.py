@@ -22,29 +22,29 @@ def _aborts(n: int, endpoint: str) -> list[list[bytes]]:
     ]
 
 
-async def _handled_rounds(waiting: list[list[bytes]]) -> tuple[list[int], Counters]:
+async def _between_steps(waiting: list[list[bytes]]) -> tuple[set[int], Counters]:
     """Queue ``waiting`` on a ControlPlane's socket before its listener starts, then serve.
-    Returns, for each message handled, how many times a busy sibling task had been scheduled
-    by then (equal values: handled in the same step), and the plane's counters."""
+    A busy sibling task, scheduled once per scheduling round, records how many messages had
+    been handled each time it ran: a count strictly between 0 and all of them means the
+    listener yielded there. Returns those counts and the plane's counters."""
     counters = Counters()
     cp = ControlPlane("127.0.0.1", counters)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(cp.endpoint)
-    rounds = 0
-    seen: list[int] = []
+    seen: list[_wire.Message] = []
+    counts: set[int] = set()
     good = sum(1 for f in waiting if f != [b"garbage"])
     done = trio.Event()
 
-    def handle(_msg: _wire.Message, _pages: object) -> None:
-        seen.append(rounds)
+    def handle(msg: _wire.Message, _pages: object) -> None:
+        seen.append(msg)
         if len(seen) == good:
             done.set()
 
     async def busy() -> None:
-        nonlocal rounds
         while True:
-            rounds += 1
+            counts.add(len(seen))
             await trio.lowlevel.checkpoint()
 
     try:
@@ -54,8 +54,8 @@ async def _handled_rounds(waiting: list[list[bytes]]) -> tuple[list[int], Counte
         deadline = time.monotonic() + 10
         while cp._pull.zsock.get(zmq.EVENTS) & zmq.POLLIN == 0:
             assert time.monotonic() < deadline, "messages never arrived"
-            time.sleep(0.001)
-        time.sleep(0.05)  # the rest of the burst lands behind the first
+            await trio.sleep(0.001)
+        await trio.sleep(0.05)  # the rest of the burst lands behind the first
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(busy)
@@ -67,7 +67,8 @@ async def _handled_rounds(waiting: list[list[bytes]]) -> tuple[list[int], Counte
         ctx.term()
         with trio.CancelScope(shield=True):
             await cp.aclose(linger=0)
-    return seen, counters
+    assert len(seen) == good
+    return counts, counters
 
 
 async def test_waiting_messages_are_handled_in_one_step() -> None:
@@ -75,16 +76,15 @@ async def test_waiting_messages_are_handled_in_one_step() -> None:
     in between; the bad one is counted and does not end the batch."""
     waiting = _aborts(10, "tcp://127.0.0.1:1")
     waiting.insert(4, [b"garbage"])
-    seen, counters = await _handled_rounds(waiting)
-    assert len(seen) == 10
-    assert len(set(seen)) == 1, f"handled across scheduling rounds: {seen}"
+    counts, counters = await _between_steps(waiting)
+    assert counts <= {0, 10}, f"other tasks ran after {sorted(counts)} messages"
     assert counters["bad_messages"] == 1
 
 
 async def test_a_long_burst_still_lets_other_tasks_run() -> None:
-    """More than a batch waiting: the listener yields between batches, so other tasks run."""
-    n = ControlPlane.BATCH * 2 + 5
-    seen, _ = await _handled_rounds(_aborts(n, "tcp://127.0.0.1:1"))
-    assert len(seen) == n
-    assert len(set(seen)) >= 3, "one step handled more than a batch"
-    assert max(seen.count(r) for r in set(seen)) <= ControlPlane.BATCH
+    """More than a batch waiting: the listener yields after each batch, so other tasks run."""
+    batch = ControlPlane.BATCH
+    n = batch * 2 + 5
+    counts, _ = await _between_steps(_aborts(n, "tcp://127.0.0.1:1"))
+    assert counts - {0, n}, "the whole burst was handled in one step"
+    assert counts <= {0, batch, 2 * batch, n}, f"yielded after {sorted(counts)} messages"
