@@ -109,11 +109,14 @@ class Lane:
 
     def _serve(self) -> None:
         flying: deque[tuple[_Job, Any]] = deque()  # started, returned a Pending, not waited
+        done: list[tuple[_Job, outcome.Outcome[Any]]] = []  # waited, caller not told yet
         while True:
             job = None
             with self._cond:
                 while len(flying) < self.depth:
                     while not self._jobs and not flying and not self._closed:
+                        if done:
+                            break
                         self._cond.wait()
                     while self._jobs and job is None:
                         job = self._jobs.popleft()
@@ -122,8 +125,8 @@ class Lane:
                     if job is not None:
                         job.state = "started"
                         break
-                    if flying:
-                        break  # nothing new to start: wait for the oldest
+                    if flying or done:
+                        break  # nothing new to start: tell callers, wait for the oldest
                     if self._closed:
                         return  # closed and drained
                     # only cancelled calls were queued: wait for more
@@ -134,8 +137,14 @@ class Lane:
                 else:
                     self._post(job, started)
                 continue
-            oldest, pending = flying.popleft()
-            self._post(oldest, outcome.capture(pending.wait))
+            # The engine has its next batch (if there was one) before anyone is told: waking
+            # the event loop costs a syscall and a GIL hand-off, off the engine's critical path.
+            for finished, result in done:
+                self._post(finished, result)
+            done.clear()
+            if flying:
+                oldest, pending = flying.popleft()
+                done.append((oldest, outcome.capture(pending.wait)))
 
     def _post(self, job: _Job, result: outcome.Outcome[Any]) -> None:
         try:
