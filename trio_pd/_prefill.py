@@ -108,6 +108,10 @@ class _DecodePeer:
     regions: RegionTable
     #: the thread that makes every engine call to this peer, in order
     lane: Lane
+    #: the heads this prefill rank writes there (None: no KV bytes), and whether it writes
+    #: the aux row: fixed by the two topologies, so worked out once at REGISTER
+    heads: tuple[int, int] | None
+    writes_aux: bool
     ready: trio.Event = field(default_factory=trio.Event)
     failed: bool = False
     probing: bool = False
@@ -373,7 +377,8 @@ class PrefillAgent:
                 del room.queued[job]
                 await self._run_chunk(room, job)
 
-    async def _run_chunk(self, room: _Room, chunk: _Chunk) -> None:
+    async def _run_chunk(self, room: _Room, chunk: _Chunk) -> None:  # noqa: ASYNC910
+        # (every path checkpoints: _transfer_chunk's nursery exit is always a schedule point)
         calls: list[_Call] = []
         failure: TransferError | None = None
         try:
@@ -391,7 +396,8 @@ class PrefillAgent:
         finally:
             # Synchronous, so it runs even while an outer cancellation propagates.
             self._settle_chunk(room, chunk, calls, failure)
-        await self._publish(room)
+        if self._publish_due(room):  # (most chunks are not a room's last: no extra round)
+            await self._publish(room)
         self._settle_room(room)
 
     def _settle_chunk(
@@ -414,11 +420,15 @@ class PrefillAgent:
             room.leases.close()  # concluded: nothing more can be admitted
 
     async def _transfer_chunk(self, room: _Room, chunk: _Chunk, calls: list[_Call]) -> None:
-        """The chunk's engine calls, one per destination rank, as children of one nursery:
-        it exits only when every child has (SPEC §5.1, scenario 1 and 2)."""
+        """The chunk's engine calls, one per destination rank, in one nursery: it exits only
+        when every one has (SPEC §5.1, scenario 1 and 2). Each starts as a child as soon as
+        it is planned; with one destination (the common case) the call runs in the nursery's
+        body instead, which the nursery waits for just the same: no task spawn per chunk."""
+        single = len(room.targets) == 1
         async with trio.open_nursery() as nursery:
             for target in room.targets.values():
-                await target.peer.ready.wait()  # not started yet: cancellable
+                if not target.peer.ready.is_set():
+                    await target.peer.ready.wait()  # not started yet: cancellable
                 blocks = self._plan_chunk(room, chunk, target)
                 if len(blocks.lens) == 0:
                     continue  # a dummy rank for this destination: bookkeeping only
@@ -426,35 +436,27 @@ class PrefillAgent:
                     raise PeerLost(f"decode peer {target.peer.endpoint} is marked failed")
                 call = _Call()
                 calls.append(call)
-                nursery.start_soon(self._engine_call, target.peer, blocks, call)
+                if single:
+                    await self._engine_call(target.peer, blocks, call)
+                else:
+                    nursery.start_soon(self._engine_call, target.peer, blocks, call)
 
     def _plan_chunk(self, room: _Room, chunk: _Chunk, target: _Target) -> Blocks:
         peer = target.peer
         parts: list[Blocks] = []
-        heads = write_heads(
-            self.tp_rank,
-            peer.decode_rank,
-            self.tp_size,
-            peer.decode_tp,
-            self.kv_heads,
-            self.pool.layout,
-        )
-        if heads is not None and len(chunk.pages):
+        if peer.heads is not None and len(chunk.pages):
             dst = target.dst_pages[chunk.start : chunk.start + len(chunk.pages)]
-            mha_heads = heads if self.pool.layout == "mha" else None
+            mha_heads = peer.heads if self.pool.layout == "mha" else None
             # both page lists were validated when they arrived (_admit, _add_target)
             parts.append(
                 plan_pages(
                     self.pool, peer.pool, chunk.pages, dst, heads=mha_heads, pages_checked=True
                 )
             )
-        if (
-            chunk.last
-            and aux_writer(peer.decode_rank, self.tp_size, peer.decode_tp) == self.tp_rank
-        ):
+        if chunk.last and peer.writes_aux:
             self._stamp_aux(room, target.epoch)
             parts.append(plan_aux(self.pool, peer.pool, room.aux_slot, target.aux_slot))
-        blocks = concat(parts)
+        blocks = parts[0] if len(parts) == 1 else concat(parts)
         validate_blocks(blocks, peer.regions)  # I8: nothing lands outside what decode registered
         return blocks
 
@@ -498,14 +500,15 @@ class PrefillAgent:
 
     # ------------------------------------------------------------------ publication
 
+    def _publish_due(self, room: _Room) -> bool:
+        if room.published:
+            return False
+        failed = room.cell.status is KVPoll.Failed
+        return (failed or room.leases.closed) and not room.leases.live and (failed or room.ready)
+
     async def _publish(self, room: _Room) -> None:
         """Decide and publish the room's outcome, once, under the room's lock."""
-        due = not room.published and (room.cell.status is KVPoll.Failed or room.leases.closed)
-        if (
-            not due
-            or room.leases.live
-            or (room.cell.status is not KVPoll.Failed and not room.ready)
-        ):
+        if not self._publish_due(room):
             await trio.lowlevel.checkpoint()  # a checkpoint on every path
             return
         async with room.lock:
@@ -716,6 +719,11 @@ class PrefillAgent:
             pool,
             RegionTable(pool.regions()),
             lane,
+            write_heads(
+                self.tp_rank, msg.decode_rank, self.tp_size, msg.decode_tp, self.kv_heads,
+                self.pool.layout,
+            ),
+            aux_writer(msg.decode_rank, self.tp_size, msg.decode_tp) == self.tp_rank,
         )
         self._peers[msg.endpoint] = peer
         assert self._nursery is not None
