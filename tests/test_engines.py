@@ -208,6 +208,75 @@ def test_mooncake_submit_outside_the_destination_fails_at_wait(p: Pair) -> None:
     assert np.array_equal(p.dst[:4096], p.src[:4096])
 
 
+def test_nixl_submit_returns_a_posted_request_waited_once(
+    p: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL's submit posts the request and returns; wait() sees it DONE, releases it, and
+    refuses a second wait. A request NIXL refuses raises at submit: nothing was posted."""
+    if p.kind != "nixl":
+        pytest.skip("NIXL's submit")
+    from trio_pd.engines import Deferred
+
+    released: list[object] = []
+    agent = p.src_engine._agent  # type: ignore[attr-defined]
+    inner_release = agent.release_xfer_handle
+
+    def release(handle: object) -> None:
+        released.append(handle)
+        inner_release(handle)
+
+    monkeypatch.setattr(agent, "release_xfer_handle", release)
+    n = 64
+    off = np.arange(n) * (64 << 10)
+    req = p.src_engine.submit(  # type: ignore[attr-defined]
+        p.peer, *p.blocks(off, off, np.full(n, 64 << 10))
+    )
+    assert not isinstance(req, Deferred)
+    assert req.state in ("PROC", "DONE")
+    assert not released  # in flight until waited
+    req.wait()
+    assert len(released) == 1
+    assert np.array_equal(p.dst[: n << 16], p.src[: n << 16])
+    with pytest.raises(RuntimeError, match="twice"):
+        req.wait()
+    assert len(released) == 1
+    with pytest.raises(EngineError, match="refused"):
+        p.src_engine.submit(  # type: ignore[attr-defined]
+            p.peer, _u64([p.src_base]), _u64([p.dst_base + BUF]), _u64([4096])
+        )
+    assert len(released) == 1  # refused before a request existed
+
+
+def test_nixl_post_that_raises_fails_at_wait_and_releases(
+    p: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception from NIXL's transfer() (after the request was built): submit returns,
+    wait() releases the request and raises EngineError "outcome unknown"."""
+    if p.kind != "nixl":
+        pytest.skip("NIXL's submit")
+    agent = p.src_engine._agent  # type: ignore[attr-defined]
+    released: list[object] = []
+    inner_release = agent.release_xfer_handle
+
+    def release(handle: object) -> None:
+        released.append(handle)
+        inner_release(handle)
+
+    def transfer(_handle: object) -> str:
+        raise RuntimeError("injected: post failed")
+
+    monkeypatch.setattr(agent, "release_xfer_handle", release)
+    monkeypatch.setattr(agent, "transfer", transfer)
+    req = p.src_engine.submit(p.peer, *p.blocks([0], [0], [4096]))  # type: ignore[attr-defined]
+    with pytest.raises(EngineError, match="outcome unknown") as info:
+        req.wait()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert len(released) == 1
+    monkeypatch.undo()
+    p.src_engine.write(p.peer, *p.blocks([0], [0], [4096]))  # the engine still works
+    assert np.array_equal(p.dst[:4096], p.src[:4096])
+
+
 def test_mooncake_waits_do_not_log_every_batch(p: Pair, capfd: pytest.CaptureFixture[str]) -> None:
     """Mooncake's async wait logs each finished batch at INFO on stderr unless glog's
     minloglevel is raised (the adapter does, from GLOG_minloglevel or 1)."""

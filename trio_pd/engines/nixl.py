@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import EngineError
-from ._base import Addrs, Lens, Region
+from ._base import Addrs, Deferred, Lens, Pending, Region
 
 _PIP_NAME = "nixl-cu12"  # pip install --no-deps nixl-cu12 (its torch requirement is not needed)
 
@@ -123,6 +123,66 @@ def _build_agent(api: Any, name: str, progress_delay_us: int) -> Any:
             return api.nixl_agent(name, config)
         finally:
             bindings.nixlAgentConfig = base
+
+
+class _Request:
+    """One posted NIXL request (the :class:`Pending` of :meth:`NixlEngine.submit`)."""
+
+    __slots__ = ("agent", "blocks", "deadline", "error", "handle", "peer", "state")
+
+    def __init__(self, agent: Any, handle: Any, peer: str, blocks: int) -> None:
+        self.agent = agent
+        self.handle = handle
+        self.peer = peer
+        self.blocks = blocks
+        self.state = "posting"
+        self.deadline = 0.0
+        self.error: EngineError | None = None
+
+    def fail(self, exc: Exception) -> None:
+        self.error = EngineError(
+            f"nixl write to {self.peer} of {self.blocks} blocks failed ({self.state!r}): "
+            f"{exc!r}: outcome unknown: some blocks may have been written"
+        )
+        self.error.__cause__ = exc
+
+    def wait(self) -> None:
+        if self.handle is None:
+            raise RuntimeError("a nixl request was waited twice")
+        agent, handle = self.agent, self.handle
+        self.handle = None
+        if self.error is None:
+            try:
+                delay = POLL_FIRST_S
+                while self.state == "PROC":
+                    if time.monotonic() > self.deadline:
+                        self.state = "timed out"
+                        break
+                    time.sleep(delay)
+                    delay = min(delay * 2, POLL_MAX_S)
+                    self.state = agent.check_xfer_state(handle)
+                if self.state != "DONE":
+                    self.error = EngineError(
+                        f"nixl write to {self.peer} of {self.blocks} blocks ended "
+                        f"{self.state!r}: outcome unknown: some blocks may have been written"
+                    )
+            except Exception as exc:
+                self.fail(exc)
+        try:
+            agent.release_xfer_handle(handle)
+        except Exception as exc:
+            # An unfinished request is cancelled on release; if NIXL cannot cancel it, it
+            # keeps the handle and releases it when the agent goes away.
+            note = f"nixl could not release the request: {exc!r}"
+            if self.error is None:
+                self.error = EngineError(
+                    f"nixl write to {self.peer} of {self.blocks} blocks: {note}"
+                )
+                self.error.__cause__ = exc
+            else:
+                self.error.add_note(note)
+        if self.error is not None:
+            raise self.error
 
 
 class NixlEngine:
@@ -282,24 +342,34 @@ class NixlEngine:
         return agent.get_xfer_descs(rows, self._mem_type)
 
     def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
-        """One NIXL WRITE request for all blocks; returns when it is DONE.
+        """One NIXL WRITE request for all blocks; returns when it is DONE: :meth:`submit`,
+        then its ``wait()``."""
+        self.submit(peer, src, dst, lens).wait()
+
+    def submit(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> Pending:
+        """Post one NIXL WRITE request for all blocks and return at once; the returned
+        :class:`Pending`'s ``wait()`` returns when the request is DONE (call it exactly once:
+        it also releases the request).
 
         The wait polls ``check_xfer_state`` with sleeps growing from 20 µs to 1 ms, so a
-        waiting thread uses next to no CPU. NIXL has no deadline of its own (a write to a
-        stopped peer waits forever), so the wait gives up after ``transfer_timeout_s`` plus
-        one second per GB of the call, like Mooncake's ``MC_TRANSFER_TIMEOUT``.
+        waiting thread uses next to no CPU (a caller that keeps a second request in flight,
+        as a lane does, hides the sleeps' overshoot). NIXL has no deadline of its own (a
+        write to a stopped peer waits forever), so the wait gives up after
+        ``transfer_timeout_s`` plus one second per GB of the call, like Mooncake's
+        ``MC_TRANSFER_TIMEOUT``; the deadline counts from the post.
 
         A request NIXL refuses (unknown peer, a block outside what either side registered)
-        raises before anything is sent. "ERR", the deadline, or any exception after posting
-        raise :class:`~trio_pd.EngineError` meaning "outcome unknown": some blocks may have
-        been written, and after a deadline some may still land. The request handle is always
-        released (for an unfinished request that asks NIXL to cancel it).
+        raises :class:`~trio_pd.EngineError` here, before anything is sent. "ERR", the
+        deadline, or any exception after posting raise from ``wait()``, meaning "outcome
+        unknown": some blocks may have been written, and after a deadline some may still
+        land. The request handle is always released (for an unfinished request that asks
+        NIXL to cancel it).
         """
         n = len(src)
         if len(dst) != n or len(lens) != n:
             raise ValueError(f"src, dst, lens differ in length: {n}, {len(dst)}, {len(lens)}")
         if n == 0:
-            return
+            return Deferred(lambda: None)
         agent = self._live_agent()
         try:
             local = self._descs(agent, src, lens)
@@ -310,43 +380,13 @@ class NixlEngine:
             raise EngineError(
                 f"nixl write to {peer}: request of {n} blocks refused: {exc!r}"
             ) from exc
-        error: EngineError | None = None
-        state = "posting"
+        flight = _Request(agent, handle, peer, n)
+        flight.deadline = time.monotonic() + self._timeout_s + int(lens.sum()) / 1e9
         try:
-            deadline = time.monotonic() + self._timeout_s + int(lens.sum()) / 1e9
-            state = agent.transfer(handle)
-            delay = POLL_FIRST_S
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    state = "timed out"
-                    break
-                time.sleep(delay)
-                delay = min(delay * 2, POLL_MAX_S)
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                error = EngineError(
-                    f"nixl write to {peer} of {n} blocks ended {state!r}: outcome unknown: "
-                    f"some blocks may have been written"
-                )
+            flight.state = agent.transfer(handle)
         except Exception as exc:
-            error = EngineError(
-                f"nixl write to {peer} of {n} blocks failed ({state!r}): {exc!r}: outcome "
-                f"unknown: some blocks may have been written"
-            )
-            error.__cause__ = exc
-        try:
-            agent.release_xfer_handle(handle)
-        except Exception as exc:
-            # An unfinished request is cancelled on release; if NIXL cannot cancel it, it
-            # keeps the handle and releases it when the agent goes away.
-            note = f"nixl could not release the request: {exc!r}"
-            if error is None:
-                error = EngineError(f"nixl write to {peer} of {n} blocks: {note}")
-                error.__cause__ = exc
-            else:
-                error.add_note(note)
-        if error is not None:
-            raise error
+            flight.fail(exc)  # wait() releases the handle and raises
+        return flight
 
     def probe(self, peer: str) -> bool:
         """False only if UCX reports the connection to a loaded peer lost; True otherwise
