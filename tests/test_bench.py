@@ -26,11 +26,12 @@ def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:
     assert r["ceiling_gbps"] > 0 and r["trio_pd_gbps"] > 0 and r["ratio"] > 0
     assert r["corrupt_pages"] == 0 and r["failed"] == 0
     assert r["verified_bytes"] > 0
-    for key in ("overhead_us", "loop_lateness_ms", "abort_release_ms"):
+    for key in ("overhead_us", "loop_lateness_ms", "abort_release_ms", "abort_release_burst_ms"):
         assert set(r[key]) >= {"p50", "p99"}, key
     assert r["overhead_us"]["p50"] is not None
     assert r["loop_lateness_ms"]["p99"] >= r["loop_lateness_ms"]["p50"] >= 0
     assert r["abort_samples"] == 0 or r["abort_release_ms"]["p50"] > 0
+    assert r["abort_burst_samples"] == 0 or r["abort_release_burst_ms"]["p50"] > 0
     assert [x["rooms"] for x in r["scale"]] == r["options"]["scale_rooms"]
     for x in r["scale"]:
         assert x["gbps"] > 0 and x["bytes_per_room"] > 0 and x["failed"] == 0
