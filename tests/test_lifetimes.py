@@ -521,7 +521,7 @@ async def test_full_status_socket_fails_room_locally(
         await trio.to_thread.run_sync(mute.register, dst.spec.regions())
         async with open_prefill(
             engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS,
-            config=PrefillConfig(sndhwm=1),
+            config=PrefillConfig(sndhwm=1, failed_status_retry=0.3),
         ) as prefill:
             endpoint = _dead_endpoint()
             prefill._handle(
@@ -568,6 +568,15 @@ async def test_full_status_socket_fails_room_locally(
             sender2.send([], last=True)
             with trio.fail_after(BOUND):
                 assert await sender2.wait() is KVPoll.Failed
+            # The two Failed STATUSes are retried for failed_status_retry, then dropped and
+            # counted: no timer keeps retrying a peer that never reads.
+            with trio.fail_after(BOUND):
+                while prefill.statistics().status_dropped < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            tries = prefill.statistics().send_backpressure
+            await trio.sleep(0.3)  # six retry periods
+            assert prefill.statistics().status_dropped == 2
+            assert prefill.statistics().send_backpressure == tries, "still retrying"
         await trio.to_thread.run_sync(mute.unregister, dst.spec.regions())
     finally:
         pe.close()

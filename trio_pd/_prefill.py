@@ -96,6 +96,10 @@ class PrefillConfig:
     sndhwm: int = 10_000
     #: bounded queue of TRANSFER metadata for rooms the scheduler has not created yet
     max_pending_meta: int = 100_000
+    #: a Failed STATUS that finds the decode peer's socket full is retried every 50 ms for
+    #: this long, then dropped and counted (``status_dropped``); the decode room still fails
+    #: at its own waiting deadline. Retries also stop once the peer re-registers.
+    failed_status_retry: float = 60.0
 
 
 @dataclass(eq=False, slots=True)
@@ -545,12 +549,23 @@ class PrefillAgent:
 
     def _retry_failed_status(self, room: int, target: _Target, reason: str) -> None:
         """A Failed STATUS must get through (decode would otherwise wait for its own
-        deadline): retry it shortly, outside any lock."""
+        deadline): retry it shortly, outside any lock, for a bounded time."""
         status = self._status(room, target.epoch, False, reason)
+        give_up = trio.current_time() + self.config.failed_status_retry
 
         def retry() -> None:
-            if not self.control.send_nowait(target.peer.endpoint, status):
-                self.timers.after(0.05, retry)
+            if self._peers.get(target.peer.endpoint) is not target.peer:
+                return  # the peer re-registered (its old rooms are gone) or was forgotten
+            if self.control.send_nowait(target.peer.endpoint, status):
+                return
+            if trio.current_time() >= give_up:
+                self.counters.bump("status_dropped")
+                log.warning(
+                    "room %d: Failed STATUS to %s dropped after %g s of a full socket",
+                    room, target.peer.endpoint, self.config.failed_status_retry,
+                )
+                return
+            self.timers.after(0.05, retry)
 
         self.timers.after(0.05, retry)
 

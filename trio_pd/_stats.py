@@ -26,6 +26,7 @@ class AgentStatistics:
     engine_errors: int = 0
     bytes_written: int = 0
     send_backpressure: int = 0  # a non-blocking send found the socket full
+    status_dropped: int = 0  # prefill: a Failed STATUS given up after retrying a full socket
     acks_sent: int = 0
     acks_received: int = 0
     quarantined: int = 0
