@@ -3,6 +3,8 @@ and writes started ahead of the one being waited for (``Pending``)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from typing import Any
 
@@ -225,3 +227,27 @@ def _until(cond: Any) -> None:
             return
         threading.Event().wait(0.001)
     raise AssertionError("condition never came true")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a per-thread nice value is Linux's")
+async def test_lane_thread_runs_at_the_nice_value_asked() -> None:
+    """``nice=N``: the lane's thread runs N nice levels below its creator; the caller's own
+    thread is untouched."""
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def own_nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    lane = Lane("t", nice=3)
+    try:
+        assert await lane.run_sync(own_nice) == min(here + 3, 19)
+    finally:
+        lane.close()
+    plain = Lane("t")
+    try:
+        assert await plain.run_sync(own_nice) == here
+    finally:
+        plain.close()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here
+    with pytest.raises(ValueError, match="nice"):
+        Lane("t", nice=-1)

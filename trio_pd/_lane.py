@@ -24,6 +24,8 @@ write is complete.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -57,13 +59,20 @@ class _Job:
 
 class Lane:
     """One thread, one FIFO of blocking calls. Make it inside a trio run; the thread starts
-    with the first call. :meth:`close` lets the thread finish what is queued and exit."""
+    with the first call. :meth:`close` lets the thread finish what is queued and exit.
 
-    def __init__(self, name: str, *, depth: int = 2) -> None:
+    ``nice`` > 0 raises the thread's nice value by that much (Linux only, where it is a
+    per-thread attribute), so that the event loop's thread preempts it on a CPU-starved
+    host."""
+
+    def __init__(self, name: str, *, depth: int = 2, nice: int = 0) -> None:
         if depth < 1:
             raise ValueError("depth must be at least 1")
+        if nice < 0:
+            raise ValueError("nice can only lower the thread's priority (>= 0)")
         self.name = name
         self.depth = depth
+        self.nice = nice
         self._token = trio.lowlevel.current_trio_token()
         self._cond = threading.Condition()
         self._jobs: deque[_Job] = deque()
@@ -108,6 +117,9 @@ class Lane:
             self._cond.notify()
 
     def _serve(self) -> None:
+        if self.nice and sys.platform == "linux":  # per-thread there; elsewhere per-process
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
         flying: deque[tuple[_Job, Any]] = deque()  # started, returned a Pending, not waited
         done: list[tuple[_Job, outcome.Outcome[Any]]] = []  # waited, caller not told yet
         while True:
