@@ -76,7 +76,7 @@ class BenchOptions:
     total_mib: int = 256
     concurrency: int = 16
     ceiling_threads: tuple[int, ...] = (1, 2)
-    ceiling_repeats: int = 2
+    ceiling_repeats: int = 5  # runs per ceiling mode, and of trio_pd: the best counts
     abort_requests: int = 16
     overhead_samples: int = 400
     scale_rooms: tuple[int, ...] = (100, 1000, 10_000)
