@@ -251,3 +251,22 @@ async def test_lane_thread_runs_at_the_nice_value_asked() -> None:
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here
     with pytest.raises(ValueError, match="nice"):
         Lane("t", nice=-1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a per-thread nice value is Linux's")
+async def test_lane_runs_when_its_priority_cannot_be_lowered(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sandbox that refuses ``setpriority``: the lane logs it and runs its calls anyway."""
+
+    def refuse(*_: object) -> None:
+        raise PermissionError("injected: setpriority refused")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    lane = Lane("t", nice=5)
+    try:
+        with trio.fail_after(10):
+            assert await lane.run_sync(lambda: 7) == 7
+    finally:
+        lane.close()
+    assert "could not lower" in caplog.text

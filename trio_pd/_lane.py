@@ -24,6 +24,7 @@ write is complete.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -41,6 +42,9 @@ def run_to_end(fn: Callable[[], Any]) -> Any:
     on the caller's thread (for tests and for running a lane job elsewhere)."""
     result = fn()
     return result.wait() if hasattr(result, "wait") else result
+
+
+log = logging.getLogger("trio_pd.lane")
 
 
 class LaneClosed(RuntimeError):
@@ -119,7 +123,12 @@ class Lane:
     def _serve(self) -> None:
         if self.nice and sys.platform == "linux":  # per-thread there; elsewhere per-process
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
+            try:
+                os.setpriority(
+                    os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice
+                )
+            except OSError as exc:  # a sandbox may refuse it: run at the process's priority
+                log.warning("%r: could not lower the thread's priority: %s", self, exc)
         flying: deque[tuple[_Job, Any]] = deque()  # started, returned a Pending, not waited
         done: list[tuple[_Job, outcome.Outcome[Any]]] = []  # waited, caller not told yet
         while True:
