@@ -135,9 +135,7 @@ class Lane:
             job = None
             with self._cond:
                 while len(flying) < self.depth:
-                    while not self._jobs and not flying and not self._closed:
-                        if done:
-                            break
+                    while not self._jobs and not flying and not done and not self._closed:
                         self._cond.wait()
                     while self._jobs and job is None:
                         job = self._jobs.popleft()
