@@ -5,9 +5,9 @@ How a room lives here (SPEC §5):
 
 * ``sender.send(pages)`` *admits* a chunk: it takes a lease on the chunk's source pages at once
   (:class:`~trio_pd._state.LeaseBook`), or raises if admission is closed (I2).
-* A worker task runs the chunk inside the room's cancel scope. The chunk's engine calls are
-  children of one nursery, so the chunk ends only when every call has returned, failed ones'
-  siblings included (drain by structure, I3).
+* A worker task runs the chunk inside the room's cancel scope. The chunk's engine calls run in
+  one nursery (children, or its body when there is one destination), so the chunk ends only
+  when every call has returned, failed ones' siblings included (drain by structure, I3).
 * Each engine call goes through :meth:`PrefillAgent._engine_call`, onto the destination
   peer's :class:`~trio_pd._lane.Lane` (one thread per decode peer, calls in order). If the room
   was aborted while the call was still queued, it raises Cancelled *without starting it*; once
@@ -283,7 +283,7 @@ class PrefillAgent:
         #: schedule explorer swaps in a thread-free twin with the same contract (Cancelled
         #: only before the call starts)
         self.run_engine_call: Callable[[Lane, Callable[[], object]], Awaitable[object]] = (
-            _run_in_lane
+            Lane.run_sync
         )
         self._jobs_tx, self._jobs_rx = trio.open_memory_channel[tuple[_Room, _Chunk | _Publish]](
             math.inf
@@ -477,10 +477,11 @@ class PrefillAgent:
     async def _engine_call(self, peer: _DecodePeer, blocks: Blocks, call: _Call) -> None:
         """The one place an engine write happens.
 
-        ``to_thread.run_sync`` with ``abandon_on_cancel=False`` is the decision point: if the
-        room's scope is cancelled before the thread starts, it raises Cancelled and the call
-        never happened (``call.state`` stays "not-started"); once the thread started, trio
-        waits for it whatever is cancelled, so its result is always observed.
+        The peer's lane (:meth:`Lane.run_sync <trio_pd._lane.Lane.run_sync>`, through
+        ``run_engine_call``) is the decision point: if the room's scope is cancelled while the
+        call is still queued, it raises Cancelled and the call never happened (``call.state``
+        stays "not-started"); once the lane's thread took it, the caller waits for it whatever
+        is cancelled, so its result is always observed.
 
         **Cancellation:** before the start, the call is skipped; after it, the call completes.
         """
@@ -501,12 +502,11 @@ class PrefillAgent:
                 self.metrics.observe_write(self.engine.name, time.perf_counter() - t0, 0, ok=False)
             raise
         call.state = "done"
+        nbytes = int(blocks.lens.sum())
         self.counters.bump("engine_calls")
-        self.counters.bump("bytes_written", int(blocks.lens.sum()))
+        self.counters.bump("bytes_written", nbytes)
         if self.metrics is not None:
-            self.metrics.observe_write(
-                self.engine.name, time.perf_counter() - t0, int(blocks.lens.sum())
-            )
+            self.metrics.observe_write(self.engine.name, time.perf_counter() - t0, nbytes)
 
     # ------------------------------------------------------------------ publication
 
@@ -900,10 +900,6 @@ class PrefillAgent:
             for lease in list(room.leases.quarantined):
                 room.leases.end_quarantine(lease)
             self._settle_room(room)
-
-
-async def _run_in_lane(lane: Lane, fn: Callable[[], object]) -> object:
-    return await lane.run_sync(fn)
 
 
 def _room_error(group: BaseExceptionGroup[Exception]) -> TransferError:

@@ -50,9 +50,17 @@ class Deferred:
         self._fn()
 
 
+def check_lengths(src: Addrs, dst: Addrs, lens: Lens) -> int:
+    """The number of blocks; :class:`ValueError` if the three arrays differ in length."""
+    n = len(src)
+    if len(dst) != n or len(lens) != n:
+        raise ValueError(f"src, dst, lens differ in length: {n}, {len(dst)}, {len(lens)}")
+    return n
+
+
 def start_write(engine: TransferEngine, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> Pending:
     """Start a write and return its :class:`Pending`: ``engine.submit`` where the engine can
-    have several writes in flight (Mooncake), else a :class:`Deferred` ``engine.write``.
+    have several writes in flight (Mooncake, NIXL), else a :class:`Deferred` ``engine.write``.
 
     ``submit`` may block briefly (and on the first call to a peer, for the engine's handshake):
     call it from a thread, like ``write``."""

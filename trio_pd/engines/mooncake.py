@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import EngineError
-from ._base import Addrs, Deferred, Lens, Pending, Region
+from ._base import Addrs, Deferred, Lens, Pending, Region, check_lengths
 
 #: the most blocks one ``batch_transfer_sync_write`` call carries
 MAX_BLOCKS_PER_CALL = 1024
@@ -316,7 +316,7 @@ class MooncakeEngine:
         already queued behind this one. Raises
         :class:`~trio_pd.EngineError` if the engine refuses the batch (outcome unknown).
         """
-        n = _check_lengths(src, dst, lens)
+        n = check_lengths(src, dst, lens)
         if n == 0:
             return Deferred(lambda: None)
         engine = self._live_engine()
@@ -336,7 +336,7 @@ class MooncakeEngine:
         sub-batch raises :class:`~trio_pd.EngineError` (later ones are not issued); earlier
         sub-batches are complete, the failing one may be written in part.
         """
-        n = _check_lengths(src, dst, lens)
+        n = check_lengths(src, dst, lens)
         if n == 0:
             return
         engine = self._live_engine()
@@ -446,10 +446,3 @@ class MooncakeEngine:
                     )
         finally:
             del engine  # the binding's destructor closes segments and stops the engine
-
-
-def _check_lengths(src: Addrs, dst: Addrs, lens: Lens) -> int:
-    n = len(src)
-    if len(dst) != n or len(lens) != n:
-        raise ValueError(f"src, dst, lens differ in length: {n}, {len(dst)}, {len(lens)}")
-    return n

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import EngineError
-from ._base import Addrs, Deferred, Lens, Pending, Region
+from ._base import Addrs, Deferred, Lens, Pending, Region, check_lengths
 
 _PIP_NAME = "nixl-cu12"  # pip install --no-deps nixl-cu12 (its torch requirement is not needed)
 
@@ -365,9 +365,7 @@ class NixlEngine:
         land. The request handle is always released (for an unfinished request that asks
         NIXL to cancel it).
         """
-        n = len(src)
-        if len(dst) != n or len(lens) != n:
-            raise ValueError(f"src, dst, lens differ in length: {n}, {len(dst)}, {len(lens)}")
+        n = check_lengths(src, dst, lens)
         if n == 0:
             return Deferred(lambda: None)
         agent = self._live_agent()
