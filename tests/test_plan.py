@@ -9,6 +9,8 @@ per-token loop would copy. Every fake "byte" is an int64 that encodes where it c
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trio_pd import _plan
 from trio_pd._errors import ProtocolError, RegionError
 from trio_pd._plan import (
     Blocks,
@@ -41,6 +44,20 @@ from trio_pd.engines._base import Region
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 Mem = npt.NDArray[np.int64]
+
+#: The hot-path helpers take lists up to ``_plan.SMALL`` elements and numpy above; these
+#: tests' inputs are small, so each runs once per path with the threshold moved.
+PATHS = pytest.mark.parametrize("path", ["lists", "numpy"])
+
+
+@contextmanager
+def on_path(path: str) -> Iterator[None]:
+    saved = _plan.SMALL
+    _plan.SMALL = saved if path == "lists" else -1
+    try:
+        yield
+    finally:
+        _plan.SMALL = saved
 
 # --------------------------------------------------------------------------------------------
 # Helpers: pools, fake memory, memcpy, naive reference planner
@@ -201,6 +218,7 @@ def naive_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+@PATHS
 @FAST
 @given(
     st.integers(0, 12).flatmap(
@@ -210,14 +228,17 @@ def naive_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         )
     )
 )
-def test_contiguous_runs_matches_naive(lists: tuple[list[int], list[int]]) -> None:
+def test_contiguous_runs_matches_naive(path: str, lists: tuple[list[int], list[int]]) -> None:
     src, dst = lists
-    s0, d0, n = contiguous_runs(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+    with on_path(path):
+        s0, d0, n = contiguous_runs(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
     assert list(zip(s0.tolist(), d0.tolist(), n.tolist(), strict=True)) == naive_runs(src, dst)
 
 
-def test_contiguous_runs_splits_where_either_side_breaks() -> None:
-    s0, d0, n = contiguous_runs(np.array([1, 2, 3, 7, 8]), np.array([10, 11, 20, 21, 22]))
+@PATHS
+def test_contiguous_runs_splits_where_either_side_breaks(path: str) -> None:
+    with on_path(path):
+        s0, d0, n = contiguous_runs(np.array([1, 2, 3, 7, 8]), np.array([10, 11, 20, 21, 22]))
     assert s0.tolist() == [1, 3, 7]
     assert d0.tolist() == [10, 20, 21]
     assert n.tolist() == [2, 1, 2]
@@ -235,6 +256,7 @@ def test_contiguous_runs_empty_and_mismatched() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@PATHS
 @FAST
 @given(
     layout=st.sampled_from(["mha", "mla"]),
@@ -245,6 +267,7 @@ def test_contiguous_runs_empty_and_mismatched() -> None:
     data=st.data(),
 )
 def test_plan_pages_whole_pages_matches_naive(
+    path: str,
     layout: Literal["mha", "mla"],
     page_size: int,
     head_bytes: int,
@@ -276,7 +299,11 @@ def test_plan_pages_whole_pages_matches_naive(
     src_pages, dst_pages = data.draw(page_lists(7))
     src_mem = fill_source(src)
 
-    blocks = plan_pages(src, dst, np.array(src_pages, np.int64), np.array(dst_pages, np.int64))
+    with on_path(path):
+        blocks = plan_pages(
+            src, dst, np.array(src_pages, np.int64), np.array(dst_pages, np.int64)
+        )
+    assert blocks.src.dtype == blocks.dst.dtype == blocks.lens.dtype == np.uint64
     got = np.zeros(mem_size(dst), np.int64)
     count = np.zeros_like(got)
     memcpy(blocks, src_mem, got, count)
@@ -599,8 +626,10 @@ REGIONS = [Region(1000, 100), Region(1100, 50), Region(5000, 10)]
     "block",
     [(1000, 100), (1000, 1), (1099, 1), (1100, 50), (1149, 1), (5000, 10), (5003, 2)],
 )
-def test_validate_blocks_accepts_in_range(block: tuple[int, int]) -> None:
-    validate_blocks(as_blocks([(0, *block)]), REGIONS)
+@PATHS
+def test_validate_blocks_accepts_in_range(path: str, block: tuple[int, int]) -> None:
+    with on_path(path):
+        validate_blocks(as_blocks([(0, *block)]), REGIONS)
 
 
 @pytest.mark.parametrize(
@@ -620,9 +649,10 @@ def test_validate_blocks_accepts_in_range(block: tuple[int, int]) -> None:
         (2**64 - 1, 1),  # far above
     ],
 )
-def test_validate_blocks_refuses_out_of_range(block: tuple[int, int]) -> None:
+@PATHS
+def test_validate_blocks_refuses_out_of_range(path: str, block: tuple[int, int]) -> None:
     good = [(0, 1000, 4), (0, 5000, 10)]
-    with pytest.raises(RegionError, match=r"1 of 3 blocks.*block 1 "):
+    with on_path(path), pytest.raises(RegionError, match=r"1 of 3 blocks.*block 1 "):
         validate_blocks(as_blocks([good[0], (0, *block), good[1]]), REGIONS)
 
 
@@ -642,13 +672,14 @@ def test_validate_blocks_counts_bad_blocks_and_handles_edge_inputs() -> None:
     validate_blocks(as_blocks([(0, 15, 50)]), [Region(0, 100), Region(10, 10)])
 
 
+@PATHS
 @FAST
 @given(
     regions=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 30)), max_size=5),
     blocks=st.lists(st.tuples(st.integers(0, 260), st.integers(0, 40)), min_size=1, max_size=8),
 )
 def test_validate_blocks_matches_naive(
-    regions: list[tuple[int, int]], blocks: list[tuple[int, int]]
+    path: str, regions: list[tuple[int, int]], blocks: list[tuple[int, int]]
 ) -> None:
     regs = [Region(b, n) for b, n in regions]
 
@@ -657,11 +688,12 @@ def test_validate_blocks_matches_naive(
 
     want = all(ok(d, n) for d, n in blocks)
     arr = as_blocks([(0, d, n) for d, n in blocks])
-    if want:
-        validate_blocks(arr, regs)
-    else:
-        with pytest.raises(RegionError):
+    with on_path(path):
+        if want:
             validate_blocks(arr, regs)
+        else:
+            with pytest.raises(RegionError):
+                validate_blocks(arr, regs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -669,17 +701,23 @@ def test_validate_blocks_matches_naive(
 # --------------------------------------------------------------------------------------------
 
 
-def test_validate_pages() -> None:
-    validate_pages(np.array([3, 0, 7]), 8)
-    validate_pages(np.zeros(0, np.int64), 0)
-    validate_pages(np.array([2**63], dtype=np.uint64)[:0], 8)
-    for bad in ([8], [-1], [1, 2, 1], [0.5]):
+@PATHS
+def test_validate_pages(path: str) -> None:
+    with on_path(path):
+        validate_pages(np.array([3, 0, 7]), 8)
+        validate_pages(np.zeros(0, np.int64), 0)
+        validate_pages(np.array([2**63], dtype=np.uint64)[:0], 8)
+        for bad in ([8], [-1], [1, 2, 1], [0.5], [5, 3, 5, 9]):
+            with pytest.raises(ProtocolError):
+                validate_pages(np.array(bad), 8)
+        with pytest.raises(ProtocolError, match="repeated"):
+            validate_pages(np.array([1, 2, 1]), 8)
+        with pytest.raises(ProtocolError, match="out of range"):
+            validate_pages(np.array([1, 8]), 8)
         with pytest.raises(ProtocolError):
-            validate_pages(np.array(bad), 8)
-    with pytest.raises(ProtocolError):
-        validate_pages(np.array([2**64 - 1], dtype=np.uint64), 8)
-    with pytest.raises(ProtocolError):
-        validate_pages(np.zeros((2, 2), np.int64), 8)
+            validate_pages(np.array([2**64 - 1], dtype=np.uint64), 8)
+        with pytest.raises(ProtocolError):
+            validate_pages(np.zeros((2, 2), np.int64), 8)
 
 
 @given(st.integers(0, 200), st.integers(1, 50))
