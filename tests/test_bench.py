@@ -29,6 +29,12 @@ def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:
     for key in ("overhead_us", "loop_lateness_ms", "abort_release_ms", "abort_release_burst_ms"):
         assert set(r[key]) >= {"p50", "p99"}, key
     assert r["overhead_us"]["p50"] is not None
+    # overhead = each sample minus its own write, timed on the lane's thread: positive, and
+    # smaller than the whole send -> Success time by about the engine's time
+    assert 0 < r["engine_call_in_run_us"]["p50"] < r["trio_pd_chunk_us"]["p50"]
+    assert 0 < r["overhead_us"]["p50"] < r["trio_pd_chunk_us"]["p50"]
+    assert r["overhead_vs_direct_us"]["p50"] is not None
+    assert r["engine_call_isolated_us"]["p50"] > 0
     assert r["loop_lateness_ms"]["p99"] >= r["loop_lateness_ms"]["p50"] >= 0
     assert r["abort_samples"] == 0 or r["abort_release_ms"]["p50"] > 0
     assert r["abort_burst_samples"] == 0 or r["abort_release_burst_ms"]["p50"] > 0
