@@ -734,6 +734,43 @@ async def test_abort_unknown_room_acks(engine_name: str, bootstrap_url: str) -> 
         assert pair.prefill.statistics().rooms_active == 0
 
 
+async def test_late_transfer_after_abort_fails_that_rank_at_once(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """Found by the demo (TP 1 -> 4, prefill aborts after its last chunk): prefill concludes a
+    room as Failed while one decode rank's TRANSFER is still on its way. The ranks that heard
+    the Failed STATUS send ABORTs, which meet no room and leave a tombstone for the (room,
+    epoch). The late TRANSFER that meets the tombstone must be answered with a Failed STATUS:
+    dropped, it left that decode rank waiting for its waiting deadline with its pages held."""
+    async with open_cluster(
+        engine_name, bootstrap_url, prefill_tp=1, decode_tp=2, setup=lambda *_: None
+    ) as c:
+        prefill = c.prefills[0]
+        transfers = Handled(prefill, "_on_transfer")
+        aborts = Handled(prefill, "_on_abort")
+        room, n = 14, 4
+        dst_pages = np.arange(30, 30 + n)
+        sender = prefill.sender(room, num_pages=n, aux_slot=1)
+        first = c.decodes[0].receiver(room, bootstrap_url=c.url, epoch=8)
+        first.init(dst_pages, 2)
+        await transfers.wait(1)
+        sender.abort("the scheduler dropped the request")
+        with trio.fail_after(BOUND):
+            assert await first.wait() is KVPoll.Failed
+            await first.wait_released()  # its ABORT was acked: the room is gone, tombstoned
+        await aborts.wait(1)
+        assert prefill.statistics().rooms_active == 0
+
+        late = c.decodes[1].receiver(room, bootstrap_url=c.url, epoch=8)
+        late.init(dst_pages, 2)
+        # BOUND is far below the decode rank's waiting deadline (DecodeConfig: 120 s)
+        with trio.fail_after(BOUND):
+            assert await late.wait() is KVPoll.Failed
+            await late.wait_released()
+        assert "aborted" in str(late.failure)
+        assert prefill.statistics().late_messages == 1
+
+
 async def test_abort_room_with_waiting_chunk_cancels_and_acks(
     engine_name: str, bootstrap_url: str
 ) -> None:

@@ -542,7 +542,7 @@ class PrefillAgent:
                 reason = f"STATUS to {target.peer.endpoint} refused: its socket is full"
                 room.cell.fail(TransferError(reason))
                 self.counters.bump("failed")
-            self._retry_failed_status(room.room, target, reason)
+            self._retry_failed_status(room.room, target.epoch, target.peer, reason)
         if ok:
             room.cell.advance(KVPoll.Success)
             self.counters.bump("succeeded")
@@ -553,22 +553,22 @@ class PrefillAgent:
             v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.tp_rank, ok=ok, reason=reason
         )
 
-    def _retry_failed_status(self, room: int, target: _Target, reason: str) -> None:
+    def _retry_failed_status(self, room: int, epoch: int, peer: _DecodePeer, reason: str) -> None:
         """A Failed STATUS must get through (decode would otherwise wait for its own
         deadline): retry it shortly, outside any lock, for a bounded time."""
-        status = self._status(room, target.epoch, False, reason)
+        status = self._status(room, epoch, False, reason)
         give_up = trio.current_time() + self.config.failed_status_retry
 
         def retry() -> None:
-            if self._peers.get(target.peer.endpoint) is not target.peer:
+            if self._peers.get(peer.endpoint) is not peer:
                 return  # the peer re-registered (its old rooms are gone) or was forgotten
-            if self.control.send_nowait(target.peer.endpoint, status):
+            if self.control.send_nowait(peer.endpoint, status):
                 return
             if trio.current_time() >= give_up:
                 self.counters.bump("status_dropped")
                 log.warning(
                     "room %d: Failed STATUS to %s dropped after %g s of a full socket",
-                    room, target.peer.endpoint, self.config.failed_status_retry,
+                    room, peer.endpoint, self.config.failed_status_retry,
                 )
                 return
             self.timers.after(0.05, retry)
@@ -765,7 +765,12 @@ class PrefillAgent:
 
     def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
         if msg.epoch in self._tombstones.get(msg.room, ()):
+            # A decode rank aborted this (room, epoch) after it concluded here. Another rank's
+            # TRANSFER can still be on its way (prefill failed the room before every rank's
+            # metadata arrived; the others heard the Failed STATUS and aborted): answer it,
+            # or that rank holds its pages until its own waiting deadline.
             self.counters.bump("late_messages")
+            self._refuse_transfer(msg, f"room {msg.room} was aborted before this TRANSFER came")
             return
         room = self._rooms.get(msg.room)
         if room is None and msg.room in self._failed_recently:
@@ -846,8 +851,14 @@ class PrefillAgent:
                 del self._tombstones[room]
 
     def _refuse_transfer(self, msg: _wire.Transfer, reason: str) -> None:
-        """The room already failed here: tell that decode rank now rather than let it wait."""
-        self.control.send_nowait(msg.endpoint, self._status(msg.room, msg.epoch, False, reason))
+        """The room already failed here: tell that decode rank now rather than let it wait
+        (registered ranks only: a stray endpoint gets no socket of ours)."""
+        peer = self._peers.get(msg.endpoint)
+        if peer is None:
+            return
+        status = self._status(msg.room, msg.epoch, False, reason)
+        if not self.control.send_nowait(peer.endpoint, status):
+            self._retry_failed_status(msg.room, msg.epoch, peer, reason)
 
     def _on_abort(self, msg: _wire.Abort) -> None:
         """ABORT from a decode rank: close admission, then register the ack target, then ack
