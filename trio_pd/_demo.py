@@ -238,6 +238,8 @@ async def run_prefill_rank(
                     nursery.start_soon(one, req)
             # quarantined leases come back after their fence; wait for them
             await _all_returned([pages_alloc, aux_alloc], agent._fence + 5)
+            # counted before the agent closes: closing hands every page back, whatever it held
+            result.leaked_pages = pages_alloc.outstanding
             result.stats = asdict(agent.statistics())
     finally:
         # Mooncake's close() holds the GIL for up to a second: the caller closes every
@@ -247,7 +249,6 @@ async def run_prefill_rank(
         pages_alloc.late_writes + aux_alloc.late_writes + pages_alloc.late_in_free_rows()
         + aux_alloc.late_in_free_rows()
     )
-    result.leaked_pages = pages_alloc.outstanding
     return result
 
 
@@ -317,6 +318,8 @@ async def run_decode_rank(
                     await slots.acquire()
                     nursery.start_soon(one, req)
             await _all_returned([pages_alloc, aux_alloc], opts.request_bound)
+            # counted before the agent closes: closing hands every page back, whatever it held
+            result.leaked_pages = pages_alloc.outstanding
             result.stats = asdict(agent.statistics())
     finally:
         # Mooncake's close() holds the GIL for up to a second: the caller closes every
@@ -326,7 +329,6 @@ async def run_decode_rank(
         pages_alloc.late_writes + aux_alloc.late_writes + pages_alloc.late_in_free_rows()
         + aux_alloc.late_in_free_rows()
     )
-    result.leaked_pages = pages_alloc.outstanding
     return result
 
 
