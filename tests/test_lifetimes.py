@@ -771,6 +771,80 @@ async def test_late_transfer_after_abort_fails_that_rank_at_once(
         assert prefill.statistics().late_messages == 1
 
 
+async def test_closing_prefill_tells_the_decode_rooms_it_knows(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A prefill agent closes while decode rooms wait on it, and its engine stays up (an
+    embedding that keeps the engine for its next agent; the in-process demo). Every decode rank
+    it knows of hears a Failed STATUS and an ack: nothing of this agent's can be in flight any
+    more, so their pages go back now. Before, they failed on the heartbeat and then waited for
+    the writer to be proven gone, which never happens while its engine is up. Both kinds of
+    room: one the scheduler created, one whose TRANSFER came before any sender existed."""
+    src, dst = host_pool("mha"), host_pool("mha")
+    pe, de = make_engine(engine_name), make_engine(engine_name)
+    released: list[int] = []
+    try:
+        async with open_decode(engine=de, pool=dst.spec) as decode:
+            async with open_prefill(
+                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS
+            ) as prefill:
+                transfers = Handled(prefill, "_on_transfer")
+                prefill.sender(31, num_pages=2, aux_slot=0)  # created, nothing sent yet
+                receivers = []
+                for room in (31, 32):
+                    rx = decode.receiver(room, bootstrap_url=bootstrap_url)
+                    rx.init(
+                        np.arange(2) + 2 * (room - 31), room - 31,
+                        on_release=lambda room=room: released.append(room),  # type: ignore[misc]
+                    )
+                    receivers.append(rx)
+                await transfers.wait(2)
+            # the prefill agent is closed; its engine is not
+            with trio.fail_after(BOUND):
+                for rx in receivers:
+                    assert await rx.wait() is KVPoll.Failed
+                    await rx.wait_released()
+            assert sorted(released) == [31, 32]
+            assert all("prefill agent closed" in str(rx.failure) for rx in receivers)
+            assert decode.statistics().acks_received == 2
+    finally:
+        pe.close()
+        de.close()
+
+
+async def test_closing_prefill_does_not_ack_a_quarantined_room(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """...except a room whose write failed: its lease is quarantined, the write's bytes may
+    still land (Mooncake), so neither the goodbye nor the ABORT decode sent is acked when the
+    agent closes. Decode keeps the pages until the writer is proven gone."""
+    src, dst = host_pool("mha"), host_pool("mha")
+    pe = FaultEngine(make_engine(engine_name))
+    pe.policy = lambda *_: Fault("fail")
+    de = make_engine(engine_name)
+    try:
+        async with open_decode(engine=de, pool=dst.spec) as decode:
+            async with open_prefill(
+                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS,
+                config=PrefillConfig(quarantine_fence=60.0),
+            ) as prefill:
+                aborts = Handled(prefill, "_on_abort")
+                sender = prefill.sender(33, num_pages=2, aux_slot=0)
+                receiver = decode.receiver(33, bootstrap_url=bootstrap_url)
+                receiver.init(np.arange(2), 0)
+                sender.send(np.arange(2), last=True)
+                with trio.fail_after(BOUND):
+                    assert await sender.wait() is KVPoll.Failed
+                    assert await receiver.wait() is KVPoll.Failed
+                await aborts.wait(1)  # decode asked for the drain; nothing acks it yet
+                assert prefill.statistics().leases_quarantined == 1
+            await stays_pending(receiver.wait_released, "decode's release after a failed write")
+            assert decode.statistics().acks_received == 0
+    finally:
+        pe.close()
+        de.close()
+
+
 async def test_abort_room_with_waiting_chunk_cancels_and_acks(
     engine_name: str, bootstrap_url: str
 ) -> None:

@@ -897,11 +897,36 @@ class PrefillAgent:
 
     def _shutdown_rooms(self) -> None:
         """After every task (and so every engine call) has finished: fail what is left and
-        hand every page back: no engine call can touch them any more."""
+        hand every source page back to the scheduler.
+
+        Every decode rank this agent knows to be waiting on it is told, so that it need not
+        wait to prove this rank gone (which never happens while the engine stays up): a
+        Failed STATUS where the outcome was not published, and an ack, since no write of ours
+        can land in its pages any more, unless an engine error left a quarantined lease (that
+        write's bytes may still land). Rooms whose TRANSFERs came before any sender get both
+        too. The sockets then get ``aclose``'s linger to deliver them."""
+        reason = "prefill agent closed"
+        for room_id, metas in self._pending_meta.items():
+            for msg, _pages in metas.values():
+                self._goodbye(
+                    room_id, msg.epoch, msg.endpoint, reason, published=False, acked=True
+                )
+        self._pending_meta.clear()
         for room in list(self._rooms.values()):
+            # (a published Success needs nothing: that decode room is done)
+            clean = not room.leases.quarantined and room.cell.status is not KVPoll.Success
+            for target in room.targets.values():
+                self._goodbye(
+                    room.room, target.epoch, target.peer.endpoint, reason,
+                    published=room.published, acked=clean,
+                )
             if not room.cell.terminal:
-                room.cell.fail(TransferAborted("prefill agent closed"))
+                room.cell.fail(TransferAborted(reason))
                 room.terminal.set()
+            if room.leases.quarantined:
+                # the quarantines end here for our own pages, not for decode's: a failed
+                # write may still land there, so its drain is never confirmed
+                room.acks.withhold()
             room.leases.close()
             room.published = True
             room.waiting.clear()
@@ -911,6 +936,17 @@ class PrefillAgent:
             for lease in list(room.leases.quarantined):
                 room.leases.end_quarantine(lease)
             self._settle_room(room)
+
+    def _goodbye(
+        self, room: int, epoch: int, endpoint: str, reason: str, *, published: bool, acked: bool
+    ) -> None:
+        """At shutdown, to one decode rank of one room: Failed (if nothing was published) and
+        an ack (if ``acked``). Best effort: no retry, the timers no longer run."""
+        if not published:
+            self.control.send_nowait(endpoint, self._status(room, epoch, False, reason))
+        ack = _wire.AbortAck(v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.tp_rank)
+        if acked and self.control.send_nowait(endpoint, ack):
+            self.counters.bump("acks_sent")
 
 
 def _room_error(group: BaseExceptionGroup[Exception]) -> TransferError:

@@ -183,6 +183,11 @@ class AckBook:
             raise RuntimeError("an ack target is registered only after admission closed")
         self.targets.setdefault(endpoint, epoch)
 
+    def withhold(self) -> None:
+        """Never ack the targets registered so far: a write's outcome stays unknown (an agent
+        that closes with a quarantined lease)."""
+        self.acked.update(dict.fromkeys(self.targets))
+
     def due(self, leases: LeaseBook) -> list[tuple[str, int]]:
         """The (endpoint, epoch) pairs to ack now; each is returned once."""
         if not leases.closed or not leases.holds_nothing:
