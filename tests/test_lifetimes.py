@@ -771,6 +771,38 @@ async def test_late_transfer_after_abort_fails_that_rank_at_once(
         assert prefill.statistics().late_messages == 1
 
 
+async def test_refused_transfer_is_retried_when_the_socket_is_full(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """The Failed STATUS that answers a refused TRANSFER (here: one that meets an abort
+    tombstone) is retried like any Failed STATUS when the decode rank's socket is full at
+    that moment, not dropped."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        transfers = Handled(pair.prefill, "_on_transfer")
+        statuses = Handled(pair.decode, "_on_status")
+        endpoint = pair.decode.endpoint
+        pair.decode.receiver(89, bootstrap_url=pair.url).init(np.arange(2), 0)
+        await transfers.wait(1)  # decode is registered with prefill
+        room, pages = 90, np.arange(4, 6)
+        pair.prefill._handle(
+            wire.Abort(v=wire.WIRE_VERSION, room=room, epoch=9, endpoint=endpoint), None
+        )
+        real = pair.prefill.control.send_nowait
+        refused: list[wire.Status] = []
+
+        def full_once(ep: str, msg: wire.Message, pages: Any = None) -> bool:
+            if isinstance(msg, wire.Status) and msg.room == room and not refused:
+                refused.append(msg)
+                return False  # the decode rank's socket is full, this once
+            return real(ep, msg, pages)
+
+        pair.prefill.control.send_nowait = full_once  # type: ignore[method-assign]
+        pair.prefill._handle(_transfer(room, endpoint, pages), pages.astype(np.int32))
+        assert len(refused) == 1 and not refused[0].ok
+        await statuses.wait(1)  # the retry got through (decode holds no such room: late)
+        assert pair.prefill.statistics().late_messages == 1
+
+
 async def test_closing_prefill_tells_the_decode_rooms_it_knows(
     engine_name: str, bootstrap_url: str
 ) -> None:
