@@ -508,7 +508,7 @@ async def test_heartbeat_loss_then_reregistered_prefill_works(
                 assert receiver.poll() is KVPoll.WaitingForInput
                 lost_at = trio.current_time()
                 # a crash says nothing: no goodbye (a closing agent tells its decode rooms)
-                agent._goodbye = lambda *_a, **_k: None  # type: ignore[method-assign]
+                agent._say_goodbye = lambda: None  # type: ignore[method-assign]
                 scope.cancel()  # the prefill agent closes: no STATUS, no ACK, no PONG
             with trio.fail_after(10):
                 assert await receiver.wait() is KVPoll.Failed

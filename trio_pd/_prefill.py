@@ -77,6 +77,9 @@ log = logging.getLogger("trio_pd.prefill")
 #: can tell a row that belongs to someone else (SPEC §3).
 AUX_STAMP = struct.Struct("<qq")
 
+#: why a closing agent fails the rooms it still holds (and tells their decode ranks)
+CLOSED = "prefill agent closed"
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
@@ -896,32 +899,13 @@ class PrefillAgent:
     # ------------------------------------------------------------------ shutdown
 
     def _shutdown_rooms(self) -> None:
-        """After every task (and so every engine call) has finished: fail what is left and
-        hand every source page back to the scheduler.
-
-        Every decode rank this agent knows to be waiting on it is told, so that it need not
-        wait to prove this rank gone (which never happens while the engine stays up): a
-        Failed STATUS where the outcome was not published, and an ack, since no write of ours
-        can land in its pages any more, unless an engine error left a quarantined lease (that
-        write's bytes may still land). Rooms whose TRANSFERs came before any sender get both
-        too. The sockets then get ``aclose``'s linger to deliver them."""
-        reason = "prefill agent closed"
-        for room_id, metas in self._pending_meta.items():
-            for msg, _pages in metas.values():
-                self._goodbye(
-                    room_id, msg.epoch, msg.endpoint, reason, published=False, acked=True
-                )
-        self._pending_meta.clear()
+        """After every task (and so every engine call) has finished: tell the decode ranks
+        (:meth:`_say_goodbye`), fail what is left and hand every source page back to the
+        scheduler."""
+        self._say_goodbye()
         for room in list(self._rooms.values()):
-            # (a published Success needs nothing: that decode room is done)
-            clean = not room.leases.quarantined and room.cell.status is not KVPoll.Success
-            for target in room.targets.values():
-                self._goodbye(
-                    room.room, target.epoch, target.peer.endpoint, reason,
-                    published=room.published, acked=clean,
-                )
             if not room.cell.terminal:
-                room.cell.fail(TransferAborted(reason))
+                room.cell.fail(TransferAborted(CLOSED))
                 room.terminal.set()
             if room.leases.quarantined:
                 # the quarantines end here for our own pages, not for decode's: a failed
@@ -935,18 +919,33 @@ class PrefillAgent:
                 room.leases.settle(lease, Outcome.CANCELLED)
             for lease in list(room.leases.quarantined):
                 room.leases.end_quarantine(lease)
-            self._settle_room(room)
+            self._settle_room(room)  # sends the acks now due, once per decode rank
 
-    def _goodbye(
-        self, room: int, epoch: int, endpoint: str, reason: str, *, published: bool, acked: bool
-    ) -> None:
-        """At shutdown, to one decode rank of one room: Failed (if nothing was published) and
-        an ack (if ``acked``). Best effort: no retry, the timers no longer run."""
-        if not published:
-            self.control.send_nowait(endpoint, self._status(room, epoch, False, reason))
-        ack = _wire.AbortAck(v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.tp_rank)
-        if acked and self.control.send_nowait(endpoint, ack):
-            self.counters.bump("acks_sent")
+    def _say_goodbye(self) -> None:
+        """At shutdown, tell every decode rank this agent knows to be waiting on it, so it
+        need not wait to prove this rank gone (which never happens while the engine stays
+        up): a Failed STATUS where nothing was published, and an ack target, since no write
+        of ours can land in its pages any more. (After an engine error :meth:`_shutdown_rooms`
+        withholds those acks: a quarantined lease's write may still land.) Rooms whose
+        TRANSFERs came before any sender are told too. Best effort: the sockets get
+        ``aclose``'s linger to deliver it (a crash says nothing)."""
+        for room_id, metas in self._pending_meta.items():
+            for msg, _pages in metas.values():
+                status = self._status(room_id, msg.epoch, False, CLOSED)
+                self.control.send_nowait(msg.endpoint, status)
+                self._send_ack(room_id, msg.epoch, msg.endpoint)
+        self._pending_meta.clear()
+        for room in self._rooms.values():
+            if room.published and room.cell.status is KVPoll.Success:
+                continue  # that decode room is done
+            for target in room.targets.values():
+                endpoint = target.peer.endpoint
+                if not room.published:
+                    self.control.send_nowait(
+                        endpoint, self._status(room.room, target.epoch, False, CLOSED)
+                    )
+                room.leases.close()  # (an ack target needs admission closed)
+                room.acks.add_target(room.leases, endpoint, target.epoch)
 
 
 def _room_error(group: BaseExceptionGroup[Exception]) -> TransferError:
