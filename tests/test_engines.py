@@ -208,6 +208,20 @@ def test_mooncake_submit_outside_the_destination_fails_at_wait(p: Pair) -> None:
     assert np.array_equal(p.dst[:4096], p.src[:4096])
 
 
+def _count_releases(p: Pair, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every NIXL request handle the source engine releases, in order (it still releases)."""
+    agent = p.src_engine._agent  # type: ignore[attr-defined]
+    released: list[object] = []
+    inner_release = agent.release_xfer_handle
+
+    def release(handle: object) -> None:
+        released.append(handle)
+        inner_release(handle)
+
+    monkeypatch.setattr(agent, "release_xfer_handle", release)
+    return released
+
+
 def test_nixl_submit_returns_a_posted_request_waited_once(
     p: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -217,15 +231,7 @@ def test_nixl_submit_returns_a_posted_request_waited_once(
         pytest.skip("NIXL's submit")
     from trio_pd.engines import Deferred
 
-    released: list[object] = []
-    agent = p.src_engine._agent  # type: ignore[attr-defined]
-    inner_release = agent.release_xfer_handle
-
-    def release(handle: object) -> None:
-        released.append(handle)
-        inner_release(handle)
-
-    monkeypatch.setattr(agent, "release_xfer_handle", release)
+    released = _count_releases(p, monkeypatch)
     n = 64
     off = np.arange(n) * (64 << 10)
     req = p.src_engine.submit(  # type: ignore[attr-defined]
@@ -254,19 +260,12 @@ def test_nixl_post_that_raises_fails_at_wait_and_releases(
     wait() releases the request and raises EngineError "outcome unknown"."""
     if p.kind != "nixl":
         pytest.skip("NIXL's submit")
-    agent = p.src_engine._agent  # type: ignore[attr-defined]
-    released: list[object] = []
-    inner_release = agent.release_xfer_handle
-
-    def release(handle: object) -> None:
-        released.append(handle)
-        inner_release(handle)
+    released = _count_releases(p, monkeypatch)
 
     def transfer(_handle: object) -> str:
         raise RuntimeError("injected: post failed")
 
-    monkeypatch.setattr(agent, "release_xfer_handle", release)
-    monkeypatch.setattr(agent, "transfer", transfer)
+    monkeypatch.setattr(p.src_engine._agent, "transfer", transfer)  # type: ignore[attr-defined]
     req = p.src_engine.submit(p.peer, *p.blocks([0], [0], [4096]))  # type: ignore[attr-defined]
     with pytest.raises(EngineError, match="outcome unknown") as info:
         req.wait()

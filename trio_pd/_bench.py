@@ -514,21 +514,16 @@ async def run_trio_pd(s: _Setup, ceiling: _Ceiling, progress: Progress) -> None:
         # moment of a running load, then is aborted 0.5-4 ms in), then in a start burst
         # (all of them at once with the load's first requests: a thundering herd)
         release_ms: list[float] = []
-        span = s.results["trio_pd_seconds"]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_load, big, _fresh(s.load, s.rng), opts)
-            for req in _fresh(s.aborts, s.rng):
-                nursery.start_soon(partial_request(
-                    big, req, opts.chunk_pages, s.rng.uniform(0.0005, 0.004), release_ms,
-                    start_after=s.rng.uniform(0.1, 0.8) * span,
-                ))
         burst_ms: list[float] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_load, big, _fresh(s.load, s.rng), opts)
-            for req in _fresh(s.aborts, s.rng):
-                nursery.start_soon(partial_request(
-                    big, req, opts.chunk_pages, s.rng.uniform(0.0005, 0.004), burst_ms
-                ))
+        span = s.results["trio_pd_seconds"]
+        for out, spread in ((release_ms, (0.1, 0.8)), (burst_ms, (0.0, 0.0))):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_load, big, _fresh(s.load, s.rng), opts)
+                for req in _fresh(s.aborts, s.rng):
+                    nursery.start_soon(partial_request(
+                        big, req, opts.chunk_pages, s.rng.uniform(0.0005, 0.004), out,
+                        start_after=s.rng.uniform(*spread) * span,
+                    ))
         s.results.update(
             abort_release_ms=_p(release_ms), abort_samples=len(release_ms),
             abort_release_burst_ms=_p(burst_ms), abort_burst_samples=len(burst_ms),
