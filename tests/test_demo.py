@@ -27,10 +27,12 @@ async def test_demo_clean_run(engine_name: str) -> None:
 async def test_demo_aborts_and_faults_leave_no_trace(engine_name: str) -> None:
     """Aborts at random points on both sides plus engine faults: requests fail or abort, but
     no page is corrupt, written late or leaked, nothing hangs, and nothing was freed by a
-    timeout (every release had its drain proof). The quarantine fence makes this ~11 s."""
+    timeout (every release had its drain proof). The quarantine fence makes this ~11 s.
+    (Faults are drawn per engine call, and a backlog coalesces chunks into fewer calls: at
+    0.2 this run sees 3-4 engine errors.)"""
     opts = DemoOptions(
         engine=engine_name, requests=30, concurrency=8, max_tokens=256, chunk_pages=2,
-        layers=1, abort_rate=0.3, fault_rate=0.05, seed=0,
+        layers=1, abort_rate=0.3, fault_rate=0.2, seed=0,
     )
     with trio.fail_after(40):
         summary = await run_in_process(opts)

@@ -272,10 +272,11 @@ def poison_src(pool: HostKVPool, pages: npt.NDArray[Any], log: list[str]) -> Cal
 
 def send_whole_room(
     pair: Any, room: int, src_pages: npt.NDArray[Any], dst_pages: npt.NDArray[Any],
-    log: list[str],
+    log: list[str], *, chunks: int = 1,
 ) -> tuple[Any, Any]:
     """Fill the source pages, open both handles (each logging its release) and send the whole
-    room as one last chunk."""
+    room, as one last chunk or as ``chunks`` chunks admitted together (which the agent
+    coalesces into one engine call)."""
     pair.src.fill(src_pages, room)
     sender = pair.prefill.sender(
         room, num_pages=len(src_pages), aux_slot=0,
@@ -283,7 +284,9 @@ def send_whole_room(
     )
     receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
     receiver.init(dst_pages, 0, on_release=lambda: log.append("dst released"))
-    sender.send(src_pages, last=True)
+    parts = np.array_split(src_pages, chunks)
+    for i, pages in enumerate(parts):
+        sender.send(pages, last=i == len(parts) - 1)
     return sender, receiver
 
 
@@ -636,6 +639,98 @@ async def test_two_batches_release_once_after_both(engine_name: str, bootstrap_u
         assert pair.verify(room, dst_pages, 3)
 
 
+# ------------------------------------------------------------------------------ coalescing
+
+
+def two_page_chunks(n: int) -> list[npt.NDArray[np.int64]]:
+    """Pages 0..n-1 as chunks of two, the last one marked by the caller."""
+    return [np.arange(a, min(a + 2, n)) for a in range(0, n, 2)]
+
+
+@pytest.mark.parametrize(("coalesce", "calls"), [(1, 4), (4, 2), (64, 1)])
+async def test_backlogged_chunks_share_engine_calls(
+    engine_name: str, bootstrap_url: str, coalesce: int, calls: int
+) -> None:
+    """A room's chunks queued behind the one a worker takes join its engine call, whole
+    chunks only, up to ``coalesce_pages`` pages (one lease, one call); every byte lands and
+    the release runs once, after the last call."""
+    async with stalling_pair(
+        engine_name, bootstrap_url, lambda *_: None,
+        prefill_config=PrefillConfig(coalesce_pages=coalesce),
+    ) as (pair, fault):
+        log: list[str] = []
+        room, n = 55, 8
+        src_pages, dst_pages = np.arange(n), np.arange(100, 100 + n)
+        pair.src.fill(src_pages, room)
+        pair.src.fill_aux(1, room)
+        transfers = Handled(pair.prefill, "_on_transfer")
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=1, on_release=poison_src(pair.src, src_pages, log)
+        )
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        receiver.init(dst_pages, 2)
+        await transfers.wait()
+        assert sender.poll() is KVPoll.WaitingForInput  # ready: each send queues at once
+        chunks = two_page_chunks(n)
+        for i, pages in enumerate(chunks):  # no checkpoint between: a backlog of four
+            sender.send(pages, last=i == len(chunks) - 1)
+        with trio.fail_after(BOUND):
+            assert await receiver.wait() is KVPoll.Success
+            await sender.wait_released()
+        await watch()
+        assert fault.statistics().calls == calls
+        stats = pair.prefill.statistics()
+        assert stats.engine_calls == calls
+        assert stats.chunks_coalesced == len(chunks) - calls
+        assert stats.leases_live == 0
+        assert log == ["src released"]
+        assert pair.verify(room, dst_pages, 2)
+
+
+async def test_abort_with_coalesced_call_in_flight_holds_every_chunk(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """I1 through a coalesced call: the chunks admitted before decode's metadata arrived go
+    out as one call; decode aborts while it is in the engine. Neither side lets any of the
+    pages go (one live lease covers them all) until that call returns; then one ack."""
+    async with stalling_pair(engine_name, bootstrap_url, stall_all) as (pair, fault):
+        log: list[str] = []
+        EngineCalls(pair.prefill, log)
+        room, n = 57, 6
+        src_pages, dst_pages = np.arange(n), np.arange(40, 40 + n)
+        pair.src.fill(src_pages, room)
+        sender = pair.prefill.sender(
+            room, num_pages=n, aux_slot=0, on_release=poison_src(pair.src, src_pages, log)
+        )
+        chunks = two_page_chunks(n)
+        for i, pages in enumerate(chunks):  # no metadata yet: they wait, then queue at once
+            sender.send(pages, last=i == len(chunks) - 1)
+        assert pair.prefill.statistics().leases_live == 3
+        seen: list[npt.NDArray[Any]] = []
+        receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+        receiver.init(dst_pages, 1, on_release=record_dst(pair.dst, dst_pages, log, seen))
+        await stalled(fault.stalls)
+        assert pair.prefill.statistics().leases_live == 1  # merged into the call's lease
+        assert pair.prefill.statistics().chunks_coalesced == 2
+
+        receiver.abort()
+        with trio.fail_after(BOUND):
+            assert await sender.wait() is KVPoll.Failed
+        await stays_pending(sender.wait_released, "the source release while the call runs")
+        await stays_pending(receiver.wait_released, "an ack while the call is in the engine")
+        assert pair.decode.statistics().pages_held == n
+
+        fault.stalls.release_all()
+        with trio.fail_after(BOUND):
+            await receiver.wait_released()
+            await sender.wait_released()
+        await watch()
+        assert fault.statistics().calls == 1
+        assert pair.prefill.statistics().acks_sent == 1
+        assert log[0] == "write returned" and sorted(log[1:]) == ["dst released", "src released"]
+        assert bool((seen[0] == pair.dst.expected(room, n)).all())  # all of it had landed
+
+
 # ------------------------------------------------------------------------------ §8.6, §8.7
 
 
@@ -964,10 +1059,14 @@ async def test_two_prefill_ranks_release_after_both_acks(
 # ------------------------------------------------------------------------------ §8.9
 
 
-async def test_engine_error_quarantines_lease(engine_name: str, bootstrap_url: str) -> None:
+@pytest.mark.parametrize("chunks", [1, 2])
+async def test_engine_error_quarantines_lease(
+    engine_name: str, bootstrap_url: str, chunks: int
+) -> None:
     """SPEC §8.9: an engine error (half the blocks written, outcome unknown) fails the room
     and quarantines its lease: no ack to decode and no source release by the error path.
-    Only the quarantine fence ends it; then the pages go back and the ack flows."""
+    Only the quarantine fence ends it; then the pages go back and the ack flows. With two
+    chunks coalesced into the failing call, their one lease covers both."""
     fence = 2.0
     async with stalling_pair(
         engine_name, bootstrap_url, lambda *_: Fault("partial"), probe_override=True,
@@ -977,7 +1076,7 @@ async def test_engine_error_quarantines_lease(engine_name: str, bootstrap_url: s
         aborts = Handled(pair.prefill, "_on_abort")
         room, n = 91, 4
         src_pages, dst_pages = np.arange(n), np.arange(10, 10 + n)
-        sender, receiver = send_whole_room(pair, room, src_pages, dst_pages, log)
+        sender, receiver = send_whole_room(pair, room, src_pages, dst_pages, log, chunks=chunks)
         with trio.fail_after(BOUND):
             assert await sender.wait() is KVPoll.Failed
             failed_at = trio.current_time()
@@ -986,6 +1085,7 @@ async def test_engine_error_quarantines_lease(engine_name: str, bootstrap_url: s
         await aborts.wait()  # decode asked for the drain
         stats = pair.prefill.statistics()
         assert stats.quarantined == 1 and stats.leases_quarantined == 1
+        assert stats.chunks_coalesced == chunks - 1 and stats.leases_live == 0
         assert stats.acks_sent == 0 and log == []
         assert pair.decode.statistics().pages_held == n
         assert trio.current_time() - failed_at < fence - QUIET, "machine too slow for this test"

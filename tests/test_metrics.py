@@ -22,6 +22,7 @@ from trio_pd import (
     DecodeAgent,
     KVPoll,
     PrefillAgent,
+    PrefillConfig,
     open_bootstrap_server,
     open_decode,
     open_prefill,
@@ -54,12 +55,14 @@ class MeteredPair:
 async def open_metered_pair(
     url: str, prefill_metrics: AgentMetrics, decode_metrics: AgentMetrics
 ) -> AsyncIterator[MeteredPair]:
-    """Like conftest.open_pair (Mooncake, MHA host pools), with metrics on both agents."""
+    """Like conftest.open_pair (Mooncake, MHA host pools), with metrics on both agents, and
+    one engine call per chunk (no coalescing), so that a room makes several."""
     src, dst = host_pool(), host_pool()
     pe, de = make_engine(ENGINE), make_engine(ENGINE)
     try:
         async with open_prefill(
-            engine=pe, pool=src.spec, bootstrap_url=url, kv_heads=2, metrics=prefill_metrics
+            engine=pe, pool=src.spec, bootstrap_url=url, kv_heads=2, metrics=prefill_metrics,
+            config=PrefillConfig(coalesce_pages=1),
         ) as prefill, open_decode(engine=de, pool=dst.spec, metrics=decode_metrics) as decode:
             yield MeteredPair(prefill, decode, src, dst, url)
     finally:

@@ -87,6 +87,21 @@ class LeaseRules(RuleBasedStateMachine):
             self.quarantined.append(lease)
         self._after()
 
+    @precondition(lambda self: len(self.live) >= 2)
+    @rule(k=st.integers(2, 4))
+    def merge(self, k: int) -> None:
+        """Coalescing: the first ``k`` live leases fold into the first; the others can no
+        longer settle, and the head still holds every page."""
+        group = self.live[:k]
+        pages = sum(lease.npages for lease in group)  # type: ignore[attr-defined]
+        head = self.book.merge(group)  # type: ignore[arg-type]
+        assert head is group[0] and head.npages == pages
+        self.live = [head, *self.live[len(group):]]
+        for gone in group[1:]:
+            with pytest.raises(RuntimeError):
+                self.book.settle(gone, Outcome.COMPLETED)  # type: ignore[arg-type]
+        self._after()
+
     @precondition(lambda self: self.quarantined)
     @rule()
     def end_quarantine(self) -> None:
@@ -111,6 +126,11 @@ class LeaseRules(RuleBasedStateMachine):
         for endpoint, _ in self.acks.due(self.book):
             assert not self.live and not self.quarantined
             self.acked.append(endpoint)
+
+    @invariant()
+    def book_matches_model(self) -> None:
+        assert set(self.book.live) == set(self.live)
+        assert set(self.book.quarantined) == set(self.quarantined)
 
     @invariant()
     def exactly_once(self) -> None:

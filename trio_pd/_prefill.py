@@ -89,6 +89,12 @@ class PrefillConfig:
     #: writes to one decode peer that may be in flight at once (started, not yet waited for):
     #: 2 keeps the engine's queue fed while the lane waits for the oldest
     inflight_per_peer: int = 2
+    #: a room's chunks that wait in the queue behind the one a worker takes join its engine
+    #: call, up to this many pages in all (1: one call per chunk). Only a backlog coalesces:
+    #: a chunk that is alone in the queue goes as it is. Fewer, larger calls cost the event
+    #: loop less per byte (on the 2-core bench box NIXL 2.2 -> 3.0 GB/s with four 16-page
+    #: chunks per request); an aborted room waits for at most one such call to drain
+    coalesce_pages: int = 64
     #: raise the lanes' threads' nice value by this much (Linux; 0: leave them at the
     #: process's priority). On a host whose cores are all busy the event loop, which serves
     #: every request, then preempts the threads that wait on engine calls. On the 2-core
@@ -386,9 +392,35 @@ class PrefillAgent:
             if isinstance(job, _Publish):
                 await self._publish(room)
                 self._settle_room(room)
-            elif job in room.queued:  # else it was cancelled while queued
-                del room.queued[job]
-                await self._run_chunk(room, job)
+            elif room.queued:  # else cancelled, or already taken into an earlier call
+                await self._run_chunk(room, self._take_chunks(room))
+
+    def _take_chunks(self, room: _Room) -> _Chunk:
+        """The room's oldest queued chunk, joined by the chunks queued right behind it
+        (contiguous, up to ``coalesce_pages`` pages): one chunk, one lease, one engine call.
+
+        A job names a chunk but a worker takes the room's oldest: jobs and chunks are equal in
+        number, and each job that finds the queue non-empty takes at least one chunk, so every
+        chunk is taken, in admission order (a batch of woken workers runs in any order)."""
+        first = next(iter(room.queued))
+        del room.queued[first]
+        npages = len(first.pages)
+        limit = self.config.coalesce_pages
+        group = [first]
+        for following in room.queued:  # (admission order: the dict keeps insertion order)
+            n = len(following.pages)
+            if following.start != first.start + npages or npages + n > limit:
+                break
+            group.append(following)
+            npages += n
+        if len(group) == 1:
+            return first
+        for following in group[1:]:
+            del room.queued[following]
+        lease = room.leases.merge([c.lease for c in group])
+        self.counters.bump("chunks_coalesced", len(group) - 1)
+        pages = np.concatenate([c.pages for c in group])
+        return _Chunk(lease, pages, first.start, group[-1].last)
 
     async def _run_chunk(self, room: _Room, chunk: _Chunk) -> None:  # noqa: ASYNC910
         # (every path checkpoints: _transfer_chunk's nursery exit is always a schedule point)

@@ -87,6 +87,7 @@ class LeaseState(enum.Enum):
     LIVE = "live"
     QUARANTINED = "quarantined"
     RETIRED = "retired"
+    MERGED = "merged"  # its pages passed to another lease of the room (LeaseBook.merge)
 
 
 class AdmissionClosed(TransferAborted):
@@ -132,6 +133,20 @@ class LeaseBook:
     def close(self) -> None:
         """Close admission. Idempotent."""
         self.closed = True
+
+    def merge(self, leases: list[Lease]) -> Lease:
+        """Fold live leases that will share one engine call into the first: it then covers
+        all their pages and is the one that settles; the others leave the book as MERGED.
+        No page is ever uncovered in between (it all happens in one synchronous step)."""
+        head, rest = leases[0], leases[1:]
+        for lease in leases:
+            if lease.state is not LeaseState.LIVE or lease not in self.live:
+                raise RuntimeError(f"lease {lease.serial} of room {self.room} is not live here")
+        for lease in rest:
+            head.npages += lease.npages
+            del self.live[lease]
+            lease.state = LeaseState.MERGED
+        return head
 
     def settle(self, lease: Lease, outcome: Outcome) -> None:
         """Record how a lease's I/O ended: completed/cancelled retire it, error quarantines it."""

@@ -23,6 +23,7 @@ class AgentStatistics:
     refused_messages: int = 0  # well-formed, but about an unknown peer, a bad page, ...
     late_messages: int = 0  # for an epoch or room no longer held: ignored
     engine_calls: int = 0
+    chunks_coalesced: int = 0  # prefill: chunks that joined an earlier chunk's engine call
     engine_errors: int = 0
     bytes_written: int = 0
     send_backpressure: int = 0  # a non-blocking send found the socket full
