@@ -87,6 +87,9 @@ class BenchOptions:
     overhead_samples: int = 400
     scale_rooms: tuple[int, ...] = (100, 1000, 10_000)
     scale_pages: int = 2  # pages per room in the scale phase, sent one page per chunk
+    #: the prefill agent's ``coalesce_pages`` (its default): chunks a backlog joins into one
+    #: engine call, up to this many pages
+    coalesce_pages: int = PrefillConfig().coalesce_pages
     seed: int = 0
 
     @classmethod
@@ -107,6 +110,12 @@ class BenchOptions:
     @property
     def request_bytes(self) -> int:
         return self.request_pages * self.num_buffers * self.item_len
+
+    @property
+    def coalesced_pages(self) -> int:
+        """The pages of one engine call when a request's chunks all wait in the queue."""
+        group = max(1, self.coalesce_pages // self.chunk_pages) * self.chunk_pages
+        return min(group, self.request_pages)
 
     @property
     def load_requests(self) -> int:
@@ -219,31 +228,43 @@ def _engine_pair(s: _Setup) -> tuple[TransferEngine, TransferEngine]:
 
 
 class _Ceiling:
-    """The bare engine pair, the blocks of the whole load as one engine call per chunk, and
-    the best time of each way of pushing them from plain threads (no trio_pd). It stays open
-    through the trio_pd runs, whose repeats it alternates with (idle Mooncake engines use no
-    CPU), so that both sides of the ratio sample the same minutes of a shared box."""
+    """The bare engine pair, the blocks of the whole load, and the best time of each way of
+    pushing them from plain threads (no trio_pd). The blocks come at both granularities the
+    prefill agent may use: one engine call per chunk, and one per group of chunks that a
+    backlog coalesces (``PrefillConfig.coalesce_pages``), so the ceiling is the better of the
+    two whichever the agent made. It stays open through the trio_pd runs, whose repeats it
+    alternates with (idle Mooncake engines use no CPU), so that both sides of the ratio
+    sample the same minutes of a shared box."""
 
     def __init__(self, s: _Setup) -> None:
         opts = s.opts
-        self.calls = [
-            blocks for r in s.load
-            for blocks in plan_request(s.src.spec, s.dst.spec, r, opts.chunk_pages)
-        ]
-        self.nbytes = sum(total_bytes(b) for b in self.calls)
+        per_call = {"per chunk": opts.chunk_pages, "coalesced": opts.coalesced_pages}
+        if per_call["coalesced"] == opts.chunk_pages:
+            del per_call["coalesced"]
+        self.calls = {
+            name: [blk for r in s.load for blk in plan_request(s.src.spec, s.dst.spec, r, n)]
+            for name, n in per_call.items()
+        }
+        sizes = {sum(total_bytes(b) for b in calls) for calls in self.calls.values()}
+        assert len(sizes) == 1, "both granularities move the same bytes"
+        self.nbytes = sizes.pop()
         self.a, self.b = _engine_pair(s)
         self.peer = self.b.session_id
-        self.modes: dict[str, Callable[[TransferEngine, str, list[Blocks]], float]] = {
+        pushes: dict[str, Callable[[TransferEngine, str, list[Blocks]], float]] = {
             f"write x{n}": partial(_push, threads=n) for n in opts.ceiling_threads
         }
         if hasattr(self.a, "submit"):
-            self.modes["pipelined x1"] = _push_pipelined
+            pushes["pipelined x1"] = _push_pipelined
+        self.modes = {
+            f"{push}, {gran}": (fn, calls)
+            for gran, calls in self.calls.items() for push, fn in pushes.items()
+        }
         self.best = dict.fromkeys(self.modes, math.inf)
 
     def run_all(self) -> None:
         """Push the whole load once in each mode (blocking: call it from a thread)."""
-        for name, push in self.modes.items():
-            self.best[name] = min(self.best[name], push(self.a, self.peer, self.calls))
+        for name, (push, calls) in self.modes.items():
+            self.best[name] = min(self.best[name], push(self.a, self.peer, calls))
 
     def gbps(self) -> dict[str, float]:
         return {name: round(self.nbytes / t / 1e9, 3) for name, t in self.best.items()}
@@ -259,7 +280,7 @@ def open_ceiling(s: _Setup, progress: Progress) -> _Ceiling:
     opts = s.opts
     c = _Ceiling(s)
     try:
-        first = c.calls[0]
+        first = c.calls["per chunk"][0]
         c.a.write(c.peer, first.src, first.dst, first.lens)  # the first call opens the segment
         small = s.small_src.spec, s.small_dst.spec
         one = _Req(0, 0, np.array([0]), np.array([0]), 0, 0)
@@ -277,7 +298,8 @@ def open_ceiling(s: _Setup, progress: Progress) -> _Ceiling:
         raise
     s.small_dst.kv[...] = 0
     s.results.update(
-        ceiling_calls=len(c.calls), ceiling_blocks=sum(b.num_blocks for b in c.calls),
+        ceiling_calls={k: len(v) for k, v in c.calls.items()},
+        ceiling_blocks={k: sum(b.num_blocks for b in v) for k, v in c.calls.items()},
         bytes=c.nbytes, engine_call_us=_p(engine_us, nd=1),
         engine_call_isolated_us=_p(isolated_us, nd=1),
     )
@@ -365,17 +387,18 @@ class _Pair:
 
 
 async def _open_pair(
-    stack: AsyncExitStack, engine: str, src: HostKVPool, dst: HostKVPool, *, timed: bool = False
+    stack: AsyncExitStack, opts: BenchOptions, src: HostKVPool, dst: HostKVPool, *,
+    timed: bool = False,
 ) -> _Pair:
     server = await stack.enter_async_context(open_bootstrap_server())
-    pre_engine, dec_engine = make_engine(engine), make_engine(engine)
+    pre_engine, dec_engine = make_engine(opts.engine), make_engine(opts.engine)
     stack.callback(dec_engine.close)  # closed last, once no agent moves bytes
     stack.callback(pre_engine.close)
     clock = _TimedEngine(pre_engine) if timed else None
     prefill = await stack.enter_async_context(open_prefill(
         engine=clock or pre_engine, pool=src.spec, bootstrap_url=server.url,
         kv_heads=src.spec.heads,
-        config=PrefillConfig(bootstrap_timeout=900.0),
+        config=PrefillConfig(bootstrap_timeout=900.0, coalesce_pages=opts.coalesce_pages),
     ))
     decode = await stack.enter_async_context(open_decode(
         # 10,000 rooms bootstrapping under tracemalloc take minutes: no deadline may fire
@@ -473,7 +496,7 @@ async def run_trio_pd(s: _Setup, ceiling: _Ceiling, progress: Progress) -> None:
     # One pair of agents at a time: idle agents' tasks and threads would compete for the
     # cores with the measured ones (idle Mooncake engines do not: the ceiling's stay open).
     async with AsyncExitStack() as stack:
-        big = await _open_pair(stack, opts.engine, s.src, s.dst)
+        big = await _open_pair(stack, opts, s.src, s.dst)
         # bootstrap + first-call handshakes, outside every timed region
         if await _request(big, s.warm, opts.chunk_pages) is not KVPoll.Success:
             raise RuntimeError("the warm-up request failed")
@@ -531,7 +554,7 @@ async def run_trio_pd(s: _Setup, ceiling: _Ceiling, progress: Progress) -> None:
         progress("aborts")
 
     async with AsyncExitStack() as stack:
-        small = await _open_pair(stack, opts.engine, s.small_src, s.small_dst, timed=True)
+        small = await _open_pair(stack, opts, s.small_src, s.small_dst, timed=True)
         await _overhead_request(small, s, 0, 0)  # bootstrap + handshake, not timed
 
         # --- overhead per chunk: each sample minus the engine's time for its own write

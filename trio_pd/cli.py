@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import trio
@@ -127,6 +127,9 @@ def _bench_parser(sub: Any) -> None:
     )
     p.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds; for tests)")
+    p.add_argument("--coalesce-pages", type=int, default=None, metavar="N",
+                   help="the prefill agent's coalesce_pages (default: its own; 1: one engine "
+                   "call per chunk)")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of the results (matplotlib)")
 
@@ -137,6 +140,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     opts = _bench.BenchOptions.quick(args.engine) if args.quick else _bench.BenchOptions(
         engine=args.engine
     )
+    if args.coalesce_pages is not None:
+        if args.coalesce_pages < 1:
+            raise SystemExit("trio-pd bench: --coalesce-pages must be at least 1")
+        opts = replace(opts, coalesce_pages=args.coalesce_pages)
     steps = _bench.phases(opts)
     if args.json or not sys.stderr.isatty():
         result = _bench.run(opts)
