@@ -777,12 +777,14 @@ def plot(r: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [f"ceiling {m}" for m in r["ceiling_gbps_by_mode"]] + ["trio_pd"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [f"ceiling: {m}" for m in r["ceiling_gbps_by_mode"]] + ["trio_pd"]
     vals = [*r["ceiling_gbps_by_mode"].values(), r["trio_pd_gbps"]]
-    bars = ax1.bar(names, vals, color=["#999999"] * (len(vals) - 1) + ["#1f77b4"])
+    # horizontal bars: the ceiling's mode names are long
+    bars = ax1.barh(names, vals, color=["#999999"] * (len(vals) - 1) + ["#1f77b4"])
     ax1.bar_label(bars, fmt="%.2f")
-    ax1.set_ylabel("GB/s")
+    ax1.invert_yaxis()
+    ax1.set_xlabel("GB/s")
     ax1.set_title(f"throughput ({r['options']['engine']}), ratio {r['ratio']:.2f}")
     rooms = [x["rooms"] for x in r["scale"]]
     ax2.plot(rooms, [x["bytes_per_room"] for x in r["scale"]], "o-", label="bytes / room")
