@@ -196,6 +196,44 @@ def test_mooncake_submit_keeps_the_budget_and_never_waits_twice(p: Pair) -> None
     assert np.array_equal(p.dst[: n * 512], p.src[: n * 512])
 
 
+def test_mooncake_submit_after_a_deferred_write_cannot_starve_it(
+    p: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane's order with two writes in flight: A fits the peer's budget, B does not (it is
+    deferred to its wait), A is waited, C is submitted, then B and C are waited. If C took
+    the budget, B's write would wait for budget only C's wait (after B's) frees: the lane's
+    thread would wait on itself for ever (TP 1 -> 4 demo without faults: every lane hung)."""
+    if p.kind != "mooncake":
+        pytest.skip("Mooncake's submit")
+    from trio_pd.engines import Deferred
+    from trio_pd.engines.mooncake import MooncakeEngine, _PeerBudget
+
+    engine = p.src_engine
+    assert isinstance(engine, MooncakeEngine)
+    monkeypatch.setattr(engine, "_budget", _PeerBudget(8))
+    off = np.arange(18) * 4096
+    lens = np.full(6, 4096)
+
+    def part(k: int) -> Any:
+        return p.blocks(off[6 * k : 6 * k + 6], off[6 * k : 6 * k + 6], lens)
+
+    a = engine.submit(p.peer, *part(0))
+    b = engine.submit(p.peer, *part(1))
+    assert not isinstance(a, Deferred) and isinstance(b, Deferred)  # 6 + 6 > 8
+    a.wait()
+    c = engine.submit(p.peer, *part(2))
+    assert isinstance(c, Deferred)  # queued behind B, not ahead of it
+    waited = threading.Thread(target=b.wait, daemon=True)
+    waited.start()
+    waited.join(20)
+    if waited.is_alive():  # unstick the thread before failing
+        engine._budget.give(p.peer, 6)
+        pytest.fail("the deferred write waited for budget held by a later submit")
+    c.wait()
+    assert p.peer not in engine._budget._in_flight and not engine._deferred
+    assert np.array_equal(p.dst[: 18 * 4096], p.src[: 18 * 4096])
+
+
 def test_mooncake_submit_outside_the_destination_fails_at_wait(p: Pair) -> None:
     if p.kind != "mooncake":
         pytest.skip("Mooncake's submit")

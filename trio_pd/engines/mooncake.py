@@ -229,6 +229,8 @@ class MooncakeEngine:
         self._registered: dict[int, int] = {}  # base -> length
         self._closed = False
         self._budget = _PeerBudget(max_blocks_in_flight_per_peer)
+        #: per peer, the Deferred writes submit() handed out whose wait() has not finished
+        self._deferred: dict[str, int] = {}
         self._links_lock = threading.Lock()
         self._links: dict[str, _Link] = {}
 
@@ -311,22 +313,44 @@ class MooncakeEngine:
         One async batch when the blocks fit in one sub-batch and in the peer's in-flight
         budget now; otherwise the write happens in ``wait()`` (a :class:`Deferred`
         :meth:`write`), so a caller that holds earlier batches of this peer in flight never
-        blocks here on a budget only its own waits would free. :meth:`write`, made for one
-        call at a time, busy-waits instead: sleeping only pays when the next batch is
-        already queued behind this one. Raises
+        blocks here on a budget only its own waits would free. Once a write to ``peer`` is
+        deferred, later submits to it are deferred too until its ``wait()`` has finished:
+        otherwise a later batch could take the budget that the deferred write, waited
+        first, needs, and a caller that waits in order (a lane) would wait on itself for
+        ever. :meth:`write`, made for one call at a time, busy-waits instead: sleeping only
+        pays when the next batch is already queued behind this one. Raises
         :class:`~trio_pd.EngineError` if the engine refuses the batch (outcome unknown).
         """
         n = check_lengths(src, dst, lens)
         if n == 0:
             return Deferred(lambda: None)
         engine = self._live_engine()
-        if n > MAX_BLOCKS_PER_CALL or not self._budget.try_take(peer, n):
-            return Deferred(lambda: self.write(peer, src, dst, lens))
+        with self._links_lock:
+            behind_deferred = self._deferred.get(peer, 0) > 0
+        if behind_deferred or n > MAX_BLOCKS_PER_CALL or not self._budget.try_take(peer, n):
+            return self._defer(peer, src, dst, lens)
         try:
             return self._submit(engine, peer, src, dst, lens)
         except BaseException:
             self._budget.give(peer, n)
             raise
+
+    def _defer(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> Deferred:
+        with self._links_lock:
+            self._deferred[peer] = self._deferred.get(peer, 0) + 1
+
+        def write_now() -> None:
+            try:
+                self.write(peer, src, dst, lens)
+            finally:
+                with self._links_lock:
+                    left = self._deferred[peer] - 1
+                    if left:
+                        self._deferred[peer] = left
+                    else:
+                        del self._deferred[peer]
+
+        return Deferred(write_now)
 
     def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
         """Write every block to ``peer``; returns when all are complete.
