@@ -230,7 +230,7 @@ def test_mooncake_submit_after_a_deferred_write_cannot_starve_it(
         engine._budget.give(p.peer, 6)
         pytest.fail("the deferred write waited for budget held by a later submit")
     c.wait()
-    assert p.peer not in engine._budget._in_flight and not engine._deferred
+    assert p.peer not in engine._budget._in_flight and not engine._budget._queued
     assert np.array_equal(p.dst[: 18 * 4096], p.src[: 18 * 4096])
 
 

@@ -115,12 +115,18 @@ def _set_env_defaults() -> None:
 
 
 class _PeerBudget:
-    """Blocks in flight per peer, across threads: ``acquire(peer, n)`` blocks until ``n`` fit."""
+    """Blocks in flight per peer, across threads: ``hold(peer, n)`` blocks until ``n`` fit.
+
+    A write that :meth:`try_take` turned away and that will :meth:`hold` later (at its
+    ``wait()``) is *queued* for its peer; while one is, :meth:`try_take` turns every later
+    write to that peer away too. Otherwise a later write could take the budget the queued
+    one needs, and a caller that waits its writes in order (a lane) would wait on itself."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._cond = threading.Condition()
         self._in_flight: dict[str, int] = {}
+        self._queued: dict[str, int] = {}
 
     @contextmanager
     def hold(self, peer: str, n: int) -> Iterator[None]:
@@ -134,12 +140,27 @@ class _PeerBudget:
             self.give(peer, n)
 
     def try_take(self, peer: str, n: int) -> bool:
-        """Take ``n`` blocks of ``peer``'s budget if they fit now; never blocks."""
+        """Take ``n`` blocks of ``peer``'s budget if they fit now and no write to ``peer`` is
+        queued; never blocks."""
         with self._cond:
-            if self._in_flight.get(peer, 0) + n > self._limit:
+            if peer in self._queued or self._in_flight.get(peer, 0) + n > self._limit:
                 return False
             self._in_flight[peer] = self._in_flight.get(peer, 0) + n
             return True
+
+    def queue(self, peer: str) -> None:
+        """A write to ``peer`` that ``try_take`` turned away will ``hold`` later."""
+        with self._cond:
+            self._queued[peer] = self._queued.get(peer, 0) + 1
+
+    def unqueue(self, peer: str) -> None:
+        """That write is over (written or failed)."""
+        with self._cond:
+            left = self._queued[peer] - 1
+            if left:
+                self._queued[peer] = left
+            else:
+                del self._queued[peer]
 
     def give(self, peer: str, n: int) -> None:
         with self._cond:
@@ -229,8 +250,6 @@ class MooncakeEngine:
         self._registered: dict[int, int] = {}  # base -> length
         self._closed = False
         self._budget = _PeerBudget(max_blocks_in_flight_per_peer)
-        #: per peer, the Deferred writes submit() handed out whose wait() has not finished
-        self._deferred: dict[str, int] = {}
         self._links_lock = threading.Lock()
         self._links: dict[str, _Link] = {}
 
@@ -325,32 +344,21 @@ class MooncakeEngine:
         if n == 0:
             return Deferred(lambda: None)
         engine = self._live_engine()
-        with self._links_lock:
-            behind_deferred = self._deferred.get(peer, 0) > 0
-        if behind_deferred or n > MAX_BLOCKS_PER_CALL or not self._budget.try_take(peer, n):
-            return self._defer(peer, src, dst, lens)
+        if n > MAX_BLOCKS_PER_CALL or not self._budget.try_take(peer, n):
+            self._budget.queue(peer)
+
+            def write_queued() -> None:
+                try:
+                    self.write(peer, src, dst, lens)
+                finally:
+                    self._budget.unqueue(peer)
+
+            return Deferred(write_queued)
         try:
             return self._submit(engine, peer, src, dst, lens)
         except BaseException:
             self._budget.give(peer, n)
             raise
-
-    def _defer(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> Deferred:
-        with self._links_lock:
-            self._deferred[peer] = self._deferred.get(peer, 0) + 1
-
-        def write_now() -> None:
-            try:
-                self.write(peer, src, dst, lens)
-            finally:
-                with self._links_lock:
-                    left = self._deferred[peer] - 1
-                    if left:
-                        self._deferred[peer] = left
-                    else:
-                        del self._deferred[peer]
-
-        return Deferred(write_now)
 
     def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
         """Write every block to ``peer``; returns when all are complete.
