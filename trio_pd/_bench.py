@@ -2,11 +2,12 @@
 
 Phases, all in one process with one prefill and one decode rank on loopback:
 
-1. **ceiling**: the blocks trio_pd's planner produces for the workload (``plan_pages`` per
-   chunk, plus ``plan_aux`` on the last chunk, exactly as the prefill agent plans them: one
-   engine call per chunk), pushed by plain threads with no trio_pd in the way: blocking
-   ``engine.write`` calls from 1 and from 2 threads, and (engines with ``submit``) one thread
-   keeping two writes in flight, as a lane does. The best of these counts.
+1. **ceiling**: the blocks trio_pd's planner produces for the workload (``plan_pages``, plus
+   ``plan_aux`` on the last chunk, exactly as the prefill agent plans them), at both call
+   sizes the agent uses: one engine call per chunk, and one per group of chunks a backlog
+   coalesces (``coalesce_pages``). Pushed by plain threads with no trio_pd in the way:
+   blocking ``engine.write`` calls from 1 and from 2 threads, and (engines with ``submit``)
+   one thread keeping two writes in flight, as a lane does. The best of these counts.
 2. **trio_pd**: the same requests end to end through ``open_prefill`` / ``open_decode``
    (bootstrap done by a warm-up request), ``concurrency`` requests in flight, chunked. The
    ceiling's runs and trio_pd's alternate: ``ceiling_repeats`` rounds of one run of each

@@ -889,11 +889,13 @@ class PrefillAgent:
         """The room already failed here: tell that decode rank now rather than let it wait
         (registered ranks only: a stray endpoint gets no socket of ours)."""
         peer = self._peers.get(msg.endpoint)
-        if peer is None:
-            return
-        status = self._status(msg.room, msg.epoch, False, reason)
-        if not self.control.send_nowait(peer.endpoint, status):
-            self._retry_failed_status(msg.room, msg.epoch, peer, reason)
+        if peer is not None:
+            self._send_failed(msg.room, msg.epoch, peer, reason)
+
+    def _send_failed(self, room: int, epoch: int, peer: _DecodePeer, reason: str) -> None:
+        """A Failed STATUS to ``peer``, retried shortly if its socket is full."""
+        if not self.control.send_nowait(peer.endpoint, self._status(room, epoch, False, reason)):
+            self._retry_failed_status(room, epoch, peer, reason)
 
     def _on_abort(self, msg: _wire.Abort) -> None:
         """ABORT from a decode rank: close admission, then register the ack target, then ack
@@ -963,21 +965,17 @@ class PrefillAgent:
         ``aclose``'s linger to deliver it (a crash says nothing)."""
         for room_id, metas in self._pending_meta.items():
             for msg, _pages in metas.values():
-                status = self._status(room_id, msg.epoch, False, CLOSED)
-                self.control.send_nowait(msg.endpoint, status)
+                self._refuse_transfer(msg, CLOSED)
                 self._send_ack(room_id, msg.epoch, msg.endpoint)
         self._pending_meta.clear()
         for room in self._rooms.values():
             if room.published and room.cell.status is KVPoll.Success:
                 continue  # that decode room is done
             for target in room.targets.values():
-                endpoint = target.peer.endpoint
                 if not room.published:
-                    self.control.send_nowait(
-                        endpoint, self._status(room.room, target.epoch, False, CLOSED)
-                    )
+                    self._send_failed(room.room, target.epoch, target.peer, CLOSED)
                 room.leases.close()  # (an ack target needs admission closed)
-                room.acks.add_target(room.leases, endpoint, target.epoch)
+                room.acks.add_target(room.leases, target.peer.endpoint, target.epoch)
 
 
 def _room_error(group: BaseExceptionGroup[Exception]) -> TransferError:
