@@ -19,17 +19,18 @@ from prometheus_client import CollectorRegistry
 from trio_pd import _bootstrap
 from trio_pd._bootstrap import (
     MAX_BODY_BYTES,
-    BootstrapClient,
     BootstrapServer,
-    BootstrapUnreachable,
-    NotReady,
-    PrefillRankInfo,
-    Topology,
-    UnknownRank,
     open_bootstrap_server,
     serve_bootstrap,
 )
-from trio_pd._errors import BootstrapError, TransferError
+from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo, Topology
+from trio_pd._errors import (
+    BootstrapError,
+    BootstrapUnreachable,
+    NotReady,
+    TransferError,
+    UnknownRank,
+)
 
 
 def rank_info(tp_rank: int, tp_size: int = 4, **changes: Any) -> PrefillRankInfo:

@@ -19,45 +19,39 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trio_pd import _plan
+from trio_pd import _memory
 from trio_pd._errors import ProtocolError, RegionError
+from trio_pd._memory import PoolSpec, Region, validate_pages
 from trio_pd._plan import (
     Blocks,
-    PoolSpec,
-    aux_writer,
     chunk_ranges,
     concat,
     contiguous_runs,
     empty,
-    head_range,
     plan_aux,
     plan_pages,
-    served_decode_ranks,
-    source_ranks,
     total_bytes,
     validate_blocks,
-    validate_pages,
-    write_heads,
 )
-from trio_pd.engines._base import Region
+from trio_pd._topology import aux_writer, head_range, served_decode_ranks, source_ranks, write_heads
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 Mem = npt.NDArray[np.int64]
 
-#: The hot-path helpers take lists up to ``_plan.SMALL`` elements and numpy above; these
+#: The hot-path helpers take lists up to ``_memory.SMALL`` elements and numpy above; these
 #: tests' inputs are small, so each runs once per path with the threshold moved.
 PATHS = pytest.mark.parametrize("path", ["lists", "numpy"])
 
 
 @contextmanager
 def on_path(path: str) -> Iterator[None]:
-    saved = _plan.SMALL
-    _plan.SMALL = saved if path == "lists" else -1
+    saved = _memory.SMALL
+    _memory.SMALL = saved if path == "lists" else -1
     try:
         yield
     finally:
-        _plan.SMALL = saved
+        _memory.SMALL = saved
 
 # --------------------------------------------------------------------------------------------
 # Helpers: pools, fake memory, memcpy, naive reference planner

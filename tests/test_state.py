@@ -7,10 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from trio_pd._errors import TransferError
+from trio_pd._errors import AdmissionClosed, TransferError
 from trio_pd._state import (
     AckBook,
-    AdmissionClosed,
     DecodeBook,
     KVPoll,
     LeaseBook,

@@ -21,11 +21,11 @@ from trio_pd import (
     KVPoll,
     PrefillAgent,
     PrefillConfig,
+    RemoteFailure,
     TransferAborted,
     open_decode,
     open_prefill,
 )
-from trio_pd._decode import RemoteFailure
 from trio_pd._demo import DemoOptions, _pool, check, run_in_process
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine

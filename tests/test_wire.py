@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_pd._errors import ProtocolError
-from trio_pd._plan import PoolSpec
+from trio_pd._memory import PoolSpec
 from trio_pd._wire import (
     MAX_BUFFERS,
     MAX_ENDPOINT_CHARS,
@@ -44,7 +44,16 @@ U64_MAX = 2**64 - 1
 ids = st.integers(0, I64_MAX)
 ranks = st.integers(0, 2**16 - 1)
 counts = st.integers(1, 2**16)
-endpoints = st.text(min_size=1, max_size=MAX_ENDPOINT_CHARS)
+# validate_endpoint takes tcp://HOST:PORT only (its own cases: tests/test_hostile_input.py)
+endpoints = st.builds(
+    "tcp://{}:{}".format,
+    st.one_of(
+        st.ip_addresses(v=4).map(str),
+        st.ip_addresses(v=6).map("[{}]".format),
+        st.from_regex(r"([a-z0-9]{1,10}\.){0,3}[a-z][a-z0-9-]{0,10}[a-z0-9]", fullmatch=True),
+    ),
+    st.integers(1, 65535),
+)
 small_pos = st.integers(1, 1 << 12)
 
 
@@ -611,7 +620,9 @@ def test_int_bounds_are_inclusive_where_valid() -> None:
 def test_string_and_bytes_bounds() -> None:
     assert_refused([pack(header_dict(Ping(WIRE_VERSION, 1, "x" * 257)))], "endpoint")
     assert_refused([pack(header_dict(Ping(WIRE_VERSION, 1, "")))], "endpoint")
-    ok = Ping(WIRE_VERSION, 1, "é" * MAX_ENDPOINT_CHARS)
+    host = ".".join(["a" * 62, "b" * 61, "c" * 61, "d" * 61])  # tcp://HOST:1 is the longest
+    ok = Ping(WIRE_VERSION, 1, f"tcp://{host}:1")
+    assert len(ok.endpoint) == MAX_ENDPOINT_CHARS
     assert decode(encode(ok))[0] == ok
     meta = register(engine_meta=b"m" * MAX_ENGINE_META_BYTES)
     assert decode(encode(meta))[0] == meta

@@ -53,9 +53,11 @@ import trio
 
 from ._bootstrap import open_bootstrap_server
 from ._decode import DecodeAgent, DecodeConfig, open_decode
-from ._plan import Blocks, PoolSpec, chunk_ranges, concat, plan_aux, plan_pages, total_bytes
-from ._prefill import AUX_STAMP, PrefillAgent, PrefillConfig, open_prefill
-from ._state import AdmissionClosed, KVPoll
+from ._errors import AdmissionClosed
+from ._memory import PoolSpec, read_aux_stamp
+from ._plan import Blocks, chunk_ranges, concat, plan_aux, plan_pages, total_bytes
+from ._prefill import PrefillAgent, PrefillConfig, open_prefill
+from ._state import KVPoll
 from .engines import Deferred, Pending, TransferEngine, make_engine, start_write
 from .testing.pools import HostKVPool
 
@@ -485,7 +487,7 @@ def verify(s: _Setup, run: list[_Req] | None = None) -> tuple[int, int]:
         want = s.src.expected(r.room, len(r.dst_pages))
         bad = ~(got == want).reshape(got.shape[0], len(r.dst_pages), -1).all(axis=(0, 2))
         corrupt += int(bad.sum())
-        stamp = AUX_STAMP.unpack(s.dst.aux[r.dst_aux, : AUX_STAMP.size].tobytes())
+        stamp = read_aux_stamp(s.dst.spec, r.dst_aux)
         if stamp != (sent.room, sent.epoch) or not s.dst.aux_ok(r.dst_aux, r.room):
             corrupt += 1
         verified += int(got.nbytes)

@@ -16,7 +16,6 @@ How a room lives here (SPEC §4, §5.5):
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import secrets
@@ -32,31 +31,28 @@ import trio
 import trio.lowlevel
 
 from . import _wire
-from ._bootstrap import BootstrapClient, Topology
+from ._bootstrap_client import BootstrapClient, Topology
 from ._control import ControlPlane
 from ._errors import (
     BootstrapError,
     PeerLost,
     ProtocolError,
+    RemoteFailure,
     TransferAborted,
     TransferError,
 )
 from ._lazy import LazyEvent
-from ._plan import PoolSpec, source_ranks, validate_pages
-from ._prefill import AUX_STAMP
+from ._memory import PoolSpec, read_aux_stamp, validate_pages
 from ._state import DecodeBook, KVPoll, RankSet
 from ._stats import AgentStatistics, Counters
 from ._timers import Timers
+from ._topology import source_ranks
 from .engines import TransferEngine
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
 
 log = logging.getLogger("trio_pd.decode")
-
-
-class RemoteFailure(TransferError):
-    """A prefill rank reported the room Failed; the text is its reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,9 +398,7 @@ class DecodeAgent:
             self._forget(room)
 
     def _aux_matches(self, room: _Room) -> bool:
-        addr = self.pool.aux_base + room.aux_slot * self.pool.aux_item_len
-        got = AUX_STAMP.unpack(ctypes.string_at(addr, AUX_STAMP.size))
-        return got == (room.room, room.epoch)
+        return read_aux_stamp(self.pool, room.aux_slot) == (room.room, room.epoch)
 
     # ------------------------------------------------------------------ deadlines
 

@@ -15,6 +15,24 @@ class TransferAborted(TransferError):
     """The room was aborted (by the scheduler, a peer, or a deadline) before it concluded."""
 
 
+class AdmissionClosed(TransferAborted):
+    """The room no longer admits chunks (it was aborted, failed or concluded)."""
+
+
+class TransferTimeout(TransferError):
+    """A room's deadline passed (bootstrap, waiting or close timeout) before it concluded.
+    Not an abort: nobody asked for it."""
+
+
+class ConfigurationError(TransferError, ValueError):
+    """Our caller passed arguments that cannot work (a pool that does not match the model's
+    shape, TP sizes that cannot pair, ...). Raised before anything starts."""
+
+
+class RemoteFailure(TransferError):
+    """A prefill rank reported the room Failed; the text is its reason."""
+
+
 class PeerLost(TransferError):
     """A peer stopped answering, or its engine reports it gone."""
 
@@ -36,5 +54,22 @@ class RegionError(ProtocolError):
     """A planned write would land outside the memory the destination registered (SPEC I8)."""
 
 
+class IncompatiblePeer(ProtocolError):
+    """A peer's pool or topology cannot pair with ours (page size, head bytes, head range,
+    layer count, layout, engine); refused at registration, with the reason."""
+
+
 class BootstrapError(TransferError):
     """The bootstrap service refused a request or could not be reached."""
+
+
+class NotReady(BootstrapError):
+    """The service answered 503: not every prefill rank has registered yet."""
+
+
+class UnknownRank(BootstrapError):
+    """The service answered 404 for a rank: the registered ranks say it does not exist."""
+
+
+class BootstrapUnreachable(BootstrapError):
+    """The service could not be reached, or the connection broke before it answered."""

@@ -8,189 +8,27 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from . import _memory
 from ._errors import ProtocolError, RegionError
-from .engines._base import Region
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSpec:
-    """The layout of one rank's KV pool and aux buffer, as registered with its engine.
-
-    Buffers: MHA has one K and one V buffer per layer, ordered K[0..L-1] then V[0..L-1];
-    MLA has one buffer per layer. Every buffer holds ``num_pages`` pages of ``item_len`` bytes;
-    page id ``p`` is at ``buffer_bases[i] + p * item_len`` in every buffer ``i``.
-    Inside a page, token slot ``t`` holds ``heads`` heads of ``head_bytes`` bytes each:
-    byte offset ``t * heads * head_bytes + (h - first_head) * head_bytes`` for global head ``h``.
-    MLA: ``heads == 1`` and ``first_head == 0`` (the latent row is replicated on every rank).
-    The aux buffer holds ``aux_slots`` rows of ``aux_item_len`` bytes at ``aux_base``.
-    """
-
-    layout: Literal["mha", "mla"]
-    page_size: int
-    num_pages: int
-    num_layers: int
-    head_bytes: int
-    heads: int
-    first_head: int
-    buffer_bases: tuple[int, ...]
-    aux_base: int
-    aux_item_len: int
-    aux_slots: int
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one token slot in one buffer."""
-        return self.heads * self.head_bytes
-
-    @property
-    def item_len(self) -> int:
-        """Bytes of one page in one buffer."""
-        return self.page_size * self.slot_bytes
-
-    @property
-    def num_buffers(self) -> int:
-        return len(self.buffer_bases)
-
-    def regions(self) -> list[Region]:
-        """Every registered range: the KV buffers, then the aux buffer."""
-        kv = [Region(b, self.num_pages * self.item_len) for b in self.buffer_bases]
-        return [*kv, Region(self.aux_base, self.aux_slots * self.aux_item_len)]
-
-
-# --------------------------------------------------------------------------------------------
-# Topology: which prefill rank holds, and writes, which heads of which decode rank
-# --------------------------------------------------------------------------------------------
-
-
-def _check_tp(prefill_tp: int, decode_tp: int) -> None:
-    if prefill_tp < 1 or decode_tp < 1:
-        raise ValueError(f"TP sizes must be positive, got P={prefill_tp}, D={decode_tp}")
-    if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp) != 0:
-        raise ValueError(
-            f"the larger TP size must be a multiple of the smaller one, "
-            f"got P={prefill_tp}, D={decode_tp}"
-        )
-
-
-def _check_rank(rank: int, tp_size: int, what: str) -> None:
-    if not 0 <= rank < tp_size:
-        raise ValueError(f"{what} rank {rank} is out of range for TP size {tp_size}")
-
-
-def head_range(rank: int, tp_size: int, total_heads: int) -> tuple[int, int]:
-    """Return ``(first_head, count)``: the global KV heads that TP rank ``rank`` holds.
-
-    With at most one rank per head (``tp_size <= total_heads``) the heads are split evenly and
-    ``total_heads`` must be a multiple of ``tp_size``. With more ranks than heads (GQA head
-    replication) every rank holds one head, ``rank * total_heads // tp_size``, so ``tp_size /
-    total_heads`` neighbouring ranks hold the same head; ``tp_size`` must then be a multiple
-    of ``total_heads``, otherwise the replicas of one head would not line up across two TP
-    sizes. Integer division, not modulo: rank 1 of 4 with 2 heads holds head 0, not head 1.
-    """
-    if tp_size < 1 or total_heads < 1:
-        raise ValueError(f"need tp_size >= 1 and total_heads >= 1, got {tp_size}, {total_heads}")
-    _check_rank(rank, tp_size, "TP")
-    if tp_size <= total_heads:
-        if total_heads % tp_size != 0:
-            raise ValueError(f"{total_heads} KV heads cannot be split evenly over TP {tp_size}")
-        count = total_heads // tp_size
-        return rank * count, count
-    if tp_size % total_heads != 0:
-        raise ValueError(
-            f"TP {tp_size} is not a multiple of the {total_heads} KV heads it replicates"
-        )
-    return rank * total_heads // tp_size, 1
-
-
-def source_ranks(decode_rank: int, prefill_tp: int, decode_tp: int) -> range:
-    """The prefill ranks that decode rank ``decode_rank`` reads its KV cache from.
-
-    ``P == D``: one, the same rank number. ``D > P``: one, shared by ``D / P`` neighbouring
-    decode ranks. ``D < P``: the ``P / D`` consecutive prefill ranks whose heads together make
-    up this decode rank's heads (MHA), or that all hold the same replicated latent (MLA).
-    """
-    _check_tp(prefill_tp, decode_tp)
-    _check_rank(decode_rank, decode_tp, "decode")
-    lo = decode_rank * prefill_tp // decode_tp
-    hi = max(lo + 1, (decode_rank + 1) * prefill_tp // decode_tp)
-    return range(lo, hi)
-
-
-def served_decode_ranks(prefill_rank: int, prefill_tp: int, decode_tp: int) -> range:
-    """The decode ranks whose :func:`source_ranks` contain ``prefill_rank``.
-
-    This is how many metadata (TRANSFER) messages a prefill rank waits for per request:
-    ``D / P`` when ``D > P``, otherwise one.
-    """
-    _check_tp(prefill_tp, decode_tp)
-    _check_rank(prefill_rank, prefill_tp, "prefill")
-    if decode_tp >= prefill_tp:
-        fan = decode_tp // prefill_tp
-        return range(prefill_rank * fan, (prefill_rank + 1) * fan)
-    first = prefill_rank // (prefill_tp // decode_tp)
-    return range(first, first + 1)
-
-
-def aux_writer(decode_rank: int, prefill_tp: int, decode_tp: int) -> int:
-    """The one prefill rank that writes decode rank ``decode_rank``'s aux row: the lowest of
-    its source ranks."""
-    return source_ranks(decode_rank, prefill_tp, decode_tp)[0]
-
-
-def write_heads(
-    prefill_rank: int,
-    decode_rank: int,
-    prefill_tp: int,
-    decode_tp: int,
-    total_heads: int,
-    layout: Literal["mha", "mla"],
-) -> tuple[int, int] | None:
-    """Which global heads ``[h0, h1)`` prefill rank ``prefill_rank`` writes to decode rank
-    ``decode_rank``, or ``None`` when it writes no KV bytes there.
-
-    MHA: the heads both ranks hold, less those a *lower* source rank of the decode rank also
-    holds (under GQA replication several prefill ranks hold the same head; only the lowest
-    writes it, so every destination byte is written exactly once). MLA: the latent is
-    replicated, so the lowest source rank writes ``(0, 1)`` and the others write nothing.
-
-    ``None`` marks a *dummy* rank for this decode rank: it still takes part in the request's
-    bookkeeping (status, acks) but moves no KV bytes. A prefill rank that is not a source rank
-    of ``decode_rank`` at all also gets ``None``.
-    """
-    _check_tp(prefill_tp, decode_tp)
-    _check_rank(prefill_rank, prefill_tp, "prefill")
-    sources = source_ranks(decode_rank, prefill_tp, decode_tp)
-    if prefill_rank not in sources:
-        return None
-    if layout == "mla":
-        return (0, 1) if prefill_rank == sources[0] else None
-    if layout != "mha":
-        raise ValueError(f"unknown layout {layout!r}")
-    p_first, p_count = head_range(prefill_rank, prefill_tp, total_heads)
-    d_first, d_count = head_range(decode_rank, decode_tp, total_heads)
-    h0 = max(p_first, d_first)
-    h1 = min(p_first + p_count, d_first + d_count)
-    # Lower source ranks hold either exactly the same heads (replicas) or disjoint ones, and
-    # only ever heads at or below ours: trimming from the bottom is all that can happen.
-    for lower in range(sources[0], prefill_rank):
-        q_first, q_count = head_range(lower, prefill_tp, total_heads)
-        if q_first <= h0 < q_first + q_count:
-            h0 = q_first + q_count
-    return (h0, h1) if h0 < h1 else None
-
+from ._memory import (
+    PoolSpec,
+    Region,
+    RegionTable,
+    _check_pages_in_range,
+    aux_row_address,
+    validate_pages,
+)
 
 # --------------------------------------------------------------------------------------------
 # Blocks
 # --------------------------------------------------------------------------------------------
 
 _U64 = np.uint64
-_U64_MAX = int(np.iinfo(np.uint64).max)
 
 
 class Blocks(NamedTuple):
@@ -265,14 +103,9 @@ def contiguous_runs(
     return _runs(s, d)
 
 
-#: Up to this many elements the hot-path helpers below work on Python lists: one numpy call
-#: costs 1-2 µs on a small box, so a 16-page chunk spent ~20 µs finding its runs with numpy
-#: against ~4 µs in a loop. Above it, numpy. Both paths give identical results (tested).
-SMALL = 64
-
-
 def _runs_small(sl: list[int], dl: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """:func:`_runs` on two non-empty lists of one length, in Python (see :data:`SMALL`)."""
+    """:func:`_runs` on two non-empty lists of one length, in Python (see
+    :data:`~trio_pd._memory.SMALL`)."""
     s0, d0, lengths = [sl[0]], [dl[0]], []
     start = 0
     for i in range(1, len(sl)):
@@ -293,7 +126,7 @@ def _runs(
     if n == 0:
         z = np.zeros(0, dtype=np.int64)
         return z, z.copy(), z.copy()
-    if n <= SMALL:
+    if n <= _memory.SMALL:
         s0, d0, lengths = _runs_small(s.tolist(), d.tolist())
         return (
             np.array(s0, dtype=np.int64), np.array(d0, dtype=np.int64),
@@ -307,42 +140,6 @@ def _runs(
     bounds[-1] = n
     starts = bounds[:-1]
     return s[starts], d[starts], bounds[1:] - starts
-
-
-def _check_pages_in_range(pages: npt.NDArray[np.int64], num_pages: int, what: str) -> None:
-    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        bad = pages[(pages < 0) | (pages >= num_pages)]
-        raise ProtocolError(
-            f"{bad.size} {what} page ids out of range [0, {num_pages}) (first: {int(bad[0])})"
-        )
-
-
-def validate_pages(pages: npt.ArrayLike, num_pages: int) -> None:
-    """Refuse page ids that are not integers, out of ``[0, num_pages)``, or repeated.
-
-    A repeated destination page would make two writes land on one page, so duplicates are a
-    protocol error, not a no-op. Raises :class:`~trio_pd.ProtocolError`.
-    """
-    arr = np.asarray(pages)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ProtocolError(f"page ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
-    if arr.size == 0:
-        return
-    # uint64 ids past 2**63 wrap to negative int64 and are refused as out of range.
-    ids = arr.astype(np.int64, copy=False)
-    if ids.size <= SMALL:
-        values = ids.tolist()
-        if min(values) >= 0 and max(values) < num_pages and len(set(values)) == len(values):
-            return
-        # something is wrong: the checks below say what
-    _check_pages_in_range(ids, num_pages, "destination")
-    ordered = np.sort(ids)
-    dup = np.flatnonzero(ordered[1:] == ordered[:-1])
-    if dup.size:
-        raise ProtocolError(
-            f"{dup.size} repeated page ids (first: {int(ordered[dup[0]])}); "
-            "two writes would land on one page"
-        )
 
 
 def _u64(values: Sequence[int]) -> npt.NDArray[np.uint64]:
@@ -408,7 +205,7 @@ def plan_pages(
                 f"whole-page copy needs equal page sizes in bytes: source item_len "
                 f"{src.item_len}, destination {dst.item_len} (pass heads= to slice)"
             )
-        if s_pages.size <= SMALL:  # lists: a few µs instead of ~30 (see SMALL)
+        if s_pages.size <= _memory.SMALL:  # lists: a few µs instead of ~30 (see SMALL)
             item_len = src.item_len
             ss, ds, ns = _runs_small(s_pages.tolist(), d_pages.tolist())
             return Blocks(
@@ -471,9 +268,7 @@ def plan_aux(src: PoolSpec, dst: PoolSpec, src_slot: int, dst_slot: int) -> Bloc
     if not 0 <= dst_slot < dst.aux_slots:
         raise ProtocolError(f"destination aux slot {dst_slot} out of range [0, {dst.aux_slots})")
     n = min(src.aux_item_len, dst.aux_item_len)
-    rows = _u64(
-        [src.aux_base + src_slot * src.aux_item_len, dst.aux_base + dst_slot * dst.aux_item_len, n]
-    )
+    rows = _u64([aux_row_address(src, src_slot), aux_row_address(dst, dst_slot), n])
     return Blocks(rows[0:1], rows[1:2], rows[2:3])
 
 
@@ -494,33 +289,6 @@ def _as_u64(values: npt.ArrayLike, what: str) -> npt.NDArray[np.uint64]:
     return arr.astype(_U64, copy=False)
 
 
-class RegionTable:
-    """Registered regions prepared once for :func:`validate_blocks` (sorted bases and the
-    running maximum of their ends), so checking a chunk costs no per-call set-up."""
-
-    __slots__ = ("base_list", "bases", "reach", "reach_list")
-
-    def __init__(self, regions: Sequence[Region]) -> None:
-        bases: list[int] = []
-        ends: list[int] = []
-        for r in regions:
-            if r.base < 0 or r.length < 0:
-                raise ValueError(f"invalid region {r}")
-            if r.length == 0 or r.base > _U64_MAX:
-                continue
-            bases.append(r.base)
-            ends.append(min(r.end, _U64_MAX))
-        order = np.argsort(np.array(bases, dtype=_U64), kind="stable")
-        self.bases: npt.NDArray[np.uint64] = np.array(bases, dtype=_U64)[order]
-        # Running maximum of the ends: overlapping regions are handled by asking whether
-        # *some* region starting at or before dst reaches far enough.
-        self.reach: npt.NDArray[np.uint64] = (
-            np.maximum.accumulate(np.array(ends, dtype=_U64)[order]) if ends else self.bases
-        )
-        self.base_list: list[int] = self.bases.tolist()  # for small batches (SMALL)
-        self.reach_list: list[int] = self.reach.tolist()
-
-
 def validate_blocks(blocks: Blocks, regions: Sequence[Region] | RegionTable) -> None:
     """Refuse a batch unless every destination range ``[dst, dst + len)`` lies entirely inside
     one of ``regions`` (the memory the destination registered; SPEC I8).
@@ -538,7 +306,7 @@ def validate_blocks(blocks: Blocks, regions: Sequence[Region] | RegionTable) -> 
     if dst.size == 0:
         return
     table = regions if isinstance(regions, RegionTable) else RegionTable(regions)
-    if dst.size <= SMALL:
+    if dst.size <= _memory.SMALL:
         base_list, reach_list = table.base_list, table.reach_list
         for d, n in zip(dst.tolist(), lens.tolist(), strict=True):
             i = bisect.bisect_right(base_list, d) - 1

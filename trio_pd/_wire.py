@@ -28,6 +28,8 @@ decoding); :func:`encode` is the gate on the way out, :func:`decode` the gate on
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Final, Literal, TypeAlias
@@ -38,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import ProtocolError
-from ._plan import PoolSpec
+from ._memory import PoolSpec
 
 WIRE_VERSION: Final = 1
 """The only header version this module speaks; any other is refused."""
@@ -76,6 +78,72 @@ _Address = Annotated[int, msgspec.Meta(ge=0)]
 _NumPages = Annotated[int, msgspec.Meta(ge=0, le=MAX_TRANSFER_PAGES)]
 
 _Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENDPOINT_CHARS)]
+
+MAX_HOSTNAME_CHARS: Final = 253
+"""Longest DNS-style host :func:`validate_endpoint` takes (RFC 1035's bound on a name)."""
+
+_TCP_ENDPOINT: Final = re.compile(r"tcp://(\[[^\]]*\]|[^:\[\]]*):([0-9]+)", re.ASCII)
+_LABEL: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.ASCII)
+_SCOPE_ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
+
+
+def validate_endpoint(endpoint: str) -> str:
+    """Return ``endpoint`` if it is a ZeroMQ address this library will connect to, else raise
+    :class:`ProtocolError` saying why.
+
+    The one accepted form is ``tcp://HOST:PORT``, at most :data:`MAX_ENDPOINT_CHARS`
+    characters, where HOST is an IPv4 literal (``127.0.0.1``), a bracketed IPv6 literal
+    (``[::1]``, with an optional ``%zone`` of letters, digits, ``_``, ``.``, ``-``) or a
+    DNS-style hostname (labels of letters, digits and inner ``-`` joined by ``.``, at most
+    :data:`MAX_HOSTNAME_CHARS` characters, the last label not all digits), and PORT is a
+    decimal number in 1..65535 without leading zeros. Everything else is refused: other
+    schemes (``ipc://``, ``inproc://``, ``udp://``...), wildcards (``*``), interface names,
+    a source address (``tcp://a:1;b:2``), whitespace, an empty host or port.
+
+    Every endpoint trio_pd produces passes: a control plane binds ``tcp://{host}:*`` and
+    reports libzmq's ``LAST_ENDPOINT``, which names the resolved address and port. The check
+    is pure (no name resolution) and runs when a message is decoded, so a peer's bad reply
+    address is a malformed message, counted and dropped before any handler or socket sees it.
+    """
+    if type(endpoint) is not str:
+        raise ProtocolError(f"endpoint must be a str, not {type(endpoint).__name__}")
+    shown = endpoint if len(endpoint) <= 80 else endpoint[:77] + "..."
+    if len(endpoint) > MAX_ENDPOINT_CHARS:
+        raise ProtocolError(f"endpoint {shown!r} is longer than {MAX_ENDPOINT_CHARS} characters")
+    match = _TCP_ENDPOINT.fullmatch(endpoint)
+    if match is None:
+        raise ProtocolError(f"endpoint {shown!r} is not of the form tcp://HOST:PORT")
+    host, port = match.groups()
+    if port[0] == "0" or int(port) > 65535:
+        raise ProtocolError(f"endpoint {shown!r}: port must be a decimal in 1..65535")
+    if host.startswith("["):
+        address, _, zone = host[1:-1].partition("%")
+        if "%" in host and _SCOPE_ID.fullmatch(zone) is None:
+            raise ProtocolError(f"endpoint {shown!r}: bad IPv6 zone {zone!r}")
+        try:
+            ipaddress.IPv6Address(address)
+        except ValueError:
+            raise ProtocolError(f"endpoint {shown!r}: {address!r} is not an IPv6 literal") from None
+        return endpoint
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        pass
+    else:
+        return endpoint
+    labels = host.split(".")
+    if (
+        not host
+        or len(host) > MAX_HOSTNAME_CHARS
+        or not all(_LABEL.fullmatch(label) for label in labels)
+        or labels[-1].isdigit()
+    ):
+        raise ProtocolError(
+            f"endpoint {shown!r}: {host!r} is not an IPv4 address, [IPv6] or hostname"
+        )
+    return endpoint
+
+
 _Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
 
 
@@ -243,6 +311,8 @@ class Pong(_Header, frozen=True, tag="pong"):
 
 Message: TypeAlias = Register | Transfer | Status | Abort | AbortAck | Ping | Pong
 _MESSAGE_TYPES: Final = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong)
+_WITH_ENDPOINT: Final = (Register, Transfer, Abort, Ping)
+"""The messages that name a reply endpoint: each is checked by :func:`validate_endpoint`."""
 
 
 class _Probe(msgspec.Struct):
@@ -293,6 +363,11 @@ def _decode_header(header: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"malformed {kind}message header: {exc}") from exc
     if msg.v != WIRE_VERSION:
         raise ProtocolError(f"unsupported wire version {msg.v} (this side speaks {WIRE_VERSION})")
+    if isinstance(msg, _WITH_ENDPOINT):
+        try:
+            validate_endpoint(msg.endpoint)
+        except ProtocolError as exc:
+            raise ProtocolError(f"{type(msg).__name__}: {exc}") from None
     if isinstance(msg, Register):
         msg.pool.to_spec()
         if msg.decode_rank >= msg.decode_tp:

@@ -9,26 +9,15 @@ An adapter never retries and never hides an error: a failed write raises
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
+from .._memory import Region as Region  # (the protocol's vocabulary: adapters import it here)
+
 Addrs = npt.NDArray[np.uint64]
 Lens = npt.NDArray[np.uint64]
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """One registered memory range: [base, base + length)."""
-
-    base: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.base + self.length
 
 
 class Pending(Protocol):

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from .._plan import PoolSpec
+from .._memory import PoolSpec
 
 #: poison byte of released source (prefill) pages and of released destination (decode) pages
 SOURCE_POISON = 0x5A
