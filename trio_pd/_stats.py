@@ -22,16 +22,24 @@ class AgentStatistics:
     bad_messages: int = 0  # malformed / unknown-version / oversized input
     refused_messages: int = 0  # well-formed, but about an unknown peer, a bad page, ...
     late_messages: int = 0  # for an epoch or room no longer held: ignored
+    handler_errors: int = 0  # a message handler raised something not a TransferError
+    bad_endpoints: int = 0  # a send to an endpoint validate_endpoint refuses: nothing sent
     engine_calls: int = 0
     chunks_coalesced: int = 0  # prefill: chunks that joined an earlier chunk's engine call
     engine_errors: int = 0
     bytes_written: int = 0
     send_backpressure: int = 0  # a non-blocking send found the socket full
-    status_dropped: int = 0  # prefill: a Failed STATUS given up after retrying a full socket
+    outbox_retried: int = 0  # send attempts made by the outbox's retry rounds
+    outbox_dropped: int = 0  # a queued control message given up (too old, or peer over bound)
     acks_sent: int = 0
     acks_received: int = 0
     quarantined: int = 0
     released_after_quarantine: int = 0
+    #: prefill: a quarantine fence passed but a peer's liveness was unknown: pages kept out
+    quarantine_unknown: int = 0
+    #: decode: rooms still held, unproven, when the close deadline passed (pages not handed
+    #: back: a write may still land there)
+    rooms_unproven_at_close: int = 0
     released_by_timeout: int = 0
     released_peer_gone: int = 0
     peers_failed: int = 0

@@ -76,6 +76,8 @@ class FaultStats:
     blocks_written: int = 0
     #: probe() calls answered by the override instead of the wrapped engine
     probes_overridden: int = 0
+    #: probe() calls that entered the ``probe_hang`` sleep (counted on entry)
+    probes_hung: int = 0
 
 
 class StallGate:
@@ -166,6 +168,9 @@ class FaultEngine:
 
     ``probe_override``: None delegates :meth:`probe`; True or False answers without asking
     the wrapped engine (False makes a live peer look dead).
+
+    ``probe_hang``: seconds :meth:`probe` sleeps (``time.sleep``, in the caller's thread)
+    before it answers, like Mooncake's ``send_probe`` against a stopped peer. 0 answers at once.
     """
 
     def __init__(
@@ -174,11 +179,13 @@ class FaultEngine:
         policy: Policy | None = None,
         *,
         probe_override: bool | None = None,
+        probe_hang: float = 0.0,
     ) -> None:
         self.inner = inner
         self.name = inner.name
         self.policy: Policy = policy if policy is not None else (lambda _i, _p, _n: None)
         self.probe_override = probe_override
+        self.probe_hang = probe_hang
         self.stalls = StallGate()
         self._lock = threading.Lock()
         self._calls = 0
@@ -186,6 +193,7 @@ class FaultEngine:
         self._faults: dict[str, int] = {}
         self._blocks_written = 0
         self._probes_overridden = 0
+        self._probes_hung = 0
 
     @classmethod
     def random(
@@ -249,6 +257,11 @@ class FaultEngine:
         self.inner.close()
 
     def probe(self, peer: str) -> bool:
+        hang = self.probe_hang
+        if hang > 0:
+            with self._lock:
+                self._probes_hung += 1
+            time.sleep(hang)
         override = self.probe_override
         if override is None:
             return self.inner.probe(peer)
@@ -266,6 +279,7 @@ class FaultEngine:
                 faults=dict(self._faults),
                 blocks_written=self._blocks_written,
                 probes_overridden=self._probes_overridden,
+                probes_hung=self._probes_hung,
             )
 
     def _inner_write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:

@@ -1,0 +1,311 @@
+"""Three-valued liveness (SPEC §5.6): trio_pd._probe against real engines and real processes.
+
+A peer here is a real OS process: it builds a real engine, binds a real ZeroMQ PULL socket as
+its "control endpoint", prints where both are, and waits for its stdin to close. The tests
+kill, stop and continue it with signals and check what :func:`trio_pd._probe.probe` can prove:
+ALIVE while it runs, GONE once it is dead (its ports refuse), UNKNOWN while it is stopped
+(a hung engine probe proves nothing).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import trio
+
+from trio_pd._probe import _host_port, port_refuses, probe, wait_idle
+from trio_pd._state import Liveness
+from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.engines.fault import FaultEngine
+
+HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
+
+# The peer process: engine + control socket, one JSON line on stdout, then wait for stdin EOF.
+_PEER = """
+import json, sys
+import zmq
+from trio_pd.engines import make_engine
+engine = make_engine(sys.argv[1])
+ctx = zmq.Context()
+sock = ctx.socket(zmq.PULL)
+sock.bind("tcp://127.0.0.1:*")
+print(json.dumps({
+    "session": engine.session_id,
+    "endpoint": sock.getsockopt_string(zmq.LAST_ENDPOINT),
+    "metadata": engine.metadata().hex(),
+}), flush=True)
+sys.stdin.read()
+"""
+
+
+@dataclass
+class Peer:
+    process: subprocess.Popen[bytes]
+    session: str
+    endpoint: str
+    metadata: bytes
+
+    def stop(self) -> None:
+        """SIGSTOP, and wait until every thread of it has stopped (a group stop is not
+        immediate: a thread that is running may still answer a connection meanwhile)."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        _, status = os.waitpid(self.process.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+
+    def cont(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL and reap: once this returns, the process and its sockets are gone."""
+        self.process.kill()
+        self.process.wait(10)
+
+
+@contextmanager
+def peer_process(kind: str) -> Iterator[Peer]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _PEER, kind],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    with process:  # closes the pipes and reaps it
+        try:
+            assert process.stdout is not None
+            ready, _, _ = select.select([process.stdout], [], [], 30)
+            assert ready, "the peer process did not start"
+            info = json.loads(process.stdout.readline())
+            yield Peer(process, info["session"], info["endpoint"], bytes.fromhex(info["metadata"]))
+        finally:
+            if process.poll() is None:
+                process.kill()  # SIGKILL ends a stopped process too
+            process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[TransferEngine]:
+    engine = make_engine("mooncake")
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+async def _probe(
+    engine: TransferEngine, peer: Peer, limiter: trio.CapacityLimiter, seconds: float = 1.0
+) -> tuple[Liveness, float]:
+    t0 = time.monotonic()
+    answer = await probe(
+        engine, peer.session, control_endpoint=peer.endpoint, timeout=seconds, limiter=limiter
+    )
+    return answer, time.monotonic() - t0
+
+
+# -- the parts -------------------------------------------------------------------------------
+
+
+def test_endpoints_that_do_not_parse() -> None:
+    assert _host_port("tcp://127.0.0.1:5555") == ("127.0.0.1", 5555)
+    assert _host_port("127.0.0.1:15001") == ("127.0.0.1", 15001)
+    assert _host_port("tcp://[::1]:5555") == ("::1", 5555)
+    for bad in ("ipc:///tmp/x", "trio-pd-0123abcd", "tcp://*:5555", "::1:5555", "h:0", "h:x"):
+        assert _host_port(bad) is None, bad
+
+
+async def test_port_refuses_closed_and_listening_ports() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert await port_refuses(f"tcp://127.0.0.1:{port}") is False
+    assert await port_refuses(f"127.0.0.1:{port}") is True  # nothing listens there now
+    assert await port_refuses("ipc:///tmp/not-tcp") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux accept-queue rule")
+async def test_an_endpoint_that_does_not_answer_is_unknown(mooncake: TransferEngine) -> None:
+    """A SYN that gets no answer proves nothing. Deterministic on loopback: a listener with
+    backlog 0 whose accept queue holds one connection nobody accepts; Linux drops further
+    SYNs (no reset), so a connect stays pending until the deadline, like a black-holed host.
+    The engine is never asked: an unreachable control endpoint ends the probe as UNKNOWN."""
+    fe = FaultEngine(mooncake, probe_override=True)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # fills the queue
+            with trio.move_on_after(0.3) as cs:
+                await port_refuses(f"127.0.0.1:{port}")
+            assert cs.cancelled_caught  # still pending: neither refused nor connected
+            t0 = time.monotonic()
+            answer = await probe(
+                fe,
+                mooncake.session_id,
+                control_endpoint=f"tcp://127.0.0.1:{port}",
+                timeout=0.5,
+                limiter=trio.CapacityLimiter(1),
+            )
+            elapsed = time.monotonic() - t0
+    assert answer is Liveness.UNKNOWN
+    assert 0.45 < elapsed < 1.0
+    assert fe.statistics().probes_overridden == 0
+
+
+async def test_engine_errors_and_false_are_unknown(mooncake: TransferEngine) -> None:
+    limiter = trio.CapacityLimiter(1)
+    fe = FaultEngine(mooncake, probe_override=False)  # "UCX saw a disconnect": no proof
+    assert (
+        await probe(fe, mooncake.session_id, control_endpoint=None, timeout=1.0, limiter=limiter)
+        is Liveness.UNKNOWN
+    )
+    # A session the engine cannot parse makes Mooncake's probe fail: no proof either.
+    assert (
+        await probe(mooncake, "not-a-session", control_endpoint=None, timeout=1.0, limiter=limiter)
+        is Liveness.UNKNOWN
+    )
+    assert (
+        await probe(
+            mooncake, mooncake.session_id, control_endpoint=None, timeout=1.0, limiter=limiter
+        )
+        is Liveness.ALIVE
+    )
+
+
+async def test_a_hung_probe_holds_its_one_thread() -> None:
+    """A probe that hangs is abandoned at the deadline; the next one waits on the limiter
+    (whose token the hung thread keeps) and is UNKNOWN too, without a second thread."""
+    limiter = trio.CapacityLimiter(1)
+    inner = make_engine("mooncake")
+    fe = FaultEngine(inner, probe_override=True, probe_hang=5.0)
+    try:
+        t0 = time.monotonic()
+        first = await probe(
+            fe, inner.session_id, control_endpoint=None, timeout=0.5, limiter=limiter
+        )
+        assert first is Liveness.UNKNOWN
+        assert time.monotonic() - t0 < 0.75
+        threads = threading.active_count()
+        second = await probe(
+            fe, inner.session_id, control_endpoint=None, timeout=0.5, limiter=limiter
+        )
+        assert second is Liveness.UNKNOWN
+        assert fe.statistics().probes_hung == 1  # the second never reached the engine
+        assert limiter.borrowed_tokens == 1
+        assert threading.active_count() <= threads
+        assert await wait_idle(limiter, 0.1) is False
+        assert limiter.borrowed_tokens == 1  # wait_idle gave back what it took
+        assert await wait_idle(limiter, 6.0) is True  # the hung thread returned at last
+        assert limiter.borrowed_tokens == 0
+    finally:
+        inner.close()
+
+
+# -- real peer processes ---------------------------------------------------------------------
+
+
+@pytest.mark.processes
+async def test_a_live_peer_is_alive(mooncake: TransferEngine) -> None:
+    with peer_process("mooncake") as peer:
+        answer, _ = await _probe(mooncake, peer, trio.CapacityLimiter(1))
+        assert answer is Liveness.ALIVE
+
+
+@pytest.mark.processes
+async def test_a_killed_peer_is_gone_at_once(mooncake: TransferEngine) -> None:
+    with peer_process("mooncake") as peer:
+        peer.kill()
+        answer, elapsed = await _probe(mooncake, peer, trio.CapacityLimiter(1))
+        assert answer is Liveness.GONE
+        assert elapsed < 2.0
+        # Either port is evidence on its own.
+        assert (
+            await probe(
+                mooncake,
+                peer.session,
+                control_endpoint=None,
+                timeout=1.0,
+                limiter=trio.CapacityLimiter(1),
+            )
+            is Liveness.GONE
+        )
+
+
+@pytest.mark.processes
+async def test_a_stopped_peer_is_unknown_then_alive_again(mooncake: TransferEngine) -> None:
+    """SIGSTOP: the kernel still accepts connections to its ports (no refusal, no GONE) and
+    Mooncake's send_probe hangs (no answer, no ALIVE): UNKNOWN at the deadline. SIGCONT: the
+    abandoned probe thread returns, and the next probe is ALIVE."""
+    limiter = trio.CapacityLimiter(1)
+    with peer_process("mooncake") as peer:
+        peer.stop()
+        try:
+            for _ in range(2):  # the second waits on the limiter the hung thread keeps
+                answer, elapsed = await _probe(mooncake, peer, limiter, seconds=1.0)
+                assert answer is Liveness.UNKNOWN
+                assert 0.9 < elapsed < 2.0
+            assert await port_refuses(peer.endpoint) is False
+        finally:
+            peer.cont()
+        assert await wait_idle(limiter, 10.0)
+        answer, _ = await _probe(mooncake, peer, limiter)
+        assert answer is Liveness.ALIVE
+
+
+@pytest.mark.processes
+async def test_a_stopped_then_killed_peer_is_gone_while_a_probe_hangs(
+    mooncake: TransferEngine,
+) -> None:
+    """The refused ports need no thread: GONE is seen even while a hung probe thread keeps
+    the limiter's token."""
+    limiter = trio.CapacityLimiter(1)
+    with peer_process("mooncake") as peer:
+        peer.stop()
+        answer, _ = await _probe(mooncake, peer, limiter, seconds=0.5)
+        assert answer is Liveness.UNKNOWN
+        assert limiter.borrowed_tokens == 1
+        peer.kill()
+        answer, elapsed = await _probe(mooncake, peer, limiter)
+        assert answer is Liveness.GONE
+        assert elapsed < 2.0
+        assert await wait_idle(limiter, 10.0)  # the hung send_probe failed once it died
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 not installed")
+async def test_nixl_killed_peer_is_gone_via_its_control_endpoint() -> None:
+    engine = make_engine("nixl")
+    limiter = trio.CapacityLimiter(1)
+    try:
+        with peer_process("nixl") as peer:
+            engine.add_peer(peer.session, peer.metadata)
+            try:
+                answer, _ = await _probe(engine, peer, limiter)
+                assert answer is Liveness.ALIVE
+                peer.kill()
+                answer, elapsed = await _probe(engine, peer, limiter)
+                assert answer is Liveness.GONE
+                assert elapsed < 2.0
+                # Without the control endpoint nothing proves it: the session is a name.
+                assert (
+                    await probe(
+                        engine, peer.session, control_endpoint=None, timeout=1.0, limiter=limiter
+                    )
+                    is Liveness.UNKNOWN
+                )
+            finally:
+                engine.remove_peer(peer.session)
+    finally:
+        engine.close()

@@ -1,0 +1,197 @@
+"""Three-valued liveness: what a probe of a peer proves (SPEC §5.6).
+
+A probe answers :class:`~trio_pd._state.Liveness`: ALIVE (the peer's engine answered), GONE
+(positive evidence that none of its writes can land any more) or UNKNOWN (anything else). The
+difference matters because a timeout is no evidence: a partitioned or stopped peer's engine may
+still deliver queued writes when it comes back, so only ALIVE or GONE may end a quarantine.
+
+The evidence for GONE is a TCP connection *refused* by the peer's host: the host answered and
+nothing listens on the port the peer's process owned, so that process has exited (or closed
+the socket). Two ports are asked: the peer agent's control endpoint, and for Mooncake the
+engine's own RPC port (its session id is ``"host:rpc_port"``). A refusal is trusted as coming
+from the peer's own kernel; a middlebox that answers for it (a firewall rule that rejects with
+a reset or an ICMP port-unreachable) would make a partition look like an exit.
+
+The engine's own probe only ever proves ALIVE. Its False is not proof: NIXL's False means UCX
+saw the connection drop, which a partition causes too, and Mooncake's "dead peer" answer is
+already covered by the refused RPC port.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+
+import trio
+
+from ._state import Liveness
+from .engines import TransferEngine
+
+log = logging.getLogger("trio_pd.probe")
+
+__all__ = ["port_refuses", "probe", "wait_idle"]
+
+
+def _host_port(endpoint: str) -> tuple[str, int] | None:
+    """``(host, port)`` from ``"tcp://host:port"`` or ``"host:port"`` (IPv6 hosts in
+    brackets); None for anything else (another transport, a bind wildcard, no port)."""
+    text = endpoint
+    if text.startswith("tcp://"):
+        text = text[len("tcp://") :]
+    elif "://" in text:
+        return None
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit():
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        return None  # an IPv6 address without brackets: where its port starts is a guess
+    port = int(port_text)
+    if not host or host == "*" or not 0 < port < 65536:
+        return None
+    return host, port
+
+
+async def _connect(family: int, type_: int, proto: int, addr: object) -> bool | None:
+    """One connect attempt: True if refused, False if connected (closed at once), else None."""
+    sock = trio.socket.socket(family, type_, proto)
+    with sock:
+        try:
+            await sock.connect(addr)
+        except OSError as exc:
+            return True if exc.errno == errno.ECONNREFUSED else None
+    return False
+
+
+async def port_refuses(endpoint: str) -> bool | None:
+    """Does the host of ``endpoint`` (``"tcp://host:port"`` or ``"host:port"``) refuse a TCP
+    connection to that port?
+
+    True iff every address the host resolves to actively refused (ECONNREFUSED: the host
+    answered and nothing listens there, so the process that owned the port is gone). False as
+    soon as one connects (the connection is closed at once, nothing is sent). None for anything
+    else: an endpoint that does not parse, a name that does not resolve, an unreachable host or
+    network, or a connect still pending when the caller's deadline fires. Nothing but
+    Cancelled is raised.
+
+    The connect runs on the event loop (no thread). A numeric host resolves without a thread;
+    a host name goes through :func:`trio.socket.getaddrinfo`, which uses trio's own abandonable
+    resolver thread.
+
+    **Cancellation:** cancellable at any point, and unbounded on its own (a host that drops
+    SYNs keeps a connect pending for minutes): the caller bounds it with
+    ``trio.move_on_after``. A cancelled connect's socket is closed; nothing is left behind.
+    """
+    parsed = _host_port(endpoint)
+    if parsed is None:
+        return None
+    host, port = parsed
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+    except OSError:
+        return None
+    refused = 0
+    for family, type_, proto, _canonname, addr in infos:
+        outcome = await _connect(family, type_, proto, addr)
+        if outcome is False:
+            return False
+        if outcome is True:
+            refused += 1
+    return True if infos and refused == len(infos) else None
+
+
+async def probe(
+    engine: TransferEngine,
+    session: str,
+    *,
+    control_endpoint: str | None,
+    timeout: float,  # noqa: ASYNC109 (its expiry is an answer, UNKNOWN, not an error)
+    limiter: trio.CapacityLimiter,
+) -> Liveness:
+    """What can be proven about the peer whose engine session is ``session``, within
+    ``timeout`` seconds.
+
+    In order, under one deadline of ``timeout``:
+
+    1. GONE if ``control_endpoint`` (the peer agent's ZeroMQ endpoint) refuses a TCP connect,
+       or, for Mooncake (the only engine whose session id is its address, ``"host:rpc_port"``),
+       if the session's own port refuses. The evidence comes first, so a hung engine probe
+       cannot hide it, and an engine's True cannot outvote it.
+    2. ALIVE if ``engine.probe(session)`` returns True.
+    3. UNKNOWN otherwise: the deadline passed, the engine said False (no proof: see the module
+       docstring), or it raised (logged at debug). Nothing but Cancelled is raised.
+
+    An unreachable host ends in UNKNOWN: its connect hangs until the deadline, and its engine
+    probe would hang too.
+
+    The engine probe runs in a thread, ``trio.to_thread.run_sync(engine.probe, session,
+    limiter=limiter, abandon_on_cancel=True)``. This is the one exception to "never abandon an
+    engine call": a probe touches no page, so an abandoned one that returns later changes
+    nothing. ``limiter`` (the agent's own, one token) bounds the threads: trio acquires the
+    token before it starts the thread and gives it back only when the thread really returns,
+    also after the call was abandoned. A probe that hangs (Mooncake's ``send_probe`` takes
+    about 60 s against a stopped process) therefore keeps the token, and later probes wait on
+    the limiter and end as UNKNOWN at their deadline instead of starting more threads. Their
+    GONE evidence (step 1) needs no thread and still works meanwhile. Before the agent closes
+    its engine it waits for that thread with :func:`wait_idle`.
+
+    **Cancellation:** cancellable at any point. A pending connect is closed; a probe thread
+    already started is abandoned (it keeps the limiter's token until it returns); one still
+    waiting for the limiter never starts. Cancelled propagates; no Liveness is returned.
+    """
+    endpoints = [control_endpoint] if control_endpoint is not None else []
+    if engine.name == "mooncake":
+        endpoints.append(session)
+    with trio.move_on_after(timeout):
+        for endpoint in endpoints:
+            if await port_refuses(endpoint):
+                log.debug("probe of %s: %s refused a connection: gone", session, endpoint)
+                return Liveness.GONE
+        try:
+            answered = await trio.to_thread.run_sync(
+                engine.probe, session, limiter=limiter, abandon_on_cancel=True
+            )
+        except Exception as exc:
+            log.debug("probe of %s raised %r: unknown", session, exc)
+            return Liveness.UNKNOWN
+        if answered:
+            return Liveness.ALIVE
+        log.debug("probe of %s: the engine said no answer: unknown", session)
+        return Liveness.UNKNOWN
+    log.debug("probe of %s: no answer within %.3g s: unknown", session, timeout)
+    return Liveness.UNKNOWN
+
+
+async def wait_idle(
+    limiter: trio.CapacityLimiter,
+    timeout: float,  # noqa: ASYNC109 (its expiry is an answer, False, not an error)
+) -> bool:
+    """Wait until no probe thread holds ``limiter`` (every token is free at once), for at
+    most ``timeout`` seconds. True if it became idle, False if a thread still held a token at
+    the deadline (a probe hung for longer: do not close the engine under it).
+
+    An agent calls this on close, after cancelling its probe tasks and before closing its
+    engine: an abandoned probe thread may still be inside the engine. It takes every token for
+    a moment and gives them back, so it needs a limiter with a finite number of tokens
+    (:class:`ValueError` otherwise).
+
+    **Cancellation:** cancellable at any point; the tokens it took so far are given back and
+    the cancellation propagates.
+    """
+    total = limiter.total_tokens
+    if isinstance(total, float) and math.isinf(total):
+        raise ValueError("wait_idle needs a limiter with a finite number of tokens")
+    held: list[object] = []
+    try:
+        with trio.move_on_after(timeout):
+            for _ in range(int(total)):
+                token = object()
+                await limiter.acquire_on_behalf_of(token)
+                held.append(token)
+            return True
+        return False
+    finally:
+        for token in held:
+            limiter.release_on_behalf_of(token)
