@@ -27,11 +27,11 @@ import zmq
 from trio_pd import (
     AdmissionClosed,
     EngineError,
+    IncompatiblePeer,
     KVPoll,
     PrefillSender,
     ProtocolError,
     TransferAborted,
-    TransferError,
     _wire,
 )
 from trio_pd._control import ControlPlane
@@ -312,7 +312,7 @@ async def test_unregistered_transfer_for_future_room_is_refused_at_once(
         receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url)
         receiver.init(dst, 1)  # the legitimate TRANSFER is queued: prefill has no room yet
         with trio.fail_after(10):  # the legitimate TRANSFER is queued
-            await poll_until(lambda: room in p._pending_meta)
+            await poll_until(lambda: room in p.book.parked)
         before = p.statistics()
         async with raw_push(p.endpoint) as sock:
             hostile = transfer(room, 666, "tcp://127.0.0.1:9", 2)
@@ -374,7 +374,7 @@ async def test_abort_for_unknown_room_is_acked_and_late_transfer_dropped(
         after = p.statistics()
         assert after.late_messages == before.late_messages + 1
         assert after.acks_sent >= before.acks_sent + 2  # ours and the barrier's
-        assert 404 not in p._pending_meta and after.rooms_active == before.rooms_active
+        assert 404 not in p.book.parked and after.rooms_active == before.rooms_active
 
 
 # ------------------------------------------------------------------------ refused input: decode
@@ -507,7 +507,8 @@ async def test_register_with_mismatched_pool_shape_fails_rooms_without_writing(
     engine_name: str, bootstrap_url: str
 ) -> None:
     """A REGISTER whose pool claims fewer heads per token (or other page sizes) than this
-    topology gives it: the plan does not fit, the room fails, and nothing is written."""
+    topology gives it is refused at REGISTER; the room its TRANSFER names fails with the
+    reason (IncompatiblePeer), and nothing is written."""
     mem = host_pool(num_pages=32, heads=1)  # prefill (kv_heads=2, TP 1) writes 2 heads
     mem.kv[...] = 0xEE
     async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake, \
@@ -521,10 +522,12 @@ async def test_register_with_mismatched_pool_shape_fails_rooms_without_writing(
                 _wire.encode(transfer(201, 5, fake.endpoint, 2), np.array([30, 31], np.int32))
             )
             await barrier(sock, fake)
-            sender.send(np.array([1, 2]), last=True)
-            with trio.fail_after(10):
-                assert await sender.wait() is KVPoll.Failed
-        assert isinstance(sender.failure, TransferError)
+            # the REGISTER was refused up front; the room its TRANSFER names fails with why
+            assert sender.poll() is KVPoll.Failed
+            with pytest.raises(AdmissionClosed):
+                sender.send(np.array([1, 2]), last=True)
+        assert isinstance(sender.failure, IncompatiblePeer), sender.failure
+        assert "head" in str(sender.failure)
         assert not isinstance(sender.failure, TransferAborted)
         assert (mem.kv == 0xEE).all()
         assert p.statistics().engine_calls == 0

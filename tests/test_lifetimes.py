@@ -48,7 +48,7 @@ from trio_pd import (
     open_prefill,
 )
 from trio_pd import _wire as wire
-from trio_pd._plan import head_range
+from trio_pd._topology import head_range
 from trio_pd.engines import TransferEngine, make_engine, start_write
 from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool
@@ -574,11 +574,11 @@ async def test_full_status_socket_fails_room_locally(
             # The two Failed STATUSes are retried for failed_status_retry, then dropped and
             # counted: no timer keeps retrying a peer that never reads.
             with trio.fail_after(BOUND):
-                while prefill.statistics().status_dropped < 2:  # noqa: ASYNC110
+                while prefill.statistics().outbox_dropped < 2:  # noqa: ASYNC110
                     await trio.sleep(0.05)
             tries = prefill.statistics().send_backpressure
             await trio.sleep(0.3)  # six retry periods
-            assert prefill.statistics().status_dropped == 2
+            assert prefill.statistics().outbox_dropped == 2
             assert prefill.statistics().send_backpressure == tries, "still retrying"
         await trio.to_thread.run_sync(mute.unregister, dst.spec.regions())
     finally:
@@ -976,7 +976,10 @@ async def test_abort_room_with_waiting_chunk_cancels_and_acks(
     engine_name: str, bootstrap_url: str
 ) -> None:
     """SPEC §8.7: a chunk admitted before decode's metadata arrived holds a lease but never
-    reached the engine. ABORT cancels it (retired, not quarantined) and is acked at once."""
+    reached the engine. An ABORT naming an epoch this room has not seen (its TRANSFER never
+    came, so the ABORT may be for an older use of the room id: I4) is acked at once and
+    leaves the room alone; the scheduler's abort then cancels the waiting chunk (retired, not
+    quarantined) and the pages go back at once."""
     async with stalling_pair(engine_name, bootstrap_url, lambda *_: None) as (pair, fault):
         released: list[str] = []
         acks = Handled(pair.decode, "_on_ack")
@@ -990,12 +993,16 @@ async def test_abort_room_with_waiting_chunk_cancels_and_acks(
             wire.Abort(v=wire.WIRE_VERSION, room=room, epoch=3, endpoint=pair.decode.endpoint),
             None,
         )
+        assert sender.poll() is KVPoll.Bootstrapping  # this use is untouched
+        stats = pair.prefill.statistics()
+        assert stats.leases_live == 1 and stats.acks_sent == 1
+        await acks.wait()  # the ack reached decode, which holds no such room: dropped
+        assert pair.decode.statistics().late_messages == 1
+        sender.abort("the scheduler gives up")
         assert sender.poll() is KVPoll.Failed
         assert released == ["src"]
         stats = pair.prefill.statistics()
-        assert stats.leases_live == stats.leases_quarantined == 0 and stats.acks_sent == 1
-        await acks.wait()  # the ack reached decode, which holds no such room: dropped
-        assert pair.decode.statistics().late_messages == 1
+        assert stats.leases_live == stats.leases_quarantined == 0
         assert fault.statistics().calls == 0
 
 

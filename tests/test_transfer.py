@@ -104,9 +104,9 @@ async def test_decode_re_registering_keeps_or_retires_its_lane(
 
         sender, receiver, _ = await bound_room(1)
         session = pair.decode.engine.session_id
-        lane = pair.prefill._peers[pair.decode.endpoint].lane
+        lane = pair.prefill.peers.get(pair.decode.endpoint).lane
         register(session)  # a reconnect: same engine
-        assert pair.prefill._peers[pair.decode.endpoint].lane is lane
+        assert pair.prefill.peers.get(pair.decode.endpoint).lane is lane
         pair.src.fill(np.array([1, 2]), room=1)
         pair.src.fill_aux(1, room=1)
         sender.send(np.array([1, 2]), last=True)
@@ -117,7 +117,7 @@ async def test_decode_re_registering_keeps_or_retires_its_lane(
         sender, receiver, released = await bound_room(2)
         calls = pair.prefill.counters.snapshot().engine_calls
         register(session + "-restarted")
-        assert pair.prefill._peers[pair.decode.endpoint].lane is not lane
+        assert pair.prefill.peers.get(pair.decode.endpoint).lane is not lane
         sender.send(np.array([3, 4]), last=True)
         with trio.fail_after(20):
             assert await sender.wait() is KVPoll.Failed
@@ -277,9 +277,9 @@ async def test_handle_creation_order(engine_name: str, bootstrap_url: str, order
             if order == "receiver_first":
                 receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url)
                 receiver.init(dst, 6)
-                await poll_until(lambda: room in pair.prefill._pending_meta)
+                await poll_until(lambda: room in pair.prefill.book.parked)
                 sender = pair.prefill.sender(room, num_pages=len(src), aux_slot=0)
-                assert room not in pair.prefill._pending_meta  # consumed by the new room
+                assert room not in pair.prefill.book.parked  # consumed by the new room
                 assert sender.poll() is KVPoll.WaitingForInput
                 sender.send(src[:3])
                 sender.send(src[3:], last=True)
@@ -310,7 +310,7 @@ async def test_room_aborted_without_leases_is_forgotten_and_reusable(
         with trio.fail_after(5):
             assert await sender.wait() is KVPoll.Failed
             await sender.wait_released()
-            await poll_until(lambda: sender._room.published)
+            await poll_until(lambda: sender._room.machine.published)
         assert pair.prefill.statistics().rooms_active == 0
         # Rooms are reused (a new epoch tells the uses apart): the id works again.
         src, dst = np.array([1, 2]), np.array([3, 4])
@@ -508,7 +508,7 @@ async def test_heartbeat_loss_then_reregistered_prefill_works(
                 assert receiver.poll() is KVPoll.WaitingForInput
                 lost_at = trio.current_time()
                 # a crash says nothing: no goodbye (a closing agent tells its decode rooms)
-                agent._say_goodbye = lambda: None  # type: ignore[method-assign]
+                agent._shutdown_rooms = lambda: None  # type: ignore[method-assign]
                 scope.cancel()  # the prefill agent closes: no STATUS, no ACK, no PONG
             with trio.fail_after(10):
                 assert await receiver.wait() is KVPoll.Failed

@@ -26,9 +26,12 @@ import trio.lowlevel
 
 from ._bootstrap import open_bootstrap_server
 from ._decode import DecodeConfig, open_decode
-from ._plan import chunk_ranges, head_range
-from ._prefill import AUX_STAMP, PrefillConfig, open_prefill
-from ._state import AdmissionClosed, KVPoll
+from ._errors import AdmissionClosed
+from ._memory import read_aux_stamp
+from ._plan import chunk_ranges
+from ._prefill import PrefillConfig, open_prefill
+from ._state import KVPoll
+from ._topology import head_range
 from .engines import TransferEngine, make_engine
 from .testing.pools import (
     DEST_POISON,
@@ -237,7 +240,7 @@ async def run_prefill_rank(
                     await slots.acquire()
                     nursery.start_soon(one, req)
             # quarantined leases come back after their fence; wait for them
-            await _all_returned([pages_alloc, aux_alloc], agent._fence + 5)
+            await _all_returned([pages_alloc, aux_alloc], agent.peers.fence + 5)
             # counted before the agent closes: closing hands every page back, whatever it held
             result.leaked_pages = pages_alloc.outstanding
             result.stats = asdict(agent.statistics())
@@ -342,7 +345,7 @@ def _verify(
     if bad.any():
         source_poison = (got[:, bad, :] == SOURCE_POISON).any(axis=(0, 2))
         result.source_uaf_pages += int(source_poison.sum())
-    stamp = AUX_STAMP.unpack(pool.aux[aux, : AUX_STAMP.size].tobytes())
+    stamp = read_aux_stamp(pool.spec, aux)
     if stamp != (req.room, req.epoch) or not pool.aux_ok(aux, req.room):
         result.corrupt_pages += 1
     result.bytes += int(got.nbytes)

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ._errors import TransferAborted, TransferError
+from ._errors import AdmissionClosed, TransferError
 
 
 class KVPoll(enum.IntEnum):
@@ -88,10 +88,6 @@ class LeaseState(enum.Enum):
     QUARANTINED = "quarantined"
     RETIRED = "retired"
     MERGED = "merged"  # its pages passed to another lease of the room (LeaseBook.merge)
-
-
-class AdmissionClosed(TransferAborted):
-    """The room no longer admits chunks (it was aborted, failed or concluded)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -303,3 +299,12 @@ class DecodeBook:
             return False
         self.released = True
         return True
+
+
+class Liveness(enum.Enum):
+    """What a probe of a peer proved (SPEC §5.6). Only ALIVE (after the engine's deadline) or
+    GONE may end a quarantine or release held pages; UNKNOWN proves nothing."""
+
+    ALIVE = "alive"  # it answered
+    GONE = "gone"  # positive evidence that none of its writes can land any more
+    UNKNOWN = "unknown"  # a timeout, a hang, an unreachable host

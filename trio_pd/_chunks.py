@@ -1,0 +1,213 @@
+"""The chunk runner: one chunk's engine calls, planned, validated, made and waited for.
+
+Two rules of the specification live here, and only here:
+
+* **A chunk transfer is a nursery** (SPEC §5.1). The chunk's engine calls, one per destination
+  rank, are children of one nursery (or its body, when there is one destination: the nursery
+  waits for that just the same, without a task per chunk). The chunk ends only when every
+  call has returned, a failed call's siblings included: drain on failure is structural.
+* **Business abort is not DMA completion** (§5.2). The chunk runs inside a cancel scope the
+  room keeps; an abort cancels it. An engine call goes onto its peer's lane
+  (:meth:`Lane.run_sync <trio_pd._lane.Lane.run_sync>`): cancelled while still queued, it
+  never starts (the call's state stays ``not-started``); once the lane's thread took it, its
+  result is always observed. That single point tells "never started" from "started", and the
+  chunk's outcome (:class:`~trio_pd._state.Outcome`) follows from the calls' states.
+
+What the outcome means for the lease, and everything after, is the room machine's
+(:meth:`trio_pd._rooms.PrefillRoom.chunk_settled`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Literal
+
+import trio
+
+from ._errors import (
+    EngineError,
+    PeerLost,
+    ProtocolError,
+    RegionError,
+    TransferAborted,
+    TransferError,
+)
+from ._lane import LaneClosed
+from ._memory import PoolSpec, stamp_aux_row
+from ._peers import DecodePeer, PeerRegistry
+from ._plan import Blocks, concat, plan_aux, plan_pages, validate_blocks
+from ._rooms import Chunk, PrefillRoom, Target
+from ._state import Outcome
+from ._stats import Counters
+from .engines import TransferEngine, start_write
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
+
+
+class _Call:
+    """One engine call of a chunk: whether it started, and how it ended."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: Literal["not-started", "done", "error"] = "not-started"
+
+
+def outcome_of(calls: list[_Call]) -> Outcome:
+    """An error anywhere: unknown completion (quarantine). Otherwise any call done: drained.
+    None started: cancelled."""
+    states = {c.state for c in calls}
+    if "error" in states:
+        return Outcome.ERROR
+    if "done" in states:
+        return Outcome.COMPLETED
+    return Outcome.CANCELLED
+
+
+def room_error(group: BaseExceptionGroup[Exception]) -> TransferError:
+    """The room's one typed error for a failed chunk: a copy of the first error of the most
+    telling kind, type and attributes kept (an :class:`EngineError`'s ``code``), chained from
+    the group that carried it. Anything not ours becomes a :class:`TransferError`."""
+    for kind in (EngineError, PeerLost, RegionError, ProtocolError, TransferAborted, TransferError):
+        sub = group.subgroup(kind)
+        if sub is not None:
+            leaf = sub.exceptions[0]
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            err = copy.copy(leaf)
+            assert isinstance(err, TransferError)
+            break
+    else:
+        err = TransferError(f"chunk failed: {group.exceptions[0]!r}")
+    err.__cause__ = group
+    return err
+
+
+class ChunkRunner:
+    """Runs chunks for a prefill agent's workers."""
+
+    def __init__(
+        self,
+        *,
+        engine: TransferEngine,
+        pool: PoolSpec,
+        peers: PeerRegistry,
+        counters: Counters,
+        metrics: Callable[[], AgentMetrics | None],
+    ) -> None:
+        self.engine = engine
+        self.pool = pool
+        self.peers = peers
+        self.counters = counters
+        self._metrics = metrics
+
+    async def run(  # noqa: ASYNC910 (the nursery's exit is a schedule point on every path)
+        self,
+        room: PrefillRoom,
+        scopes: dict[trio.CancelScope, None],
+        chunk: Chunk,
+        settle: Callable[[Outcome, TransferError | None], None],
+    ) -> None:
+        """Run ``chunk`` of ``room`` to the end of all its engine calls, then call
+        ``settle(outcome, failure)`` synchronously, on every path (also while an outer
+        cancellation propagates): ``failure`` is the error that fails the room, or None.
+        Never raises a chunk's error.
+
+        **Cancellation:** ``scopes`` gets the chunk's cancel scope while it runs: cancelling
+        it skips every call not yet started; calls already started are waited for. An outer
+        cancellation (the agent closing) is the same and then propagates, after the calls.
+        """
+        calls: list[_Call] = []
+        failure: TransferError | None = None
+        try:
+            try:
+                with trio.CancelScope() as scope:
+                    scopes[scope] = None
+                    if room.leases.closed:
+                        scope.cancel("room closed before the chunk started")
+                    try:
+                        await self._transfer(room, chunk, calls)
+                    finally:
+                        scopes.pop(scope, None)
+            except* Exception as group:  # planning, validation or engine: the room fails
+                failure = room_error(group)
+        finally:
+            settle(outcome_of(calls), failure)
+
+    async def _transfer(self, room: PrefillRoom, chunk: Chunk, calls: list[_Call]) -> None:
+        """The chunk's engine calls, one per destination rank, in one nursery: it exits only
+        when every one has (SPEC §5.1, scenarios 1 and 2). Each starts as a child as soon as
+        it is planned; with one destination the call runs in the nursery's body."""
+        single = len(room.targets) == 1
+        async with trio.open_nursery() as nursery:
+            for target in room.targets.values():
+                peer = self.peers.get(target.endpoint)
+                if peer is None or peer.session != target.session:
+                    raise PeerLost(
+                        f"decode peer {target.endpoint} re-registered with another engine session"
+                    )
+                if not peer.ready.is_set():
+                    await peer.ready.wait()  # not started yet: cancellable
+                blocks = self._plan(room, chunk, target, peer)
+                if len(blocks.lens) == 0:
+                    continue  # a dummy rank for this destination: bookkeeping only
+                if peer.failed:
+                    raise PeerLost(f"decode peer {peer.endpoint} is marked failed")
+                call = _Call()
+                calls.append(call)
+                if single:
+                    await self._engine_call(peer, blocks, call)
+                else:
+                    nursery.start_soon(self._engine_call, peer, blocks, call)
+
+    def _plan(self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer) -> Blocks:
+        parts: list[Blocks] = []
+        if peer.heads is not None and len(chunk.pages):
+            dst = target.dst_pages[chunk.start : chunk.start + len(chunk.pages)]
+            mha_heads = peer.heads if self.pool.layout == "mha" else None
+            # both page lists were validated when they arrived (admit, add_target)
+            parts.append(
+                plan_pages(
+                    self.pool, peer.pool, chunk.pages, dst, heads=mha_heads, pages_checked=True
+                )
+            )
+        if chunk.last and peer.writes_aux:
+            stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
+            parts.append(plan_aux(self.pool, peer.pool, room.aux_slot, target.aux_slot))
+        blocks = parts[0] if len(parts) == 1 else concat(parts)
+        validate_blocks(blocks, peer.regions)  # I8: nothing lands outside what decode registered
+        return blocks
+
+    async def _engine_call(self, peer: DecodePeer, blocks: Blocks, call: _Call) -> None:
+        """The one place an engine write happens.
+
+        **Cancellation:** before the lane's thread takes the call, it is skipped (``call``
+        stays not-started); after, it completes and its result is observed.
+        """
+        write = partial(start_write, self.engine, peer.session, blocks.src, blocks.dst, blocks.lens)
+        metrics = self._metrics()
+        t0 = time.perf_counter()
+        try:
+            await self.peers.run_engine_call(peer.lane, write)
+        except trio.Cancelled:
+            raise
+        except LaneClosed as exc:  # never started: the peer re-registered with a new engine
+            raise PeerLost(
+                f"decode peer {peer.endpoint} re-registered with another engine session"
+            ) from exc
+        except BaseException:
+            call.state = "error"
+            self.counters.bump("engine_errors")
+            if metrics is not None:
+                metrics.observe_write(self.engine.name, time.perf_counter() - t0, 0, ok=False)
+            raise
+        call.state = "done"
+        nbytes = int(blocks.lens.sum())
+        self.counters.bump("engine_calls")
+        self.counters.bump("bytes_written", nbytes)
+        if metrics is not None:
+            metrics.observe_write(self.engine.name, time.perf_counter() - t0, nbytes)

@@ -1,0 +1,935 @@
+"""The room machines: every decision about one request's transfer, on both sides, in one file.
+
+This is the sans-I/O heart of trio_pd. Nothing here imports trio, zmq or an engine, reads a
+clock or touches memory: each machine takes an *event* (a chunk admitted, a chunk's engine
+calls settled, a TRANSFER / ABORT / STATUS / ABORT_ACK received, a deadline passed, a peer
+proven gone, the agent closing) and returns what is now *due*, as a list of small effect
+records. The agents (``_prefill``, ``_decode``) carry the effects out: they queue chunks,
+cancel scopes, send messages, run ``on_release``, forget rooms. The vocabulary the machines
+use (``StatusCell``, ``LeaseBook``, ``AckBook``, ``DecodeBook``) lives in ``_state``.
+
+Where each rule of the specification lives (one place each):
+
+=====================================================  =====================================
+rule                                                   here
+=====================================================  =====================================
+admission closes before an ack target exists (I2)      :meth:`PrefillRoom.close`, then
+                                                       :meth:`PrefillRoom.on_abort`
+a lease from admission to terminal I/O (I3)            :meth:`PrefillRoom.admit`,
+                                                       :meth:`PrefillRoom.chunk_settled`
+an engine error quarantines, it does not free          :meth:`PrefillRoom.chunk_settled`
+when publication is due                                :attr:`PrefillRoom.publish_due`
+Success or Failed, and the sends, with no gap (§5.4)   :meth:`PrefillRoom.publish`
+the drain ack once nothing is held (§5.5)              :meth:`PrefillRoom._settle`
+release exactly once, forget after it                  :meth:`PrefillRoom._settle`
+messages keyed by (room, epoch) (I4)                   :class:`TransferBook`
+TRANSFER validation                                    :meth:`PrefillRoom.add_target`
+decode's three-way status and Success rule (I6)        :meth:`DecodeRoom.status`,
+                                                       :meth:`DecodeRoom.on_status`
+one failure path with the drain (decode)               :meth:`DecodeRoom.fail`
+timeouts report, they do not free (§5.6)               :meth:`PrefillRoom.bootstrap_deadline`,
+                                                       :meth:`DecodeRoom.waiting_deadline`,
+                                                       :meth:`DecodeRoom.ack_deadline`
+a writer proven gone counts as drained                 :meth:`DecodeRoom.writer_gone`
+=====================================================  =====================================
+
+The machines do not know which process they run in; their tests drive them with plain
+method calls (``tests/test_rooms.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import (
+    PeerLost,
+    ProtocolError,
+    RemoteFailure,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+)
+from ._memory import validate_pages
+from ._state import (
+    AckBook,
+    DecodeBook,
+    KVPoll,
+    Lease,
+    LeaseBook,
+    Outcome,
+    RankSet,
+    StatusCell,
+)
+
+Pages: TypeAlias = npt.NDArray[np.int64]
+
+
+def reason_of(error: TransferError | None) -> str:
+    """The text a STATUS carries for a failure: its type and message."""
+    if error is None:
+        return ""
+    return f"{type(error).__name__}: {error}"
+
+
+# --------------------------------------------------------------------------------------------
+# Effects: what a machine hands back for the agent to do
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunChunks:
+    """Prefill: ``n`` chunks were queued for the workers."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelWork:
+    """Prefill: cancel the room's work that has not reached the engine (its cancel scopes)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PublishDue:
+    """Prefill: the room's outcome is due; take the room's lock and call ``publish``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendAck:
+    """Prefill: send ABORT_ACK (room, ``epoch``) to the decode ``endpoint``."""
+
+    endpoint: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendFailed:
+    """Prefill: tell the decode ``endpoint`` that (room, ``epoch``) failed here (a Failed
+    STATUS that must arrive, e.g. a TRANSFER that came too late)."""
+
+    endpoint: str
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Prefill: a well-formed message was refused (count it, log it)."""
+
+    error: ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantine:
+    """Prefill: ``lease`` errored; its pages stay out until its peers prove quiet or gone."""
+
+    lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Either side: the room just became Failed with ``error`` (count it, set its event)."""
+
+    error: TransferError
+
+
+@dataclass(frozen=True, slots=True)
+class Succeeded:
+    """Either side: the room just became Success."""
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Either side: run the room's ``on_release`` now (exactly once)."""
+
+    how: Literal["drained", "peer_gone", "timeout", "unsent"] = "drained"
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """Either side: the room holds nothing and owes nothing; drop it."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendTransfers:
+    """Decode: send TRANSFER to every source rank, and arm the waiting deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendAborts:
+    """Decode: send ABORT to these prefill ranks (those that may still write our pages)."""
+
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ArmAckDeadline:
+    """Decode: acks are awaited; call ``ack_deadline`` after the ack timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeWriters:
+    """Decode: acks are late; probe these prefill ranks (a writer proven gone counts)."""
+
+    ranks: tuple[int, ...]
+
+
+Effect: TypeAlias = (
+    RunChunks
+    | CancelWork
+    | PublishDue
+    | SendAck
+    | SendFailed
+    | Refused
+    | Quarantine
+    | Failed
+    | Succeeded
+    | Release
+    | Forget
+    | SendTransfers
+    | SendAborts
+    | ArmAckDeadline
+    | ProbeWriters
+)
+Due: TypeAlias = list[Effect]
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class Target:
+    """Where one decode rank wants this room's KV (from its TRANSFER)."""
+
+    endpoint: str
+    #: the decode engine session it registered with: a chunk is written only while the
+    #: endpoint's registration still has it (a restarted decode is another session)
+    session: str
+    decode_rank: int
+    epoch: int
+    aux_slot: int
+    dst_pages: Pages
+
+
+@dataclass(eq=False, slots=True)
+class Chunk:
+    """Admitted source pages ``[start, start + len(pages))`` of the room, under ``lease``."""
+
+    lease: Lease
+    pages: Pages
+    start: int
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPool:
+    """What a TRANSFER is checked against: the sizes the decode peer registered."""
+
+    num_pages: int
+    aux_slots: int
+
+
+# a STATUS send for publication: (endpoint, epoch, ok, reason) -> accepted now?
+StatusSend: TypeAlias = Callable[[str, int, bool, str], bool]
+
+
+@dataclass(eq=False, slots=True)
+class PrefillRoom:
+    """One room on a prefill rank: admission, chunks, publication, drain acks, release.
+
+    Invariants (each kept by the one method named):
+
+    * ``leases.closed`` becomes True once (:meth:`close`, or the last chunk settling) and
+      before any ack target is registered (:meth:`on_abort`); no chunk is admitted after it.
+    * ``published`` becomes True once (:meth:`publish`); after it no STATUS of this room's
+      outcome is sent again, and ``cell`` is terminal.
+    * ``on_release`` is due exactly once (:meth:`_settle`): closed, and no live or
+      quarantined lease.
+    * The room is forgotten only once released *and* published.
+    """
+
+    room: int
+    num_pages: int
+    aux_slot: int
+    #: pool size of this rank, for the page-id check of :meth:`admit`
+    pool_pages: int
+    cell: StatusCell = field(default_factory=StatusCell)
+    leases: LeaseBook = field(init=False)
+    acks: AckBook = field(default_factory=AckBook)
+    #: decode rank -> where it wants the KV; set by :meth:`add_target`
+    targets: dict[int, Target] = field(default_factory=dict)
+    #: how many TRANSFERs the room waits for (decode ranks this rank serves); None until the
+    #: first arrives
+    expected_targets: int | None = None
+    #: this use's epoch, from its first TRANSFER; None before
+    epoch: int | None = None
+    #: admitted before the decode metadata arrived; queued once the room is ready
+    waiting: list[Chunk] = field(default_factory=list)
+    #: handed to the workers and not yet taken (dict as an ordered set: a third the size)
+    queued: dict[Chunk, None] = field(default_factory=dict)
+    sent_pages: int = 0
+    last_admitted: bool = False
+    published: bool = False
+    released: bool = False
+    forgotten: bool = False
+
+    def __post_init__(self) -> None:
+        self.leases = LeaseBook(self.room)
+
+    @property
+    def ready(self) -> bool:
+        """Every decode rank this rank serves for the room has sent its TRANSFER."""
+        return self.expected_targets is not None and len(self.targets) >= self.expected_targets
+
+    # ---------------------------------------------------------------- admission and chunks
+
+    def admit(self, pages: Pages, last: bool) -> Due:
+        """The scheduler hands over the next chunk. Takes its lease at once (I3) or raises
+        :class:`AdmissionClosed` (closed room, I2) / :class:`ProtocolError` (a chunk past
+        ``num_pages``, after the last one, or with page ids outside the pool)."""
+        if self.last_admitted:
+            raise ProtocolError(f"room {self.room}: a chunk after the last one")
+        validate_pages(pages, self.pool_pages)
+        end = self.sent_pages + len(pages)
+        if end > self.num_pages or (last and end != self.num_pages):
+            raise ProtocolError(
+                f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
+                + (" (the last chunk must end at num_pages)" if last else "")
+            )
+        lease = self.leases.admit(len(pages))  # raises AdmissionClosed: I2
+        chunk = Chunk(lease, pages, self.sent_pages, last)
+        self.sent_pages = end
+        self.last_admitted = last
+        if not self.ready:
+            self.waiting.append(chunk)
+            return []
+        self.cell.advance(KVPoll.Transferring)
+        self.queued[chunk] = None
+        return [RunChunks(1)]
+
+    def take_chunks(self, limit: int) -> tuple[Chunk, int] | None:
+        """The oldest queued chunk, joined by the chunks queued right behind it (contiguous,
+        up to ``limit`` pages in all): one chunk, one lease, one engine call; with how many
+        chunks joined it. None if the queue is empty (its chunks were cancelled, or an
+        earlier take coalesced them).
+
+        Workers get one job per queued chunk and each takes the room's *oldest*: every chunk
+        is taken, in admission order, whichever woken worker runs first."""
+        if not self.queued:
+            return None
+        first = next(iter(self.queued))
+        del self.queued[first]
+        npages = len(first.pages)
+        group = [first]
+        for following in self.queued:  # admission order (a dict keeps insertion order)
+            n = len(following.pages)
+            if following.start != first.start + npages or npages + n > limit:
+                break
+            group.append(following)
+            npages += n
+        if len(group) == 1:
+            return first, 0
+        for following in group[1:]:
+            del self.queued[following]
+        lease = self.leases.merge([c.lease for c in group])
+        pages = np.concatenate([c.pages for c in group])
+        return Chunk(lease, pages, first.start, group[-1].last), len(group) - 1
+
+    def chunk_settled(self, chunk: Chunk, outcome: Outcome, failure: TransferError | None) -> Due:
+        """A chunk's engine calls are all terminal (its nursery exited). ``outcome`` is how
+        they ended (SPEC §5.3): completed and cancelled retire the lease, an error quarantines
+        it (completion of its blocks is unknown, so its pages do not go back on the error).
+        ``failure`` is set when the chunk failed the room."""
+        due: Due = []
+        self.leases.settle(chunk.lease, outcome)
+        if outcome is Outcome.ERROR:
+            due.append(Quarantine(chunk.lease))
+        if failure is not None:
+            return due + self.close(failure)
+        if chunk.last and not self.leases.closed:
+            self.leases.close()  # concluded: nothing more can be admitted
+        if self.publish_due:
+            due.append(PublishDue())
+        return due + self._settle()
+
+    def end_quarantine(self, lease: Lease) -> Due:
+        """The lease's peers proved quiet (answered after the engine's deadline) or gone."""
+        if lease not in self.leases.quarantined:
+            return []
+        self.leases.end_quarantine(lease)
+        return self._settle()
+
+    # ---------------------------------------------------------------- decode metadata
+
+    def add_target(
+        self,
+        *,
+        endpoint: str,
+        session: str,
+        decode_rank: int,
+        epoch: int,
+        aux_slot: int,
+        num_pages: int,
+        dst_pages: npt.NDArray[np.integer[Any]],
+        peer: PeerPool,
+        expected: int,
+    ) -> Due:
+        """A decode rank's TRANSFER for this room, from a registered peer. Validated here:
+        a bad one fails the room and that rank is told at once (it must not wait for its
+        own deadline); a late one for a room already over is answered Failed or dropped.
+        A refusal is reported as a :class:`Refused` effect (the listener counts it)."""
+        if self.leases.closed or self.published:
+            if self.cell.status is KVPoll.Failed:
+                return [SendFailed(endpoint, epoch, reason_of(self.cell.failure))]
+            return []
+        try:
+            if self.epoch is not None and epoch != self.epoch:
+                raise ProtocolError(f"room {self.room}: epoch {epoch} disagrees with {self.epoch}")
+            if num_pages != self.num_pages:
+                raise ProtocolError(
+                    f"room {self.room}: decode sent {num_pages} pages, prefill has "
+                    f"{self.num_pages}"
+                )
+            validate_pages(dst_pages, peer.num_pages)
+            if not 0 <= aux_slot < peer.aux_slots:
+                raise ProtocolError(f"aux slot {aux_slot} outside the decode aux buffer")
+        except ProtocolError as exc:
+            return [Refused(exc), *self.close(exc), SendFailed(endpoint, epoch, reason_of(exc))]
+        self.epoch = epoch
+        self.targets[decode_rank] = Target(
+            endpoint, session, decode_rank, epoch, aux_slot, dst_pages.astype(np.int64)
+        )
+        self.expected_targets = expected
+        if not self.ready:
+            return []
+        self.cell.advance(KVPoll.WaitingForInput)
+        if not self.waiting:
+            return []
+        self.cell.advance(KVPoll.Transferring)
+        self.queued.update(dict.fromkeys(self.waiting))
+        n, self.waiting = len(self.waiting), []
+        return [RunChunks(n)]
+
+    # ---------------------------------------------------------------- publication
+
+    @property
+    def publish_due(self) -> bool:
+        """The outcome can be decided: not yet published, no live lease, and either failed or
+        concluded with every decode rank's metadata in."""
+        if self.published or self.leases.live:
+            return False
+        if self.cell.status is KVPoll.Failed:
+            return True
+        return self.leases.closed and self.ready
+
+    def publish(self, send: StatusSend) -> Due:
+        """Decide and send the room's outcome (SPEC §5.4). The caller holds the room's lock
+        and ``send`` never blocks, so nothing interleaves between the check and the sends.
+
+        Success is sent to each target while every send is accepted; the first refusal (a
+        full socket) fails the room here and now, and the remaining targets (and the refused
+        one, for the caller to retry) are sent Failed. A Success already accepted by one
+        endpoint stands: this is not a distributed transaction. Local Success is written only
+        after every send was accepted."""
+        if not self.publish_due:
+            return []
+        self.published = True
+        due: Due = []
+        ok = self.cell.status is not KVPoll.Failed
+        reason = "" if ok else reason_of(self.cell.failure)
+        for target in self.targets.values():
+            if send(target.endpoint, target.epoch, ok, reason):
+                continue
+            if ok:  # back-pressure: the room fails now; the refused endpoint gets Failed
+                reason = f"STATUS to {target.endpoint} refused: its socket is full"
+                ok = False
+                error = TransferError(reason)
+                self.cell.fail(error)
+                due.append(Failed(error))
+                reason = reason_of(error)
+            due.append(SendFailed(target.endpoint, target.epoch, reason))
+        if ok and self.cell.advance(KVPoll.Success):
+            due.append(Succeeded())
+        return due + self._settle()
+
+    # ---------------------------------------------------------------- failure and abort
+
+    def close(self, error: TransferError) -> Due:
+        """Close admission, then fail the room (I2: before any ack target is registered).
+        Work not yet started is cancelled; chunks already in the engine finish."""
+        due: Due = []
+        self.leases.close()
+        if self.cell.fail(error):
+            due.append(Failed(error))
+        due.append(CancelWork(f"room {self.room}: {error}"))
+        # chunks that never reached a worker are cancelled now, not when a worker gets to
+        # them: the drain ack must not wait behind other rooms' work
+        for chunk in (*self.waiting, *self.queued):
+            self.leases.settle(chunk.lease, Outcome.CANCELLED)
+        self.waiting.clear()
+        self.queued.clear()
+        if self.publish_due:
+            due.append(PublishDue())
+        return due + self._settle()
+
+    def on_abort(self, endpoint: str, epoch: int) -> Due:
+        """ABORT from a decode rank for *this* use (its epoch matches): close admission, then
+        register the ack target, then ack once nothing is held (SPEC §5.5; the order is I2).
+        The caller (:class:`TransferBook`) routes ABORTs of other epochs elsewhere."""
+        due = self.close(TransferAborted(f"aborted by decode {endpoint}"))
+        self.acks.add_target(self.leases, endpoint, epoch)
+        return due + self._settle()
+
+    def bootstrap_deadline(self, timeout: float) -> Due:
+        """No (complete) decode metadata in time: fail; nothing is freed by the deadline."""
+        if self.ready or self.cell.terminal or self.forgotten:
+            return []
+        return self.close(
+            TransferTimeout(
+                f"room {self.room}: no decode metadata within {timeout:g} s (bootstrap timeout)"
+            )
+        )
+
+    def shutdown(self, reason: str) -> Due:
+        """The agent is closing and every engine call has returned. Tell each decode rank
+        still waiting (a Failed STATUS where nothing was published, and an ack: none of our
+        writes can land any more), except after an engine error, whose write may still land:
+        those acks are withheld. Then hand every source page back."""
+        due: Due = []
+        unpublished = not self.published
+        if not (self.published and self.cell.status is KVPoll.Success):
+            for target in self.targets.values():
+                if unpublished:
+                    due.append(SendFailed(target.endpoint, target.epoch, reason))
+                self.leases.close()  # (an ack target needs admission closed)
+                self.acks.add_target(self.leases, target.endpoint, target.epoch)
+        if not self.cell.terminal:
+            error = TransferAborted(reason)
+            self.cell.fail(error)
+            due.append(Failed(error))
+        if self.leases.quarantined:
+            self.acks.withhold()
+        self.leases.close()
+        self.published = True
+        self.waiting.clear()
+        self.queued.clear()
+        for lease in list(self.leases.live):
+            self.leases.settle(lease, Outcome.CANCELLED)
+        for lease in list(self.leases.quarantined):
+            self.leases.end_quarantine(lease)  # our own pages: no engine call is running
+        return due + self._settle()
+
+    # ---------------------------------------------------------------- settling
+
+    def _settle(self) -> Due:
+        """What a change of leases made due: acks, then the release, then forgetting the room
+        once it holds nothing and owes nothing."""
+        due: Due = [SendAck(ep, e) for ep, e in self.acks.due(self.leases)]
+        if self.leases.take_release():
+            self.released = True
+            due.append(Release())
+        if self.released and self.published and not self.forgotten:
+            self.forgotten = True
+            due.append(Forget())
+        return due
+
+
+@dataclass(eq=False, slots=True)
+class _Parked:
+    """A TRANSFER that came before the scheduler created its room."""
+
+    endpoint: str
+    session: str
+    decode_rank: int
+    epoch: int
+    aux_slot: int
+    num_pages: int
+    required: int
+    dst_pages: Pages
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What :class:`TransferBook` decided about one TRANSFER or ABORT."""
+
+    #: route it to this room's machine
+    room: PrefillRoom | None = None
+    #: answer with a Failed STATUS (reason)
+    refuse: str | None = None
+    #: send ABORT_ACK (the (room, epoch) provably holds nothing here)
+    ack: bool = False
+    #: a new tombstone or parked entry: arm its expiry (key for :meth:`TransferBook.expire`)
+    expire: Hashable | None = None
+    #: a message for a use that is over: counted as late
+    late: bool = False
+
+
+@dataclass(slots=True)
+class TransferBook:
+    """Prefill's book of what arrives for rooms it does not hold: parked TRANSFERs (decode's
+    metadata can beat the scheduler's ``sender()``), tombstones (ABORTs for a (room, epoch)
+    this rank never held or already concluded) and recently failed rooms (a late TRANSFER
+    for one is answered Failed rather than left to wait).
+
+    Everything is keyed by (room, epoch) (I4): an ABORT for an old epoch never touches a
+    later use of the room. Bounded: at most ``max_rooms`` parked rooms and ``max_page_ids``
+    parked page ids; past that a TRANSFER is refused.
+    """
+
+    max_rooms: int = 100_000
+    max_page_ids: int = 64 * 1024 * 1024
+    parked: dict[int, dict[int, _Parked]] = field(default_factory=dict)
+    parked_page_ids: int = 0
+    #: room -> epochs that decode aborted while this rank held nothing of them
+    tombstones: dict[int, set[int]] = field(default_factory=dict)
+    #: room -> epoch of a parked TRANSFER that its ABORT cancelled: the next ``sender()``
+    #: for the room is that use, and fails at once
+    aborted_parked: dict[int, int] = field(default_factory=dict)
+    #: room -> why it failed, for late TRANSFERs after it was forgotten
+    failed_recently: dict[int, str] = field(default_factory=dict)
+
+    def tombstoned(self, room: int, epoch: int) -> bool:
+        return epoch in self.tombstones.get(room, ())
+
+    def on_transfer(self, room_id: int, epoch: int, room: PrefillRoom | None) -> Verdict:
+        """Where a TRANSFER goes: refused (tombstoned, or its room failed and was forgotten),
+        to its room, or parked (the caller then calls :meth:`park`)."""
+        if self.tombstoned(room_id, epoch):
+            # A decode rank aborted this (room, epoch) while nothing of it was here. Another
+            # rank's TRANSFER can still be on its way: answer it, or it waits its deadline.
+            return Verdict(refuse=f"room {room_id} was aborted before this TRANSFER came", late=True)
+        if room is not None:
+            return Verdict(room=room)
+        if room_id in self.failed_recently:
+            return Verdict(refuse=self.failed_recently[room_id])
+        return Verdict()
+
+    def park(
+        self,
+        room_id: int,
+        *,
+        endpoint: str,
+        session: str,
+        decode_rank: int,
+        epoch: int,
+        aux_slot: int,
+        num_pages: int,
+        required: int,
+        dst_pages: Pages,
+    ) -> Verdict:
+        """Keep a TRANSFER for a room the scheduler has not created yet. Raises
+        :class:`ProtocolError` for a duplicate or past the bounds."""
+        pending = self.parked.get(room_id)
+        if pending is not None and decode_rank in pending:
+            raise ProtocolError(f"a second TRANSFER for room {room_id} from decode rank {decode_rank}")
+        if pending is None and len(self.parked) >= self.max_rooms:
+            raise ProtocolError("too many TRANSFERs for rooms this rank does not know")
+        if self.parked_page_ids + len(dst_pages) > self.max_page_ids:
+            raise ProtocolError("too many parked page ids for rooms this rank does not know")
+        verdict = Verdict()
+        if pending is None:
+            pending = self.parked[room_id] = {}
+            verdict.expire = ("parked", room_id)
+        pending[decode_rank] = _Parked(
+            endpoint, session, decode_rank, epoch, aux_slot, num_pages, required, dst_pages
+        )
+        self.parked_page_ids += len(dst_pages)
+        return verdict
+
+    def take_parked(self, room_id: int) -> list[_Parked]:
+        """The TRANSFERs parked for a room the scheduler now creates."""
+        pending = self.parked.pop(room_id, {})
+        self.parked_page_ids -= sum(len(p.dst_pages) for p in pending.values())
+        return list(pending.values())
+
+    def take_aborted(self, room_id: int) -> int | None:
+        """The epoch of a parked use of ``room_id`` that decode already aborted, if any."""
+        return self.aborted_parked.pop(room_id, None)
+
+    def on_abort(self, room_id: int, epoch: int, room: PrefillRoom | None) -> Verdict:
+        """Where an ABORT goes. To the room only if it is this use (same epoch). Otherwise
+        (an unknown room, a concluded one, or one whose use has not told its epoch yet) this
+        (room, epoch) provably holds nothing here: ack at once and leave a tombstone so a
+        late TRANSFER for it is refused. A parked TRANSFER of that epoch is dropped, and the
+        room's next ``sender()`` (that very use) fails at once."""
+        if room is not None and room.epoch == epoch:
+            return Verdict(room=room, late=False)
+        verdict = Verdict(ack=True)
+        pending = self.parked.get(room_id)
+        if pending is not None:
+            for rank, parked in list(pending.items()):
+                if parked.epoch == epoch:
+                    del pending[rank]
+                    self.parked_page_ids -= len(parked.dst_pages)
+                    self.aborted_parked[room_id] = epoch
+            if not pending:
+                del self.parked[room_id]
+        epochs = self.tombstones.setdefault(room_id, set())
+        if epoch not in epochs:
+            epochs.add(epoch)
+            verdict.expire = ("tombstone", room_id, epoch)
+        return verdict
+
+    def room_failed(self, room_id: int, reason: str) -> Hashable:
+        """A failed room was forgotten; returns the expiry key to arm."""
+        self.failed_recently[room_id] = reason
+        return ("failed", room_id)
+
+    def expire(self, key: Hashable) -> None:
+        """An expiry armed by one of the verdicts above is due."""
+        match key:
+            case ("parked", int(room_id)):
+                for parked in self.parked.pop(room_id, {}).values():
+                    self.parked_page_ids -= len(parked.dst_pages)
+                self.aborted_parked.pop(room_id, None)
+            case ("tombstone", int(room_id), int(epoch)):
+                epochs = self.tombstones.get(room_id)
+                if epochs is not None:
+                    epochs.discard(epoch)
+                    if not epochs:
+                        del self.tombstones[room_id]
+            case ("failed", int(room_id)):
+                self.failed_recently.pop(room_id, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class DecodeRoom:
+    """One room on a decode rank: resolve, ask, decide Success, or fail and hold the pages
+    until every prefill rank that may write them has acked its drain or is proven gone.
+
+    Three phases, told apart by two fields: before the prefill instance is resolved ``book``
+    is None (a failure then is kept in ``early_failure``: no prefill rank knows the room);
+    after it, ``book`` holds the statuses and acks; ``pages`` is set by ``init``.
+
+    Invariants: ``on_release`` is due at most once and only for a Failed room, once every
+    contacted rank has acked or reported Success or is proven gone (``book.take_release``),
+    or at once when no rank was ever told of the pages. Success needs every required rank's
+    Success *and* the aux row stamped with this room and epoch (I6).
+    """
+
+    room: int
+    epoch: int
+    book: DecodeBook | None = None
+    pages: npt.NDArray[np.int32] | None = None
+    aux_slot: int = -1
+    early_failure: TransferError | None = None
+    released: bool = False
+    forgotten: bool = False
+    #: TRANSFERs were sent (the waiting deadline is armed)
+    asked: bool = False
+
+    @property
+    def status(self) -> KVPoll:
+        if self.book is not None:
+            return self.book.cell.status
+        if self.early_failure is not None:
+            return KVPoll.Failed
+        return KVPoll.Bootstrapping
+
+    @property
+    def failure(self) -> TransferError | None:
+        if self.book is not None:
+            return self.book.cell.failure
+        return self.early_failure
+
+    @property
+    def holding(self) -> bool:
+        """Pages are held for a drain: failed, told some prefill rank, not yet released."""
+        return (
+            self.pages is not None
+            and not self.released
+            and self.book is not None
+            and self.book.aborting
+        )
+
+    def bind(self, ranks: list[int]) -> Due:
+        """The prefill instance is resolved: these are the room's source ranks."""
+        self.book = DecodeBook(self.room, self.epoch, RankSet(ranks))
+        if self.early_failure is not None:
+            self.book.cell.fail(self.early_failure)  # counted when it happened
+            return self._drain()
+        self.book.cell.advance(KVPoll.WaitingForInput)
+        return self._ask()
+
+    def init(self, pages: npt.NDArray[np.int32], aux_slot: int) -> Due:
+        """The scheduler gives the destination pages and aux row (validated by the caller)."""
+        if self.pages is not None:
+            raise ProtocolError(f"room {self.room}: init called twice")
+        self.pages = pages
+        self.aux_slot = aux_slot
+        if self.book is None:
+            if self.early_failure is not None:
+                return self._release("unsent")  # no prefill rank was ever told of them
+            return []
+        if self.book.aborting:
+            # failed (and told its ranks) before init: they never got these pages
+            return self._release("unsent")
+        return self._ask()
+
+    def _ask(self) -> Due:
+        if self.asked or self.pages is None or self.book is None:
+            return []
+        if self.book.cell.status is not KVPoll.WaitingForInput:
+            return []
+        self.asked = True
+        return [SendTransfers()]
+
+    def contacted(self, rank: int) -> None:
+        """A TRANSFER to ``rank`` is about to be sent: it may write our pages from now on."""
+        assert self.book is not None
+        self.book.contacted.add(rank)
+
+    def fail(self, error: TransferError, *, propagated: bool = False) -> Due:
+        """The one failure path: mark Failed, ask every source rank to drain (also those not
+        sent a TRANSFER yet, so their senders fail now rather than at their deadline), hold
+        the pages until each has acked (SPEC §5.5)."""
+        if self.book is None:
+            if self.early_failure is not None:
+                return []
+            self.early_failure = error
+            due: Due = [Failed(error)]
+            if self.pages is not None:
+                due += self._release("unsent")
+            return due
+        due = [Failed(error)] if self.book.cell.fail(error, propagated=propagated) else []
+        return due + self._drain()
+
+    def _drain(self) -> Due:
+        book = self.book
+        assert book is not None
+        if book.aborting or book.cell.status is not KVPoll.Failed:
+            return []
+        book.aborting = True
+        book.contacted |= book.required
+        due: Due = [SendAborts(tuple(book.required)), ArmAckDeadline()]
+        if self.pages is None:
+            # no pages were given, so none was named to a prefill rank: nothing to hold. The
+            # ABORTs still tell the senders; pages given to init later go back at once.
+            self.forgotten = True
+            return [SendAborts(tuple(book.required)), Forget()]
+        return due + self._maybe_release()
+
+    def on_status(self, rank: int, ok: bool, reason: str, aux_ok: Callable[[], bool]) -> Due:
+        """A STATUS for this (room, epoch) from prefill rank ``rank``. ``aux_ok`` reads the
+        aux row's stamp (called only when every rank succeeded). Raises ProtocolError for a
+        rank that is not one of the room's sources."""
+        book = self.book
+        assert book is not None
+        if rank not in book.required:
+            raise ProtocolError(f"room {self.room}: STATUS from rank {rank}, not a source")
+        if not ok:
+            return self.fail(RemoteFailure(f"prefill rank {rank}: {reason}"), propagated=True)
+        book.on_status(rank, True)
+        due: Due = []
+        if book.all_succeeded and not book.cell.terminal:
+            if aux_ok():
+                book.cell.advance(KVPoll.Success)
+                self.forgotten = True
+                return [Succeeded(), Forget()]
+            due += self.fail(ProtocolError(f"room {self.room}: aux row does not carry this epoch"))
+        # after an abort a rank's Success proves its drain and may be the last proof awaited
+        return due + self._maybe_release()
+
+    def on_ack(self, rank: int) -> Due:
+        assert self.book is not None
+        self.book.on_ack(rank)
+        return self._maybe_release()
+
+    def waiting_deadline(self, timeout: float) -> Due:
+        if self.book is None or self.book.cell.terminal:
+            return []
+        return self.fail(
+            TransferTimeout(f"room {self.room}: not done within {timeout:g} s (waiting timeout)")
+        )
+
+    def ack_deadline(self, policy: Literal["drain", "timeout"]) -> Due:
+        """Acks are late. Report; re-ask; free only under the ``"timeout"`` policy."""
+        book = self.book
+        if self.released or book is None:
+            return []
+        if policy == "timeout":
+            book.acked |= book.contacted
+            return self._maybe_release("timeout")
+        late = tuple(r for r in book.contacted if r not in book.acked and r not in book.succeeded)
+        return [SendAborts(late), ProbeWriters(late), ArmAckDeadline()]
+
+    def peer_lost(self, rank: int) -> Due:
+        """Rank ``rank`` stopped answering heartbeats: fail, and probe it (a loss is not a
+        proof: its writes may still land)."""
+        if self.book is None or rank in self.book.succeeded or self.forgotten:
+            return []
+        error = PeerLost(f"prefill rank {rank} stopped answering")
+        return [*self.fail(error), ProbeWriters((rank,))]
+
+    def writer_gone(self, rank: int) -> Due:
+        """Rank ``rank`` is proven gone: none of its writes can land; it counts as drained."""
+        if self.book is None or self.released:
+            return []
+        self.book.acked.add(rank)
+        return self._maybe_release("peer_gone")
+
+    def _maybe_release(
+        self, how: Literal["drained", "peer_gone", "timeout"] = "drained"
+    ) -> Due:
+        if self.book is None or self.pages is None or not self.book.take_release():
+            return []
+        return self._release(how)
+
+    def _release(self, how: Literal["drained", "peer_gone", "timeout", "unsent"]) -> Due:
+        if self.released:
+            return []
+        self.released = True
+        due: Due = [Release(how)]
+        if not self.forgotten:
+            self.forgotten = True
+            due.append(Forget())
+        return due
+
+    def close(self, reason: str) -> Due:
+        """The agent is closing: fail the room the normal way (its ranks are asked to drain);
+        the pages go back only on the usual proof."""
+        if self.status is KVPoll.Success or self.released:
+            return []
+        return self.fail(TransferAborted(reason))
+
+
+__all__ = [
+    "ArmAckDeadline",
+    "CancelWork",
+    "Chunk",
+    "DecodeRoom",
+    "Due",
+    "Effect",
+    "Failed",
+    "Forget",
+    "PeerPool",
+    "PrefillRoom",
+    "ProbeWriters",
+    "PublishDue",
+    "Quarantine",
+    "Refused",
+    "Release",
+    "RunChunks",
+    "SendAborts",
+    "SendAck",
+    "SendFailed",
+    "SendTransfers",
+    "Succeeded",
+    "Target",
+    "TransferBook",
+    "Verdict",
+    "reason_of",
+]
