@@ -54,10 +54,11 @@ from trio_pd import (
     PrefillConfig,
 )
 from trio_pd import _wire as wire
-from trio_pd._decode import _Instance, _PrefillRank
 from trio_pd._lane import run_to_end
 from trio_pd._memory import stamp_aux_row
 from trio_pd._prefill import _Room
+from trio_pd._sources import Instance as _Instance
+from trio_pd._sources import PrefillRank as _PrefillRank
 from trio_pd.engines import start_write
 from trio_pd.testing import explore, replay
 from trio_pd.testing.pools import HostKVPool

@@ -26,6 +26,7 @@ from trio_pd import (
     PeerLost,
     PrefillAgent,
     TransferAborted,
+    TransferTimeout,
     open_decode,
     open_prefill,
 )
@@ -429,7 +430,9 @@ async def test_waiting_timeout_fails_silent_room_only(
             assert await silent_sender.wait() is KVPoll.Failed
         assert 0.9 <= elapsed < 3.0, elapsed
         for r in (silent, unknown):
-            assert isinstance(r.failure, TransferAborted)
+            # a deadline is not an abort: callers and failures_total{reason} tell them apart
+            assert isinstance(r.failure, TransferTimeout), r.failure
+            assert not isinstance(r.failure, TransferAborted)
             assert "waiting timeout" in str(r.failure)
         assert sorted(released) == [11, 12]
         assert ok.poll() is KVPoll.Success and ok.failure is None

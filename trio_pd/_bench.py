@@ -425,7 +425,9 @@ async def _request(
 
     rx = pair.decode.receiver(req.room, bootstrap_url=pair.url, epoch=req.epoch)
     rx.init(req.dst_pages, req.dst_aux, on_release=on_release)
-    tx = pair.prefill.sender(req.room, num_pages=len(req.src_pages), aux_slot=req.src_aux)
+    tx = pair.prefill.sender(
+        req.room, num_pages=len(req.src_pages), aux_slot=req.src_aux, epoch=req.epoch
+    )
     ranges = chunk_ranges(len(req.src_pages), chunk_pages)
     for i, (a, b) in enumerate(ranges):
         tx.send(req.src_pages[a:b], last=i == len(ranges) - 1)

@@ -51,6 +51,11 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     #: a second control endpoint that takes only heartbeat pings, so a backlog of transfer
     #: messages on ``endpoint`` never delays them ("" = use ``endpoint``)
     heartbeat_endpoint: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    #: the rest of the pool's shape, so a decode rank can check that its pool pairs with this
+    #: instance before it registers (0: not published, by an older prefill)
+    head_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    num_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
+    aux_item_len: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Topology(msgspec.Struct, frozen=True):

@@ -206,7 +206,7 @@ async def run_prefill_rank(
 
                     sender = agent.sender(
                         req.room, num_pages=req.num_pages, aux_slot=int(aux[0]),
-                        on_release=release,
+                        on_release=release, epoch=req.epoch,
                     )
                     point = req.abort[1] if req.abort and req.abort[0] == "prefill" else None
                     if point == "before_bootstrap":

@@ -251,6 +251,7 @@ class PeerRegistry:
             self.nursery.start_soon(self._confirm, fence)
 
     async def _confirm(self, fence: _Fence) -> None:
+        await trio.lowlevel.checkpoint()
         states: list[Liveness] = []
         for peer in fence.peers:
             states.append(await self.liveness(peer))

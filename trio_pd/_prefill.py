@@ -270,20 +270,33 @@ class PrefillAgent:
         num_pages: int,
         aux_slot: int,
         on_release: Callable[[], None] | None = None,
+        epoch: int | None = None,
     ) -> PrefillSender:
         """Create the handle for ``room``: ``num_pages`` source pages will be sent in chunks,
         and aux row ``aux_slot`` with the last one. ``on_release`` runs exactly once, when the
-        room is over and no engine call can still read its pages."""
+        room is over and no engine call can still read its pages.
+
+        ``epoch``, when the scheduler knows it (the router chose it, and passed the same value
+        to the decode side's ``receiver(epoch=...)``), tells this use of the room from earlier
+        ones before decode's metadata arrives: an ABORT for it then fails the room at once. Left
+        out, the use learns its epoch from its first TRANSFER, and an ABORT that comes before
+        that is treated as one for another use of the room (acked, the room left alone: a late
+        ABORT of an old use must not kill this one); the room then fails at its bootstrap
+        deadline if no TRANSFER follows."""
         if room in self._rooms:
             raise TransferError(f"room {room} is still in use on prefill rank {self.tp_rank}")
         if not 0 <= aux_slot < self.pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
         if num_pages < 0:
             raise ValueError("num_pages must be >= 0")
-        rec = _Room(PrefillRoom(room, num_pages, aux_slot, self.pool.num_pages), on_release)
+        machine = PrefillRoom(room, num_pages, aux_slot, self.pool.num_pages, epoch=epoch)
+        rec = _Room(machine, on_release)
         self._rooms[room] = rec
         self.timers.after(self.config.bootstrap_timeout, partial(self._bootstrap_due, rec))
-        if self.book.take_aborted(room) is not None:
+        aborted = self.book.take_aborted(room)  # a parked TRANSFER of this use was aborted
+        if (aborted is not None and epoch in (None, aborted)) or (
+            epoch is not None and self.book.tombstoned(room, epoch)  # this very use aborted
+        ):
             # decode aborted this very use before the scheduler created it here: fail now
             # rather than at the bootstrap deadline
             self._carry(rec, rec.machine.close(TransferAborted(f"room {room} aborted by decode")))
@@ -333,7 +346,8 @@ class PrefillAgent:
                 case Quarantine(lease=lease):
                     self._quarantine(rec, lease)
                 case Failed(error=error):
-                    self.counters.bump("aborted" if isinstance(error, TransferAborted) else "failed")
+                    kind = "aborted" if isinstance(error, TransferAborted) else "failed"
+                    self.counters.bump(kind)
                     if self.metrics is not None:
                         self.metrics.observe_failure(error)
                     rec.terminal.set()
@@ -352,7 +366,8 @@ class PrefillAgent:
                         del self._rooms[room]
                     if rec.machine.cell.status is KVPoll.Failed:
                         key = self.book.room_failed(room, _reason(rec.machine))
-                        self.timers.after(self.config.bootstrap_timeout, partial(self.book.expire, key))
+                        expire = partial(self.book.expire, key)
+                        self.timers.after(self.config.bootstrap_timeout, expire)
                 case _:
                     raise AssertionError(f"prefill cannot do {effect!r}")
 
@@ -401,7 +416,8 @@ class PrefillAgent:
             chunk, joined = taken
             if joined:
                 self.counters.bump("chunks_coalesced", joined)
-            await self.runner.run(rec.machine, rec.scopes, chunk, partial(self._settled, rec, chunk))
+            settle = partial(self._settled, rec, chunk)
+            await self.runner.run(rec.machine, rec.scopes, chunk, settle)
             if rec.machine.publish_due:  # (most chunks are not a room's last: no extra round)
                 await self._publish(rec)
 
@@ -475,7 +491,8 @@ class PrefillAgent:
                 dst_pages=pages.astype(np.int64),
             )
             if parked.expire is not None:
-                self.timers.after(self.config.bootstrap_timeout, partial(self.book.expire, parked.expire))
+                expire = partial(self.book.expire, parked.expire)
+                self.timers.after(self.config.bootstrap_timeout, expire)
             return
         self._carry(rec, rec.machine.add_target(
             endpoint=msg.endpoint, session=peer.session, decode_rank=msg.decode_rank,
@@ -586,6 +603,9 @@ async def open_prefill(
                     kv_heads=kv_heads,
                     page_size=pool.page_size,
                     heartbeat_endpoint=agent.control.heartbeat_endpoint,
+                    head_bytes=pool.head_bytes,
+                    num_layers=pool.num_layers,
+                    aux_item_len=pool.aux_item_len,
                 )
             )
             try:

@@ -24,6 +24,7 @@ import logging
 import math
 
 import trio
+import trio.lowlevel
 
 from ._state import Liveness
 from .engines import TransferEngine
@@ -56,6 +57,7 @@ def _host_port(endpoint: str) -> tuple[str, int] | None:
 
 async def _connect(family: int, type_: int, proto: int, addr: object) -> bool | None:
     """One connect attempt: True if refused, False if connected (closed at once), else None."""
+    await trio.lowlevel.checkpoint()
     sock = trio.socket.socket(family, type_, proto)
     with sock:
         try:
@@ -84,6 +86,7 @@ async def port_refuses(endpoint: str) -> bool | None:
     SYNs keeps a connect pending for minutes): the caller bounds it with
     ``trio.move_on_after``. A cancelled connect's socket is closed; nothing is left behind.
     """
+    await trio.lowlevel.checkpoint()
     parsed = _host_port(endpoint)
     if parsed is None:
         return None
@@ -141,10 +144,12 @@ async def probe(
     already started is abandoned (it keeps the limiter's token until it returns); one still
     waiting for the limiter never starts. Cancelled propagates; no Liveness is returned.
     """
+    await trio.lowlevel.checkpoint()
     endpoints = [control_endpoint] if control_endpoint is not None else []
     if engine.name == "mooncake":
         endpoints.append(session)
     with trio.move_on_after(timeout):
+        await trio.lowlevel.checkpoint()
         for endpoint in endpoints:
             if await port_refuses(endpoint):
                 log.debug("probe of %s: %s refused a connection: gone", session, endpoint)
@@ -180,12 +185,14 @@ async def wait_idle(
     **Cancellation:** cancellable at any point; the tokens it took so far are given back and
     the cancellation propagates.
     """
+    await trio.lowlevel.checkpoint()
     total = limiter.total_tokens
     if isinstance(total, float) and math.isinf(total):
         raise ValueError("wait_idle needs a limiter with a finite number of tokens")
     held: list[object] = []
     try:
         with trio.move_on_after(timeout):
+            await trio.lowlevel.checkpoint()
             for _ in range(int(total)):
                 token = object()
                 await limiter.acquire_on_behalf_of(token)

@@ -605,7 +605,8 @@ class TransferBook:
         if self.tombstoned(room_id, epoch):
             # A decode rank aborted this (room, epoch) while nothing of it was here. Another
             # rank's TRANSFER can still be on its way: answer it, or it waits its deadline.
-            return Verdict(refuse=f"room {room_id} was aborted before this TRANSFER came", late=True)
+            why = f"room {room_id} was aborted before this TRANSFER came"
+            return Verdict(refuse=why, late=True)
         if room is not None:
             return Verdict(room=room)
         if room_id in self.failed_recently:
@@ -629,7 +630,9 @@ class TransferBook:
         :class:`ProtocolError` for a duplicate or past the bounds."""
         pending = self.parked.get(room_id)
         if pending is not None and decode_rank in pending:
-            raise ProtocolError(f"a second TRANSFER for room {room_id} from decode rank {decode_rank}")
+            raise ProtocolError(
+                f"a second TRANSFER for room {room_id} from decode rank {decode_rank}"
+            )
         if pending is None and len(self.parked) >= self.max_rooms:
             raise ProtocolError("too many TRANSFERs for rooms this rank does not know")
         if self.parked_page_ids + len(dst_pages) > self.max_page_ids:

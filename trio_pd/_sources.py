@@ -1,0 +1,231 @@
+"""Decode's sources: the prefill instances a decode rank reads from, found through their
+bootstrap services; the prefill ranks it registered with; their heartbeat, loss and
+liveness.
+
+A prefill rank that misses ``heartbeat_misses`` pings in a row is *lost*: its rooms fail. A
+loss proves nothing about its writes (a stopped or partitioned peer's engine may still
+deliver what it queued), so held pages wait for its drain ack, or for a probe that proves it
+gone (:mod:`trio_pd._probe`: its control endpoint or engine port refusing connections).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+import trio_util
+
+from . import _probe, _wire
+from ._bootstrap_client import BootstrapClient, Topology
+from ._control import ControlPlane
+from ._errors import BootstrapError, IncompatiblePeer, ProtocolError, TransferError
+from ._memory import PoolSpec
+from ._state import Liveness
+from ._stats import Counters
+from ._topology import pairing_problem, source_ranks
+from .engines import TransferEngine
+
+log = logging.getLogger("trio_pd.decode")
+
+
+@dataclass(eq=False, slots=True)
+class PrefillRank:
+    """One prefill rank this decode rank registered with."""
+
+    endpoint: str
+    tp_rank: int
+    session: str
+    ping_id: int = 0
+    heartbeat_endpoint: str = ""
+    #: ids of the rooms it serves here
+    rooms: set[int] = field(default_factory=set)
+    unanswered: int = 0  # pings sent since the last pong
+    lost: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Instance:
+    """One prefill instance (one bootstrap URL) and the ranks this decode rank reads from."""
+
+    url: str
+    sources: list[PrefillRank] = field(default_factory=list)
+    ready: bool = False
+    #: rooms created before the instance was resolved (the agent's records)
+    waiting: list[Any] = field(default_factory=list)
+
+
+class Sources:
+    """Resolve, register, heartbeat, loss (SPEC §5.6, §8.14)."""
+
+    def __init__(
+        self,
+        *,
+        engine: TransferEngine,
+        pool: PoolSpec,
+        tp_rank: int,
+        tp_size: int,
+        control: ControlPlane,
+        counters: Counters,
+        bootstrap_timeout: float,
+        heartbeat_interval: float,
+        heartbeat_misses: int,
+        probe_timeout: float,
+        on_resolved: Callable[[Instance], None],
+        on_failed: Callable[[Instance, TransferError], None],
+        on_lost: Callable[[PrefillRank], None],
+    ) -> None:
+        self.engine, self.pool = engine, pool
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.control, self.counters = control, counters
+        self.bootstrap_timeout = bootstrap_timeout
+        self.heartbeat_interval, self.heartbeat_misses = heartbeat_interval, heartbeat_misses
+        self.probe_timeout = probe_timeout
+        self._on_resolved, self._on_failed, self._on_lost = on_resolved, on_failed, on_lost
+        self.instances: dict[str, Instance] = {}
+        self.ranks: dict[str, PrefillRank] = {}  # endpoint -> rank we registered with
+        self._ping_ids = itertools.count(1)
+        #: probes run in their own thread, one at a time (see _probe)
+        self.probe_limiter = trio.CapacityLimiter(1)
+        self.nursery: trio.Nursery | None = None
+
+    def instance(self, url: str) -> Instance:
+        """The instance at ``url``, resolved in the background on first use."""
+        inst = self.instances.get(url)
+        if inst is None:
+            inst = self.instances[url] = Instance(url)
+            assert self.nursery is not None, "the decode agent is closed"
+            self.nursery.start_soon(self._resolve, inst)
+        return inst
+
+    async def _resolve(self, inst: Instance) -> None:
+        """Find the instance's topology, check that it pairs with our pool, and register with
+        the ranks we read from."""
+        try:
+            async with BootstrapClient(inst.url) as client:
+                with trio.fail_after(self.bootstrap_timeout):
+                    topo = await client.wait_topology()
+            ranks = self._source_ranks(topo)
+            inst.sources = [self._register_with(topo, p) for p in ranks]
+        except (BootstrapError, trio.TooSlowError, ProtocolError, OSError) as exc:
+            error: TransferError
+            if isinstance(exc, IncompatiblePeer):
+                error = exc
+            else:
+                error = BootstrapError(f"prefill instance {inst.url}: {exc}")
+            log.warning("%s", error)
+            if self.instances.get(inst.url) is inst:
+                del self.instances[inst.url]
+            self._on_failed(inst, error)
+            await trio.lowlevel.checkpoint()
+            return
+        inst.ready = True
+        self._on_resolved(inst)
+
+    def _source_ranks(self, topo: Topology) -> range:
+        first = topo.ranks[0]
+        if first.engine != self.engine.name:
+            raise IncompatiblePeer(
+                f"prefill uses engine {first.engine!r}, this decode rank {self.engine.name!r}"
+            )
+        pool = self.pool
+        problem = pairing_problem(
+            layout=first.layout,  # type: ignore[arg-type]
+            page_size=first.page_size,
+            head_bytes=first.head_bytes or pool.head_bytes,
+            num_layers=first.num_layers or pool.num_layers,
+            aux_item_len=first.aux_item_len or pool.aux_item_len,
+            kv_heads=first.kv_heads,
+            prefill_tp=topo.tp_size,
+            peer_layout=pool.layout,
+            peer_page_size=pool.page_size,
+            peer_head_bytes=pool.head_bytes,
+            peer_num_layers=pool.num_layers,
+            peer_aux_item_len=pool.aux_item_len,
+            peer_rank=self.tp_rank,
+            peer_tp=self.tp_size,
+            peer_heads=pool.heads,
+            peer_first_head=pool.first_head,
+        )
+        if problem is not None:
+            raise IncompatiblePeer(f"prefill instance does not pair with this pool: {problem}")
+        return source_ranks(self.tp_rank, topo.tp_size, self.tp_size)
+
+    def _register_with(self, topo: Topology, p: int) -> PrefillRank:
+        info = topo.ranks[p]
+        rank = self.ranks.get(info.endpoint)
+        if rank is not None and rank.session == info.engine_session and not rank.lost:
+            return rank
+        rank = PrefillRank(
+            info.endpoint,
+            info.tp_rank,
+            info.engine_session,
+            next(self._ping_ids),
+            info.heartbeat_endpoint or info.endpoint,
+        )
+        self.ranks[info.endpoint] = rank
+        msg = _wire.Register(
+            v=_wire.WIRE_VERSION,
+            endpoint=self.control.endpoint,
+            decode_rank=self.tp_rank,
+            decode_tp=self.tp_size,
+            engine=self.engine.name,
+            session=self.engine.session_id,
+            engine_meta=self.engine.metadata(),
+            pool=_wire.PoolWire.from_spec(self.pool),
+        )
+        if not self.control.send_nowait(info.endpoint, msg):
+            raise ProtocolError(f"prefill rank {p} at {info.endpoint} is not reading")
+        return rank
+
+    # ---------------------------------------------------------------- heartbeat and loss
+
+    async def heartbeat(self) -> None:
+        """Ping every prefill rank we use; one that leaves ``heartbeat_misses`` pings in a row
+        unanswered is lost. Misses are counted in pings, not seconds, so a stall of this
+        process (a pong waiting unread) costs at most one miss.
+
+        **Cancellation:** safe at any point.
+        """
+        async for _ in trio_util.periodic(self.heartbeat_interval):
+            for rank in list(self.ranks.values()):
+                if rank.lost:
+                    continue
+                if rank.unanswered >= self.heartbeat_misses:
+                    self._lose(rank)
+                    continue
+                rank.unanswered += 1
+                ping = _wire.Ping(
+                    v=_wire.WIRE_VERSION, nonce=rank.ping_id,
+                    endpoint=self.control.heartbeat_endpoint,
+                )
+                self.control.send_nowait(rank.heartbeat_endpoint, ping)
+
+    def on_pong(self, nonce: int) -> None:
+        for rank in self.ranks.values():
+            if rank.ping_id == nonce:
+                rank.unanswered = 0
+
+    def _lose(self, rank: PrefillRank) -> None:
+        rank.lost = True
+        self.counters.bump("peers_lost")
+        if self.ranks.get(rank.endpoint) is rank:
+            del self.ranks[rank.endpoint]
+        self.control.forget(rank.heartbeat_endpoint)
+        for url, inst in list(self.instances.items()):
+            if rank in inst.sources:
+                del self.instances[url]  # the next receiver re-resolves the instance
+        self._on_lost(rank)
+
+    async def liveness(self, rank: PrefillRank) -> Liveness:
+        """Probe a prefill rank (a writer of our pages): GONE only on proof."""
+        return await _probe.probe(
+            self.engine,
+            rank.session,
+            control_endpoint=rank.endpoint,
+            timeout=self.probe_timeout,
+            limiter=self.probe_limiter,
+        )
