@@ -524,8 +524,8 @@ async def test_heartbeat_loss_then_reregistered_prefill_works(
             assert stats.peers_lost >= 1 and stats.pages_held == 0
             if policy == "drain":  # the writer was proven gone: its engine is closed
                 assert stats.released_peer_gone == 1 and stats.released_by_timeout == 0
-            else:
-                assert stats.released_by_timeout == 1
+            else:  # proof (a refused control port) may come before the timeout: either frees
+                assert stats.released_by_timeout + stats.released_peer_gone == 1
 
             # A new prefill agent (a new engine session) registers rank 0 again.
             src_pool2 = host_pool()

@@ -470,6 +470,9 @@ class PrefillAgent:
         if verdict.late:
             self.counters.bump("late_messages")
         if verdict.refuse is not None:
+            if verdict.abort_room is not None and rec is not None:
+                error = TransferAborted(f"room {msg.room} was aborted by decode before this use")
+                self._carry(rec, rec.machine.close(error))
             self._send_failed(msg.room, msg.epoch, msg.endpoint, verdict.refuse)
             return
         peer = self.peers.get(msg.endpoint)

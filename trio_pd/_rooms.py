@@ -570,6 +570,8 @@ class Verdict:
     expire: Hashable | None = None
     #: a message for a use that is over: counted as late
     late: bool = False
+    #: the room is that aborted use (it had not seen its epoch yet): fail it too
+    abort_room: PrefillRoom | None = None
 
 
 @dataclass(slots=True)
@@ -606,7 +608,8 @@ class TransferBook:
             # A decode rank aborted this (room, epoch) while nothing of it was here. Another
             # rank's TRANSFER can still be on its way: answer it, or it waits its deadline.
             why = f"room {room_id} was aborted before this TRANSFER came"
-            return Verdict(refuse=why, late=True)
+            this_use = room is not None and room.epoch in (None, epoch)
+            return Verdict(refuse=why, late=True, abort_room=room if this_use else None)
         if room is not None:
             return Verdict(room=room)
         if room_id in self.failed_recently:

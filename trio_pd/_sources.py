@@ -10,6 +10,7 @@ gone (:mod:`trio_pd._probe`: its control endpoint or engine port refusing connec
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -151,6 +152,11 @@ class Sources:
             peer_first_head=pool.first_head,
         )
         if problem is not None:
+            # Register anyway (best effort): the prefill ranks refuse it with their own
+            # reason and count it, so the operator sees the mismatch on both sides.
+            with contextlib.suppress(ValueError, ProtocolError):
+                for p in source_ranks(self.tp_rank, topo.tp_size, self.tp_size):
+                    self._register_with(topo, p)
             raise IncompatiblePeer(f"prefill instance does not pair with this pool: {problem}")
         return source_ranks(self.tp_rank, topo.tp_size, self.tp_size)
 
