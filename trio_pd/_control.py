@@ -46,7 +46,7 @@ Handler = Callable[[_wire.Message, npt.NDArray[np.int32] | None], None]
 
 
 class ControlPlane:
-    """One agent's sockets. Create with :meth:`open`; close with :meth:`close`."""
+    """One agent's sockets, bound when it is constructed; close them with :meth:`aclose`."""
 
     #: at most this many waiting messages are handled in one scheduling step
     BATCH = 64

@@ -2,10 +2,10 @@
 to ``depth`` writes in flight at once.
 
 Why not ``trio.to_thread.run_sync`` per call (what trio_pd did first): every call then pays a
-thread hand-off both ways (measured 167 µs for a no-op on a 2-core box, more than a small
-Mooncake write), a queue of calls waits on a ``CapacityLimiter`` and a fresh hand-off between
-calls, and several threads writing to one Mooncake peer at once halve its throughput (1 thread
-1.6-1.7 GB/s, 2 threads 0.9 GB/s, same blocks). A lane's thread takes the next queued call the
+thread hand-off both ways (more than a small Mooncake write costs), a queue of calls waits on
+a ``CapacityLimiter`` and a fresh hand-off between calls, and several threads writing to one
+Mooncake peer at once cut its throughput (docs/bench.md has the measurements). A lane's
+thread takes the next queued call the
 moment the previous one returns, and a peer that hangs holds up only its own lane.
 
 :meth:`Lane.run_sync` keeps the contract trio_pd's lifetimes rest on, the same as

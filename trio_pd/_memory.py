@@ -22,10 +22,9 @@ from ._errors import ProtocolError
 _U64 = np.uint64
 _U64_MAX: Final = int(np.iinfo(np.uint64).max)
 
-#: Up to this many elements the hot-path helpers (here and in ``_plan``) work on Python lists:
-#: one numpy call costs 1-2 µs on a small box, so a 16-page chunk spent ~20 µs finding its runs
-#: with numpy against ~4 µs in a loop. Above it, numpy. Both paths give identical results
-#: (tested).
+#: Up to this many elements the hot-path helpers (here and in ``_plan``) work on Python lists,
+#: where numpy's per-call overhead outweighs the work (docs/bench.md); above it, numpy. Both
+#: paths give identical results (tested).
 SMALL = 64
 
 

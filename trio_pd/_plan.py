@@ -205,7 +205,7 @@ def plan_pages(
                 f"whole-page copy needs equal page sizes in bytes: source item_len "
                 f"{src.item_len}, destination {dst.item_len} (pass heads= to slice)"
             )
-        if s_pages.size <= _memory.SMALL:  # lists: a few µs instead of ~30 (see SMALL)
+        if s_pages.size <= _memory.SMALL:  # lists: cheaper than numpy here (see SMALL)
             item_len = src.item_len
             ss, ds, ns = _runs_small(s_pages.tolist(), d_pages.tolist())
             return Blocks(

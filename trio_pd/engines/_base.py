@@ -1,7 +1,8 @@
 """The small protocol every transfer engine adapter implements.
 
 Every method here is *blocking* and thread-safe: the trio layer calls the data-moving ones only
-through ``trio.to_thread.run_sync`` with its own ``CapacityLimiter``, never on the event loop.
+from threads, never on the event loop: writes and ``add_peer`` on the destination's lane
+(``trio_pd._lane.Lane``), probes through ``trio.to_thread.run_sync`` with a limiter of their own.
 An adapter never retries and never hides an error: a failed write raises
 :class:`~trio_pd.EngineError`, which means "outcome unknown" (some blocks may have landed).
 """
