@@ -1,0 +1,67 @@
+"""The pure core imports no I/O: not trio, not zmq, not an engine, not the agents (SPEC §5).
+
+``trio_pd/__init__.py`` imports the agents, so a plain ``import trio_pd._rooms`` runs it and
+pulls trio in whatever ``_rooms`` does. The check therefore runs in a fresh interpreter that
+installs an empty stand-in for the ``trio_pd`` package (its ``__path__`` the real directory,
+its ``__init__`` never run) and imports the core modules through it: whatever lands in
+``sys.modules`` then came from those modules alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import trio_pd
+
+CORE = ["_state", "_rooms", "_plan", "_memory", "_topology", "_wire"]
+FORBIDDEN = [
+    "trio",
+    "zmq",
+    "hypercorn",
+    "httpx",
+    "trio_pd.engines",
+    "trio_pd._prefill",
+    "trio_pd._decode",
+    "trio_pd._control",
+]
+
+PROBE = """
+import importlib, json, sys, types
+package = types.ModuleType("trio_pd")
+package.__path__ = [sys.argv[1]]
+sys.modules["trio_pd"] = package
+for name in json.loads(sys.argv[2]):
+    importlib.import_module("trio_pd." + name)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def _loaded(modules: list[str]) -> list[str]:
+    package_dir = str(Path(trio_pd.__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", PROBE, package_dir, json.dumps(modules)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    loaded: list[str] = json.loads(out.stdout)
+    return loaded
+
+
+def _offenders(loaded: list[str]) -> list[str]:
+    return [m for m in loaded if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
+
+
+def test_pure_core_imports_no_io() -> None:
+    loaded = _loaded(CORE)
+    assert {f"trio_pd.{name}" for name in CORE} <= set(loaded)
+    assert _offenders(loaded) == []
+
+
+def test_the_probe_sees_an_impure_import() -> None:
+    """The probe itself works: importing an agent module through it does show trio."""
+    assert "trio" in _offenders(_loaded(["_prefill"]))
