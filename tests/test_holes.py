@@ -187,9 +187,10 @@ async def test_hole1_decode_kv_heads_disagreeing_with_pool_is_refused() -> None:
     )
     configuration_error = getattr(trio_pd, "ConfigurationError", None)
     assert configuration_error is not None and issubclass(configuration_error, ValueError)
+    kw: dict[str, Any] = {"kv_heads": 4}  # (a parameter the fix added)
     async with engines("mooncake") as (de,):
         with pytest.raises(configuration_error):
-            async with open_decode(engine=de, pool=readme_pool().spec, kv_heads=4):  # type: ignore[call-arg]
+            async with open_decode(engine=de, pool=readme_pool().spec, **kw):
                 pass
 
 
@@ -358,14 +359,15 @@ async def test_hole2_close_timeout_reports_unproven_rooms_and_keeps_their_pages(
 
 
 class HangingProbe(FaultEngine):
-    """Every probe hangs for ``hang`` seconds (longer than the quarantine fence), then says
-    alive: a probe that cannot tell in time."""
+    """Every probe hangs for ``hang`` seconds, longer than the quarantine fence, then answers
+    False: what Mooncake's ``send_probe`` does against a hung peer (about 60 s, then "no
+    answer"). A probe that did not answer within its bound proves nothing either way."""
 
     hang = 1.0
 
     def probe(self, peer: str) -> bool:
         time.sleep(self.hang)
-        return True
+        return False
 
 
 async def test_hole3_probe_timeout_does_not_end_a_quarantine(bootstrap_url: str) -> None:
@@ -407,10 +409,9 @@ async def test_hole3_probe_timeout_does_not_end_a_quarantine(bootstrap_url: str)
 
 
 def _rank_pool(rank: int, tp: int, kv_heads: int = 2) -> HostKVPool:
-    from trio_pd._topology import head_range
-
-    first, heads = head_range(rank, tp, kv_heads)
-    return host_pool("mha", heads=heads, first_head=first)
+    """The pool of TP rank ``rank`` of ``tp`` (``tp`` divides ``kv_heads``): its even share."""
+    heads = kv_heads // tp
+    return host_pool("mha", heads=heads, first_head=rank * heads)
 
 
 async def test_hole4_decode_abort_retries_stay_bounded(
