@@ -627,12 +627,10 @@ def test_prefill_abort_with_chunk_in_flight_acks_once_after_it() -> None:
     assert due == [SendAck("e", 3), Release()]
 
 
-def test_prefill_trusts_the_runner_with_cancelled_chunks() -> None:
-    """The contract, recorded: a chunk that settles CANCELLED with no failure while its room
-    is neither failed nor aborted never wrote its pages, yet the machine then publishes
-    Success. The runner must pass a failure in that case; it settles CANCELLED without one
-    only after the room's ``CancelWork`` or when the agent closes (whose worker then cannot
-    take the room's lock to publish). The state machines above never feed it this input."""
+def test_prefill_never_succeeds_with_a_chunk_cancelled_unwritten() -> None:
+    """A chunk that settles CANCELLED with no failure while its room is neither failed nor
+    aborted never wrote its pages: the room fails rather than publishing Success. (The runner
+    reports a chunk with nothing to write, a dummy rank's, as COMPLETED.)"""
     room = PrefillRoom(room=1, num_pages=4, aux_slot=0, pool_pages=POOL)
     room.add_target(
         endpoint="e", session="s", decode_rank=0, epoch=1, aux_slot=0, num_pages=4,
@@ -643,9 +641,10 @@ def test_prefill_trusts_the_runner_with_cancelled_chunks() -> None:
     taken_a, taken_b = room.take_chunks(2), room.take_chunks(2)
     assert taken_a is not None and taken_b is not None
     room.chunk_settled(taken_b[0], Outcome.COMPLETED, None)
-    room.chunk_settled(taken_a[0], Outcome.CANCELLED, None)  # pages 0-1 never written
-    assert room.publish_due  # the machine's contract: the caller passes a failure
-    assert Succeeded() in room.publish(lambda *_: True)
+    due = room.chunk_settled(taken_a[0], Outcome.CANCELLED, None)  # pages 0-1 never written
+    assert any(isinstance(e, Failed) for e in due)
+    assert room.cell.status is KVPoll.Failed
+    assert Succeeded() not in room.publish(lambda *_: True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -940,7 +939,8 @@ def test_abort_of_a_parked_transfer_fails_the_next_sender() -> None:
 
 def test_transfer_book_bounds() -> None:
     book = TransferBook(max_rooms=2, max_page_ids=6)
-    assert _park(book, 1, 0, 1, 2).expire == ("parked", 1)
+    key = _park(book, 1, 0, 1, 2).expire
+    assert isinstance(key, tuple) and key[:2] == ("parked", 1)
     assert _park(book, 1, 1, 1, 2).expire is None
     with pytest.raises(ProtocolError):
         _park(book, 1, 1, 1, 0)  # a second TRANSFER from one rank
@@ -950,7 +950,7 @@ def test_transfer_book_bounds() -> None:
     with pytest.raises(ProtocolError):
         _park(book, 2, 1, 1, 2)  # 7 page ids
     assert book.parked_page_ids == 5
-    book.expire(("parked", 1))
+    book.expire(key)
     assert book.parked_page_ids == 1
     book.take_parked(2)
     assert book.parked_page_ids == 0 and book.parked == {}
@@ -969,6 +969,25 @@ def test_transfer_book_failed_rooms_and_expiry() -> None:
     assert book.tombstones == {} and book.on_transfer(3, 1, None).refuse is None
 
 
+def test_transfer_book_old_expiry_spares_a_newer_entry() -> None:
+    """An expiry armed for an earlier entry of a room id (parked, then taken, then parked
+    again; failed, then failed again) leaves the newer entry alone."""
+    book = TransferBook()
+    old = _park(book, 5, 0, 1, 2).expire
+    book.take_parked(5)
+    new = _park(book, 5, 0, 2, 2).expire
+    book.expire(old)
+    assert 5 in book.parked and book.parked_page_ids == 2
+    book.expire(new)
+    assert book.parked == {} and book.parked_page_ids == 0
+    first = book.room_failed(6, "first")
+    second = book.room_failed(6, "second")
+    book.expire(first)
+    assert book.on_transfer(6, 1, None).refuse == "second"
+    book.expire(second)
+    assert book.on_transfer(6, 1, None).refuse is None
+
+
 class TransferBookRules(RuleBasedStateMachine):
     """Parked TRANSFERs, tombstones and aborted parked uses, keyed by (room, epoch), bounded,
     and cleaned up exactly by their expiry keys (I4)."""
@@ -981,6 +1000,8 @@ class TransferBookRules(RuleBasedStateMachine):
         self.aborted: dict[int, int] = {}
         self.failed: dict[int, str] = {}
         self.keys: list[Any] = []
+        #: (kind, room) -> the expiry key armed for the entry there now
+        self.live: dict[tuple[str, int], Any] = {}
 
     @property
     def page_ids(self) -> int:
@@ -1011,8 +1032,9 @@ class TransferBookRules(RuleBasedStateMachine):
             return
         parked = _park(self.book, room, rank, epoch, n)
         if pending is None:
-            assert parked.expire == ("parked", room)
+            assert isinstance(parked.expire, tuple) and parked.expire[:2] == ("parked", room)
             self.keys.append(parked.expire)
+            self.live[("parked", room)] = parked.expire
         else:
             assert parked.expire is None
         self.parked.setdefault(room, {})[rank] = (epoch, n)
@@ -1058,7 +1080,9 @@ class TransferBookRules(RuleBasedStateMachine):
     @rule(room=st.integers(0, 3))
     def room_failed(self, room: int) -> None:
         self.failed[room] = f"room {room} failed"
-        self.keys.append(self.book.room_failed(room, self.failed[room]))
+        key = self.book.room_failed(room, self.failed[room])
+        self.keys.append(key)
+        self.live[("failed", room)] = key
 
     @precondition(lambda self: self.keys)
     @rule(i=st.integers(0, 20))
@@ -1066,16 +1090,19 @@ class TransferBookRules(RuleBasedStateMachine):
         key = self.keys.pop(i % len(self.keys))
         self.book.expire(key)
         match key:
-            case ("parked", room):
-                self.parked.pop(room, None)
-                self.aborted.pop(room, None)
+            case ("parked" | "failed" as kind, room, _generation):
+                if self.live.get((kind, room)) != key:
+                    return  # armed for an earlier entry of this room id: the newer one stays
+                del self.live[(kind, room)]
+                if kind == "failed":
+                    self.failed.pop(room, None)
+                else:
+                    self.parked.pop(room, None)
+                    self.aborted.pop(room, None)
             case ("tombstone", room, epoch):
                 self.tombstones[room].discard(epoch)
                 if not self.tombstones[room]:
                     del self.tombstones[room]
-            case ("failed", room):
-                # (an earlier key of a room that failed again drops the newer entry too)
-                self.failed.pop(room, None)
 
     @rule()
     def everything_due(self) -> None:

@@ -123,20 +123,29 @@ class ChunkRunner:
         """
         calls: list[_Call] = []
         failure: TransferError | None = None
+        ran_to_end = False
+        scope = trio.CancelScope()
         try:
             try:
-                with trio.CancelScope() as scope:
+                with scope:
                     scopes[scope] = None
                     if room.leases.closed:
                         scope.cancel("room closed before the chunk started")
                     try:
                         await self._transfer(room, chunk, calls)
+                        ran_to_end = True
                     finally:
                         scopes.pop(scope, None)
             except* Exception as group:  # planning, validation or engine: the room fails
                 failure = room_error(group)
         finally:
-            settle(outcome_of(calls), failure)
+            outcome = outcome_of(calls)
+            if ran_to_end and not calls:
+                outcome = Outcome.COMPLETED  # nothing to write here (a dummy rank): done
+            elif outcome is Outcome.CANCELLED and failure is None and not scope.cancel_called:
+                # cancelled from outside: the agent is closing before the chunk was written
+                failure = TransferAborted(f"room {room.room}: the prefill agent is closing")
+            settle(outcome, failure)
 
     async def _transfer(self, room: PrefillRoom, chunk: Chunk, calls: list[_Call]) -> None:
         """The chunk's engine calls, one per destination rank, in one nursery: it exits only

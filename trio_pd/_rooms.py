@@ -352,6 +352,13 @@ class PrefillRoom:
         self.leases.settle(chunk.lease, outcome)
         if outcome is Outcome.ERROR:
             due.append(Quarantine(chunk.lease))
+        if outcome is Outcome.CANCELLED and failure is None and not self.cell.terminal:
+            # Its pages were never written, and nothing failed the room: Success would be a
+            # lie. (The runner reports a chunk with nothing to write as COMPLETED, and one it
+            # cancels as part of an abort after the room already failed.)
+            failure = TransferError(
+                f"room {self.room}: a chunk was cancelled before it was written"
+            )
         if failure is not None:
             return due + self.close(failure)
         if chunk.last and not self.leases.closed:
@@ -597,6 +604,16 @@ class TransferBook:
     aborted_parked: dict[int, int] = field(default_factory=dict)
     #: room -> why it failed, for late TRANSFERs after it was forgotten
     failed_recently: dict[int, str] = field(default_factory=dict)
+    #: ("parked" | "failed", room) -> the generation of the expiry armed for the entry there
+    #: now: an expiry armed for an earlier entry of the same room id finds another generation
+    #: and leaves the newer entry alone
+    _armed: dict[tuple[str, int], int] = field(default_factory=dict)
+    _generation: int = 0
+
+    def _arm(self, kind: str, room_id: int) -> Hashable:
+        self._generation += 1
+        self._armed[(kind, room_id)] = self._generation
+        return (kind, room_id, self._generation)
 
     def tombstoned(self, room: int, epoch: int) -> bool:
         return epoch in self.tombstones.get(room, ())
@@ -643,7 +660,7 @@ class TransferBook:
         verdict = Verdict()
         if pending is None:
             pending = self.parked[room_id] = {}
-            verdict.expire = ("parked", room_id)
+            verdict.expire = self._arm("parked", room_id)
         pending[decode_rank] = _Parked(
             endpoint, session, decode_rank, epoch, aux_slot, num_pages, required, dst_pages
         )
@@ -687,12 +704,18 @@ class TransferBook:
     def room_failed(self, room_id: int, reason: str) -> Hashable:
         """A failed room was forgotten; returns the expiry key to arm."""
         self.failed_recently[room_id] = reason
-        return ("failed", room_id)
+        return self._arm("failed", room_id)
 
     def expire(self, key: Hashable) -> None:
         """An expiry armed by one of the verdicts above is due."""
         match key:
-            case ("parked", int(room_id)):
+            case ("parked" | "failed" as kind, int(room_id), int(generation)):
+                if self._armed.get((kind, room_id)) != generation:
+                    return  # armed for an earlier entry of this room id, since replaced
+                del self._armed[(kind, room_id)]
+                if kind == "failed":
+                    self.failed_recently.pop(room_id, None)
+                    return
                 for parked in self.parked.pop(room_id, {}).values():
                     self.parked_page_ids -= len(parked.dst_pages)
                 self.aborted_parked.pop(room_id, None)
@@ -702,8 +725,6 @@ class TransferBook:
                     epochs.discard(epoch)
                     if not epochs:
                         del self.tombstones[room_id]
-            case ("failed", int(room_id)):
-                self.failed_recently.pop(room_id, None)
 
 
 # --------------------------------------------------------------------------------------------
