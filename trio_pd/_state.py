@@ -281,7 +281,12 @@ class DecodeBook:
 
     @property
     def all_succeeded(self) -> bool:
-        return self.succeeded >= self.required
+        """The combined status over the required ranks (the minimum, I6) is Success: every
+        one of them reported it (a failed rank fails the room before this is asked)."""
+        return combine(
+            KVPoll.Success if rank in self.succeeded else KVPoll.Transferring
+            for rank in self.required
+        ) is KVPoll.Success
 
     def on_ack(self, rank: int) -> None:
         if rank in self.contacted:
