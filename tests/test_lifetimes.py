@@ -97,7 +97,7 @@ async def stays_pending(wait: Callable[[], Awaitable[object]], what: str) -> Non
 
 
 class EngineCalls:
-    """Wraps ``agent.run_engine_call``: counts engine calls that returned to trio (done or
+    """Wraps ``agent.peers.run_engine_call``: counts engine calls that returned to trio (done or
     failed; not those cancelled before they started) and appends ``"write returned"`` to
     ``log`` for each, so a test can order them against release callbacks."""
 
@@ -106,7 +106,7 @@ class EngineCalls:
         self.errors = 0
         self._log = log
         self._changed = trio.Event()
-        inner = agent.run_engine_call
+        inner = agent.peers.run_engine_call
 
         async def tracked(lane: Any, fn: Callable[[], Any]) -> Any:
             if getattr(fn, "func", None) is not start_write:
@@ -122,7 +122,7 @@ class EngineCalls:
             self._returned()
             return result
 
-        agent.run_engine_call = tracked
+        agent.peers.run_engine_call = tracked
 
     def _returned(self) -> None:
         self.returned += 1

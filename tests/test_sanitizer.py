@@ -36,7 +36,7 @@ async def test_sanitizer_catches_a_broken_drain(monkeypatch: pytest.MonkeyPatch)
     def abandoning_init(self: _prefill.PrefillAgent, *args: Any, **kw: Any) -> None:
         real_init(self, *args, **kw)
         # the bug: an abort no longer waits for a call that already reached its thread
-        self.run_engine_call = lambda _lane, fn: trio.to_thread.run_sync(
+        self.peers.run_engine_call = lambda _lane, fn: trio.to_thread.run_sync(
             run_to_end, fn, abandon_on_cancel=True
         )
 

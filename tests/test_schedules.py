@@ -10,7 +10,7 @@ agents' three outside parts are swapped for in-memory twins:
   synchronous handler ``agent._handle(msg, pages)``, as its listener would;
 * engine: :class:`MemEngine` copies the blocks in process memory (``ctypes.memmove`` between
   the numpy pools' addresses), as a one-sided write would;
-* threads: :func:`inline_engine_call` replaces ``agent.run_engine_call`` (the lanes), and
+* threads: :func:`inline_engine_call` replaces ``agent.peers.run_engine_call`` (the lanes), and
   :func:`inline_run_sync` ``trio.to_thread.run_sync`` (the agents' ``probe`` calls). Both keep
   the contract of a lane and of ``to_thread.run_sync(..., abandon_on_cancel=False)``: a
   cancellation is seen only *before* the call starts (``checkpoint_if_cancelled``, then the
@@ -304,8 +304,8 @@ async def start_prefill(
         ),
         control=control,  # type: ignore[arg-type]
     )
-    agent.run_engine_call = inline_engine_call(trace, duration=duration)
-    agent._nursery = nursery
+    agent.peers.run_engine_call = inline_engine_call(trace, duration=duration)
+    agent.peers.nursery = nursery
     # Set-up runs one task at a time (each then blocks), so it adds no scheduling decisions:
     # the explorer spends its schedules on the race itself.
     agent._handle(
@@ -694,7 +694,7 @@ def decode_acks(senders: list[list[tuple[str, int]]]) -> Callable[[], Awaitable[
                 config=DecodeConfig(waiting_timeout=1e4, ack_timeout=1e4),
                 control=control,  # type: ignore[arg-type]
             )
-            agent._nursery = nursery
+            agent.sources.nursery = nursery
             url = "http://bootstrap.invalid"
             sources = [_PrefillRank("inproc://p0", 0, "s0"), _PrefillRank("inproc://p1", 1, "s1")]
             agent._instances[url] = _Instance(url, sources, ready=True)

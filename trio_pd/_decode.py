@@ -211,14 +211,6 @@ class DecodeAgent:
         self._token = trio.lowlevel.current_trio_token()
 
     @property
-    def _nursery(self) -> trio.Nursery | None:
-        return self.sources.nursery
-
-    @_nursery.setter
-    def _nursery(self, nursery: trio.Nursery | None) -> None:
-        self.sources.nursery = nursery
-
-    @property
     def _instances(self) -> dict[str, Instance]:
         return self.sources.instances
 
@@ -301,17 +293,17 @@ class DecodeAgent:
         """Carry out what a room machine made due. Synchronous: it never waits."""
         machine = rec.machine
         for effect in due:
-            match effect:
+            match effect:  # (the success path's effects first: fewer checks)
                 case SendTransfers():
                     self._send_transfers(rec)
-                case SendAborts(ranks=ranks):
-                    self._send_aborts(rec, ranks)
-                case ArmAckDeadline():
-                    self.timers.after(self.config.ack_timeout, partial(self._ack_due, rec))
-                case ProbeWriters(ranks=ranks):
+                case Succeeded():
+                    self.counters.bump("succeeded")
+                    rec.terminal.set()
+                case Forget():
+                    if self._rooms.get(machine.room) is rec:
+                        del self._rooms[machine.room]
                     for rank in rec.sources:
-                        if rank.tp_rank in ranks and self._nursery is not None:
-                            self._nursery.start_soon(self._probe_writer, rec, rank)
+                        rank.rooms.discard(machine.room)
                 case Failed(error=error):
                     kind = "aborted" if isinstance(error, TransferAborted) else "failed"
                     self.counters.bump(kind)
@@ -323,9 +315,10 @@ class DecodeAgent:
                         self.held.value += 1
                         if self.metrics is not None:
                             self.metrics.drain_started(rec)
-                case Succeeded():
-                    self.counters.bump("succeeded")
-                    rec.terminal.set()
+                case SendAborts(ranks=ranks):
+                    self._send_aborts(rec, ranks)
+                case ArmAckDeadline():
+                    self.timers.after(self.config.ack_timeout, partial(self._ack_due, rec))
                 case Release(how=how):
                     if how == "peer_gone":
                         self.counters.bump("released_peer_gone")
@@ -343,11 +336,10 @@ class DecodeAgent:
                             callback()
                         except Exception:
                             log.exception("room %d: on_release raised", machine.room)
-                case Forget():
-                    if self._rooms.get(machine.room) is rec:
-                        del self._rooms[machine.room]
+                case ProbeWriters(ranks=ranks):
                     for rank in rec.sources:
-                        rank.rooms.discard(machine.room)
+                        if rank.tp_rank in ranks and self.sources.nursery is not None:
+                            self.sources.nursery.start_soon(self._probe_writer, rec, rank)
                 case _:
                     raise AssertionError(f"decode cannot do {effect!r}")
 
@@ -516,7 +508,7 @@ async def open_decode(
         await trio.to_thread.run_sync(engine.register, regions)
         registered = True
         async with trio.open_nursery() as nursery:
-            agent._nursery = nursery
+            agent.sources.nursery = nursery
             # The listener, the timers and the heartbeat outlive a cancellation of the block:
             # closing waits for drain acks, so they stop only when the close is done.
             services = [trio.CancelScope(shield=True) for _ in range(3)]
@@ -532,7 +524,7 @@ async def open_decode(
                     scope.cancel(CLOSING)
                 nursery.cancel_scope.cancel(CLOSING)
     finally:
-        agent._nursery = None
+        agent.sources.nursery = None
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await wait_idle(agent.sources.probe_limiter, config.ack_timeout)
             if registered:

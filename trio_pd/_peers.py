@@ -102,6 +102,9 @@ class PeerRegistry:
         self.nursery: trio.Nursery | None = None
         self._peers: dict[str, DecodePeer] = {}
         self._fences: dict[Lease, _Fence] = {}
+        #: endpoints whose REGISTER was refused, with why (bounded, oldest dropped): a TRANSFER
+        #: from one fails its room with the reason instead of leaving it to its deadline
+        self.refused: dict[str, str] = {}
 
     def get(self, endpoint: str) -> DecodePeer | None:
         return self._peers.get(endpoint)
@@ -120,12 +123,11 @@ class PeerRegistry:
         ours: otherwise :class:`IncompatiblePeer` with the reason (the caller tells decode).
         The same engine session keeps its lane (one FIFO per destination engine); a new one
         means decode restarted: the old registration is proven gone."""
-        if msg.engine != self.engine.name:
-            raise IncompatiblePeer(
-                f"decode uses engine {msg.engine!r}, this rank {self.engine.name!r}"
-            )
         pool = msg.pool.to_spec()
-        problem = pairing_problem(
+        problem = None if msg.engine == self.engine.name else (
+            f"decode uses engine {msg.engine!r}, this rank {self.engine.name!r}"
+        )
+        problem = problem or pairing_problem(
             layout=self.pool.layout,
             page_size=self.pool.page_size,
             head_bytes=self.pool.head_bytes,
@@ -144,7 +146,12 @@ class PeerRegistry:
             peer_first_head=pool.first_head,
         )
         if problem is not None:
-            raise IncompatiblePeer(f"REGISTER from {msg.endpoint} refused: {problem}")
+            if len(self.refused) >= 1024:
+                self.refused.pop(next(iter(self.refused)))
+            error = IncompatiblePeer(f"REGISTER from {msg.endpoint} refused: {problem}")
+            self.refused[msg.endpoint] = str(error)
+            raise error
+        self.refused.pop(msg.endpoint, None)
         old = self._peers.get(msg.endpoint)
         if old is not None and old.session == msg.session:
             lane = old.lane

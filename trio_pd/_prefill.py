@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -43,7 +43,7 @@ from ._errors import (
 from ._lazy import LazyEvent
 from ._memory import PoolSpec, validate_pages
 from ._outbox import Outbox
-from ._peers import PeerRegistry
+from ._peers import DecodePeer, PeerRegistry
 from ._probe import wait_idle
 from ._rooms import (
     CancelWork,
@@ -233,28 +233,7 @@ class PrefillAgent:
         self.book = TransferBook(max_rooms=config.max_pending_meta)
         self._jobs_tx, self._jobs_rx = trio.open_memory_channel[tuple[_Room, _Job]](math.inf)
         self._rooms: dict[int, _Room] = {}
-        #: endpoints whose REGISTER was refused (bounded): their TRANSFERs fail their rooms
-        #: with the reason instead of leaving them to the bootstrap deadline
-        self._refused: dict[str, str] = {}
         self._token = trio.lowlevel.current_trio_token()
-
-    # ------------------------------------------------------------------ seams the tests use
-
-    @property
-    def _nursery(self) -> trio.Nursery | None:
-        return self.peers.nursery
-
-    @_nursery.setter
-    def _nursery(self, nursery: trio.Nursery | None) -> None:
-        self.peers.nursery = nursery
-
-    @property
-    def run_engine_call(self):  # type: ignore[no-untyped-def]  # (see PeerRegistry)
-        return self.peers.run_engine_call
-
-    @run_engine_call.setter
-    def run_engine_call(self, fn) -> None:  # type: ignore[no-untyped-def]
-        self.peers.run_engine_call = fn
 
     # ------------------------------------------------------------------ public API
 
@@ -302,14 +281,9 @@ class PrefillAgent:
             self._carry(rec, rec.machine.close(TransferAborted(f"room {room} aborted by decode")))
         for parked in self.book.take_parked(room):
             peer = self.peers.get(parked.endpoint)
-            if peer is None or peer.session != parked.session:
-                continue  # that registration is gone (decode restarted): its room times out
-            self._carry(rec, rec.machine.add_target(
-                endpoint=parked.endpoint, session=parked.session, decode_rank=parked.decode_rank,
-                epoch=parked.epoch, aux_slot=parked.aux_slot, num_pages=parked.num_pages,
-                dst_pages=parked.dst_pages, peer=PeerPool(peer.pool.num_pages, peer.pool.aux_slots),
-                expected=len(served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp)),
-            ))
+            if peer is not None and peer.session == parked.session:  # else decode restarted
+                self._add_target(rec, peer, parked.decode_rank, parked.epoch, parked.aux_slot,
+                                 parked.num_pages, parked.dst_pages)
         return PrefillSender(self, rec)
 
     def statistics(self) -> AgentStatistics:
@@ -326,31 +300,13 @@ class PrefillAgent:
         """Carry out what a room machine made due. Synchronous: it never waits."""
         room = rec.machine.room
         for effect in due:
-            match effect:
+            match effect:  # (the success path's effects first: fewer checks)
                 case RunChunks(n=n):
                     for _ in range(n):
                         self._jobs_tx.send_nowait((rec, "chunk"))
-                case CancelWork(reason=reason):
-                    for scope in list(rec.scopes):
-                        scope.cancel(reason)
                 case PublishDue():
                     if not in_worker:  # (a worker publishes inline, after its chunk)
                         self._jobs_tx.send_nowait((rec, "publish"))
-                case SendAck(endpoint=endpoint, epoch=epoch):
-                    self._send_ack(room, epoch, endpoint)
-                case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
-                    self._send_failed(room, epoch, endpoint, reason)
-                case Refused(error=error):
-                    self.counters.bump("refused_messages")
-                    log.warning("room %d: refused a TRANSFER: %s", room, error)
-                case Quarantine(lease=lease):
-                    self._quarantine(rec, lease)
-                case Failed(error=error):
-                    kind = "aborted" if isinstance(error, TransferAborted) else "failed"
-                    self.counters.bump(kind)
-                    if self.metrics is not None:
-                        self.metrics.observe_failure(error)
-                    rec.terminal.set()
                 case Succeeded():
                     self.counters.bump("succeeded")
                     rec.terminal.set()
@@ -368,6 +324,24 @@ class PrefillAgent:
                         key = self.book.room_failed(room, _reason(rec.machine))
                         expire = partial(self.book.expire, key)
                         self.timers.after(self.config.bootstrap_timeout, expire)
+                case CancelWork(reason=reason):
+                    for scope in list(rec.scopes):
+                        scope.cancel(reason)
+                case Failed(error=error):
+                    kind = "aborted" if isinstance(error, TransferAborted) else "failed"
+                    self.counters.bump(kind)
+                    if self.metrics is not None:
+                        self.metrics.observe_failure(error)
+                    rec.terminal.set()
+                case SendAck(endpoint=endpoint, epoch=epoch):
+                    self._send_ack(room, epoch, endpoint)
+                case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
+                    self._send_failed(room, epoch, endpoint, reason)
+                case Quarantine(lease=lease):
+                    self._quarantine(rec, lease)
+                case Refused(error=error):
+                    self.counters.bump("refused_messages")
+                    log.warning("room %d: refused a TRANSFER: %s", room, error)
                 case _:
                     raise AssertionError(f"prefill cannot do {effect!r}")
 
@@ -447,22 +421,12 @@ class PrefillAgent:
         elif isinstance(msg, _wire.Abort):
             self._on_abort(msg)
         elif isinstance(msg, _wire.Register):
-            self._on_register(msg)
+            self.peers.register(msg)
         elif isinstance(msg, _wire.Ping):
             pong = _wire.Pong(v=_wire.WIRE_VERSION, nonce=msg.nonce, rank=self.tp_rank)
             self.control.send_nowait(msg.endpoint, pong)
         else:
             raise ProtocolError(f"prefill does not take {type(msg).__name__}")
-
-    def _on_register(self, msg: _wire.Register) -> None:
-        try:
-            self.peers.register(msg)
-        except IncompatiblePeer as exc:
-            if len(self._refused) >= 1024:
-                self._refused.pop(next(iter(self._refused)))
-            self._refused[msg.endpoint] = str(exc)
-            raise
-        self._refused.pop(msg.endpoint, None)
 
     def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
         rec = self._rooms.get(msg.room)
@@ -477,7 +441,7 @@ class PrefillAgent:
             return
         peer = self.peers.get(msg.endpoint)
         if peer is None:
-            refused = self._refused.get(msg.endpoint)
+            refused = self.peers.refused.get(msg.endpoint)
             if refused is not None and rec is not None:
                 self._carry(rec, rec.machine.close(IncompatiblePeer(refused)))
             raise ProtocolError(f"TRANSFER from unregistered endpoint {msg.endpoint}")
@@ -497,9 +461,15 @@ class PrefillAgent:
                 expire = partial(self.book.expire, parked.expire)
                 self.timers.after(self.config.bootstrap_timeout, expire)
             return
+        self._add_target(rec, peer, msg.decode_rank, msg.epoch, msg.aux_slot, msg.num_pages, pages)
+
+    def _add_target(
+        self, rec: _Room, peer: DecodePeer, decode_rank: int, epoch: int, aux_slot: int,
+        num_pages: int, pages: npt.NDArray[np.integer[Any]],
+    ) -> None:
         self._carry(rec, rec.machine.add_target(
-            endpoint=msg.endpoint, session=peer.session, decode_rank=msg.decode_rank,
-            epoch=msg.epoch, aux_slot=msg.aux_slot, num_pages=msg.num_pages, dst_pages=pages,
+            endpoint=peer.endpoint, session=peer.session, decode_rank=decode_rank, epoch=epoch,
+            aux_slot=aux_slot, num_pages=num_pages, dst_pages=pages,
             peer=PeerPool(peer.pool.num_pages, peer.pool.aux_slots),
             expected=len(served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp)),
         ))
@@ -590,7 +560,7 @@ async def open_prefill(
         await trio.to_thread.run_sync(engine.register, regions)
         registered = True
         async with BootstrapClient(bootstrap_url) as client, trio.open_nursery() as nursery:
-            agent._nursery = nursery
+            agent.peers.nursery = nursery
             nursery.start_soon(agent.control.serve, agent._handle)
             nursery.start_soon(agent.timers.run)
             for _ in range(config.workers):
@@ -616,7 +586,7 @@ async def open_prefill(
             finally:
                 nursery.cancel_scope.cancel("prefill agent closing")
     finally:
-        agent._nursery = None
+        agent.peers.nursery = None
         agent.peers.close()  # every call has returned: the nursery waited for them
         agent._shutdown_rooms()
         with trio.CancelScope(shield=True), trio.move_on_after(10):
