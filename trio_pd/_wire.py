@@ -28,6 +28,7 @@ decoding); :func:`encode` is the gate on the way out, :func:`decode` the gate on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import re
 import sys
@@ -87,6 +88,7 @@ _LABEL: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.
 _SCOPE_ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
 
 
+@functools.lru_cache(maxsize=4096)  # endpoints repeat on every message; bounded, pure
 def validate_endpoint(endpoint: str) -> str:
     """Return ``endpoint`` if it is a ZeroMQ address this library will connect to, else raise
     :class:`ProtocolError` saying why.
