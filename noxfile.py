@@ -34,9 +34,26 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The full suite, both engines; GPU tests skip without a device."""
     session.run(
-        "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
-        "--durations=15", *session.posargs,
+        "pytest", "-q", "-p", "no:cacheprovider", "-m",
+        "not slow and not gpu and not chaos and not fuzz", "--durations=15", *session.posargs,
     )
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """Faults across processes and network namespaces (docs/reliability.md); `-- -k short`
+    is the short run .ci/run makes."""
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "-m", "chaos", "-rs", "tests/chaos",
+                *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Generated hostile input at volume (docs/reliability.md, "Fuzzing"): the wire decoders
+    (1,000,000 inputs), live listeners with real traffic, the bootstrap service. `-- -k short`
+    runs the quick variants; without arguments, the full ones."""
+    args = session.posargs or ["-k", "not short"]
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "-m", "fuzz", "tests/fuzz", *args)
 
 
 @nox.session

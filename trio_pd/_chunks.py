@@ -165,6 +165,7 @@ class ChunkRunner:
                 if len(blocks.lens) == 0:
                     continue  # a dummy rank for this destination: bookkeeping only
                 if peer.failed:
+                    self.peers.mark_failed(peer)  # (probes again unless a probe is running)
                     raise PeerLost(f"decode peer {peer.endpoint} is marked failed")
                 call = _Call()
                 calls.append(call)

@@ -220,15 +220,15 @@ class PeerRegistry:
         )
         if state is Liveness.GONE:
             self._proven_gone(peer)
+        elif state is Liveness.ALIVE:
+            peer.failed = False  # any probe that answers ends the fast-fail mark
         return state
 
     async def _probe_failed(self, peer: DecodePeer) -> None:
         try:
-            state = await self.liveness(peer)
+            await self.liveness(peer)  # (ALIVE clears the failed mark)
         finally:
             peer.probing = False
-        if state is Liveness.ALIVE:
-            peer.failed = False
 
     def _proven_gone(self, peer: DecodePeer) -> None:
         if peer.gone:
