@@ -533,3 +533,28 @@ async def test_register_with_mismatched_pool_shape_fails_rooms_without_writing(
         assert p.statistics().engine_calls == 0
 
 
+
+
+async def test_forged_abort_and_stray_transfer_cannot_end_a_waiting_room(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A room waiting for its decode metadata (epoch not known yet) gets a forged ABORT with
+    a made-up epoch, then a TRANSFER with that epoch from an endpoint that never registered.
+    The pair must not close it: the TRANSFER is refused, and the real request succeeds."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        p, room = pair.prefill, 61
+        src, dst = np.array([1, 2]), np.array([5, 6])
+        pair.src.fill(src, room)
+        pair.src.fill_aux(0, room)
+        sender = p.sender(room, num_pages=2, aux_slot=0)
+        stray = "tcp://127.0.0.1:9"
+        p._handle(_wire.Abort(v=V, room=room, epoch=999, endpoint=stray), None)
+        with pytest.raises(ProtocolError):
+            p._handle(transfer(room, 999, stray, 2), np.array([1, 2], dtype=np.int32))
+        assert sender.poll() is KVPoll.Bootstrapping, sender.failure
+        receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url)
+        receiver.init(dst, 1)
+        sender.send(src, last=True)
+        with trio.fail_after(10):
+            assert await receiver.wait() is KVPoll.Success, receiver.failure
+        assert pair.verify(room, dst, 1)

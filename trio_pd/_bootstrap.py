@@ -63,7 +63,13 @@ import trio
 from hypercorn.config import Config as _HypercornConfig
 from hypercorn.config import Sockets as _HypercornSockets
 from hypercorn.trio import serve as _hypercorn_serve
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
+from hypercorn.typing import (
+    ASGIReceiveCallable,
+    ASGISendCallable,
+    HTTPScope,
+    Scope,
+    WebsocketCloseEvent,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -318,8 +324,11 @@ class BootstrapServer:
         elif scope["type"] == "http":
             await self._http(scope, receive, send)
         else:
-            # A websocket upgrade: returning without accepting makes hypercorn refuse it.
-            await trio.lowlevel.checkpoint()
+            # A websocket upgrade: close it before accepting, which hypercorn answers with a
+            # 403 (an app that just returns is a crash to it: a 500).
+            await receive()  # websocket.connect
+            close: WebsocketCloseEvent = {"type": "websocket.close", "code": 1008, "reason": None}
+            await send(close)
 
     async def _lifespan(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         while True:

@@ -433,18 +433,18 @@ class PrefillAgent:
         verdict = self.book.on_transfer(msg.room, msg.epoch, rec.machine if rec else None)
         if verdict.late:
             self.counters.bump("late_messages")
+        peer = self.peers.get(msg.endpoint)
+        if peer is None:  # first: a TRANSFER from nowhere changes no room (but a refused one)
+            refused = self.peers.refused.get(msg.endpoint)
+            if refused is not None and rec is not None:
+                self._carry(rec, rec.machine.close(IncompatiblePeer(refused)))
+            raise ProtocolError(f"TRANSFER from unregistered endpoint {msg.endpoint}")
         if verdict.refuse is not None:
             if verdict.abort_room is not None and rec is not None:
                 error = TransferAborted(f"room {msg.room} was aborted by decode before this use")
                 self._carry(rec, rec.machine.close(error))
             self._send_failed(msg.room, msg.epoch, msg.endpoint, verdict.refuse)
             return
-        peer = self.peers.get(msg.endpoint)
-        if peer is None:
-            refused = self.peers.refused.get(msg.endpoint)
-            if refused is not None and rec is not None:
-                self._carry(rec, rec.machine.close(IncompatiblePeer(refused)))
-            raise ProtocolError(f"TRANSFER from unregistered endpoint {msg.endpoint}")
         if rec is None:
             # Checked now, not when the scheduler creates the room: a bad or stray TRANSFER
             # must neither displace a good one nor surface later in sender().
