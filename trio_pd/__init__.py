@@ -8,6 +8,7 @@ from ._decode import DecodeConfig as DecodeConfig
 from ._decode import DecodeReceiver as DecodeReceiver
 from ._decode import open_decode as open_decode
 from ._errors import AdmissionClosed as AdmissionClosed
+from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BootstrapError as BootstrapError
 from ._errors import ConfigurationError as ConfigurationError
 from ._errors import EngineError as EngineError

@@ -36,6 +36,7 @@ from __future__ import annotations
 import gc
 import math
 import random
+import secrets
 import threading
 import time
 import tracemalloc
@@ -94,6 +95,8 @@ class BenchOptions:
     #: engine call, up to this many pages
     coalesce_pages: int = PrefillConfig().coalesce_pages
     seed: int = 0
+    #: authentication on (CURVE control plane, a cluster token; docs/security.md)
+    secure: bool = False
 
     @classmethod
     def quick(cls, engine: str = "mooncake") -> BenchOptions:
@@ -393,7 +396,9 @@ async def _open_pair(
     stack: AsyncExitStack, opts: BenchOptions, src: HostKVPool, dst: HostKVPool, *,
     timed: bool = False,
 ) -> _Pair:
-    server = await stack.enter_async_context(open_bootstrap_server())
+    token = secrets.token_urlsafe(24) if opts.secure else None
+    auth: dict[str, Any] = {"token": token, "secure": True if opts.secure else None}
+    server = await stack.enter_async_context(open_bootstrap_server(**auth))
     pre_engine, dec_engine = make_engine(opts.engine), make_engine(opts.engine)
     stack.callback(dec_engine.close)  # closed last, once no agent moves bytes
     stack.callback(pre_engine.close)
@@ -402,10 +407,11 @@ async def _open_pair(
         engine=clock or pre_engine, pool=src.spec, bootstrap_url=server.url,
         kv_heads=src.spec.heads,
         config=PrefillConfig(bootstrap_timeout=900.0, coalesce_pages=opts.coalesce_pages),
+        **auth,
     ))
     decode = await stack.enter_async_context(open_decode(
         # 10,000 rooms bootstrapping under tracemalloc take minutes: no deadline may fire
-        engine=dec_engine, pool=dst.spec, config=DecodeConfig(waiting_timeout=900.0),
+        engine=dec_engine, pool=dst.spec, config=DecodeConfig(waiting_timeout=900.0), **auth,
     ))
     return _Pair(prefill, decode, server.url, clock)
 

@@ -8,12 +8,16 @@ Routes:
 
 ``PUT /route``
     Body: a :class:`PrefillRankInfo` as JSON. ``200 {"ok": true}`` when stored.
-    Registering a ``tp_rank`` that is already known replaces it (a restarted rank).
+    Registering a ``tp_rank`` that is already known replaces it (a restarted rank) if it
+    has the same ``control_key``, or once the old registration's control endpoint refuses
+    connections (the old process is gone); otherwise ``409`` (``refused_replacements``).
     ``400`` for malformed JSON or a field out of range (``tp_rank`` outside
-    ``[0, tp_size)``, ``tp_size < 1``, an unknown ``layout``, MLA with ``kv_heads != 1``...).
+    ``[0, tp_size)``, ``tp_size`` outside ``[1, MAX_TP_SIZE]``, an unknown ``layout``, MLA
+    with ``kv_heads != 1``...).
     ``409`` when the rank disagrees with the *other* registered ranks about ``tp_size``,
     ``engine``, ``layout``, ``kv_heads`` or ``page_size``: a prefill instance that restarts with
-    a different shape must restart its bootstrap service too. ``413`` for a body over 64 KiB.
+    a different shape must restart its bootstrap service too. Once every rank has registered,
+    a rank replacing itself must keep the shape as well. ``413`` for a body over 64 KiB.
 
 ``GET /route`` (no query, or ``tp_rank=-1``)
     The :class:`Topology`. ``503`` until every rank ``0..tp_size-1`` registered; that
@@ -32,6 +36,10 @@ Routes:
     Prometheus text format, only for a server created with a ``metrics_registry``;
     ``404`` otherwise.
 
+With a cluster token (``token=`` or ``TRIO_PD_TOKEN``; required outside loopback), both
+``/route`` requests need ``Authorization: Bearer <token>``: ``401`` without it (counted
+``unauthorized``). ``certfile``/``keyfile`` serve https. See docs/security.md.
+
 Any other path is ``404``; a known path with the wrong method is ``405``. Error replies are
 JSON ``{"ok": false, "error": "..."}``. Every answer is counted by (method, route, status) in
 :meth:`BootstrapServer.statistics`; ``400`` and ``413`` answers are also counted as
@@ -46,6 +54,7 @@ listening socket is closed when the server stops.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import socket
@@ -75,7 +84,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ._bootstrap_client import PrefillRankInfo, Topology
-from ._errors import BootstrapError
+from ._errors import BootstrapError, ConfigurationError
+from ._probe import port_refuses
+from ._security import resolve
 
 __all__ = [
     "BootstrapServer",
@@ -96,7 +107,12 @@ _SHUTDOWN_BACKSTOP: Final = 1.0
 # A connection that sends nothing for this long while a request is open is dropped.
 _READ_TIMEOUT: Final = 30
 
+#: how long a replacement's probe of the old rank's endpoint may take (see _put_route_guarded)
+_REPLACE_PROBE_TIMEOUT: Final = 1.0
+
 _LAYOUTS: Final = ("mha", "mla")
+#: Largest tp_size a registration may name: the rank table holds at most this many ranks.
+MAX_TP_SIZE: Final = 1024
 _RANK_INT: Final = re.compile(r"-?[0-9]{1,9}")
 
 
@@ -113,6 +129,8 @@ def _invalid_reason(info: PrefillRankInfo) -> str | None:
     Single-field bounds are checked by msgspec while decoding; these are the rules that
     relate fields to each other.
     """
+    if info.tp_size > MAX_TP_SIZE:
+        return f"tp_size {info.tp_size} is over {MAX_TP_SIZE}"
     if not 0 <= info.tp_rank < info.tp_size:
         return f"tp_rank {info.tp_rank} is outside [0, tp_size={info.tp_size})"
     if info.layout not in _LAYOUTS:
@@ -141,11 +159,14 @@ class _RankTable:
     def conflict(self, info: PrefillRankInfo) -> str | None:
         """Why ``info`` disagrees with the other registered ranks, or None.
 
-        The rank ``info`` would replace is not compared with: a lone rank may re-register
-        with a different shape.
+        The rank ``info`` would replace is not compared with while the instance is
+        incomplete: a lone rank may re-register with a different shape. Once every rank has
+        registered the shape is fixed: a rank replacing itself must keep it too (else one
+        PUT could make the instance need 10**9 ranks, and every decode get 503).
         """
+        complete = self.topology() is not None
         for other in self._ranks.values():
-            if other.tp_rank == info.tp_rank:
+            if other.tp_rank == info.tp_rank and not complete:
                 continue
             for field in _SHARED_FIELDS:
                 mine, theirs = getattr(info, field), getattr(other, field)
@@ -155,6 +176,10 @@ class _RankTable:
                         f"tp_rank {other.tp_rank}"
                     )
         return None
+
+    def get(self, tp_rank: int) -> PrefillRankInfo | None:
+        """The registration of ``tp_rank``, if any."""
+        return self._ranks.get(tp_rank)
 
     def register(self, info: PrefillRankInfo) -> None:
         """Store ``info``, replacing any earlier registration of its ``tp_rank``.
@@ -192,6 +217,11 @@ class BootstrapStatistics:
     registered_ranks: int
     tp_size: int | None
     ready: bool
+    #: ``401`` answers: a ``/route`` request without the cluster token, or with another
+    unauthorized: int = 0
+    #: ``409`` answers to a ``PUT /route`` for a rank registered under another control key
+    #: whose endpoint still accepts connections (a squat of a live rank)
+    refused_replacements: int = 0
 
     @property
     def total_requests(self) -> int:
@@ -267,6 +297,10 @@ class _Reply:
 _TOO_LARGE: Final = _Reply.error(
     413, f"request body over {MAX_BODY_BYTES} bytes", headers=((b"connection", b"close"),)
 )
+_UNAUTHORIZED: Final = _Reply.error(
+    401, "this bootstrap service needs the cluster token (Authorization: Bearer ...)",
+    headers=((b"www-authenticate", b"Bearer"), (b"connection", b"close")),
+)
 _SHUTTING_DOWN: Final = _Reply.error(
     503, "bootstrap server shutting down", headers=((b"connection", b"close"),)
 )
@@ -281,12 +315,24 @@ class BootstrapServer:
     """
 
     def __init__(
-        self, *, host: str, port: int, url: str, metrics_registry: CollectorRegistry | None
+        self,
+        *,
+        host: str,
+        port: int,
+        url: str,
+        metrics_registry: CollectorRegistry | None,
+        token: str | None = None,
+        tls: tuple[str, str] | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.url = url
         self._metrics_registry = metrics_registry
+        #: what ``Authorization`` must be on every /route request (None: not checked)
+        self._authorization = None if token is None else f"Bearer {token}".encode()
+        self._tls = tls
+        self._unauthorized = 0
+        self._refused_replacements = 0
         self._table = _RankTable()
         self._requests: Counter[tuple[str, str, int]] = Counter()
         self._malformed = 0
@@ -305,7 +351,17 @@ class BootstrapServer:
             registered_ranks=len(self._table),
             tp_size=self._table.tp_size,
             ready=self._table.topology() is not None,
+            unauthorized=self._unauthorized,
+            refused_replacements=self._refused_replacements,
         )
+
+    def _authorized(self, scope: HTTPScope) -> bool:
+        """Does the request carry the cluster token (or is none required)? Compared in
+        constant time (:func:`hmac.compare_digest`)."""
+        if self._authorization is None:
+            return True
+        given = [value for name, value in scope["headers"] if name == b"authorization"]
+        return len(given) == 1 and hmac.compare_digest(given[0], self._authorization)
 
     def _begin_shutdown(self) -> None:
         """Stop waiting for request bodies: such requests are answered 503 at once, so
@@ -346,14 +402,19 @@ class BootstrapServer:
         path = scope["path"]
         method_label = method if method in _STANDARD_METHODS else "<other>"
         route_label = path if path in _ROUTE_METHODS else "<other>"
-        if method == "PUT" and path == "/route":
+        if path == "/route" and not self._authorized(scope):
+            await trio.lowlevel.checkpoint()
+            reply = _UNAUTHORIZED  # the body, if any, is never read
+        elif method == "PUT" and path == "/route":
             body = await self._read_body(scope, receive)
             if body is None:
                 return  # the client went away before sending its whole request
-            reply = self._put_route(body) if isinstance(body, bytes) else body
+            reply = await self._put_route_guarded(body) if isinstance(body, bytes) else body
         else:
             reply = self._dispatch(method, path, scope)
         self._requests[method_label, route_label, reply.status] += 1
+        if reply.status == 401:
+            self._unauthorized += 1
         if reply.status in (400, 413):
             self._malformed += 1
         headers = [
@@ -413,6 +474,38 @@ class BootstrapServer:
             finally:
                 self._body_reads.discard(read_scope)
         return _SHUTTING_DOWN
+
+    async def _put_route_guarded(self, body: bytes) -> _Reply:
+        """:meth:`_put_route`, after the replacement rule: a rank already registered under
+        another control key (a CURVE public key; "" with authentication off) is replaced only
+        once its old control endpoint refuses connections (the old process is gone: a
+        restarted rank has a new key). Otherwise ``409``, counted ``refused_replacements``:
+        a live rank's route cannot be taken over, not even with the token."""
+        await trio.lowlevel.checkpoint()
+        try:
+            info = msgspec.json.decode(body, type=PrefillRankInfo)
+        except msgspec.DecodeError:
+            return self._put_route(body)  # (answers 400)
+        old = self._table.get(info.tp_rank)
+        if old is not None and old.control_key != info.control_key:
+            refused = None
+            with trio.move_on_after(_REPLACE_PROBE_TIMEOUT):
+                refused = await port_refuses(old.endpoint)
+            old = self._table.get(info.tp_rank)  # (it may have changed meanwhile)
+            if refused is not True and old is not None and old.control_key != info.control_key:
+                self._refused_replacements += 1
+                logger.warning(
+                    "bootstrap: refused to replace tp_rank %d: registered under another "
+                    "control key, and its endpoint %s still answers", info.tp_rank, old.endpoint,
+                )
+                return _Reply.error(
+                    409,
+                    f"tp_rank {info.tp_rank} is registered under another control key and its "
+                    f"endpoint still accepts connections",
+                )
+        else:
+            await trio.lowlevel.checkpoint()
+        return self._put_route(body)
 
     def _put_route(self, body: bytes) -> _Reply:
         try:
@@ -482,11 +575,17 @@ class _PreboundConfig(_HypercornConfig):
     not close the sockets it creates).
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, tls: tuple[str, str] | None = None) -> None:
         super().__init__()
         self._prebound = sock
+        if tls is not None:  # hypercorn wraps secure sockets in TLS with these
+            self.certfile, self.keyfile = tls
 
     def create_sockets(self) -> _HypercornSockets:
+        if self.ssl_enabled:
+            return _HypercornSockets(
+                secure_sockets=[self._prebound], insecure_sockets=[], quic_sockets=[]
+            )
         return _HypercornSockets(
             secure_sockets=[], insecure_sockets=[self._prebound], quic_sockets=[]
         )
@@ -518,13 +617,20 @@ def _close_listening(sock: socket.socket) -> None:
         sock.close()
 
 
-def _new_server(sock: socket.socket, metrics_registry: CollectorRegistry | None) -> BootstrapServer:
+def _new_server(
+    sock: socket.socket,
+    metrics_registry: CollectorRegistry | None,
+    token: str | None = None,
+    tls: tuple[str, str] | None = None,
+) -> BootstrapServer:
     """The server for ``sock``, its metrics registered with ``metrics_registry``."""
     addr = sock.getsockname()
     host, port = addr[0], addr[1]
     shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
+    scheme = "http" if tls is None else "https"
     server = BootstrapServer(
-        host=host, port=port, url=f"http://{shown}:{port}", metrics_registry=metrics_registry
+        host=host, port=port, url=f"{scheme}://{shown}:{port}",
+        metrics_registry=metrics_registry, token=token, tls=tls,
     )
     if metrics_registry is not None:
         try:
@@ -547,7 +653,7 @@ async def _serve(
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run hypercorn on ``sock`` until cancelled, then shut it down gracefully, bounded."""
-    config = _PreboundConfig(sock)
+    config = _PreboundConfig(sock, server._tls)
     config.accesslog = None
     config.errorlog = logging.getLogger("trio_pd.bootstrap.http")
     config.graceful_timeout = _GRACEFUL_TIMEOUT
@@ -599,13 +705,34 @@ class _Listening(trio.TaskStatus[list[str]]):
         self.event.set()
 
 
+def _auth(
+    host: str,
+    token: str | None,
+    secure: bool | None,
+    certfile: str | None,
+    keyfile: str | None,
+) -> tuple[str | None, tuple[str, str] | None]:
+    """The token the service requires (``trio_pd._security.resolve``: required outside
+    loopback) and its TLS files; :class:`~trio_pd.ConfigurationError` for what cannot
+    work."""
+    security = resolve(what="bootstrap service", hosts=[host], token=token, secure=secure)
+    if (certfile is None) != (keyfile is None):
+        raise ConfigurationError("bootstrap service: TLS needs both certfile and keyfile")
+    tls = None if certfile is None or keyfile is None else (certfile, keyfile)
+    return security.token, tls
+
+
 async def _bound_server(
-    host: str, port: int, metrics_registry: CollectorRegistry | None
+    host: str,
+    port: int,
+    metrics_registry: CollectorRegistry | None,
+    token: str | None = None,
+    tls: tuple[str, str] | None = None,
 ) -> tuple[socket.socket, BootstrapServer]:
     """Bind the listening socket and build the server on it; on failure, close the socket."""
     sock = await _bind(host, port)
     try:
-        return sock, _new_server(sock, metrics_registry)
+        return sock, _new_server(sock, metrics_registry, token, tls)
     except BaseException:
         _close_listening(sock)
         raise
@@ -616,9 +743,20 @@ async def serve_bootstrap(
     port: int = 0,
     *,
     metrics_registry: CollectorRegistry | None = None,
+    token: str | None = None,
+    secure: bool | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the bootstrap service on ``host:port`` until cancelled.
+
+    ``token`` (left out: ``TRIO_PD_TOKEN``) is the cluster token every ``/route`` request
+    must carry as ``Authorization: Bearer <token>`` (``401`` otherwise; ``/health`` and
+    ``/metrics`` stay open). Outside loopback it is required (``secure=None``), unless
+    ``secure=False`` is passed; ``secure=True`` requires it on loopback too. ``certfile`` and
+    ``keyfile`` (PEM) make it serve https (hypercorn's TLS); the server's ``url`` then says
+    ``https://``. See docs/security.md.
 
     Binds the socket first (port 0 picks a free port; the server's ``port`` is the real
     one), starts hypercorn on it, and calls ``task_status.started(server)`` with the
@@ -636,7 +774,8 @@ async def serve_bootstrap(
     hypercorn has stopped and the listening socket is closed. The shutdown is shielded but
     bounded: past one second it is cancelled outright (and a warning is logged).
     """
-    sock, server = await _bound_server(host, port, metrics_registry)
+    token, tls = _auth(host, token, secure, certfile, keyfile)
+    sock, server = await _bound_server(host, port, metrics_registry, token, tls)
     try:
         await _serve(server, sock, task_status=task_status)
     finally:
@@ -649,6 +788,10 @@ async def open_bootstrap_server(
     port: int = 0,
     *,
     metrics_registry: CollectorRegistry | None = None,
+    token: str | None = None,
+    secure: bool | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
 ) -> AsyncIterator[BootstrapServer]:
     """Run the bootstrap service for the duration of an ``async with`` block.
 
@@ -662,7 +805,8 @@ async def open_bootstrap_server(
     and the ``Cancelled`` propagates; the shutdown itself is shielded and bounded (see
     :func:`serve_bootstrap`).
     """
-    sock, server = await _bound_server(host, port, metrics_registry)
+    token, tls = _auth(host, token, secure, certfile, keyfile)
+    sock, server = await _bound_server(host, port, metrics_registry, token, tls)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(_serve, server, sock))

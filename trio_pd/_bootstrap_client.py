@@ -11,6 +11,7 @@ import only this module, so a rank never imports the HTTP server. Every failure 
 from __future__ import annotations
 
 import logging
+import ssl
 from http import HTTPStatus
 from types import TracebackType
 from typing import Annotated, Any, TypeVar
@@ -56,6 +57,10 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     head_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     num_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
     aux_item_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: the rank's CURVE public key (z85) when authentication is on, "" when it is off: decode
+    #: connects to ``endpoint`` and ``heartbeat_endpoint`` as a CURVE client of this key, and
+    #: takes a STATUS, ABORT_ACK or PONG for this rank only from it (docs/security.md)
+    control_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
 
 
 class Topology(msgspec.Struct, frozen=True):
@@ -77,7 +82,12 @@ def _phrase(status: int) -> str:
 
 
 class BootstrapClient:
-    """Talks to one bootstrap service at ``url`` (``"http://10.0.0.5:8998"``).
+    """Talks to one bootstrap service at ``url`` (``"http://10.0.0.5:8998"``, or
+    ``https://`` for a service given a certificate).
+
+    ``token`` is the cluster token, sent with every request (docs/security.md); ``verify``
+    is httpx's: True (the system's CA bundle), False, an :class:`ssl.SSLContext`, or the
+    path of a CA bundle to trust (for a self-signed service).
 
     Use it as an async context manager, or call :meth:`aclose`. No call has a timeout of its
     own: compose ``trio.fail_after`` / ``trio.move_on_after`` around it. Proxy settings from
@@ -87,13 +97,20 @@ class BootstrapClient:
     the connection fails.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self, url: str, *, token: str | None = None, verify: ssl.SSLContext | str | bool = True
+    ) -> None:
         self.url = url.rstrip("/")
         # Certificate verification only means something for https; skipping it for plain
         # http avoids loading the CA bundle (~80 ms) for every client.
         plain = httpx.URL(self.url).scheme == "http"
+        if isinstance(verify, str):  # a CA bundle (a self-signed service's certificate)
+            verify = ssl.create_default_context(cafile=verify)
+        #: the cluster token, sent as ``Authorization: Bearer`` with every request
+        headers = {} if token is None else {"authorization": f"Bearer {token}"}
         self._http = httpx.AsyncClient(
-            base_url=self.url, timeout=None, trust_env=False, verify=not plain
+            base_url=self.url, timeout=None, trust_env=False, verify=False if plain else verify,
+            headers=headers,
         )
 
     def __repr__(self) -> str:

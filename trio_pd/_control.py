@@ -22,12 +22,19 @@ socket the context still has open, which lets ``term`` return. It never calls
 ``Context.destroy`` there: ``destroy`` ends in a second ``term`` on the same context, and
 pyzmq only clears the context's handle once the first ``term`` has returned, so that would
 enter libzmq's ``zmq_ctx_term`` twice for one context.
+
+With CURVE on (``keys=``, docs/security.md) both PULL sockets are CURVE servers, a ZAP handler
+(:func:`~trio_pd._security.serve_zap`) on an inproc REP socket names every client by its
+public key, and each message is handed to the handler with that key; a PUSH socket is made
+only for an endpoint :meth:`ControlPlane.authorize` gave a key, as a CURVE client of it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -36,13 +43,32 @@ import trio
 import zmq
 
 from . import _wire
-from ._errors import ProtocolError, TransferError
+from ._errors import AuthenticationError, ProtocolError, TransferError
+from ._security import ZAP_ENDPOINT, Keypair, serve_zap
 from ._stats import Counters
+from ._timers import Timers
 from ._zmq import Socket, open_socket
 
 log = logging.getLogger("trio_pd.control")
 
-Handler = Callable[[_wire.Message, npt.NDArray[np.int32] | None], None]
+
+def sweep_idle_sockets(timers: Timers, control: ControlPlane, idle: float) -> None:
+    """Close ``control``'s PUSH sockets idle for ``idle`` seconds, every ``idle / 2``
+    seconds, from ``timers`` (one timer, for good; the agent's timer task runs it)."""
+    period = max(idle / 2, 0.01)
+
+    def sweep() -> None:
+        try:
+            control.close_idle(idle)
+        finally:
+            timers.after(period, sweep)
+
+    timers.after(period, sweep)
+
+#: ``handle(msg, pages)``; with CURVE on, ``handle(msg, pages, sender)``, where ``sender`` is
+#: the z85 public key the message came from (the ZAP handler's User-Id). A handler for a
+#: CURVE plane takes ``sender: str | None = None`` (None: a trusted local call).
+Handler = Callable[..., None]
 
 
 class ControlPlane:
@@ -56,22 +82,54 @@ class ControlPlane:
     TERM_GRACE = 2.0
     _MAX_LOG_KINDS = 64
 
-    def __init__(self, host: str, counters: Counters, *, sndhwm: int = 10_000) -> None:
+    def __init__(
+        self,
+        host: str,
+        counters: Counters,
+        *,
+        sndhwm: int = 10_000,
+        max_peers: int = 512,
+        keys: Keypair | None = None,
+    ) -> None:
+        if max_peers < 1:
+            raise ValueError(f"max_peers must be at least 1, not {max_peers!r}")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._counters = counters
         self._sndhwm = sndhwm
-        self._push: dict[str, Socket] = {}
+        #: at most this many PUSH sockets are open; a new endpoint past it evicts the least
+        #: recently used one (see :meth:`send_nowait`). Below libzmq's default MAX_SOCKETS
+        #: (1023 per context), which would otherwise refuse the next socket with EMFILE.
+        self.max_peers = max_peers
+        #: endpoint -> its PUSH socket, least recently used first
+        self._push: OrderedDict[str, Socket] = OrderedDict()
+        #: endpoint -> time.monotonic() of its last send (for :meth:`close_idle`)
+        self._used: dict[str, float] = {}
         # (counter, exception type) -> [last logged at, errors not logged since]
         self._log_state: dict[tuple[str, type[BaseException]], list[float]] = {}
         self._term_done: trio.Event | None = None
+        #: CURVE on (docs/security.md): our keypair; every PULL socket is a CURVE server, and
+        #: every PUSH socket a CURVE client of the key :meth:`authorize` gave its endpoint
+        self.keys = keys
+        #: endpoint -> the peer's CURVE public key (z85), most recently authorised last: keys
+        #: from the bootstrap service or a verified REGISTER, and (bounded apart, so that
+        #: they cannot push those out) reply endpoints a PING named
+        self._server_keys: OrderedDict[str, bytes] = OrderedDict()
+        self._reply_keys: OrderedDict[str, bytes] = OrderedDict()
+        self._zap: Socket | None = None
         opened: list[Socket] = []
         try:
-            self._pull = open_socket(self._ctx, zmq.PULL, rcvhwm=0)
+            if keys is not None:
+                # Bound before the CURVE servers: a handshake that finds no ZAP handler is
+                # accepted without a User-Id (and its messages then dropped by _dispatch).
+                self._zap = open_socket(self._ctx, zmq.REP)
+                opened.append(self._zap)
+                self._zap.bind(ZAP_ENDPOINT)
+            self._pull = self._open_pull()
             opened.append(self._pull)
             self.endpoint = self._pull.bind(f"tcp://{host}:*")
             # Heartbeats get their own socket: behind thousands of queued TRANSFERs on the
             # main one, a ping would wait long enough for a healthy peer to be declared lost.
-            self._ping_pull = open_socket(self._ctx, zmq.PULL, rcvhwm=0)
+            self._ping_pull = self._open_pull()
             opened.append(self._ping_pull)
             self.heartbeat_endpoint = self._ping_pull.bind(f"tcp://{host}:*")
         except BaseException:
@@ -97,15 +155,26 @@ class ControlPlane:
         the error to that message. Should libzmq still refuse the address, the new socket is
         closed before :class:`ProtocolError` is raised, so no half-made socket is left to
         block ``Context.term``.
+
+        Sockets are bounded: at most :attr:`max_peers` are open, and a new endpoint past that
+        first closes the least recently used socket, with ``LINGER=0`` (counted
+        ``sockets_evicted``; what it still had queued is lost, and a later send to it makes a
+        new socket). Every endpoint a peer can name (a PING's or an ABORT's reply address)
+        gets a socket, so without the bound 1,100 distinct ones ran the process out of
+        sockets. :meth:`close_idle` closes the ones nobody used for a while.
         """
         sock = self._push.get(endpoint)
-        if sock is None:
+        if sock is not None:
+            self._push.move_to_end(endpoint)
+        else:
             try:
                 _wire.validate_endpoint(endpoint)
             except ProtocolError:
                 self._counters.bump("bad_endpoints")
                 raise
-            sock = open_socket(self._ctx, zmq.PUSH, sndhwm=self._sndhwm)
+            while len(self._push) >= self.max_peers:  # before opening: never over the cap
+                self._evict(next(iter(self._push)))
+            sock = self._open_push(endpoint)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as exc:
@@ -116,6 +185,7 @@ class ControlPlane:
                 sock.close()
                 raise
             self._push[endpoint] = sock
+        self._used[endpoint] = time.monotonic()
         try:
             sock.send_multipart_nowait(_wire.encode(msg, pages))
         except (trio.WouldBlock, trio.ClosedResourceError):
@@ -123,11 +193,112 @@ class ControlPlane:
             return False
         return True
 
+    #: most endpoints :meth:`authorize` remembers a key for (oldest forgotten first), for
+    #: registered peers and for reply endpoints (``reply=True``)
+    MAX_KEYS = 65_536
+    MAX_REPLY_KEYS = 4096
+
+    @property
+    def curve(self) -> bool:
+        """Is CURVE on (every message authenticated, every handler given its sender)?"""
+        return self.keys is not None
+
+    @property
+    def public_key(self) -> str:
+        """Our CURVE public key in z85 (\"\" with CURVE off): what peers authorise."""
+        return "" if self.keys is None else self.keys.public_text
+
+    def authorize(self, endpoint: str, key: str, *, reply: bool = False) -> None:
+        """With CURVE on, sends to ``endpoint`` go to the holder of public key ``key`` (z85)
+        only. A key that changes closes the endpoint's socket, so the next send makes one for
+        the new key. No-op with CURVE off. Forgetting a socket keeps its key. Bounded,
+        oldest dropped first: :data:`MAX_KEYS` for peers' own endpoints, and apart from
+        them :data:`MAX_REPLY_KEYS` for reply endpoints a peer named (``reply=True``: a
+        PING's), so that a peer naming many cannot push a registered peer's key out."""
+        if self.keys is None:
+            return
+        raw = key.encode("ascii")
+        if len(raw) != 40:
+            raise AuthenticationError(f"{endpoint}: not a z85 CURVE public key: {key!r}")
+        table, bound = (
+            (self._reply_keys, self.MAX_REPLY_KEYS) if reply else
+            (self._server_keys, self.MAX_KEYS)
+        )
+        if reply and endpoint in self._server_keys:
+            return  # a peer's own endpoint keeps the key it registered with
+        old = self._server_keys.get(endpoint) or self._reply_keys.get(endpoint)
+        if old is not None and old != raw:
+            self.forget(endpoint)
+        self._reply_keys.pop(endpoint, None)
+        table.pop(endpoint, None)
+        while len(table) >= bound:
+            table.popitem(last=False)
+        table[endpoint] = raw
+
+    def _open_pull(self) -> Socket:
+        sock = open_socket(self._ctx, zmq.PULL, rcvhwm=0)
+        if self.keys is not None:
+            zsock = sock.zsock
+            zsock.curve_secretkey = self.keys.secret
+            zsock.curve_publickey = self.keys.public
+            zsock.curve_server = True
+        return sock
+
+    def _open_push(self, endpoint: str) -> Socket:
+        """A new PUSH socket for ``endpoint``, a CURVE client of its authorised key when
+        CURVE is on (:class:`AuthenticationError` if it has none: we talk only to peers
+        whose keys came from the bootstrap service or a verified REGISTER)."""
+        if self.keys is None:
+            return open_socket(self._ctx, zmq.PUSH, sndhwm=self._sndhwm)
+        server_key = self._server_keys.get(endpoint) or self._reply_keys.get(endpoint)
+        if server_key is None:
+            raise AuthenticationError(f"no CURVE key is known for {endpoint}: not sending")
+        sock = open_socket(self._ctx, zmq.PUSH, sndhwm=self._sndhwm)
+        try:
+            zsock = sock.zsock
+            zsock.curve_serverkey = server_key
+            zsock.curve_publickey = self.keys.public
+            zsock.curve_secretkey = self.keys.secret
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
     def forget(self, endpoint: str) -> None:
         """Drop the socket to a peer (it is gone, or re-registered at a new endpoint)."""
+        self._used.pop(endpoint, None)
         sock = self._push.pop(endpoint, None)
         if sock is not None:
             sock.close()
+
+    @property
+    def peer_sockets(self) -> int:
+        """How many PUSH sockets are open now (a gauge; at most :attr:`max_peers`)."""
+        return len(self._push)
+
+    def _evict(self, endpoint: str) -> None:
+        """Close one endpoint's socket, with ``LINGER=0``, and count it."""
+        self._used.pop(endpoint, None)
+        sock = self._push.pop(endpoint)
+        if not sock.closed:
+            sock.zsock.setsockopt(zmq.LINGER, 0)
+        sock.close()
+        self._counters.bump("sockets_evicted")
+
+    def close_idle(self, idle: float) -> int:
+        """Close every PUSH socket not sent on for ``idle`` seconds or more (``LINGER=0``:
+        what such a socket still holds has waited that long already), counted
+        ``sockets_evicted``; returns how many. Least recently used first, so it stops at the
+        first socket used since. The agents call it from their timers."""
+        deadline = time.monotonic() - idle
+        closed = 0
+        while self._push:
+            endpoint = next(iter(self._push))
+            if self._used.get(endpoint, -float("inf")) > deadline:
+                break
+            self._evict(endpoint)
+            closed += 1
+        return closed
 
     async def serve(self, handle: Handler) -> None:
         """Receive and dispatch messages from both sockets until cancelled. ``handle`` is
@@ -137,6 +308,11 @@ class ControlPlane:
         **Cancellation:** safe at any point; a message is either handled or left unread.
         """
         async with trio.open_nursery() as nursery:
+            if self._zap is not None:
+                nursery.start_soon(serve_zap, self._zap, self._counters)
+                nursery.start_soon(self._serve_curve, self._pull, handle)
+                nursery.start_soon(self._serve_curve, self._ping_pull, handle)
+                return
             nursery.start_soon(self._serve_socket, self._pull, handle)
             nursery.start_soon(self._serve_socket, self._ping_pull, handle)
 
@@ -153,7 +329,36 @@ class ControlPlane:
                     break
                 self._dispatch(frames, handle)
 
-    def _dispatch(self, frames: list[bytes], handle: Handler) -> None:
+    async def _serve_curve(self, sock: Socket, handle: Handler) -> None:
+        """:meth:`_serve_socket` for CURVE: frames with their metadata, each message handed
+        on with the key that sent it."""
+        while True:
+            self._dispatch_curve(await sock.recv_frames(), handle)
+            for _ in range(self.BATCH - 1):
+                try:
+                    frames = sock.recv_frames_nowait()
+                except trio.WouldBlock:
+                    break
+                self._dispatch_curve(frames, handle)
+
+    def _dispatch_curve(self, frames: list[zmq.Frame], handle: Handler) -> None:
+        """The sender is the connection's User-Id, set by our ZAP handler to the client's
+        public key; a message without one (no ZAP answer took part) is dropped, counted
+        ``auth_refused``."""
+        try:
+            sender = frames[0].get("User-Id")
+        except zmq.ZMQError:
+            sender = None
+        if not isinstance(sender, str) or len(sender) != 40:
+            self._counters.bump("auth_refused")
+            exc = AuthenticationError("control message without a CURVE User-Id")
+            self._log_limited("auth_refused", exc, "dropped a control message: %s", exc)
+            return
+        self._dispatch([f.buffer for f in frames], handle, sender)
+
+    def _dispatch(
+        self, frames: list[bytes] | list[memoryview], handle: Handler, sender: str | None = None
+    ) -> None:
         """Decode and handle one message. Nothing it raises (short of ``BaseException``:
         cancellation, ``KeyboardInterrupt``) leaves here: each error is counted and logged
         under :meth:`_log_limited`, and the listener goes on with the next message."""
@@ -164,9 +369,14 @@ class ControlPlane:
             self._log_limited("bad_messages", exc, "dropped a malformed control message: %s", exc)
             return
         try:
-            handle(msg, pages)
+            if sender is None:
+                handle(msg, pages)
+            else:
+                handle(msg, pages, sender)
         except TransferError as exc:
             self._counters.bump("refused_messages")
+            if isinstance(exc, AuthenticationError):
+                self._counters.bump("auth_refused")
             self._log_limited("refused_messages", exc, "refused %s: %s", type(msg).__name__, exc)
         except Exception as exc:
             self._counters.bump("handler_errors")
@@ -230,8 +440,11 @@ class ControlPlane:
                 sock.zsock.setsockopt(zmq.LINGER, max(0, int(linger * 1000)))
             sock.close()
         self._push.clear()
+        self._used.clear()
         self._pull.close()
         self._ping_pull.close()
+        if self._zap is not None:
+            self._zap.close()
         done = self._term_done
         if done is None:
             if self._ctx.closed:

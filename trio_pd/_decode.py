@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -33,8 +34,15 @@ import trio.lowlevel
 import trio_util
 
 from . import _wire
-from ._control import ControlPlane
-from ._errors import ConfigurationError, PeerLost, ProtocolError, TransferAborted, TransferError
+from ._control import ControlPlane, sweep_idle_sockets
+from ._errors import (
+    AuthenticationError,
+    ConfigurationError,
+    PeerLost,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+)
 from ._lazy import LazyEvent
 from ._memory import PoolSpec, read_aux_stamp, validate_pages
 from ._outbox import Outbox
@@ -51,6 +59,7 @@ from ._rooms import (
     SendTransfers,
     Succeeded,
 )
+from ._security import Keypair, Security, resolve
 from ._sources import Instance, PrefillRank, Sources
 from ._state import KVPoll, Liveness
 from ._stats import AgentStatistics, Counters
@@ -88,6 +97,11 @@ class DecodeConfig:
     #: an ABORT that finds a prefill rank's socket full is retried this long, then dropped
     #: and counted (``outbox_dropped``); the pages stay held
     abort_retry: float = 60.0
+    #: PUSH sockets open at once; past it the least recently used is closed
+    #: (``sockets_evicted``). Stay below libzmq's 1023 sockets per context
+    max_peer_sockets: int = 512
+    #: a PUSH socket nobody sent on for this long is closed by a periodic sweep
+    peer_socket_idle: float = 300.0
 
 
 @dataclass(eq=False, slots=True)
@@ -187,17 +201,24 @@ class DecodeAgent:
         config: DecodeConfig,
         control: ControlPlane | None = None,
         metrics: AgentMetrics | None = None,
+        security: Security | None = None,
     ) -> None:
         self.metrics = metrics  # prometheus hooks (trio_pd.metrics), optional
+        #: authentication (docs/security.md); off unless open_decode turned it on
+        self.security = security or Security(curve=False, token=None)
         self.engine, self.pool, self.config = engine, pool, config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.counters = Counters()
         self.timers = Timers()
-        self.control = control or ControlPlane(host, self.counters, sndhwm=config.sndhwm)
+        self.control = control or ControlPlane(
+            host, self.counters, sndhwm=config.sndhwm, max_peers=config.max_peer_sockets,
+            keys=Keypair.generate() if self.security.curve else None,
+        )
         self.outbox = Outbox(
             lambda *send: self.control.send_nowait(*send), self.timers, self.counters,
             give_up_after=config.abort_retry,
         )
+        sweep_idle_sockets(self.timers, self.control, config.peer_socket_idle)
         self.sources = Sources(
             engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, control=self.control,
             counters=self.counters, bootstrap_timeout=config.bootstrap_timeout,
@@ -205,6 +226,7 @@ class DecodeAgent:
             heartbeat_misses=config.heartbeat_misses, probe_timeout=config.ack_timeout,
             on_resolved=self._resolved, on_failed=self._resolve_failed, on_lost=self._lost,
         )
+        self.sources.token = self.security.token
         self._rooms: dict[int, _Room] = {}
         #: rooms whose pages are held for a drain (failed, named to a prefill rank)
         self.held = trio_util.AsyncValue(0)
@@ -231,6 +253,7 @@ class DecodeAgent:
         inst = self.sources.instance(bootstrap_url)
         rec = _Room(DecodeRoom(room, epoch), inst)
         self._rooms[room] = rec
+        self.timers.after(self.config.waiting_timeout, partial(self._init_due, rec))
         if inst.ready:
             self._bind(rec)
         else:
@@ -389,6 +412,16 @@ class DecodeAgent:
             self.counters.bump("timeouts")
         self._carry(rec, due)
 
+    def _init_due(self, rec: _Room) -> None:
+        """A receiver never given ``init`` within ``waiting_timeout`` is failed and forgotten
+        (:meth:`DecodeRoom.init_deadline <trio_pd._rooms.DecodeRoom.init_deadline>`)."""
+        due = rec.machine.init_deadline(self.config.waiting_timeout)
+        if due:
+            self.counters.bump("rooms_reclaimed")
+            if rec.machine.status is KVPoll.Failed and any(isinstance(e, Failed) for e in due):
+                self.counters.bump("timeouts")
+        self._carry(rec, due)
+
     def _ack_due(self, rec: _Room) -> None:
         """Acks are late. Report; re-ask; free only under the configured policy."""
         if rec.machine.released or rec.machine.book is None:
@@ -403,15 +436,35 @@ class DecodeAgent:
 
     # ------------------------------------------------------------------ control messages
 
-    def _handle(self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None) -> None:
+    def _handle(
+        self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None, sender: str | None = None
+    ) -> None:
+        """Dispatch one control message. ``sender`` is the CURVE key it came from (the
+        listener passes it with authentication on); None is a trusted local call."""
         if isinstance(msg, _wire.Status):
-            self._on_status(msg)
+            self._on_status(msg, sender)
         elif isinstance(msg, _wire.AbortAck):
-            self._on_ack(msg)
+            self._on_ack(msg, sender)
         elif isinstance(msg, _wire.Pong):
-            self.sources.on_pong(msg.nonce)
+            self.sources.on_pong(msg.nonce, sender)
         else:
             raise ProtocolError(f"decode does not take {type(msg).__name__}")
+
+    def _check_source(
+        self, rec: _Room, msg: _wire.Status | _wire.AbortAck, sender: str | None
+    ) -> None:
+        """With authentication on, a STATUS or ABORT_ACK for a room held here is taken only
+        from the key the bootstrap service published for the prefill rank it names, among
+        the ranks the room resolved; else :class:`AuthenticationError`, counted
+        ``auth_refused``. (One for a room or epoch not held is late, and changes nothing,
+        whoever sent it: it is counted ``late_messages`` before this check.)"""
+        if sender is None:
+            return
+        if not any(r.tp_rank == msg.rank and r.key == sender for r in rec.sources):
+            raise AuthenticationError(
+                f"{type(msg).__name__.upper()} for room {msg.room} as prefill rank {msg.rank} "
+                f"from {sender}: not that rank's key"
+            )
 
     def _room_for(self, room_id: int, epoch: int) -> _Room | None:
         rec = self._rooms.get(room_id)
@@ -420,15 +473,17 @@ class DecodeAgent:
             return None
         return rec
 
-    def _on_status(self, msg: _wire.Status) -> None:
+    def _on_status(self, msg: _wire.Status, sender: str | None = None) -> None:
         rec = self._room_for(msg.room, msg.epoch)
         if rec is not None:
+            self._check_source(rec, msg, sender)
             aux_ok = partial(self._aux_matches, rec)
             self._carry(rec, rec.machine.on_status(msg.rank, msg.ok, msg.reason, aux_ok))
 
-    def _on_ack(self, msg: _wire.AbortAck) -> None:
+    def _on_ack(self, msg: _wire.AbortAck, sender: str | None = None) -> None:
         rec = self._room_for(msg.room, msg.epoch)
         if rec is not None:
+            self._check_source(rec, msg, sender)
             self.counters.bump("acks_received")
             self._carry(rec, rec.machine.on_ack(msg.rank))
 
@@ -476,9 +531,19 @@ async def open_decode(
     host: str = "127.0.0.1",
     config: DecodeConfig | None = None,
     metrics: AgentMetrics | None = None,
+    token: str | None = None,
+    secure: bool | None = None,
+    bootstrap_verify: ssl.SSLContext | str | bool = True,
 ) -> AsyncIterator[DecodeAgent]:
     """Run a decode rank: register ``pool`` with ``engine``, bind the control socket, and serve
     until the block exits.
+
+    Authentication (docs/security.md), as for :func:`~trio_pd.open_prefill`: ``token`` (left
+    out: ``TRIO_PD_TOKEN``) is sent to every bootstrap service and proves each REGISTER;
+    ``secure`` (None: on when ``host`` is not loopback) turns on CURVE and the identity
+    checks, and then needs the token. A prefill instance whose ranks publish no CURVE key
+    (authentication off there) fails this rank's rooms with
+    :class:`~trio_pd.IncompatiblePeer` when secure, and likewise the other way round.
 
     ``kv_heads``, when given, is checked against the pool as for :func:`open_prefill`
     (:class:`~trio_pd.ConfigurationError`); the prefill instance's own value is checked against
@@ -492,14 +557,17 @@ async def open_decode(
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or DecodeConfig()
+    security = resolve(what=f"decode rank {tp_rank}", hosts=[host], token=token, secure=secure)
     if kv_heads is not None or pool.layout == "mla" or tp_size == 1 or pool.heads > 1:
         try:
             model_kv_heads(pool.layout, pool.heads, pool.first_head, tp_rank, tp_size, kv_heads)
         except ValueError as exc:
             raise ConfigurationError(f"decode rank {tp_rank}: {exc}") from None
     agent = DecodeAgent(
-        engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, host=host, config=config
+        engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, host=host, config=config,
+        security=security,
     )
+    agent.sources.verify = bootstrap_verify
     if metrics is not None:
         metrics.attach(agent)  # sets agent.metrics; exports statistics() at scrape time
     regions = pool.regions()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import secrets
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ from ._errors import AdmissionClosed
 from ._memory import read_aux_stamp
 from ._plan import chunk_ranges
 from ._prefill import PrefillConfig, open_prefill
+from ._security import TOKEN_ENV
 from ._state import KVPoll
 from ._topology import head_range
 from .engines import TransferEngine, make_engine
@@ -68,6 +71,10 @@ class DemoOptions:
     seed: int = 0
     #: a request not terminal this long after it started counts as hung
     request_bound: float = 60.0
+    #: authentication on (docs/security.md): CURVE on the control plane, the REGISTER
+    #: proofs and identity checks, and a random cluster token for the bootstrap service.
+    #: Off, the loopback demo runs open (and says so)
+    secure: bool = False
 
     @property
     def max_pages(self) -> int:
@@ -178,6 +185,7 @@ async def run_prefill_rank(
     bootstrap_url: str,
     progress: Callable[[], None] = lambda: None,
     engines: list[TransferEngine] | None = None,
+    token: str | None = None,
 ) -> RankResult:
     result = RankResult("prefill", rank)
     pool = _pool(opts, rank, opts.prefill_tp)
@@ -191,6 +199,7 @@ async def run_prefill_rank(
             engine=engine, pool=pool.spec, bootstrap_url=bootstrap_url, tp_rank=rank,
             tp_size=opts.prefill_tp, kv_heads=opts.kv_heads if opts.layout == "mha" else 1,
             config=PrefillConfig(bootstrap_timeout=opts.request_bound),
+            token=token, secure=True if opts.secure else None,
         ) as agent:
 
             async def one(req: Request) -> None:
@@ -261,6 +270,7 @@ async def run_decode_rank(
     bootstrap_url: str,
     progress: Callable[[], None] = lambda: None,
     engines: list[TransferEngine] | None = None,
+    token: str | None = None,
 ) -> RankResult:
     result = RankResult("decode", rank)
     pool = _pool(opts, rank, opts.decode_tp)
@@ -273,6 +283,7 @@ async def run_decode_rank(
         async with open_decode(
             engine=engine, pool=pool.spec, tp_rank=rank, tp_size=opts.decode_tp,
             config=DecodeConfig(waiting_timeout=opts.request_bound),
+            token=token, secure=True if opts.secure else None,
         ) as agent:
 
             async def one(req: Request) -> None:
@@ -411,12 +422,16 @@ async def run_in_process(
     """Every rank as tasks of one trio run."""
     results: list[RankResult] = []
     engines: list[TransferEngine] = []
+    token = secrets.token_urlsafe(24) if opts.secure else None
     start = time.perf_counter()
     try:
-        async with open_bootstrap_server() as server, trio.open_nursery() as nursery:
+        async with (
+            open_bootstrap_server(token=token, secure=True if opts.secure else None) as server,
+            trio.open_nursery() as nursery,
+        ):
 
             async def run(fn: Any, rank: int, tick: Callable[[], None]) -> None:
-                results.append(await fn(opts, rank, server.url, tick, engines))
+                results.append(await fn(opts, rank, server.url, tick, engines, token=token))
 
             for p in range(opts.prefill_tp):
                 nursery.start_soon(run, run_prefill_rank, p, lambda: None)
@@ -453,8 +468,13 @@ async def run_processes(
     exe = [sys.executable, "-m", "trio_pd.cli"]
     results: list[RankResult] = []
     start = time.perf_counter()
+    # --secure: every process reads the token from TRIO_PD_TOKEN (kept out of argv)
+    env = dict(os.environ)
+    env.pop(TOKEN_ENV, None)
+    if opts.secure:
+        env[TOKEN_ENV] = secrets.token_urlsafe(24)
     boot = await trio.lowlevel.open_process(
-        [*exe, "bootstrap", "--port", "0"], stdout=subprocess.PIPE
+        [*exe, "bootstrap", "--port", "0"], stdout=subprocess.PIPE, env=env
     )
     try:
         assert boot.stdout is not None
@@ -466,7 +486,7 @@ async def run_processes(
             for role, rank in workers:
                 nursery.start_soon(
                     _worker_process, exe, role, rank, url, opts, results,
-                    progress if (role, rank) == ("decode", 0) else lambda: None,
+                    progress if (role, rank) == ("decode", 0) else lambda: None, env,
                 )
     finally:
         boot.terminate()
@@ -479,10 +499,10 @@ async def run_processes(
 
 async def _worker_process(
     exe: list[str], role: str, rank: int, url: str, opts: DemoOptions,
-    results: list[RankResult], progress: Callable[[], None],
+    results: list[RankResult], progress: Callable[[], None], env: dict[str, str],
 ) -> None:
     cmd = [*exe, "_worker", role, str(rank), url, json.dumps(asdict(opts))]
-    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
+    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, env=env)
     assert proc.stdout is not None
     buf = b""
     async for data in proc.stdout:

@@ -59,6 +59,14 @@ class IncompatiblePeer(ProtocolError):
     layer count, layout, engine); refused at registration, with the reason."""
 
 
+class AuthenticationError(ProtocolError):
+    """With authentication on, a message or request came from an identity that may not send
+    it: a REGISTER without a valid proof, or for an endpoint another key registered; a
+    TRANSFER or ABORT from a key other than the one that registered its endpoint; a STATUS or
+    ABORT_ACK from a key other than the prefill rank's the room resolved. Refused and
+    counted (``auth_refused``)."""
+
+
 class BootstrapError(TransferError):
     """The bootstrap service refused a request or could not be reached."""
 

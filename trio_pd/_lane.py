@@ -67,9 +67,19 @@ class Lane:
 
     ``nice`` > 0 raises the thread's nice value by that much (Linux only, where it is a
     per-thread attribute), so that the event loop's thread preempts it on a CPU-starved
-    host."""
+    host.
 
-    def __init__(self, name: str, *, depth: int = 2, nice: int = 0) -> None:
+    A thread with nothing to do for ``idle_exit`` seconds exits, and the next call starts a
+    new one: threads are bounded by the lanes in use, not by the peers ever registered (a
+    REGISTER flood used to leave one thread per endpoint for good). The switch happens under
+    the lane's lock, so a call never finds a thread that is about to leave."""
+
+    #: default seconds a lane's thread waits for a call before it exits
+    IDLE_EXIT = 5.0
+
+    def __init__(
+        self, name: str, *, depth: int = 2, nice: int = 0, idle_exit: float | None = None
+    ) -> None:
         if depth < 1:
             raise ValueError("depth must be at least 1")
         if nice < 0:
@@ -82,6 +92,9 @@ class Lane:
         self._jobs: deque[_Job] = deque()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.idle_exit = self.IDLE_EXIT if idle_exit is None else idle_exit
+        #: calls handed to :meth:`run_sync` whose caller has not been answered yet (trio side)
+        self.outstanding = 0
 
     def __repr__(self) -> str:
         return f"<Lane {self.name}{' closed' if self._closed else ''}>"
@@ -93,6 +106,13 @@ class Lane:
         once it has started, the caller waits for it to return.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        self.outstanding += 1
+        try:
+            return await self._run_sync(fn, *args)
+        finally:
+            self.outstanding -= 1
+
+    async def _run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         job = _Job(fn, args, trio.lowlevel.current_task())
         with self._cond:
             if self._closed:
@@ -136,7 +156,11 @@ class Lane:
             with self._cond:
                 while len(flying) < self.depth:
                     while not self._jobs and not flying and not done and not self._closed:
-                        self._cond.wait()
+                        if not self._cond.wait(self.idle_exit) and not (
+                            self._jobs or self._closed
+                        ):
+                            self._thread = None  # under the lock: the next call starts one
+                            return
                     while self._jobs and job is None:
                         job = self._jobs.popleft()
                         if job.state == "cancelled":

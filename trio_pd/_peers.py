@@ -55,6 +55,11 @@ class DecodePeer:
     probing: bool = False
     #: proven gone (GONE, or replaced by a REGISTER with another engine session)
     gone: bool = False
+    #: authentication on: the CURVE public key (z85) that sent the REGISTER; TRANSFERs and
+    #: ABORTs naming this endpoint are taken from it only ("" when authentication is off)
+    key: str = ""
+    #: trio.current_time() of the last lookup by endpoint (a TRANSFER, a chunk, a STATUS)
+    last_used: float = 0.0
 
 
 @dataclass(eq=False, slots=True)
@@ -82,7 +87,11 @@ class PeerRegistry:
         counters: Counters,
         timers: Timers,
         forget_endpoint: Callable[[str], None],
+        max_peers: int = 1024,
+        peer_idle: float = 300.0,
     ) -> None:
+        if max_peers < 1:
+            raise ValueError(f"max_peers must be at least 1, not {max_peers!r}")
         self.engine = engine
         self.pool = pool
         self.tp_rank = tp_rank
@@ -94,6 +103,11 @@ class PeerRegistry:
         self.counters = counters
         self.timers = timers
         self._forget_endpoint = forget_endpoint
+        #: at most this many registrations are kept; see :meth:`register`
+        self.max_peers = max_peers
+        #: a peer not looked up for this long, with no engine call and no probe, may be
+        #: dropped to make room for a new REGISTER when every slot is taken
+        self.peer_idle = peer_idle
         #: how an engine call reaches its lane's thread (the schedule explorer swaps it)
         self.run_engine_call: EngineCall = Lane.run_sync
         #: probes get their own thread: one of a hung peer can take a minute and must not
@@ -107,7 +121,10 @@ class PeerRegistry:
         self.refused: dict[str, str] = {}
 
     def get(self, endpoint: str) -> DecodePeer | None:
-        return self._peers.get(endpoint)
+        peer = self._peers.get(endpoint)
+        if peer is not None:
+            peer.last_used = trio.current_time()
+        return peer
 
     def current(self, peer: DecodePeer) -> bool:
         """Is ``peer`` still the registration behind its endpoint?"""
@@ -122,7 +139,16 @@ class PeerRegistry:
         """A decode rank registers (or registers again). Its pool and topology must pair with
         ours: otherwise :class:`IncompatiblePeer` with the reason (the caller tells decode).
         The same engine session keeps its lane (one FIFO per destination engine); a new one
-        means decode restarted: the old registration is proven gone."""
+        means decode restarted: the old registration is proven gone.
+
+        Registrations are bounded: a REGISTER from a new endpoint when :attr:`max_peers` are
+        registered first drops one that is proven gone, else the least recently used one that
+        has been idle for :attr:`peer_idle` seconds (added, no lookup, no engine call queued
+        or running, no probe, in no quarantine), counted ``peers_evicted``; its endpoint is
+        remembered as refused, so a later TRANSFER from it fails its room with the reason.
+        With no such peer the REGISTER is refused with :class:`IncompatiblePeer`, counted
+        ``peers_refused``. (A lane's thread exits once it has been idle, see
+        :class:`~trio_pd._lane.Lane`, so threads follow the peers in use, not this cap.)"""
         pool = msg.pool.to_spec()
         problem = None if msg.engine == self.engine.name else (
             f"decode uses engine {msg.engine!r}, this rank {self.engine.name!r}"
@@ -145,14 +171,16 @@ class PeerRegistry:
             peer_heads=pool.heads,
             peer_first_head=pool.first_head,
         )
+        old = self._peers.get(msg.endpoint)
+        full = problem is None and old is None and len(self._peers) >= self.max_peers
+        if full and not self._make_room():
+            self.counters.bump("peers_refused")
+            problem = f"{self.max_peers} decode peers are registered, none gone or idle"
         if problem is not None:
-            if len(self.refused) >= 1024:
-                self.refused.pop(next(iter(self.refused)))
             error = IncompatiblePeer(f"REGISTER from {msg.endpoint} refused: {problem}")
-            self.refused[msg.endpoint] = str(error)
+            self._remember_refused(msg.endpoint, str(error))
             raise error
         self.refused.pop(msg.endpoint, None)
-        old = self._peers.get(msg.endpoint)
         if old is not None and old.session == msg.session:
             lane = old.lane
         else:
@@ -179,10 +207,51 @@ class PeerRegistry:
             ),
             aux_writer(msg.decode_rank, self.tp_size, msg.decode_tp) == self.tp_rank,
         )
+        peer.last_used = trio.current_time()
         self._peers[msg.endpoint] = peer
         assert self.nursery is not None
         self.nursery.start_soon(self._add_peer, peer, msg.engine_meta)
         return peer
+
+    def _remember_refused(self, endpoint: str, reason: str) -> None:
+        if endpoint not in self.refused and len(self.refused) >= 1024:
+            self.refused.pop(next(iter(self.refused)))
+        self.refused[endpoint] = reason
+
+    def _make_room(self) -> bool:
+        """Drop one registration to make room for a new one: a proven-gone peer first, else
+        the least recently used idle one (see :meth:`register`). False if none may go.
+        One pass over the peers; it runs only when every slot is taken."""
+        now = trio.current_time()
+        fenced = {id(p) for fence in self._fences.values() for p in fence.peers}
+        victim: DecodePeer | None = None
+        for peer in self._peers.values():
+            if not peer.ready.is_set() or peer.lane.outstanding or peer.probing:
+                continue  # (add_peer not done yet, an engine call queued or running, a probe)
+            if id(peer) in fenced:
+                continue
+            if peer.gone:
+                victim = peer
+                break
+            if now - peer.last_used >= self.peer_idle and (
+                victim is None or peer.last_used < victim.last_used
+            ):
+                victim = peer
+        if victim is None:
+            return False
+        del self._peers[victim.endpoint]
+        self.counters.bump("peers_evicted")
+        why = "proven gone" if victim.gone else f"idle for {self.peer_idle:g} s"
+        self._remember_refused(
+            victim.endpoint,
+            f"decode peer {victim.endpoint} was dropped ({why}) to make room for another; "
+            "it must register again",
+        )
+        victim.lane.close()
+        self._forget_endpoint(victim.endpoint)
+        log.warning("dropped decode peer %s (%s): %d peers registered", victim.endpoint, why,
+                    len(self._peers))
+        return True
 
     async def _add_peer(self, peer: DecodePeer, meta: bytes) -> None:
         try:

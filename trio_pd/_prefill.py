@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,8 +33,9 @@ import trio.lowlevel
 from . import _wire
 from ._bootstrap_client import BootstrapClient, PrefillRankInfo
 from ._chunks import ChunkRunner
-from ._control import ControlPlane
+from ._control import ControlPlane, sweep_idle_sockets
 from ._errors import (
+    AuthenticationError,
     ConfigurationError,
     IncompatiblePeer,
     ProtocolError,
@@ -63,6 +65,7 @@ from ._rooms import (
     Succeeded,
     TransferBook,
 )
+from ._security import Keypair, Security, check_register_mac, resolve
 from ._state import KVPoll, Lease, Outcome
 from ._stats import AgentStatistics, Counters
 from ._timers import Timers
@@ -103,9 +106,21 @@ class PrefillConfig:
     sndhwm: int = 10_000
     #: bounded queue of TRANSFER metadata for rooms the scheduler has not created yet
     max_pending_meta: int = 100_000
+    #: and at most this many page ids in all (4 bytes each: 64 MiB)
+    max_pending_page_ids: int = 16 * 1024 * 1024
     #: a message that must arrive (a Failed STATUS, an ack) and finds the decode peer's socket
     #: full is retried for this long, then dropped and counted (``outbox_dropped``)
     failed_status_retry: float = 60.0
+    #: PUSH sockets open at once (one per endpoint we answer: decode peers, and the reply
+    #: address of any PING or ABORT); past it the least recently used is closed
+    #: (``sockets_evicted``). Stay below libzmq's 1023 sockets per context
+    max_peer_sockets: int = 512
+    #: a PUSH socket nobody sent on for this long is closed by a periodic sweep
+    peer_socket_idle: float = 300.0
+    #: decode peers registered at once; past it a REGISTER replaces one proven gone or idle
+    #: for ``peer_idle_timeout`` (``peers_evicted``), or is refused (``peers_refused``)
+    max_decode_peers: int = 1024
+    peer_idle_timeout: float = 300.0
 
 
 _Job = Literal["chunk", "publish"]
@@ -206,17 +221,26 @@ class PrefillAgent:
         config: PrefillConfig,
         control: ControlPlane | None = None,
         metrics: AgentMetrics | None = None,
+        security: Security | None = None,
     ) -> None:
         self.metrics = metrics  # prometheus hooks (trio_pd.metrics), optional
         self.engine, self.pool, self.config = engine, pool, config
         self.tp_rank, self.tp_size, self.kv_heads = tp_rank, tp_size, kv_heads
         self.counters = Counters()
         self.timers = Timers()
-        self.control = control or ControlPlane(host, self.counters, sndhwm=config.sndhwm)
+        #: authentication (docs/security.md); off unless open_prefill turned it on
+        self.security = security or Security(curve=False, token=None)
+        self.control = control or ControlPlane(
+            host, self.counters, sndhwm=config.sndhwm, max_peers=config.max_peer_sockets,
+            keys=Keypair.generate() if self.security.curve else None,
+        )
+        #: keys of registered decode ranks whose PINGs were answered (bounded; see _authenticate)
+        self._ping_keys: dict[str, None] = {}
         self.outbox = Outbox(
             lambda *send: self.control.send_nowait(*send), self.timers, self.counters,
             give_up_after=config.failed_status_retry,
         )
+        sweep_idle_sockets(self.timers, self.control, config.peer_socket_idle)
         fence = config.quarantine_fence
         if fence is None:
             fence = float(getattr(engine, "write_deadline_s", 10.0)) + 1.0
@@ -225,12 +249,15 @@ class PrefillAgent:
             inflight_per_peer=config.inflight_per_peer, lane_nice=config.lane_nice,
             fence=fence, counters=self.counters, timers=self.timers,
             forget_endpoint=self._forget_endpoint,
+            max_peers=config.max_decode_peers, peer_idle=config.peer_idle_timeout,
         )
         self.runner = ChunkRunner(
             engine=engine, pool=pool, peers=self.peers, counters=self.counters,
             metrics=lambda: self.metrics,
         )
-        self.book = TransferBook(max_rooms=config.max_pending_meta)
+        self.book = TransferBook(
+            max_rooms=config.max_pending_meta, max_page_ids=config.max_pending_page_ids
+        )
         self._jobs_tx, self._jobs_rx = trio.open_memory_channel[tuple[_Room, _Job]](math.inf)
         self._rooms: dict[int, _Room] = {}
         self._token = trio.lowlevel.current_trio_token()
@@ -414,19 +441,74 @@ class PrefillAgent:
 
     # ------------------------------------------------------------------ control messages
 
-    def _handle(self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None) -> None:
+    def _handle(
+        self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None, sender: str | None = None
+    ) -> None:
+        """Dispatch one control message. ``sender`` is the CURVE key it came from (the
+        listener passes it with authentication on); None is a trusted local call."""
+        if sender is not None:
+            self._authenticate(msg, sender)
         if isinstance(msg, _wire.Transfer):
             assert pages is not None
             self._on_transfer(msg, pages)
         elif isinstance(msg, _wire.Abort):
             self._on_abort(msg)
         elif isinstance(msg, _wire.Register):
-            self.peers.register(msg)
+            peer = self.peers.register(msg)
+            if sender is not None:
+                peer.key = sender
+                self.control.authorize(msg.endpoint, sender)
         elif isinstance(msg, _wire.Ping):
+            if sender is not None:  # decode's heartbeat socket serves with the same key
+                self.control.authorize(msg.endpoint, sender, reply=True)
             pong = _wire.Pong(v=_wire.WIRE_VERSION, nonce=msg.nonce, rank=self.tp_rank)
             self.control.send_nowait(msg.endpoint, pong)
         else:
             raise ProtocolError(f"prefill does not take {type(msg).__name__}")
+
+    def _authenticate(self, msg: _wire.Message, sender: str) -> None:
+        """With authentication on, may ``sender`` (a CURVE key) send ``msg``? Raises
+        :class:`AuthenticationError` (counted ``auth_refused`` by the listener) if not:
+
+        * a REGISTER must name its sender as ``control_key``, carry a valid proof under the
+          cluster token (:func:`~trio_pd._security.register_mac`), and not name an endpoint
+          another key registered, unless that registration is proven gone;
+        * a TRANSFER or ABORT only from the key that registered its endpoint;
+        * a PING only from a key that registered some endpoint.
+        """
+        if isinstance(msg, _wire.Register):
+            token = self.security.token
+            if msg.control_key != sender:
+                raise AuthenticationError(
+                    f"REGISTER for {msg.endpoint} names key {msg.control_key!r}, sent by {sender}"
+                )
+            if token is None or not check_register_mac(
+                token, msg.auth, endpoint=msg.endpoint, control_key=msg.control_key,
+                engine=msg.engine, session=msg.session, decode_rank=msg.decode_rank,
+                decode_tp=msg.decode_tp,
+            ):
+                raise AuthenticationError(
+                    f"REGISTER for {msg.endpoint} from {sender}: no valid cluster-token proof"
+                )
+            old = self.peers.get(msg.endpoint)
+            if old is not None and old.key != sender and not old.gone:
+                raise AuthenticationError(
+                    f"REGISTER for {msg.endpoint} from {sender}: the endpoint is registered "
+                    "under another key"
+                )
+        elif isinstance(msg, (_wire.Transfer, _wire.Abort)):
+            peer = self.peers.get(msg.endpoint)
+            if peer is None or peer.key != sender:
+                raise AuthenticationError(
+                    f"{type(msg).__name__.upper()} naming {msg.endpoint} from {sender}: "
+                    "not the key that registered it"
+                )
+        elif isinstance(msg, _wire.Ping) and sender not in self._ping_keys:
+            if not any(p.key == sender for p in self.peers.all()):
+                raise AuthenticationError(f"PING from {sender}: no registration under this key")
+            if len(self._ping_keys) >= 4096:
+                self._ping_keys.pop(next(iter(self._ping_keys)))
+            self._ping_keys[sender] = None
 
     def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
         rec = self._rooms.get(msg.room)
@@ -447,7 +529,9 @@ class PrefillAgent:
             return
         if rec is None:
             # Checked now, not when the scheduler creates the room: a bad or stray TRANSFER
-            # must neither displace a good one nor surface later in sender().
+            # must neither displace a good one nor surface later in sender(). What could not
+            # be parked anyway is refused before its page ids are looked at.
+            self.book.check_park(msg.room, msg.decode_rank, len(pages))
             validate_pages(pages, peer.pool.num_pages)
             if not 0 <= msg.aux_slot < peer.pool.aux_slots:
                 raise ProtocolError(f"aux slot {msg.aux_slot} outside the decode aux buffer")
@@ -455,7 +539,7 @@ class PrefillAgent:
                 msg.room, endpoint=msg.endpoint, session=peer.session,
                 decode_rank=msg.decode_rank, epoch=msg.epoch,
                 aux_slot=msg.aux_slot, num_pages=msg.num_pages, required=msg.required,
-                dst_pages=pages.astype(np.int64),
+                dst_pages=pages,
             )
             if parked.expire is not None:
                 expire = partial(self.book.expire, parked.expire)
@@ -527,9 +611,19 @@ async def open_prefill(
     host: str = "127.0.0.1",
     config: PrefillConfig | None = None,
     metrics: AgentMetrics | None = None,
+    token: str | None = None,
+    secure: bool | None = None,
+    bootstrap_verify: ssl.SSLContext | str | bool = True,
 ) -> AsyncIterator[PrefillAgent]:
     """Run a prefill rank: register ``pool`` with ``engine``, bind the control socket,
     register with the bootstrap service, and serve until the block exits.
+
+    Authentication (docs/security.md): ``token`` is the cluster token (left out:
+    ``TRIO_PD_TOKEN``), sent to the bootstrap service. ``secure`` turns on CURVE and the
+    identity checks: None turns them on when ``host`` is not loopback, True always, False
+    never; on, a missing token raises :class:`~trio_pd.ConfigurationError`.
+    ``bootstrap_verify`` is how an https bootstrap service's certificate is checked (see
+    :class:`~trio_pd.BootstrapClient`).
 
     ``kv_heads`` is the model's total KV heads (1 for MLA); left out, it is worked out from
     the pool (``heads * tp_size``), which needs more than one head per rank when TP > 1.
@@ -542,6 +636,9 @@ async def open_prefill(
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or PrefillConfig()
+    security = resolve(
+        what=f"prefill rank {tp_rank}", hosts=[host], token=token, secure=secure
+    )
     try:
         kv_heads = model_kv_heads(
             pool.layout, pool.heads, pool.first_head, tp_rank, tp_size, kv_heads
@@ -550,7 +647,7 @@ async def open_prefill(
         raise ConfigurationError(f"prefill rank {tp_rank}: {exc}") from None
     agent = PrefillAgent(
         engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, kv_heads=kv_heads,
-        host=host, config=config,
+        host=host, config=config, security=security,
     )
     if metrics is not None:
         metrics.attach(agent)  # sets agent.metrics; exports statistics() at scrape time
@@ -559,7 +656,10 @@ async def open_prefill(
     try:
         await trio.to_thread.run_sync(engine.register, regions)
         registered = True
-        async with BootstrapClient(bootstrap_url) as client, trio.open_nursery() as nursery:
+        async with (
+            BootstrapClient(bootstrap_url, token=security.token, verify=bootstrap_verify) as client,
+            trio.open_nursery() as nursery,
+        ):
             agent.peers.nursery = nursery
             nursery.start_soon(agent.control.serve, agent._handle)
             nursery.start_soon(agent.timers.run)
@@ -579,6 +679,7 @@ async def open_prefill(
                     head_bytes=pool.head_bytes,
                     num_layers=pool.num_layers,
                     aux_item_len=pool.aux_item_len,
+                    control_key=agent.control.public_key,
                 )
             )
             try:

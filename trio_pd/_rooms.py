@@ -560,7 +560,8 @@ class _Parked:
     aux_slot: int
     num_pages: int
     required: int
-    dst_pages: Pages
+    #: as decode sent them (int32): a parked TRANSFER costs 4 bytes per page id
+    dst_pages: npt.NDArray[np.integer[Any]]
 
 
 @dataclass(slots=True)
@@ -590,11 +591,12 @@ class TransferBook:
 
     Everything is keyed by (room, epoch) (I4): an ABORT for an old epoch never touches a
     later use of the room. Bounded: at most ``max_rooms`` parked rooms and ``max_page_ids``
-    parked page ids; past that a TRANSFER is refused.
+    parked page ids; past that a TRANSFER is refused (:meth:`check_park` says so before its
+    page ids are even looked at).
     """
 
     max_rooms: int = 100_000
-    max_page_ids: int = 64 * 1024 * 1024
+    max_page_ids: int = 16 * 1024 * 1024
     parked: dict[int, dict[int, _Parked]] = field(default_factory=dict)
     parked_page_ids: int = 0
     #: room -> epochs that decode aborted while this rank held nothing of them
@@ -644,19 +646,12 @@ class TransferBook:
         aux_slot: int,
         num_pages: int,
         required: int,
-        dst_pages: Pages,
+        dst_pages: npt.NDArray[np.integer[Any]],
     ) -> Verdict:
         """Keep a TRANSFER for a room the scheduler has not created yet. Raises
         :class:`ProtocolError` for a duplicate or past the bounds."""
+        self.check_park(room_id, decode_rank, len(dst_pages))
         pending = self.parked.get(room_id)
-        if pending is not None and decode_rank in pending:
-            raise ProtocolError(
-                f"a second TRANSFER for room {room_id} from decode rank {decode_rank}"
-            )
-        if pending is None and len(self.parked) >= self.max_rooms:
-            raise ProtocolError("too many TRANSFERs for rooms this rank does not know")
-        if self.parked_page_ids + len(dst_pages) > self.max_page_ids:
-            raise ProtocolError("too many parked page ids for rooms this rank does not know")
         verdict = Verdict()
         if pending is None:
             pending = self.parked[room_id] = {}
@@ -666,6 +661,20 @@ class TransferBook:
         )
         self.parked_page_ids += len(dst_pages)
         return verdict
+
+    def check_park(self, room_id: int, decode_rank: int, num_pages: int) -> None:
+        """Raise :class:`ProtocolError` if a TRANSFER of ``num_pages`` page ids for
+        ``room_id`` from ``decode_rank`` could not be parked: O(1), so the caller refuses it
+        before validating its page ids (sorting 4M ids costs the event loop ~0.1 s)."""
+        pending = self.parked.get(room_id)
+        if pending is not None and decode_rank in pending:
+            raise ProtocolError(
+                f"a second TRANSFER for room {room_id} from decode rank {decode_rank}"
+            )
+        if pending is None and len(self.parked) >= self.max_rooms:
+            raise ProtocolError("too many TRANSFERs for rooms this rank does not know")
+        if self.parked_page_ids + num_pages > self.max_page_ids:
+            raise ProtocolError("too many parked page ids for rooms this rank does not know")
 
     def take_parked(self, room_id: int) -> list[_Parked]:
         """The TRANSFERs parked for a room the scheduler now creates."""
@@ -881,6 +890,24 @@ class DecodeRoom:
         return self.fail(
             TransferTimeout(f"room {self.room}: not done within {timeout:g} s (waiting timeout)")
         )
+
+    def init_deadline(self, timeout: float) -> Due:
+        """The receiver was made ``timeout`` seconds ago and never given pages by ``init``:
+        fail it (its ranks, once known, are told by ABORT; no page was ever named to them) and
+        forget it, whatever phase it is in. A room given pages, or already forgotten, is left
+        to its other deadlines. Every room is reclaimed by a deadline: a scheduler that drops
+        a receiver before ``init`` no longer leaves it held for good."""
+        if self.pages is not None or self.forgotten:
+            return []
+        due: Due = []
+        if self.status is not KVPoll.Failed:
+            due += self.fail(
+                TransferTimeout(f"room {self.room}: no init within {timeout:g} s")
+            )
+        if not self.forgotten:  # (failed before its instance was resolved: nothing to drain)
+            self.forgotten = True
+            due.append(Forget())
+        return due
 
     def ack_deadline(self, policy: Literal["drain", "timeout"]) -> Due:
         """Acks are late. Report; re-ask; free only under the ``"timeout"`` policy."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +24,15 @@ import trio_util
 from . import _probe, _wire
 from ._bootstrap_client import BootstrapClient, Topology
 from ._control import ControlPlane
-from ._errors import BootstrapError, IncompatiblePeer, ProtocolError, TransferError
+from ._errors import (
+    AuthenticationError,
+    BootstrapError,
+    IncompatiblePeer,
+    ProtocolError,
+    TransferError,
+)
 from ._memory import PoolSpec
+from ._security import register_mac
 from ._state import Liveness
 from ._stats import Counters
 from ._topology import pairing_problem, source_ranks
@@ -46,6 +54,9 @@ class PrefillRank:
     rooms: set[int] = field(default_factory=set)
     unanswered: int = 0  # pings sent since the last pong
     lost: bool = False
+    #: its CURVE public key (z85) as the bootstrap service published it ("" with
+    #: authentication off): the only key a STATUS, ABORT_ACK or PONG for it is taken from
+    key: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -92,6 +103,10 @@ class Sources:
         #: probes run in their own thread, one at a time (see _probe)
         self.probe_limiter = trio.CapacityLimiter(1)
         self.nursery: trio.Nursery | None = None
+        #: the cluster token: sent to bootstrap services, and the key of REGISTER proofs
+        self.token: str | None = None
+        #: how an https bootstrap service's certificate is checked (BootstrapClient's verify)
+        self.verify: ssl.SSLContext | str | bool = True
 
     def instance(self, url: str) -> Instance:
         """The instance at ``url``, resolved in the background on first use."""
@@ -106,7 +121,7 @@ class Sources:
         """Find the instance's topology, check that it pairs with our pool, and register with
         the ranks we read from."""
         try:
-            async with BootstrapClient(inst.url) as client:
+            async with BootstrapClient(inst.url, token=self.token, verify=self.verify) as client:
                 with trio.fail_after(self.bootstrap_timeout):
                     topo = await client.wait_topology()
             ranks = self._source_ranks(topo)
@@ -163,15 +178,37 @@ class Sources:
     def _register_with(self, topo: Topology, p: int) -> PrefillRank:
         info = topo.ranks[p]
         rank = self.ranks.get(info.endpoint)
-        if rank is not None and rank.session == info.engine_session and not rank.lost:
+        if (
+            rank is not None and rank.session == info.engine_session and not rank.lost
+            and rank.key == info.control_key
+        ):
             return rank
+        curve = self.control.curve
+        if curve != bool(info.control_key):
+            raise IncompatiblePeer(
+                f"prefill rank {p} runs with authentication "
+                f"{'off (it publishes no CURVE key)' if curve else 'on'}, this decode rank "
+                f"with it {'on' if curve else 'off'} (docs/security.md)"
+            )
         rank = PrefillRank(
             info.endpoint,
             info.tp_rank,
             info.engine_session,
             next(self._ping_ids),
             info.heartbeat_endpoint or info.endpoint,
+            key=info.control_key,
         )
+        control_key, auth = "", b""
+        if curve:
+            assert self.token is not None  # resolve() requires one with CURVE on
+            self.control.authorize(rank.endpoint, rank.key)
+            self.control.authorize(rank.heartbeat_endpoint, rank.key)
+            control_key = self.control.public_key
+            auth = register_mac(
+                self.token, endpoint=self.control.endpoint, control_key=control_key,
+                engine=self.engine.name, session=self.engine.session_id,
+                decode_rank=self.tp_rank, decode_tp=self.tp_size,
+            )
         self.ranks[info.endpoint] = rank
         msg = _wire.Register(
             v=_wire.WIRE_VERSION,
@@ -182,6 +219,8 @@ class Sources:
             session=self.engine.session_id,
             engine_meta=self.engine.metadata(),
             pool=_wire.PoolWire.from_spec(self.pool),
+            control_key=control_key,
+            auth=auth,
         )
         if not self.control.send_nowait(info.endpoint, msg):
             raise ProtocolError(f"prefill rank {p} at {info.endpoint} is not reading")
@@ -210,9 +249,15 @@ class Sources:
                 )
                 self.control.send_nowait(rank.heartbeat_endpoint, ping)
 
-    def on_pong(self, nonce: int) -> None:
+    def on_pong(self, nonce: int, sender: str | None = None) -> None:
+        """A PONG: its rank answered. With authentication on (``sender`` given) only the
+        rank's own key can answer for it: :class:`AuthenticationError` otherwise."""
         for rank in self.ranks.values():
             if rank.ping_id == nonce:
+                if sender is not None and sender != rank.key:
+                    raise AuthenticationError(
+                        f"PONG for prefill rank {rank.tp_rank} from {sender}: not its key"
+                    )
                 rank.unanswered = 0
 
     def _lose(self, rank: PrefillRank) -> None:

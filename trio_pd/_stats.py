@@ -24,6 +24,11 @@ class AgentStatistics:
     late_messages: int = 0  # for an epoch or room no longer held: ignored
     handler_errors: int = 0  # a message handler raised something not a TransferError
     bad_endpoints: int = 0  # a send to an endpoint validate_endpoint refuses: nothing sent
+    #: authentication on: a message or connection refused for its identity (a forged
+    #: REGISTER, TRANSFER, ABORT, STATUS, ABORT_ACK, PING or PONG; a message without a
+    #: CURVE key; a ZAP request that is not CURVE). Also counted in refused_messages
+    #: when a handler refused it
+    auth_refused: int = 0
     engine_calls: int = 0
     chunks_coalesced: int = 0  # prefill: chunks that joined an earlier chunk's engine call
     engine_errors: int = 0
@@ -44,6 +49,14 @@ class AgentStatistics:
     released_peer_gone: int = 0
     peers_failed: int = 0
     peers_lost: int = 0
+    #: PUSH sockets closed to stay under the cap, or because nobody sent on them for a while
+    sockets_evicted: int = 0
+    #: prefill: decode peers dropped to make room for a new REGISTER (proven gone, or idle)
+    peers_evicted: int = 0
+    #: prefill: REGISTERs refused because every peer slot was held by a live, busy peer
+    peers_refused: int = 0
+    #: decode: receivers never given init within waiting_timeout, failed and forgotten
+    rooms_reclaimed: int = 0
 
 
 _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(AgentStatistics))

@@ -64,6 +64,10 @@ MAX_POOL_PAGES: Final = 1 << 30  # a power of two: see _check_page_ids
 """Bound of a pool's ``num_pages``; a page id at or above it is absurd whatever the pool."""
 MAX_RANKS: Final = 1 << 16
 """Bound of a rank id, a TP size and a required sender count."""
+MAX_KEY_CHARS: Final = 40
+"""A CURVE public key in z85 (:attr:`Register.control_key`)."""
+MAX_AUTH_BYTES: Final = 64
+"""Bound of :attr:`Register.auth` (an HMAC-SHA256 is 32 bytes)."""
 
 _U64_LIMIT: Final = 1 << 64
 _I64_MAX: Final = (1 << 63) - 1
@@ -230,12 +234,19 @@ class _Header(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=
     """Base of every header: frozen, tagged by ``"t"``, unknown fields refused."""
 
 
-class Register(_Header, frozen=True, tag="register"):
+class Register(_Header, frozen=True, tag="register", omit_defaults=True):
     """decode → prefill, once per (decode rank, prefill rank): who I am and where to write.
 
     ``endpoint`` is the decode rank's ZeroMQ address for replies; ``engine`` names its
     transfer engine, ``session`` its engine session id and ``engine_meta`` any opaque bytes the
     engine needs to connect (at most 1 MiB). ``decode_rank`` must be below ``decode_tp``.
+
+    With authentication on (docs/security.md), ``control_key`` is the decode rank's CURVE
+    public key (z85; the key its messages come from, and the key its PULL sockets serve
+    with) and ``auth`` the proof (:func:`trio_pd._security.register_mac`) that the sender
+    holds the cluster token. Both default to empty and are then left off the wire
+    (``omit_defaults``), so a REGISTER without them is byte for byte what older peers send
+    and decode.
     """
 
     v: _Version
@@ -246,6 +257,8 @@ class Register(_Header, frozen=True, tag="register"):
     session: Annotated[str, msgspec.Meta(max_length=MAX_SESSION_CHARS)]
     engine_meta: Annotated[bytes, msgspec.Meta(max_length=MAX_ENGINE_META_BYTES)]
     pool: PoolWire
+    control_key: Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)] = ""
+    auth: Annotated[bytes, msgspec.Meta(max_length=MAX_AUTH_BYTES)] = b""
 
 
 class Transfer(_Header, frozen=True, tag="transfer"):

@@ -303,6 +303,27 @@ class Socket:
         """
         return await self._run(_POLLIN, self.recv_multipart_nowait)
 
+    def recv_frames_nowait(self) -> list[zmq.Frame]:
+        """:meth:`recv_multipart_nowait`, as :class:`zmq.Frame` objects (``copy=False``),
+        which carry the connection's metadata (``frame.get("User-Id")``); never checkpoints.
+
+        Raises:
+          trio.WouldBlock: if no message is waiting.
+          trio.ClosedResourceError: if the socket was closed.
+        """
+        return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT, copy=False))
+
+    async def recv_frames(self) -> list[zmq.Frame]:
+        """:meth:`recv_multipart`, as :class:`zmq.Frame` objects (see
+        :meth:`recv_frames_nowait`).
+
+        **Cancellation:** cancel-atomic, as :meth:`recv_multipart`.
+
+        Raises:
+          trio.ClosedResourceError: if the socket was closed before or during the call.
+        """
+        return await self._run(_POLLIN, self.recv_frames_nowait)
+
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:

@@ -51,6 +51,9 @@ def _demo_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--processes", action="store_true",
                    help="bootstrap, each prefill rank and each decode rank in its own process")
+    p.add_argument("--secure", action="store_true",
+                   help="authentication on: CURVE on the control plane and a random cluster "
+                        "token for the bootstrap service (docs/security.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
 
 
@@ -85,6 +88,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     opts = _options(args)
     runner = run_processes if args.processes else run_in_process
+    if not args.json:
+        print(
+            "security: on (CURVE control plane, random cluster token; docs/security.md)"
+            if opts.secure else
+            "security: off (loopback demo runs open: no CURVE, no token; --secure turns "
+            "them on; docs/security.md)",
+            flush=True,
+        )
     summary = _with_progress(opts.requests, args.json, lambda tick: trio.run(runner, opts, tick))
     problems = check(opts, summary)
     if args.json:
@@ -132,6 +143,8 @@ def _bench_parser(sub: Any) -> None:
                    "call per chunk)")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of the results (matplotlib)")
+    p.add_argument("--secure", action="store_true",
+                   help="authentication on: CURVE control plane, cluster token")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -144,6 +157,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.coalesce_pages < 1:
             raise SystemExit("trio-pd bench: --coalesce-pages must be at least 1")
         opts = replace(opts, coalesce_pages=args.coalesce_pages)
+    if args.secure:
+        opts = replace(opts, secure=True)
     steps = _bench.phases(opts)
     if args.json or not sys.stderr.isatty():
         result = _bench.run(opts)
