@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -250,70 +251,29 @@ async def decode_in_task(
             leave.set()
 
 
-async def test_hole2_closing_decode_holds_pages_until_the_write_returns(
-    bootstrap_url: str,
-) -> None:
-    """Hole 2: decode leaves ``open_decode`` while prefill's write into the room's pages is
-    stalled inside the engine. The pages are not handed back under the write: ``on_release``
-    runs only after the write returned, and the sanitizing allocator sees no late write into
-    a free row. (Before: the pages went back at once, with the write still to come.)"""
+@dataclass
+class StalledRoom:
+    """One room whose prefill write is stalled inside the engine, with decode open in a task:
+    ``leave`` makes decode close, ``closed`` is set once it did (``took``: how long)."""
+
+    pe: Any
+    decode: Any
+    leave: trio.Event
+    closed: trio.Event
+    took: list[float]
+    log: list[str]
+    alloc: PageAllocator
+    n: int
+
+
+@asynccontextmanager
+async def stalled_room(
+    bootstrap_url: str, room: int, close_timeout: float
+) -> AsyncIterator[StalledRoom]:
     log: list[str] = []
     src, dst = host_pool(), host_pool()
     alloc = PageAllocator(page_rows(dst), DEST_POISON)
-    room, n = 201, 4
-    src_pages = np.arange(n)
-    src.fill(src_pages, room)
-    async with engines("mooncake", "mooncake") as (inner, de):
-        pe = LoggingFault(inner, stall_all, log)
-        async with open_prefill(
-            engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=2
-        ) as prefill:
-            try:  # (the gate opens before prefill's exit waits for the stalled call)
-                cfg = config(DecodeConfig, close_timeout=BOUND)
-                async with decode_in_task(de, dst, cfg) as (decode, leave, closed, _took):
-                    ids = alloc.alloc_nowait(n)
-                    assert ids is not None
-
-                    def release() -> None:
-                        log.append("dst released")
-                        alloc.free(ids)
-
-                    sender = prefill.sender(room, num_pages=n, aux_slot=0)
-                    receiver = decode.receiver(room, bootstrap_url=bootstrap_url)
-                    receiver.init(ids, 0, on_release=release)
-                    sender.send(src_pages, last=True)
-                    with trio.fail_after(BOUND):
-                        await pe.stalls.wait_stalled_async(1)
-
-                    leave.set()  # decode closes while the write is inside the engine
-                    with trio.move_on_after(QUIET):
-                        await closed.wait()
-                    released_under_the_write = "dst released" in log
-                    pe.stalls.release_all()  # the write lands
-                    assert await trio.to_thread.run_sync(pe.returned.wait, BOUND)
-                    with trio.fail_after(BOUND):
-                        await closed.wait()
-                late = alloc.late_in_free_rows()
-                assert late == 0, f"{late} of {n} freed pages were written after their release"
-                assert not released_under_the_write, (
-                    "on_release ran while the write into the pages was still stalled"
-                )
-                assert log == ["write returned", "dst released"]
-            finally:
-                pe.stalls.release_all()
-
-
-async def test_hole2_close_timeout_reports_unproven_rooms_and_keeps_their_pages(
-    bootstrap_url: str,
-) -> None:
-    """Hole 2: with ``DecodeConfig(close_timeout=1.0)`` and prefill's write stalled past it,
-    closing decode takes about the close timeout, never runs ``on_release`` (the pages are
-    not handed back as free), and counts the room ``rooms_unproven_at_close``. (Before: the
-    close released the pages at once.)"""
-    log: list[str] = []
-    src, dst = host_pool(), host_pool()
-    alloc = PageAllocator(page_rows(dst), DEST_POISON)
-    room, n, close_timeout = 202, 4, 1.0
+    n = 4
     src_pages = np.arange(n)
     src.fill(src_pages, room)
     async with engines("mooncake", "mooncake") as (inner, de):
@@ -337,22 +297,58 @@ async def test_hole2_close_timeout_reports_unproven_rooms_and_keeps_their_pages(
                     sender.send(src_pages, last=True)
                     with trio.fail_after(BOUND):
                         await pe.stalls.wait_stalled_async(1)
-                    leave.set()
-                    with trio.fail_after(close_timeout + 2.0):
-                        await closed.wait()
-                assert "dst released" not in log, (
-                    "on_release ran at close while the write into the pages was unproven"
-                )
-                assert took[0] <= close_timeout + 2.0
-                stats = decode.statistics()
-                assert getattr(stats, "rooms_unproven_at_close", 0) >= 1
-                pe.stalls.release_all()  # the write ends (lands or fails): still no release
-                assert await trio.to_thread.run_sync(pe.returned.wait, BOUND)
-                assert "dst released" not in log
-                assert alloc.late_in_free_rows() == 0
-                assert has_field(DecodeConfig, "close_timeout")
+                    yield StalledRoom(pe, decode, leave, closed, took, log, alloc, n)
             finally:
                 pe.stalls.release_all()
+
+
+async def test_hole2_closing_decode_holds_pages_until_the_write_returns(
+    bootstrap_url: str,
+) -> None:
+    """Hole 2: decode leaves ``open_decode`` while prefill's write into the room's pages is
+    stalled inside the engine. The pages are not handed back under the write: ``on_release``
+    runs only after the write returned, and the sanitizing allocator sees no late write into
+    a free row. (Before: the pages went back at once, with the write still to come.)"""
+    async with stalled_room(bootstrap_url, 201, BOUND) as r:
+        r.leave.set()  # decode closes while the write is inside the engine
+        with trio.move_on_after(QUIET):
+            await r.closed.wait()
+        released_under_the_write = "dst released" in r.log
+        r.pe.stalls.release_all()  # the write lands
+        assert await trio.to_thread.run_sync(r.pe.returned.wait, BOUND)
+        with trio.fail_after(BOUND):
+            await r.closed.wait()
+    late = r.alloc.late_in_free_rows()
+    assert late == 0, f"{late} of {r.n} freed pages were written after their release"
+    assert not released_under_the_write, (
+        "on_release ran while the write into the pages was still stalled"
+    )
+    assert r.log == ["write returned", "dst released"]
+
+
+async def test_hole2_close_timeout_reports_unproven_rooms_and_keeps_their_pages(
+    bootstrap_url: str,
+) -> None:
+    """Hole 2: with ``DecodeConfig(close_timeout=1.0)`` and prefill's write stalled past it,
+    closing decode takes about the close timeout, never runs ``on_release`` (the pages are
+    not handed back as free), and counts the room ``rooms_unproven_at_close``. (Before: the
+    close released the pages at once.)"""
+    close_timeout = 1.0
+    async with stalled_room(bootstrap_url, 202, close_timeout) as r:
+        r.leave.set()
+        with trio.fail_after(close_timeout + 2.0):
+            await r.closed.wait()
+        assert "dst released" not in r.log, (
+            "on_release ran at close while the write into the pages was unproven"
+        )
+        assert r.took[0] <= close_timeout + 2.0
+        stats = r.decode.statistics()
+        assert getattr(stats, "rooms_unproven_at_close", 0) >= 1
+        r.pe.stalls.release_all()  # the write ends (lands or fails): still no release
+        assert await trio.to_thread.run_sync(r.pe.returned.wait, BOUND)
+        assert "dst released" not in r.log
+        assert r.alloc.late_in_free_rows() == 0
+        assert has_field(DecodeConfig, "close_timeout")
 
 
 # ------------------------------------------------------------------------------ hole 3: probes

@@ -126,10 +126,6 @@ class PeerRegistry:
             peer.last_used = trio.current_time()
         return peer
 
-    def current(self, peer: DecodePeer) -> bool:
-        """Is ``peer`` still the registration behind its endpoint?"""
-        return self._peers.get(peer.endpoint) is peer
-
     def all(self) -> list[DecodePeer]:
         return list(self._peers.values())
 

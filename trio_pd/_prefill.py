@@ -64,6 +64,7 @@ from ._rooms import (
     SendFailed,
     Succeeded,
     TransferBook,
+    reason_of,
 )
 from ._security import Keypair, Security, check_register_mac, resolve
 from ._state import KVPoll, Lease, Outcome
@@ -348,7 +349,7 @@ class PrefillAgent:
                     if self._rooms.get(room) is rec:
                         del self._rooms[room]
                     if rec.machine.cell.status is KVPoll.Failed:
-                        key = self.book.room_failed(room, _reason(rec.machine))
+                        key = self.book.room_failed(room, reason_of(rec.machine.cell.failure))
                         expire = partial(self.book.expire, key)
                         self.timers.after(self.config.bootstrap_timeout, expire)
                 case CancelWork(reason=reason):
@@ -591,12 +592,6 @@ class PrefillAgent:
                 self._send_ack(room, parked.epoch, parked.endpoint)
         for rec in list(self._rooms.values()):
             self._carry(rec, rec.machine.shutdown(CLOSED))
-
-
-def _reason(room: PrefillRoom) -> str:
-    from ._rooms import reason_of
-
-    return reason_of(room.cell.failure)
 
 
 @asynccontextmanager
