@@ -3,14 +3,17 @@ engine call to each, failed marks, and the quarantine fences that keep an errore
 pages out until its peers are proven quiet or gone.
 
 Liveness is three-valued (:class:`~trio_pd._state.Liveness`, probed by :mod:`trio_pd._probe`):
-a quarantine ends only on ALIVE after the engine's own deadline for the failed call, or on
-GONE. UNKNOWN (a hung probe, an unreachable host) keeps the pages out for another fence, and
-is counted (``quarantine_unknown``). A partitioned peer's engine may deliver what it queued
-once the link comes back: before, a probe that timed out was taken for "gone".
+a quarantine ends on GONE, or on ALIVE after the engine's own deadline for the failed call
+*and* once the kernel shows that every byte we wrote to the peer's host has been received
+there (:mod:`trio_pd._sendq`: an engine that gave up on a call may have left its bytes in a
+TCP send queue, which the link delivers whenever it moves again). UNKNOWN (a hung probe, an
+unreachable host) keeps the pages out for another fence (``quarantine_unknown``), and so do
+bytes still queued (``quarantine_undrained``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,7 +21,7 @@ from functools import partial
 
 import trio
 
-from . import _probe, _wire
+from . import _probe, _sendq, _wire
 from ._errors import IncompatiblePeer
 from ._lane import Lane
 from ._memory import PoolSpec, RegionTable
@@ -31,6 +34,18 @@ from .engines import TransferEngine
 log = logging.getLogger("trio_pd.prefill")
 
 EngineCall = Callable[[Lane, Callable[[], object]], Awaitable[object]]
+
+#: seconds between two looks at the kernel's send queues while a quarantine waits on them
+_DRAIN_POLL = 0.05
+
+
+@functools.cache
+def _warn_no_tables() -> None:
+    log.warning(
+        "no TCP tables to read on this host (/proc/net/tcp): a quarantine ends when its peers "
+        "answer after the engine's deadline, without the kernel's word that the failed call's "
+        "bytes are gone"
+    )
 
 
 @dataclass(eq=False, slots=True)
@@ -309,9 +324,9 @@ class PeerRegistry:
 
     def quarantine(self, lease: Lease, peers: list[DecodePeer], end: Callable[[], None]) -> None:
         """``lease``'s write errored: keep its pages out until every peer it wrote to is proven
-        gone, or answers a probe after the engine's own deadline for the call (``fence``:
-        by then the call has returned, and what it left queued has been delivered once the
-        link moves again). ``end()`` runs once, on that proof."""
+        gone, or answers a probe after the engine's own deadline for the call (``fence``: by
+        then the engine has given the call up) with our kernel's send queues to it seen empty
+        (what the call left there has been received). ``end()`` runs once, on that proof."""
         for peer in peers:
             self.mark_failed(peer)
         fence = _Fence(lease, peers, end)
@@ -329,15 +344,55 @@ class PeerRegistry:
             states.append(await self.liveness(peer))
         if self._fences.get(fence.lease) is not fence:
             return
-        if all(s is not Liveness.UNKNOWN for s in states):
+        if any(s is Liveness.UNKNOWN for s in states):
+            self.counters.bump("quarantine_unknown")
+            log.warning(
+                "quarantine of %d pages kept: peer liveness unknown (%s)",
+                fence.lease.npages, ", ".join(p.endpoint for p in fence.peers),
+            )
+            self.timers.after(self.fence, partial(self._fence_passed, fence))
+            return
+        alive = [p for p, s in zip(fence.peers, states, strict=True) if s is Liveness.ALIVE]
+        drained = not alive or await self._sent_bytes_acknowledged(alive)
+        if self._fences.get(fence.lease) is not fence:
+            return  # (ended meanwhile: every peer proven gone)
+        if drained:
             self._end_fence(fence)
             return
-        self.counters.bump("quarantine_unknown")
+        self.counters.bump("quarantine_undrained")
         log.warning(
-            "quarantine of %d pages kept: peer liveness unknown (%s)",
-            fence.lease.npages, ", ".join(p.endpoint for p in fence.peers),
+            "quarantine of %d pages kept: bytes written to %s are still in the kernel's send "
+            "queue", fence.lease.npages, ", ".join(p.endpoint for p in alive),
         )
         self.timers.after(self.fence, partial(self._fence_passed, fence))
+
+    async def _sent_bytes_acknowledged(self, peers: list[DecodePeer]) -> bool:
+        """Has every TCP connection of ours to these peers' hosts been seen with an empty send
+        queue (see :mod:`trio_pd._sendq`), within one ``fence``? An engine's failed call may
+        have left bytes there, which TCP delivers (into pages) whenever the link moves again:
+        a peer answering a probe proves only that the link moves now.
+
+        False if not within the fence, or if no host could be named. Where the kernel's tables
+        cannot be read (not Linux) there is no such evidence: True, with a warning once, so
+        the quarantine rests on the engine's deadline alone there."""
+        hosts: set[str] = set()
+        for peer in peers:
+            hosts.update(await _probe.peer_hosts(self.engine, peer.session, peer.endpoint))
+        if not hosts:
+            return False
+        watch = _sendq.DrainWatch()
+        with trio.move_on_after(self.fence):
+            while True:
+                snap = await trio.to_thread.run_sync(_sendq.snapshot, sorted(hosts))
+                if snap is None:
+                    _warn_no_tables()
+                    return True
+                if watch.observe(snap):
+                    return True
+                await trio.sleep(_DRAIN_POLL)
+        log.info("send queues to %s not seen empty in %d looks: %s", sorted(hosts),
+                 watch.looks, sorted(watch.pending))
+        return False
 
     def _end_fence(self, fence: _Fence) -> None:
         if self._fences.pop(fence.lease, None) is fence:

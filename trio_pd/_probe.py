@@ -31,7 +31,7 @@ from .engines import TransferEngine
 
 log = logging.getLogger("trio_pd.probe")
 
-__all__ = ["port_refuses", "probe", "wait_idle"]
+__all__ = ["peer_hosts", "port_refuses", "probe", "wait_idle"]
 
 
 def _host_port(endpoint: str) -> tuple[str, int] | None:
@@ -53,6 +53,26 @@ def _host_port(endpoint: str) -> tuple[str, int] | None:
     if not host or host == "*" or not 0 < port < 65536:
         return None
     return host, port
+
+
+async def peer_hosts(engine: TransferEngine, session: str, control_endpoint: str) -> list[str]:
+    """The numeric addresses of the peer's host(s): its control endpoint's, and for Mooncake
+    its engine session's (``"host:rpc_port"``), resolved. Empty if none parses or resolves.
+    Nothing but Cancelled is raised."""
+    await trio.lowlevel.checkpoint()
+    endpoints = [control_endpoint] + ([session] if engine.name == "mooncake" else [])
+    hosts: set[str] = set()
+    for endpoint in endpoints:
+        parsed = _host_port(endpoint)
+        if parsed is None:
+            continue
+        try:
+            infos = await trio.socket.getaddrinfo(parsed[0], parsed[1],
+                                                  type=trio.socket.SOCK_STREAM)
+        except OSError:
+            continue
+        hosts.update(str(info[4][0]) for info in infos)
+    return sorted(hosts)
 
 
 async def _connect(family: int, type_: int, proto: int, addr: object) -> bool | None:

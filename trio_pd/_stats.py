@@ -42,6 +42,9 @@ class AgentStatistics:
     released_after_quarantine: int = 0
     #: prefill: a quarantine fence passed but a peer's liveness was unknown: pages kept out
     quarantine_unknown: int = 0
+    #: a quarantine kept after its peers answered: bytes we wrote to them were still in the
+    #: kernel's send queue (see _sendq), or their host could not be named
+    quarantine_undrained: int = 0
     #: decode: rooms still held, unproven, when the close deadline passed (pages not handed
     #: back: a write may still land there)
     rooms_unproven_at_close: int = 0
