@@ -26,6 +26,7 @@ import trio
 
 from trio_pd import DecodeConfig, KVPoll, PrefillConfig, _wire
 from trio_pd._lane import Lane
+from trio_pd.engines import make_engine
 
 from .conftest import open_pair
 from .test_bad_input import (
@@ -163,6 +164,44 @@ async def test_full_registry_evicts_a_gone_or_idle_peer(
         assert stat(pair.prefill, "peers_refused") == 0
         assert unused_endpoint(5) in {p.endpoint for p in peers.all()}
         assert "dropped" in peers.refused.get(unused_endpoint(0), "")
+
+
+async def test_a_dropped_peer_is_forgotten_by_the_engine(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A registration dropped to make room takes its engine session with it (NIXL: the UCX
+    endpoints of a remote agent; Mooncake: nothing held), unless another registration still
+    uses that session. Before: the engine kept every dropped peer's session for good."""
+    cfg = config(PrefillConfig, max_decode_peers=2, peer_idle_timeout=0.0)
+    extra = [make_engine(engine_name) for _ in range(4)]
+    removed: list[str] = []
+    try:
+        async with open_pair(engine_name, bootstrap_url, prefill_config=cfg) as pair, \
+                fake_decode() as fake:
+            engine = pair.prefill.peers.engine
+            real_remove = engine.remove_peer
+
+            def remove_peer(session: str) -> None:
+                removed.append(session)
+                real_remove(session)
+
+            engine.remove_peer = remove_peer  # type: ignore[method-assign]
+            peers = pair.prefill.peers
+            async with raw_push(pair.prefill.endpoint) as sock:
+                for i, e in enumerate(extra):
+                    reg = register(unused_endpoint(i), e, pair.dst.spec)
+                    await sock.send_multipart(_wire.encode(reg))
+                    await barrier(sock, fake)
+                    with trio.fail_after(5):
+                        await poll_until(lambda: all(p.ready.is_set() for p in peers.all()))
+                with trio.fail_after(5):
+                    await poll_until(lambda: len(removed) >= 2)
+            assert removed == [extra[0].session_id, extra[1].session_id]
+            assert stat(pair.prefill, "engine_peers_removed") == 2
+            assert {p.session for p in peers.all()} == {e.session_id for e in extra[2:]}
+    finally:
+        for e in extra:
+            e.close()
 
 
 async def test_lane_thread_exits_when_idle_and_comes_back() -> None:

@@ -43,12 +43,16 @@ TCP4 = """\
    5: 0100007F:15B8 0201C80A:4045 04 00000200:00000000 00:00000000 00000000     0        0 0
    6: 0100007F:15B9 0201C80A:4045 01 00000000:00000000 00:00000000 00000000     0        0 999
 """
-#: /proc/net/tcp6: an IPv4-mapped peer ::ffff:10.200.1.2 and ::1
-TCP6 = """\
-  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 00000000000000000000000001000000:15B3 0000000000000000FFFF00000201C80A:4045 01 00000007:00000000 00:00000000 00000000     0        0 121
-   1: 00000000000000000000000001000000:15B4 00000000000000000000000001000000:4045 01 00000009:00000000 00:00000000 00000000     0        0 122
-"""
+#: /proc/net/tcp6: an IPv4-mapped peer ::ffff:10.200.1.2, and ::1 (the local end is ::1)
+_V6_LOOP = "00000000000000000000000001000000"
+_V6_MAPPED = "0000000000000000FFFF00000201C80A"
+_V6_HEAD = "  sl  local_address remote_address st tx_queue rx_queue tr tm->when retrnsmt uid ...\n"
+TCP6 = _V6_HEAD + "".join(
+    f"   {n}: {_V6_LOOP}:{lport} {remote}:4045 01 {queued}:00000000 00:0 0 0 0 {inode}\n"
+    for n, (lport, remote, queued, inode) in enumerate(
+        [("15B3", _V6_MAPPED, "00000007", 121), ("15B4", _V6_LOOP, "00000009", 122)]
+    )
+)
 
 
 def test_parse_keeps_the_peers_live_connections_with_their_queues() -> None:

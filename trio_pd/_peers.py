@@ -134,6 +134,8 @@ class PeerRegistry:
         #: endpoints whose REGISTER was refused, with why (bounded, oldest dropped): a TRANSFER
         #: from one fails its room with the reason instead of leaving it to its deadline
         self.refused: dict[str, str] = {}
+        #: engine sessions of dropped peers being removed from the engine (see _make_room)
+        self._removing: dict[str, trio.Event] = {}
 
     def get(self, endpoint: str) -> DecodePeer | None:
         peer = self._peers.get(endpoint)
@@ -260,11 +262,33 @@ class PeerRegistry:
         )
         victim.lane.close()
         self._forget_endpoint(victim.endpoint)
+        if not any(p.session == victim.session for p in self._peers.values()):
+            self._removing[victim.session] = done = trio.Event()
+            assert self.nursery is not None
+            self.nursery.start_soon(self._remove_engine_peer, victim.session, done)
         log.warning("dropped decode peer %s (%s): %d peers registered", victim.endpoint, why,
                     len(self._peers))
         return True
 
+    async def _remove_engine_peer(self, session: str, done: trio.Event) -> None:
+        """The engine forgets a dropped peer's session (NIXL: its UCX endpoints), so that
+        churning registrations do not pile up in the engine. A REGISTER of that session that
+        comes meanwhile waits for this (see :meth:`_add_peer`)."""
+        try:
+            await trio.to_thread.run_sync(self.engine.remove_peer, session)
+            self.counters.bump("engine_peers_removed")
+        except Exception as exc:
+            log.warning("could not remove engine peer %s: %s", session, exc)
+            await trio.lowlevel.checkpoint()
+        finally:
+            if self._removing.get(session) is done:
+                del self._removing[session]
+            done.set()
+
     async def _add_peer(self, peer: DecodePeer, meta: bytes) -> None:
+        removing = self._removing.get(peer.session)
+        if removing is not None:
+            await removing.wait()
         try:
             await self.run_engine_call(peer.lane, partial(self.engine.add_peer, peer.session, meta))
         except Exception as exc:

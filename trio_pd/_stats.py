@@ -56,6 +56,8 @@ class AgentStatistics:
     sockets_evicted: int = 0
     #: prefill: decode peers dropped to make room for a new REGISTER (proven gone, or idle)
     peers_evicted: int = 0
+    #: prefill: engine sessions of dropped peers that the engine was told to forget
+    engine_peers_removed: int = 0
     #: prefill: REGISTERs refused because every peer slot was held by a live, busy peer
     peers_refused: int = 0
     #: decode: receivers never given init within waiting_timeout, failed and forgotten
