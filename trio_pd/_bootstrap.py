@@ -47,20 +47,30 @@ JSON ``{"ok": false, "error": "..."}``. Every answer is counted by (method, rout
 When the server stops, a registration still waiting for its body is answered ``503`` and
 idle connections are closed, so that no client can hold the shutdown up.
 
+Slow and many clients: each request must arrive whole (head and body) within
+``request_timeout`` (5 s) of the connection's accept or of the end of the previous answer, and
+each write of an answer must be taken within it too; otherwise the connection is closed
+(counted ``timed_out_connections`` when some of a request had arrived). At most
+``max_connections`` (512) connections are open at once: a new one beyond that takes the place
+of the one that has waited longest for its request (closed at once), or is closed itself when
+every open connection is being answered (either way counted ``shed_connections``).
+
 The pure part (validation and the rank table) has no I/O; the ASGI app around it is served by
-hypercorn's trio worker on a socket this module binds itself, so port ``0`` works and the
-listening socket is closed when the server stops.
+hypercorn's HTTP/1.1 and HTTP/2 connection handling on a socket this module binds and accepts
+on itself (the accept loop enforces the cap, a wrapper around each accepted stream the
+deadline), so port ``0`` works and the listening socket is closed when the server stops.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
 import re
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
@@ -69,12 +79,14 @@ from urllib.parse import parse_qs
 
 import msgspec
 import trio
+from hypercorn.app_wrappers import ASGIWrapper as _HypercornASGIWrapper
 from hypercorn.config import Config as _HypercornConfig
-from hypercorn.config import Sockets as _HypercornSockets
-from hypercorn.trio import serve as _hypercorn_serve
+from hypercorn.trio.tcp_server import TCPServer as _HypercornTCPServer
+from hypercorn.trio.worker_context import WorkerContext as _HypercornWorkerContext
 from hypercorn.typing import (
     ASGIReceiveCallable,
     ASGISendCallable,
+    ConnectionState,
     HTTPScope,
     Scope,
     WebsocketCloseEvent,
@@ -106,6 +118,12 @@ _GRACEFUL_TIMEOUT: Final = 0.5
 _SHUTDOWN_BACKSTOP: Final = 1.0
 # A connection that sends nothing for this long while a request is open is dropped.
 _READ_TIMEOUT: Final = 30
+#: Default ``request_timeout``: seconds a connection has to deliver a whole request (from its
+#: accept, or from the end of the previous answer), and to take each write of an answer.
+REQUEST_TIMEOUT: Final = 5.0
+#: Default ``max_connections``: connections open at once (well below the common file
+#: descriptor limit of 1,024 a process gets).
+MAX_CONNECTIONS: Final = 512
 
 #: how long a replacement's probe of the old rank's endpoint may take (see _put_route_guarded)
 _REPLACE_PROBE_TIMEOUT: Final = 1.0
@@ -222,6 +240,15 @@ class BootstrapStatistics:
     #: ``409`` answers to a ``PUT /route`` for a rank registered under another control key
     #: whose endpoint still accepts connections (a squat of a live rank)
     refused_replacements: int = 0
+    #: connections closed because a request begun on them (some byte of it arrived) was not
+    #: whole within ``request_timeout``, or an answer was not taken within it (a connection
+    #: that sent nothing is closed at the same deadline, but not counted: an idle keep-alive)
+    timed_out_connections: int = 0
+    #: connections closed at the ``max_connections`` cap: the one that had waited longest for
+    #: its request, to make room for a new one, or the new one when none was waiting
+    shed_connections: int = 0
+    #: connections open now
+    open_connections: int = 0
 
     @property
     def total_requests(self) -> int:
@@ -260,13 +287,28 @@ class _MetricsCollector(Collector):
         ready = GaugeMetricFamily(
             "trio_pd_bootstrap_ready", "1 once every prefill rank registered, else 0."
         )
+        timed_out = CounterMetricFamily(
+            "trio_pd_bootstrap_timed_out_connections",
+            "Connections closed because a request was not whole, or an answer not taken, "
+            "within the bootstrap service's request timeout.",
+        )
+        shed = CounterMetricFamily(
+            "trio_pd_bootstrap_shed_connections",
+            "Connections closed at the bootstrap service's connection cap.",
+        )
+        connections = GaugeMetricFamily(
+            "trio_pd_bootstrap_open_connections", "Connections open to the bootstrap service."
+        )
         if stats is not None:
             for (method, route, status), count in sorted(stats.requests.items()):
                 requests.add_metric([method, route, str(status)], count)
             malformed.add_metric([], stats.malformed)
             registered.add_metric([], stats.registered_ranks)
             ready.add_metric([], 1 if stats.ready else 0)
-        return [requests, malformed, registered, ready]
+            timed_out.add_metric([], stats.timed_out_connections)
+            shed.add_metric([], stats.shed_connections)
+            connections.add_metric([], stats.open_connections)
+        return [requests, malformed, registered, ready, timed_out, shed, connections]
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,6 +348,90 @@ _SHUTTING_DOWN: Final = _Reply.error(
 )
 
 
+class _Connection(trio.abc.HalfCloseableStream):
+    """One accepted connection, as hypercorn reads and writes it, and its deadline.
+
+    Hypercorn serves the connection inside :attr:`scope`. While the connection *waits* for a
+    request (from its accept, or from the end of the last answer, until the app has a request
+    whole: :meth:`answering`), the scope's deadline is ``waiting_since + timeout``; when it
+    passes, or when the connection is dropped (:meth:`shed`, or a write that ran out), the
+    scope is cancelled: hypercorn's tasks for the connection end (as at the end of its own
+    graceful shutdown) and the caller closes the socket. Each write must finish within
+    ``timeout`` too (a client that takes no answer).
+    """
+
+    def __init__(self, stream: trio.SocketStream, server: BootstrapServer) -> None:
+        self.stream = stream
+        #: hypercorn reads the addresses from it (``transport_stream.socket`` under TLS)
+        self.socket = stream.socket
+        self._server = server
+        self._timeout = server._request_timeout
+        self.waiting_since = trio.current_time()
+        self.scope = trio.CancelScope(deadline=self.waiting_since + self._timeout)
+        self._answering = 0  # requests the app has whole and answers (HTTP/2: several)
+        self._begun = False  # some byte arrived since waiting_since
+        self._dropped = False
+
+    @property
+    def waiting(self) -> bool:
+        """Waiting for a request (a connection the cap may shed)."""
+        return self._answering == 0 and not self._dropped
+
+    @property
+    def expired(self) -> bool:
+        """The deadline ended it while a request was begun (``timed_out_connections``)."""
+        return self.scope.cancelled_caught and self.waiting and self._begun
+
+    def _drop(self) -> None:
+        self._dropped = True
+        self.scope.cancel(reason="bootstrap connection dropped")
+
+    def shed(self) -> None:
+        """Close it to make room for a new connection (see :meth:`BootstrapServer._admit`)."""
+        self._drop()
+
+    @contextmanager
+    def answering(self) -> Iterator[None]:
+        """While the app answers a request it has whole: no deadline. Afterwards the wait
+        for the next request begins."""
+        self._answering += 1
+        self.scope.deadline = math.inf
+        try:
+            yield
+        finally:
+            self._answering -= 1
+            if self._answering == 0:
+                self.waiting_since = trio.current_time()
+                self._begun = False
+                self.scope.deadline = self.waiting_since + self._timeout
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self.stream.receive_some(max_bytes)
+        self._begun = self._begun or bool(data)
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        # (hypercorn shields its writes from cancellation; this deadline still applies)
+        with trio.move_on_after(self._timeout):
+            await self.stream.send_all(data)
+            return
+        if not self._dropped:
+            self._server._timed_out += 1
+            logger.info("bootstrap: closed a connection that took no answer in %s s",
+                        self._timeout)
+            self._drop()
+        raise trio.BrokenResourceError("the client took no answer within the request timeout")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
 class BootstrapServer:
     """A running bootstrap service. Made by :func:`open_bootstrap_server` or
     :func:`serve_bootstrap`, never directly.
@@ -323,10 +449,17 @@ class BootstrapServer:
         metrics_registry: CollectorRegistry | None,
         token: str | None = None,
         tls: tuple[str, str] | None = None,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.host = host
         self.port = port
         self.url = url
+        self._request_timeout = request_timeout
+        self._max_connections = max_connections
+        self._connections: set[_Connection] = set()
+        self._timed_out = 0
+        self._shed = 0
         self._metrics_registry = metrics_registry
         #: what ``Authorization`` must be on every /route request (None: not checked)
         self._authorization = None if token is None else f"Bearer {token}".encode()
@@ -353,7 +486,31 @@ class BootstrapServer:
             ready=self._table.topology() is not None,
             unauthorized=self._unauthorized,
             refused_replacements=self._refused_replacements,
+            timed_out_connections=self._timed_out,
+            shed_connections=self._shed,
+            open_connections=len(self._connections),
         )
+
+    def _admit(self, stream: trio.SocketStream) -> _Connection | None:
+        """The new connection on ``stream``, or None to refuse it (the caller closes it).
+
+        At the cap, the open connection that has waited longest for its request is shed to
+        make room (a slow client holds a connection for at most ``request_timeout``, and a
+        normal one sends its request at once: the oldest waiting is the likeliest slow); if
+        none is waiting (each is being answered), the new one is refused. Both are counted
+        ``shed_connections``.
+        """
+        if len(self._connections) >= self._max_connections:
+            self._shed += 1
+            waiting = [c for c in self._connections if c.waiting]
+            if not waiting:
+                return None
+            oldest = min(waiting, key=lambda c: c.waiting_since)
+            oldest.shed()
+            self._connections.discard(oldest)  # (it closes at once)
+        connection = _Connection(stream, self)
+        self._connections.add(connection)
+        return connection
 
     def _authorized(self, scope: HTTPScope) -> bool:
         """Does the request carry the cluster token (or is none required)? Compared in
@@ -373,12 +530,17 @@ class BootstrapServer:
     # -- ASGI ---------------------------------------------------------------------------
 
     async def _asgi(
-        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+        self,
+        connection: _Connection,
+        scope: Scope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
     ) -> None:
+        """The ASGI app, for requests on ``connection``."""
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         elif scope["type"] == "http":
-            await self._http(scope, receive, send)
+            await self._http(connection, scope, receive, send)
         else:
             # A websocket upgrade: close it before accepting, which hypercorn answers with a
             # 403 (an app that just returns is a crash to it: a 500).
@@ -396,34 +558,44 @@ class BootstrapServer:
                 return
 
     async def _http(
-        self, scope: HTTPScope, receive: ASGIReceiveCallable, send: ASGISendCallable
+        self,
+        connection: _Connection,
+        scope: HTTPScope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
     ) -> None:
         method = scope["method"]
         path = scope["path"]
         method_label = method if method in _STANDARD_METHODS else "<other>"
         route_label = path if path in _ROUTE_METHODS else "<other>"
-        if path == "/route" and not self._authorized(scope):
-            await trio.lowlevel.checkpoint()
-            reply = _UNAUTHORIZED  # the body, if any, is never read
-        elif method == "PUT" and path == "/route":
-            body = await self._read_body(scope, receive)
+        authorized = path != "/route" or self._authorized(scope)
+        body: bytes | _Reply | None = None
+        if authorized and method == "PUT" and path == "/route":
+            body = await self._read_body(scope, receive)  # (under the request deadline)
             if body is None:
                 return  # the client went away before sending its whole request
-            reply = await self._put_route_guarded(body) if isinstance(body, bytes) else body
-        else:
-            reply = self._dispatch(method, path, scope)
-        self._requests[method_label, route_label, reply.status] += 1
-        if reply.status == 401:
-            self._unauthorized += 1
-        if reply.status in (400, 413):
-            self._malformed += 1
-        headers = [
-            (b"content-type", reply.content_type),
-            (b"content-length", str(len(reply.body)).encode("ascii")),
-            *reply.headers,
-        ]
-        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-        await send({"type": "http.response.body", "body": reply.body, "more_body": False})
+        with connection.answering():  # the request is whole: no deadline while we answer
+            if not authorized:
+                await trio.lowlevel.checkpoint()
+                reply = _UNAUTHORIZED  # the body, if any, is never read
+            elif body is not None:
+                reply = await self._put_route_guarded(body) if isinstance(body, bytes) else body
+            else:
+                reply = self._dispatch(method, path, scope)
+            self._requests[method_label, route_label, reply.status] += 1
+            if reply.status == 401:
+                self._unauthorized += 1
+            if reply.status in (400, 413):
+                self._malformed += 1
+            headers = [
+                (b"content-type", reply.content_type),
+                (b"content-length", str(len(reply.body)).encode("ascii")),
+                *reply.headers,
+            ]
+            await send(
+                {"type": "http.response.start", "status": reply.status, "headers": headers}
+            )
+            await send({"type": "http.response.body", "body": reply.body, "more_body": False})
 
     def _dispatch(self, method: str, path: str, scope: HTTPScope) -> _Reply:
         """The reply to every request except ``PUT /route`` (which has a body to read)."""
@@ -567,28 +739,83 @@ class BootstrapServer:
         )
 
 
-class _PreboundConfig(_HypercornConfig):
-    """Hypercorn configuration that serves on a socket bound (and owned) by us.
+def _config(server: BootstrapServer) -> _HypercornConfig:
+    """Hypercorn's settings for ``server``."""
+    config = _HypercornConfig()
+    config.accesslog = None
+    config.errorlog = logging.getLogger("trio_pd.bootstrap.http")
+    config.graceful_timeout = _GRACEFUL_TIMEOUT
+    config.read_timeout = _READ_TIMEOUT
+    # Hypercorn's own bound on the wait for a request *head* (from the accept, or the end of
+    # the last answer): a backstop, since the request deadline of _Connection, which also
+    # covers the body, starts first and ends first.
+    config.keep_alive_timeout = 2 * server._request_timeout
+    if server._tls is not None:
+        config.certfile, config.keyfile = server._tls
+    return config
 
-    Hypercorn's trio worker asks its config for the sockets to listen on; handing it ours
-    lets us learn the port before serving and close the socket afterwards (hypercorn does
-    not close the sockets it creates).
+
+async def _serve_http(
+    server: BootstrapServer,
+    sock: socket.socket,
+    config: _HypercornConfig,
+    shutdown: trio.Event,
+    listening: trio.Event,
+) -> None:
+    """Serve ``server`` on ``sock`` until ``shutdown`` is set, then stop gracefully.
+
+    What hypercorn's trio worker does with a listening socket (its connection handling,
+    ``TCPServer``, speaks HTTP to the app), with an accept loop of ours in front of it: each
+    accepted connection is admitted under the cap (:meth:`BootstrapServer._admit`) and served
+    by hypercorn through a :class:`_Connection`, inside its scope (the request deadline).
+    Hypercorn offers
+    neither: its timeouts are per read (``read_timeout``) or bound the request head only
+    (``keep_alive_timeout``), and it accepts without limit.
     """
+    context = _HypercornWorkerContext(None)
+    ssl_context = config.create_ssl_context()
+    sock.listen(config.backlog)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
 
-    def __init__(self, sock: socket.socket, tls: tuple[str, str] | None = None) -> None:
-        super().__init__()
-        self._prebound = sock
-        if tls is not None:  # hypercorn wraps secure sockets in TLS with these
-            self.certfile, self.keyfile = tls
+    async def handle(stream: trio.SocketStream) -> None:
+        connection = server._admit(stream)
+        if connection is None:
+            await trio.aclose_forcefully(stream)  # at the cap
+            return
+        try:
+            transport: trio.abc.Stream = connection
+            if ssl_context is not None:
+                transport = trio.SSLStream(
+                    connection, ssl_context, server_side=True, https_compatible=True
+                )
+            app = _HypercornASGIWrapper(partial(server._asgi, connection))
+            with connection.scope:
+                await _HypercornTCPServer(  # its annotation names only the TLS stream
+                    app, config, context, ConnectionState({}), transport  # type: ignore[arg-type]
+                ).run()
+            if connection.expired:
+                server._timed_out += 1
+                logger.info(
+                    "bootstrap: closed a connection whose request was not whole in %s s",
+                    server._request_timeout,
+                )
+        finally:
+            server._connections.discard(connection)
+            # (hypercorn leaves the stream open when the TLS handshake fails)
+            await trio.aclose_forcefully(stream)
 
-    def create_sockets(self) -> _HypercornSockets:
-        if self.ssl_enabled:
-            return _HypercornSockets(
-                secure_sockets=[self._prebound], insecure_sockets=[], quic_sockets=[]
+    async with trio.open_nursery() as handlers:
+        async with trio.open_nursery() as accepting:
+            accepting.start_soon(
+                partial(trio.serve_listeners, handle, [listener], handler_nursery=handlers)
             )
-        return _HypercornSockets(
-            secure_sockets=[], insecure_sockets=[self._prebound], quic_sockets=[]
-        )
+            listening.set()
+            await shutdown.wait()
+            accepting.cancel_scope.cancel(reason="bootstrap server shutting down")
+        # As hypercorn's worker: idle connections close now, no connection is kept alive
+        # after its answer, and requests in flight get graceful_timeout.
+        await context.terminated.set()
+        handlers.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
 
 
 async def _bind(host: str, port: int) -> socket.socket:
@@ -622,6 +849,8 @@ def _new_server(
     metrics_registry: CollectorRegistry | None,
     token: str | None = None,
     tls: tuple[str, str] | None = None,
+    request_timeout: float = REQUEST_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> BootstrapServer:
     """The server for ``sock``, its metrics registered with ``metrics_registry``."""
     addr = sock.getsockname()
@@ -631,6 +860,7 @@ def _new_server(
     server = BootstrapServer(
         host=host, port=port, url=f"{scheme}://{shown}:{port}",
         metrics_registry=metrics_registry, token=token, tls=tls,
+        request_timeout=request_timeout, max_connections=max_connections,
     )
     if metrics_registry is not None:
         try:
@@ -652,27 +882,17 @@ async def _serve(
     *,
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run hypercorn on ``sock`` until cancelled, then shut it down gracefully, bounded."""
-    config = _PreboundConfig(sock, server._tls)
-    config.accesslog = None
-    config.errorlog = logging.getLogger("trio_pd.bootstrap.http")
-    config.graceful_timeout = _GRACEFUL_TIMEOUT
-    config.read_timeout = _READ_TIMEOUT
+    """Serve on ``sock`` until cancelled, then shut down gracefully, bounded."""
+    config = _config(server)
     shutdown = trio.Event()
-    listening = _Listening()
+    listening = trio.Event()
     # Shielded so that cancelling us starts a graceful shutdown instead of tearing the
     # connections down mid-write; the deadline set below bounds that shutdown.
     serve_scope = trio.CancelScope(shield=True)
 
-    async def run_hypercorn() -> None:
+    async def run_http() -> None:
         with serve_scope:
-            await _hypercorn_serve(
-                server._asgi,
-                config,
-                shutdown_trigger=shutdown.wait,
-                task_status=listening,
-                mode="asgi",
-            )
+            await _serve_http(server, sock, config, shutdown, listening)
         if serve_scope.cancelled_caught:
             logger.warning("bootstrap service %s: shutdown overran, cancelled it", server.url)
 
@@ -681,9 +901,9 @@ async def _serve(
             # Not nursery.start(): if we were cancelled while it waits, trio would leave
             # the (shielded) child where it is and wait for it to exit, which it only does
             # once the finally below has run: a deadlock.
-            nursery.start_soon(run_hypercorn)
+            nursery.start_soon(run_http)
             try:
-                await listening.event.wait()
+                await listening.wait()
                 logger.info("bootstrap service listening on %s", server.url)
                 task_status.started(server)
                 await trio.sleep_forever()
@@ -693,16 +913,6 @@ async def _serve(
                 serve_scope.deadline = trio.current_time() + _SHUTDOWN_BACKSTOP
     except ExceptionGroup as group:  # hypercorn failed (a Cancelled is never in one)
         raise BootstrapError(f"bootstrap service on {server.url} failed") from group
-
-
-class _Listening(trio.TaskStatus[list[str]]):
-    """Hypercorn's "now listening" signal as an Event (see :func:`_serve`)."""
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-
-    def started(self, value: list[str] | None = None) -> None:
-        self.event.set()
 
 
 def _auth(
@@ -722,17 +932,36 @@ def _auth(
     return security.token, tls
 
 
+def _check_limits(request_timeout: float, max_connections: int) -> None:
+    """:class:`~trio_pd.ConfigurationError` for a deadline or cap that cannot work."""
+    if not 0 < request_timeout < math.inf:
+        raise ConfigurationError(
+            f"bootstrap service: request_timeout must be a positive number of seconds, "
+            f"not {request_timeout!r}"
+        )
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int) or (
+        max_connections < 1
+    ):
+        raise ConfigurationError(
+            f"bootstrap service: max_connections must be an int >= 1, not {max_connections!r}"
+        )
+
+
 async def _bound_server(
     host: str,
     port: int,
     metrics_registry: CollectorRegistry | None,
     token: str | None = None,
     tls: tuple[str, str] | None = None,
+    request_timeout: float = REQUEST_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> tuple[socket.socket, BootstrapServer]:
     """Bind the listening socket and build the server on it; on failure, close the socket."""
     sock = await _bind(host, port)
     try:
-        return sock, _new_server(sock, metrics_registry, token, tls)
+        return sock, _new_server(
+            sock, metrics_registry, token, tls, request_timeout, max_connections
+        )
     except BaseException:
         _close_listening(sock)
         raise
@@ -747,6 +976,8 @@ async def serve_bootstrap(
     secure: bool | None = None,
     certfile: str | None = None,
     keyfile: str | None = None,
+    request_timeout: float = REQUEST_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the bootstrap service on ``host:port`` until cancelled.
@@ -758,6 +989,14 @@ async def serve_bootstrap(
     ``keyfile`` (PEM) make it serve https (hypercorn's TLS); the server's ``url`` then says
     ``https://``. See docs/security.md.
 
+    ``request_timeout`` (seconds, default 5) is how long a connection has to deliver a whole
+    request, head and body, from its accept or from the end of the previous answer, and to
+    take each write of an answer; past it the connection is closed, however slowly it keeps
+    sending. ``max_connections`` (default 512) caps the connections open at once: beyond it,
+    the one that has waited longest for its request is closed to make room (or the new one,
+    if every open connection is being answered). Both are counted in
+    :meth:`BootstrapServer.statistics`.
+
     Binds the socket first (port 0 picks a free port; the server's ``port`` is the real
     one), starts hypercorn on it, and calls ``task_status.started(server)`` with the
     :class:`BootstrapServer` once it accepts connections. With ``metrics_registry`` (a
@@ -766,7 +1005,8 @@ async def serve_bootstrap(
     unregistered when the server stops.
 
     Raises :class:`BootstrapError` if the address cannot be bound, the registry already
-    holds bootstrap metrics, or hypercorn fails.
+    holds bootstrap metrics, or hypercorn fails; :class:`~trio_pd.ConfigurationError` for a
+    ``request_timeout`` or ``max_connections`` that is not positive.
 
     **Cancellation:** cancellation is the normal way to stop. The server stops accepting,
     answers any request still waiting for its body with 503, lets requests in flight finish
@@ -775,7 +1015,10 @@ async def serve_bootstrap(
     bounded: past one second it is cancelled outright (and a warning is logged).
     """
     token, tls = _auth(host, token, secure, certfile, keyfile)
-    sock, server = await _bound_server(host, port, metrics_registry, token, tls)
+    _check_limits(request_timeout, max_connections)
+    sock, server = await _bound_server(
+        host, port, metrics_registry, token, tls, request_timeout, max_connections
+    )
     try:
         await _serve(server, sock, task_status=task_status)
     finally:
@@ -792,6 +1035,8 @@ async def open_bootstrap_server(
     secure: bool | None = None,
     certfile: str | None = None,
     keyfile: str | None = None,
+    request_timeout: float = REQUEST_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> AsyncIterator[BootstrapServer]:
     """Run the bootstrap service for the duration of an ``async with`` block.
 
@@ -806,7 +1051,10 @@ async def open_bootstrap_server(
     :func:`serve_bootstrap`).
     """
     token, tls = _auth(host, token, secure, certfile, keyfile)
-    sock, server = await _bound_server(host, port, metrics_registry, token, tls)
+    _check_limits(request_timeout, max_connections)
+    sock, server = await _bound_server(
+        host, port, metrics_registry, token, tls, request_timeout, max_connections
+    )
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(_serve, server, sock))
