@@ -34,7 +34,9 @@ import zmq.utils.monitor
 from trio_pd import (
     AuthenticationError,
     ConfigurationError,
+    IncompatiblePeer,
     KVPoll,
+    PrefillConfig,
     _wire,
     open_bootstrap_server,
     open_decode,
@@ -570,3 +572,42 @@ async def test_reply_endpoints_cannot_push_out_registered_keys() -> None:
             plane.authorize("tcp://127.0.0.1:11", "not a key")
     finally:
         await plane.aclose(linger=0)
+
+
+async def test_transfer_from_a_dropped_peer_fails_its_room_at_once(engine_name: str) -> None:
+    """With authentication on and room for one decode peer: decode A registers, decode B's
+    REGISTER drops A (idle), then A sends a TRANSFER for a new room. It comes from the key of
+    A's registration, now refused, so it reaches the room, which fails at once with the reason
+    (:class:`IncompatiblePeer`: dropped, must register again), not at its bootstrap deadline.
+    Before: the TRANSFER was dropped as unauthenticated and the room waited for the deadline."""
+    src = host_pool()
+    dst_a, dst_b = host_pool(), host_pool()
+    engines = [make_engine(engine_name) for _ in range(3)]
+    cfg = PrefillConfig(max_decode_peers=1, peer_idle_timeout=0.0)
+    try:
+        async with (
+            open_bootstrap_server(token=TOKEN, secure=True) as server,
+            open_prefill(
+                engine=engines[0], pool=src.spec, bootstrap_url=server.url, kv_heads=2,
+                token=TOKEN, secure=True, config=cfg,
+            ) as prefill,
+            open_decode(engine=engines[1], pool=dst_a.spec, token=TOKEN, secure=True) as a,
+            open_decode(engine=engines[2], pool=dst_b.spec, token=TOKEN, secure=True) as b,
+        ):
+            pair = Pair(prefill, a, src, dst_a, server.url, engines[0])
+            assert await request(pair, 1) is KVPoll.Success  # A registered, served
+            pair_b = Pair(prefill, b, src, dst_b, server.url, engines[0])
+            assert await request(pair_b, 2, src0=8) is KVPoll.Success  # B took A's slot
+            assert prefill.statistics().peers_evicted == 1
+            sender = prefill.sender(3, num_pages=2, aux_slot=3)
+            receiver = a.receiver(3, bootstrap_url=server.url)
+            receiver.init(np.arange(2), 3)
+            with trio.fail_after(5):
+                assert await sender.wait() is KVPoll.Failed
+            assert isinstance(sender.failure, IncompatiblePeer), repr(sender.failure)
+            assert "register again" in str(sender.failure)
+            assert prefill.statistics().auth_refused == 0
+            receiver.abort()
+    finally:
+        for e in engines:
+            e.close()

@@ -134,6 +134,9 @@ class PeerRegistry:
         #: endpoints whose REGISTER was refused, with why (bounded, oldest dropped): a TRANSFER
         #: from one fails its room with the reason instead of leaving it to its deadline
         self.refused: dict[str, str] = {}
+        #: and the key each refused endpoint's REGISTER came from (authentication on): a
+        #: TRANSFER from that key still reaches its room, to fail it with the reason
+        self.refused_key: dict[str, str] = {}
         #: engine sessions of dropped peers being removed from the engine (see _make_room)
         self._removing: dict[str, trio.Event] = {}
 
@@ -148,7 +151,7 @@ class PeerRegistry:
 
     # ---------------------------------------------------------------- REGISTER
 
-    def register(self, msg: _wire.Register) -> DecodePeer:
+    def register(self, msg: _wire.Register, key: str = "") -> DecodePeer:
         """A decode rank registers (or registers again). Its pool and topology must pair with
         ours: otherwise :class:`IncompatiblePeer` with the reason (the caller tells decode).
         The same engine session keeps its lane (one FIFO per destination engine); a new one
@@ -161,7 +164,10 @@ class PeerRegistry:
         remembered as refused, so a later TRANSFER from it fails its room with the reason.
         With no such peer the REGISTER is refused with :class:`IncompatiblePeer`, counted
         ``peers_refused``. (A lane's thread exits once it has been idle, see
-        :class:`~trio_pd._lane.Lane`, so threads follow the peers in use, not this cap.)"""
+        :class:`~trio_pd._lane.Lane`, so threads follow the peers in use, not this cap.)
+
+        ``key``: the CURVE key the REGISTER came from (authentication on), kept with the peer,
+        or with the refusal."""
         pool = msg.pool.to_spec()
         problem = None if msg.engine == self.engine.name else (
             f"decode uses engine {msg.engine!r}, this rank {self.engine.name!r}"
@@ -191,9 +197,10 @@ class PeerRegistry:
             problem = f"{self.max_peers} decode peers are registered, none gone or idle"
         if problem is not None:
             error = IncompatiblePeer(f"REGISTER from {msg.endpoint} refused: {problem}")
-            self._remember_refused(msg.endpoint, str(error))
+            self._remember_refused(msg.endpoint, str(error), key)
             raise error
         self.refused.pop(msg.endpoint, None)
+        self.refused_key.pop(msg.endpoint, None)
         if old is not None and old.session == msg.session:
             lane = old.lane
         else:
@@ -221,15 +228,18 @@ class PeerRegistry:
             aux_writer(msg.decode_rank, self.tp_size, msg.decode_tp) == self.tp_rank,
         )
         peer.last_used = trio.current_time()
+        peer.key = key
         self._peers[msg.endpoint] = peer
         assert self.nursery is not None
         self.nursery.start_soon(self._add_peer, peer, msg.engine_meta)
         return peer
 
-    def _remember_refused(self, endpoint: str, reason: str) -> None:
+    def _remember_refused(self, endpoint: str, reason: str, key: str) -> None:
         if endpoint not in self.refused and len(self.refused) >= 1024:
+            self.refused_key.pop(next(iter(self.refused)), None)
             self.refused.pop(next(iter(self.refused)))
         self.refused[endpoint] = reason
+        self.refused_key[endpoint] = key
 
     def _make_room(self) -> bool:
         """Drop one registration to make room for a new one: a proven-gone peer first, else
@@ -259,6 +269,7 @@ class PeerRegistry:
             victim.endpoint,
             f"decode peer {victim.endpoint} was dropped ({why}) to make room for another; "
             "it must register again",
+            victim.key,
         )
         victim.lane.close()
         self._forget_endpoint(victim.endpoint)

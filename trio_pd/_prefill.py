@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -205,6 +206,34 @@ class PrefillSender:
         **Cancellation:** cancelling the wait changes nothing.
         """
         await self._room.released.wait()
+
+    async def __aenter__(self) -> PrefillSender:
+        """``async with prefill.sender(...) as sender:`` holds the room for the block (see
+        :meth:`__aexit__`).
+
+        **Cancellation:** a schedule point that is never cancelled: the room ``sender()`` made
+        is always handed to the block, so that the block's exit can abort it.
+        """
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving the block aborts the room unless it already ended (Success or Failed), so
+        a request handler that is cancelled or raises leaves no room open. Wait for the
+        outcome inside the block (``await sender.wait()``): a room still going when the
+        block ends is aborted too. The source pages go back by the usual rule:
+        ``on_release`` runs once no engine call can read them.
+
+        **Cancellation:** the abort is synchronous and done first; then a schedule point
+        that is never cancelled, and the exit re-raises whatever ended the block.
+        """
+        if self.poll() not in (KVPoll.Success, KVPoll.Failed):
+            why = "" if exc_type is None else f" ({exc_type.__name__})"
+            self.abort(f"the room's async with block was left before the room ended{why}")
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
 
 class PrefillAgent:
@@ -455,9 +484,8 @@ class PrefillAgent:
         elif isinstance(msg, _wire.Abort):
             self._on_abort(msg)
         elif isinstance(msg, _wire.Register):
-            peer = self.peers.register(msg)
+            self.peers.register(msg, key=sender or "")
             if sender is not None:
-                peer.key = sender
                 self.control.authorize(msg.endpoint, sender)
         elif isinstance(msg, _wire.Ping):
             if sender is not None:  # decode's heartbeat socket serves with the same key
@@ -474,7 +502,8 @@ class PrefillAgent:
         * a REGISTER must name its sender as ``control_key``, carry a valid proof under the
           cluster token (:func:`~trio_pd._security.register_mac`), and not name an endpoint
           another key registered, unless that registration is proven gone;
-        * a TRANSFER or ABORT only from the key that registered its endpoint;
+        * a TRANSFER or ABORT only from the key that registered its endpoint (a TRANSFER also
+          from the key whose REGISTER of it was refused: it fails its room with the reason);
         * a PING only from a key that registered some endpoint.
         """
         if isinstance(msg, _wire.Register):
@@ -499,6 +528,10 @@ class PrefillAgent:
                 )
         elif isinstance(msg, (_wire.Transfer, _wire.Abort)):
             peer = self.peers.get(msg.endpoint)
+            if peer is None and isinstance(msg, _wire.Transfer) and sender == (
+                self.peers.refused_key.get(msg.endpoint)
+            ):
+                return  # the key whose REGISTER was refused: its room fails with the reason
             if peer is None or peer.key != sender:
                 raise AuthenticationError(
                     f"{type(msg).__name__.upper()} naming {msg.endpoint} from {sender}: "
