@@ -1,0 +1,578 @@
+"""Host trio_pd inside a running asyncio event loop, through trio's guest mode.
+
+:func:`open_trio_host` starts a trio run as a *guest* of the asyncio loop that is running:
+trio hands each of its ticks to the loop as a callback (``loop.call_soon_threadsafe``), so
+trio code and asyncio code run on the loop's thread, taking turns; only trio's wait for I/O
+sits in a thread of trio's own. The agents live in that trio run, and asyncio code reaches
+them through the thin wrappers here (:class:`AioPrefill`, :class:`AioSender`,
+:class:`AioDecode`, :class:`AioReceiver`).
+
+Each direction has one way across, and this module owns both:
+
+* asyncio -> trio: a callable handed to the run's ``TrioToken.run_sync_soon``. It runs inside
+  trio on its next tick: a synchronous call (:meth:`TrioHost.call`), or the start of a task in
+  the host's nursery (:meth:`TrioHost.run`, :meth:`TrioHost.open`).
+* trio -> asyncio: the call's ``outcome``, set on an asyncio future the asyncio side awaits
+  (``None`` there: the call never finished, because it was cancelled or the host closed).
+
+Reads that change nothing (``poll()``, ``failure``, ``statistics()``) are made directly: both
+sides run on one thread, so a read sees the state trio's last tick left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Generic, TypeVar, TypeVarTuple
+
+import numpy.typing as npt
+import outcome
+import trio
+import trio.lowlevel
+
+from ._bootstrap import BootstrapServer, open_bootstrap_server
+from ._decode import DecodeAgent, DecodeReceiver, open_decode
+from ._errors import TransferError
+from ._prefill import PrefillAgent, PrefillSender, open_prefill
+from ._state import KVPoll
+from ._stats import AgentStatistics
+
+__all__ = [
+    "AioDecode",
+    "AioPrefill",
+    "AioReceiver",
+    "AioSender",
+    "TrioHost",
+    "open_trio_host",
+]
+
+log = logging.getLogger("trio_pd.aio")
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+H = TypeVar("H", PrefillSender, DecodeReceiver)
+
+#: the message of the RuntimeError a call raises once the trio run is over (or ending)
+CLOSED = "the trio host is closed"
+
+#: what trio owes the asyncio side for one call: its outcome, or None if it never finished
+_Done = asyncio.Future[outcome.Outcome[T] | None]
+
+
+@dataclass(eq=False, slots=True)
+class _Call(Generic[T]):
+    """One trio task started for the asyncio side."""
+
+    #: set once, when the task is over: its outcome, or None if it was cancelled (by the
+    #: asyncio side giving up, or by the host closing)
+    done: _Done[T]
+    #: the task runs inside it; cancelled when the asyncio task awaiting it is cancelled
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+class TrioHost:
+    """The asyncio side's handle on one trio guest run. Make one with :func:`open_trio_host`.
+
+    Every method is for asyncio code on the loop that runs the host; none blocks the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        #: the run's token, set as soon as the guest run exists; its ``run_sync_soon`` is the
+        #: only way into trio
+        self._token: trio.lowlevel.TrioToken | None = None
+        #: where the tasks the asyncio side starts run; None before the run's main task has
+        #: opened it and once it has closed
+        self._nursery: trio.Nursery | None = None
+        #: set (inside trio) when the host closes: the main task then cancels the nursery
+        self._stop = trio.Event()
+        #: futures trio still owes an outcome; the run's end settles those left with None
+        self._pending: set[_Done[Any]] = set()
+
+    # ------------------------------------------------------------------ the way across
+
+    def _future(self) -> _Done[T]:
+        fut: _Done[T] = self._loop.create_future()
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        return fut
+
+    def _soon(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` inside trio on its next tick. Raises RuntimeError if the run is over.
+
+        An exception out of a ``run_sync_soon`` callback would crash trio itself
+        (``TrioInternalError``), so ``fn``'s is logged instead: callers that want it back
+        catch it in ``fn`` and hand it over in a future.
+        """
+        if self._token is None:
+            raise RuntimeError(CLOSED)
+        try:
+            self._token.run_sync_soon(_logged, fn)
+        except trio.RunFinishedError:
+            raise RuntimeError(CLOSED) from None
+
+    def _submit(self, fn: Callable[[], T]) -> _Done[T]:
+        """Call ``fn()`` inside trio; its outcome lands in the returned future. If the future
+        is cancelled before trio gets to it, ``fn`` is not called."""
+        fut: _Done[T] = self._future()
+
+        def call() -> None:
+            if fut.done():
+                return  # the asyncio side gave up before trio got here
+            try:
+                result: outcome.Outcome[T] = outcome.Value(fn())
+            except Exception as exc:
+                result = outcome.Error(exc)
+            fut.set_result(result)
+
+        self._soon(call)
+        return fut
+
+    def _start(self, async_fn: Callable[[*Ts], Awaitable[T]], *args: *Ts) -> _Call[T]:
+        """Start ``async_fn(*args)`` as a task of the host's nursery, inside a cancel scope of
+        its own; the returned call's ``done`` gets its outcome."""
+        call: _Call[T] = _Call(self._future())
+
+        def start() -> None:
+            if self._nursery is None:
+                _settle(call.done, None)  # closed: it will never run
+            else:
+                self._nursery.start_soon(_task, call, partial(async_fn, *args))
+
+        self._soon(start)
+        return call
+
+    def _cancel(self, call: _Call[Any], reason: str) -> None:
+        with contextlib.suppress(RuntimeError):  # the run is over: so is the task
+            self._soon(partial(call.scope.cancel, reason))
+
+    async def _wait(self, call: _Call[Any], *also: asyncio.Future[Any]) -> None:
+        """Wait until the trio task is over, or until one of ``also`` is done.
+
+        **Cancellation:** cancels the trio task, waits until it is over (trio decides how
+        long: its shielded cleanup runs whole), then re-raises CancelledError, or an
+        exception the task raised meanwhile instead (an error is not dropped for a cancel).
+        """
+        try:
+            await asyncio.wait((call.done, *also), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self._cancel(call, "the asyncio task awaiting it was cancelled")
+            await _outlast_cancellation(call.done)
+            result = call.done.result()
+            if isinstance(result, outcome.Error):
+                result.unwrap()
+            raise
+
+    # ------------------------------------------------------------------ public API
+
+    async def call(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
+        """Call the synchronous trio-side function ``fn(*args)`` inside the trio run (on its
+        next tick) and return its result, or raise its exception. Use ``functools.partial``
+        for keyword arguments.
+
+        Raises RuntimeError if the host is closed.
+
+        **Cancellation:** if the awaiting task is cancelled before trio got to it, ``fn``
+        never runs; if after, it has run whole and its result is dropped.
+        """
+        return _unwrap(await self._submit(partial(fn, *args)))
+
+    async def run(self, async_fn: Callable[[*Ts], Awaitable[T]], *args: *Ts) -> T:
+        """Run ``async_fn(*args)`` as a task of the trio run and return its result, or raise
+        its exception (as it is, not in a group).
+
+        Raises RuntimeError if the host is closed, or closes before the task finished.
+
+        **Cancellation:** cancelling the awaiting asyncio task cancels the trio task and
+        waits for it to finish; then CancelledError propagates (or the exception the trio
+        task raised while it was being cancelled).
+        """
+        call = self._start(async_fn, *args)
+        await self._wait(call)
+        return _unwrap(call.done.result())
+
+    def start_soon(self, async_fn: Callable[[*Ts], Awaitable[object]], *args: *Ts) -> None:
+        """Start ``async_fn(*args)`` as a background task of the trio run, like
+        ``nursery.start_soon``. It is cancelled when the host closes. An exception out of it
+        ends the host as one out of a nursery child would: every other trio task is
+        cancelled, calls in flight raise RuntimeError, and the host's ``async with`` raises
+        the ExceptionGroup.
+
+        Raises RuntimeError if the host is closed.
+        """
+
+        def start() -> None:
+            if self._nursery is None:
+                log.warning("the trio host is closing: %r not started", async_fn)
+            else:
+                self._nursery.start_soon(partial(async_fn, *args))
+
+        self._soon(start)
+
+    @asynccontextmanager
+    async def open(self, cm: AbstractAsyncContextManager[T]) -> AsyncIterator[T]:
+        """Enter the trio async context manager ``cm`` in a task of the trio run and yield
+        what it yields; leaving the block exits ``cm`` in that task and waits until it has.
+
+        ``cm`` may be made on the asyncio side (``trio_pd.open_prefill(...)``: calling an
+        ``open_*`` function runs none of its code). An exception raised entering or exiting
+        it comes out here; one raised in the ``async with`` body on the asyncio side is not
+        thrown into ``cm``, which exits as on a normal exit.
+
+        **Cancellation:** cancelled while entering, the trio task is cancelled and waited
+        for (see :meth:`run`). Leaving the block always waits until ``cm`` has exited; if the
+        waiting task is cancelled meanwhile, the trio task is cancelled (``cm``'s shielded
+        cleanup still runs whole, as in trio), and CancelledError follows.
+        """
+        entered: asyncio.Future[T] = self._loop.create_future()
+        leave = trio.Event()
+        call = self._start(_hold, cm, entered, leave)
+        await self._wait(call, entered)
+        if not entered.done():  # the task ended before cm yielded: it raised, or host closed
+            _unwrap(call.done.result())
+            raise RuntimeError(f"{cm!r} did not yield")
+        try:
+            yield entered.result()
+        finally:
+            with contextlib.suppress(RuntimeError):  # the run is over: so is the task
+                self._soon(leave.set)
+            await self._wait(call)
+            _unwrap(call.done.result())
+
+    @asynccontextmanager
+    async def open_bootstrap_server(self, **kwargs: Any) -> AsyncIterator[BootstrapServer]:
+        """:func:`trio_pd.open_bootstrap_server` (same arguments) in the trio run. Read
+        ``url`` (and the server's statistics) directly."""
+        async with self.open(open_bootstrap_server(**kwargs)) as server:
+            yield server
+
+    @asynccontextmanager
+    async def open_prefill(self, **kwargs: Any) -> AsyncIterator[AioPrefill]:
+        """:func:`trio_pd.open_prefill` (same arguments) in the trio run, as an
+        :class:`AioPrefill`. Closing it closes the agent as in trio, and waits for that."""
+        async with self.open(open_prefill(**kwargs)) as agent:
+            yield AioPrefill(self, agent)
+
+    @asynccontextmanager
+    async def open_decode(self, **kwargs: Any) -> AsyncIterator[AioDecode]:
+        """:func:`trio_pd.open_decode` (same arguments) in the trio run, as an
+        :class:`AioDecode`. Closing it waits, as in trio, for the drain of the rooms it fails
+        (at most ``DecodeConfig.close_timeout``)."""
+        async with self.open(open_decode(**kwargs)) as agent:
+            yield AioDecode(self, agent)
+
+
+@asynccontextmanager
+async def open_trio_host(
+    *, close_timeout: float = 30.0, host_uses_signal_set_wakeup_fd: bool = True
+) -> AsyncIterator[TrioHost]:
+    """Start a trio guest run on the running asyncio loop, for the duration of the block.
+
+    On exit the run's nursery is cancelled (tasks started with :meth:`TrioHost.start_soon`,
+    and anything still open; close what you opened first) and the exit waits until the
+    trio run has ended, for at most ``close_timeout`` seconds. Then it raises what
+    ``trio.run`` would have: the ExceptionGroup of a failed background task, say (it wins
+    over an exception from the block, which becomes its ``__context__``).
+    If the run has not ended by then, TimeoutError: trio still runs on the loop, which must
+    keep running until it ends.
+
+    ``host_uses_signal_set_wakeup_fd`` is passed to ``trio.lowlevel.start_guest_run``:
+    True (the default) leaves ``signal.set_wakeup_fd`` to asyncio, which needs it for
+    ``loop.add_signal_handler``; trio_pd's tasks do not wait for signals.
+
+    Only one trio run may exist on a thread at a time: a second host raises RuntimeError.
+
+    **Cancellation:** the exit's wait for the trio run outlasts cancellation of the
+    awaiting task (up to ``close_timeout``): stopping the loop before trio's run has ended
+    would leave trio half-run. CancelledError follows once it has.
+    """
+    loop = asyncio.get_running_loop()
+    host = TrioHost(loop)
+    started: asyncio.Future[None] = loop.create_future()
+    done: asyncio.Future[outcome.Outcome[None]] = loop.create_future()
+
+    def run_ended(result: outcome.Outcome[None]) -> None:
+        for fut in list(host._pending):
+            _settle(fut, None)
+        _settle(done, result)
+
+    trio.lowlevel.start_guest_run(
+        _main,
+        host,
+        started,
+        run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+        run_sync_soon_not_threadsafe=loop.call_soon,
+        done_callback=run_ended,
+        host_uses_signal_set_wakeup_fd=host_uses_signal_set_wakeup_fd,
+    )
+    host._token = trio.lowlevel.current_trio_token()  # (callable once the guest run exists)
+    try:
+        await asyncio.wait((started, done), return_when=asyncio.FIRST_COMPLETED)
+        if started.done():
+            yield host
+    finally:
+        with contextlib.suppress(RuntimeError):  # the run is already over
+            host._soon(host._stop.set)
+        cancelled = await _outlast_cancellation(done, loop.time() + close_timeout)
+        if not done.done():
+            raise TimeoutError(
+                f"the trio run did not end within {close_timeout} s of closing its host; "
+                "it still runs on this asyncio loop, which must keep running until it ends"
+            )
+        done.result().unwrap()
+        if cancelled:
+            raise asyncio.CancelledError
+
+
+async def _main(host: TrioHost, started: asyncio.Future[None]) -> None:
+    """The guest run's main task: the nursery the asyncio side's tasks run in."""
+    try:
+        async with trio.open_nursery() as nursery:
+            host._nursery = nursery
+            _settle(started, None)
+            await host._stop.wait()
+            nursery.cancel_scope.cancel("the trio host is closing")
+    finally:
+        host._nursery = None
+
+
+async def _task(  # noqa: ASYNC910 - a task's end; the error path is async_fn's own
+    call: _Call[T], async_fn: Callable[[], Awaitable[T]]
+) -> None:
+    """Run one call and hand its outcome over. Its own exception goes to the asyncio side,
+    not to the host's nursery; a Cancelled (the call's scope, or the host closing) leaves
+    the outcome None, and the latter goes on up."""
+    result: outcome.Outcome[T] | None = None
+    try:
+        with call.scope:
+            result = outcome.Value(await async_fn())
+    except Exception as exc:
+        result = outcome.Error(exc)
+    finally:
+        _settle(call.done, result)
+
+
+async def _hold(
+    cm: AbstractAsyncContextManager[T], entered: asyncio.Future[T], leave: trio.Event
+) -> None:
+    """Keep ``cm`` entered, in this one trio task, until ``leave`` is set."""
+    async with cm as value:
+        _settle(entered, value)
+        await leave.wait()
+
+
+def _settle(fut: asyncio.Future[T], value: T) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _unwrap(result: outcome.Outcome[T] | None) -> T:
+    if result is None:
+        raise RuntimeError(CLOSED)
+    return result.unwrap()
+
+
+def _logged(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:
+        log.exception("trio host: %r raised", fn)
+
+
+async def _outlast_cancellation(
+    fut: asyncio.Future[Any], deadline: float | None = None
+) -> bool:
+    """Wait until ``fut`` is done (or the loop's clock passes ``deadline``), however often
+    the awaiting task is cancelled meanwhile. Returns whether it was cancelled; the caller
+    re-raises. ``fut`` itself is never cancelled."""
+    loop = asyncio.get_running_loop()
+    cancelled = False
+    while not fut.done():
+        timeout = None if deadline is None else deadline - loop.time()
+        if timeout is not None and timeout <= 0:
+            break
+        try:
+            await asyncio.wait((fut,), timeout=timeout)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled  # noqa: ASYNC910 - asyncio code: trio's checkpoint rule does not apply
+
+
+# ---------------------------------------------------------------------- the agents' wrappers
+
+
+class _AioRoom(Generic[H]):
+    """What a sender and a receiver share on the asyncio side: reads, abort, the waits."""
+
+    def __init__(self, host: TrioHost, handle: H) -> None:
+        self.host = host
+        #: the trio-side handle. Read it directly; call what changes it through ``host.call``
+        self.handle: H = handle
+
+    @property
+    def room(self) -> int:
+        return self.handle.room
+
+    def poll(self) -> KVPoll:
+        """The room's status as trio's last tick left it. Never blocks."""
+        return self.handle.poll()
+
+    @property
+    def failure(self) -> TransferError | None:
+        """Why the room failed (a TransferError; None unless Failed)."""
+        return self.handle.failure
+
+    def abort(self, reason: str = "aborted from asyncio") -> None:
+        """Abort the room, as the trio handle's ``abort`` does, on trio's next tick: until
+        then ``poll()`` still says what it said. Idempotent; nothing once the host closed."""
+        with contextlib.suppress(RuntimeError):
+            self.host._soon(partial(self.handle.abort, reason))
+
+    async def wait(self) -> KVPoll:
+        """Wait until the room is terminal: return ``KVPoll.Success``, or raise the room's
+        failure (a :class:`~trio_pd.TransferError`: ``TransferAborted`` after an abort...).
+
+        **Cancellation:** unlike the trio handle's ``wait``, cancelling the awaiting asyncio
+        task *aborts the room* (reason: the task was cancelled), so that a request given up
+        on the asyncio side does not keep its room open until a deadline. Its pages come
+        back through the usual release path (``on_release``) once that is safe.
+        """
+        try:
+            status = await self.host.run(self.handle.wait)
+        except asyncio.CancelledError:
+            self.abort(f"room {self.room}: the asyncio task waiting for it was cancelled")
+            raise
+        failure = self.handle.failure
+        if status is KVPoll.Failed and failure is not None:
+            raise failure.with_traceback(None)
+        return status
+
+    async def wait_released(self) -> None:
+        """Wait until the room's pages have been handed back (see the trio handle's).
+
+        **Cancellation:** cancelling the wait changes nothing.
+        """
+        await self.host.run(self.handle.wait_released)
+
+
+class AioSender(_AioRoom[PrefillSender]):
+    """A :class:`~trio_pd.PrefillSender` seen from asyncio. Make one with
+    :meth:`AioPrefill.sender`."""
+
+    async def send(self, pages: npt.ArrayLike, *, last: bool = False) -> None:
+        """Admit the next chunk (see :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`):
+        its errors (``AdmissionClosed``, ``ProtocolError``) are raised here.
+
+        **Cancellation:** the chunk was either not admitted or admitted whole; the room is
+        not aborted.
+        """
+        await self.host.call(partial(self.handle.send, pages, last=last))
+
+
+class AioReceiver(_AioRoom[DecodeReceiver]):
+    """A :class:`~trio_pd.DecodeReceiver` seen from asyncio. Make one with
+    :meth:`AioDecode.receiver`."""
+
+    @property
+    def epoch(self) -> int:
+        return self.handle.epoch
+
+    @property
+    def propagated(self) -> bool:
+        return self.handle.propagated
+
+    async def init(
+        self, pages: npt.ArrayLike, aux_slot: int, *, on_release: Callable[[], None] | None = None
+    ) -> None:
+        """Ask for the room's KV (see :meth:`DecodeReceiver.init
+        <trio_pd.DecodeReceiver.init>`). ``on_release`` runs inside trio, on the loop's
+        thread: it may call asyncio's non-blocking methods (``fut.set_result``,
+        ``queue.put_nowait``), not await.
+
+        **Cancellation:** ``init`` either did not happen or happened whole.
+        """
+        await self.host.call(partial(self.handle.init, pages, aux_slot, on_release=on_release))
+
+
+async def _new_room(host: TrioHost, make: Callable[[], H]) -> H:
+    """``make()`` inside trio. If the awaiting task is cancelled after it ran, nobody holds
+    the handle it made: abort that room rather than leave it to its deadline."""
+    fut = host._submit(make)
+    try:
+        return _unwrap(await fut)
+    except asyncio.CancelledError:
+        if not fut.cancelled() and isinstance(made := fut.result(), outcome.Value):
+            with contextlib.suppress(RuntimeError):
+                host._soon(partial(made.value.abort, "cancelled while it was being created"))
+        raise
+
+
+class AioPrefill:
+    """A :class:`~trio_pd.PrefillAgent` seen from asyncio. Make one with
+    :meth:`TrioHost.open_prefill`."""
+
+    def __init__(self, host: TrioHost, agent: PrefillAgent) -> None:
+        self.host = host
+        #: the trio agent: read it directly, change it through ``host.call``
+        self.agent = agent
+
+    @property
+    def endpoint(self) -> str:
+        return self.agent.endpoint
+
+    def statistics(self) -> AgentStatistics:
+        return self.agent.statistics()
+
+    async def sender(
+        self,
+        room: int,
+        *,
+        num_pages: int,
+        aux_slot: int,
+        on_release: Callable[[], None] | None = None,
+        epoch: int | None = None,
+    ) -> AioSender:
+        """Create the room's sender (see :meth:`PrefillAgent.sender
+        <trio_pd.PrefillAgent.sender>`). ``on_release`` runs inside trio, on the loop's
+        thread (see :meth:`AioReceiver.init`).
+
+        **Cancellation:** the sender was not created, or it was and is aborted at once.
+        """
+        make = partial(
+            self.agent.sender, room, num_pages=num_pages, aux_slot=aux_slot,
+            on_release=on_release, epoch=epoch,
+        )
+        return AioSender(self.host, await _new_room(self.host, make))
+
+
+class AioDecode:
+    """A :class:`~trio_pd.DecodeAgent` seen from asyncio. Make one with
+    :meth:`TrioHost.open_decode`."""
+
+    def __init__(self, host: TrioHost, agent: DecodeAgent) -> None:
+        self.host = host
+        #: the trio agent: read it directly, change it through ``host.call``
+        self.agent = agent
+
+    @property
+    def endpoint(self) -> str:
+        return self.agent.endpoint
+
+    def statistics(self) -> AgentStatistics:
+        return self.agent.statistics()
+
+    async def receiver(
+        self, room: int, *, bootstrap_url: str, epoch: int | None = None
+    ) -> AioReceiver:
+        """Create the room's receiver (see :meth:`DecodeAgent.receiver
+        <trio_pd.DecodeAgent.receiver>`).
+
+        **Cancellation:** the receiver was not created, or it was and is aborted at once.
+        """
+        make = partial(self.agent.receiver, room, bootstrap_url=bootstrap_url, epoch=epoch)
+        return AioReceiver(self.host, await _new_room(self.host, make))
