@@ -148,15 +148,42 @@ async def test_open_outside_loopback_needs_a_token(monkeypatch: pytest.MonkeyPat
     eng = make_engine("mooncake")
     try:
         with pytest.raises(ConfigurationError, match="cluster token"):
-            async with open_decode(engine=eng, pool=pool.spec, host="0.0.0.0"):
+            async with open_decode(engine=eng, pool=pool.spec, host="10.0.0.5"):
                 pass  # pragma: no cover
         with pytest.raises(ConfigurationError, match="cluster token"):
             async with open_prefill(
-                engine=eng, pool=pool.spec, bootstrap_url="http://127.0.0.1:1", host="0.0.0.0"
+                engine=eng, pool=pool.spec, bootstrap_url="http://127.0.0.1:1", host="10.0.0.5"
             ):
                 pass  # pragma: no cover
     finally:
         eng.close()
+
+
+async def test_a_wildcard_host_is_refused_where_it_would_be_published() -> None:
+    """Agents bind *and publish* ``host`` (route, REGISTER, Mooncake's session id): a
+    wildcard would tell peers on other machines to connect to themselves. Refused with a
+    ConfigurationError that says what to give instead, before anything binds. (Before:
+    ``host="0.0.0.0"`` was accepted and published as ``tcp://0.0.0.0:PORT``.) The bootstrap
+    service may listen on a wildcard: its address is not published by it."""
+    pool = host_pool()
+    eng = make_engine("mooncake")
+    try:
+        for host in ("0.0.0.0", "::", "[::]", "*", ""):
+            with pytest.raises(ConfigurationError, match="wildcard"):
+                async with open_decode(engine=eng, pool=pool.spec, host=host, token=TOKEN):
+                    pass  # pragma: no cover
+            with pytest.raises(ConfigurationError, match="wildcard"):
+                async with open_prefill(
+                    engine=eng, pool=pool.spec, bootstrap_url="http://127.0.0.1:1", host=host,
+                    token=TOKEN,
+                ):
+                    pass  # pragma: no cover
+        with pytest.raises(ConfigurationError, match="wildcard"):
+            make_engine("mooncake", host="0.0.0.0")
+    finally:
+        eng.close()
+    async with open_bootstrap_server(host="0.0.0.0", token=TOKEN) as server:
+        assert server.port > 0
 
 
 def test_register_fields_are_left_off_the_wire_when_empty() -> None:

@@ -196,6 +196,26 @@ def test_mooncake_submit_keeps_the_budget_and_never_waits_twice(p: Pair) -> None
     assert np.array_equal(p.dst[: n * 512], p.src[: n * 512])
 
 
+def test_mooncake_two_coalesced_calls_are_in_flight_at_once(p: Pair) -> None:
+    """The default workload's coalesced call has 513 blocks (32 pages x 16 buffers + the aux
+    row): a lane's second such write must start while the first runs, not wait in ``wait()``
+    for the budget. (Before: a budget of 1,024 blocks per peer deferred every second write,
+    so "two writes in flight" was one.) Both land."""
+    if p.kind != "mooncake":
+        pytest.skip("Mooncake's submit")
+    from trio_pd.engines import Deferred
+
+    n = 513
+    first_off, second_off = np.arange(n) * 256, (np.arange(n) + n) * 256
+    lens = np.full(n, 256)
+    first = p.src_engine.submit(p.peer, *p.blocks(first_off, first_off, lens))
+    second = p.src_engine.submit(p.peer, *p.blocks(second_off, second_off, lens))
+    assert not isinstance(first, Deferred) and not isinstance(second, Deferred)
+    first.wait()
+    second.wait()
+    assert np.array_equal(p.dst[: 2 * n * 256], p.src[: 2 * n * 256])
+
+
 def test_mooncake_submit_after_a_deferred_write_cannot_starve_it(
     p: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:

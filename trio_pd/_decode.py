@@ -557,6 +557,7 @@ async def open_decode(
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or DecodeConfig()
+    _wire.check_advertised_host(host, f"decode rank {tp_rank}")
     security = resolve(what=f"decode rank {tp_rank}", hosts=[host], token=token, secure=secure)
     if kv_heads is not None or pool.layout == "mla" or tp_size == 1 or pool.heads > 1:
         try:

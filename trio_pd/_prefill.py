@@ -664,6 +664,7 @@ async def open_prefill(
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or PrefillConfig()
+    _wire.check_advertised_host(host, f"prefill rank {tp_rank}")
     security = resolve(
         what=f"prefill rank {tp_rank}", hosts=[host], token=token, secure=secure
     )

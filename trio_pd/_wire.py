@@ -40,7 +40,7 @@ import msgspec.structs
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import ProtocolError
+from ._errors import ConfigurationError, ProtocolError
 from ._memory import PoolSpec
 
 WIRE_VERSION: Final = 1
@@ -90,6 +90,28 @@ MAX_HOSTNAME_CHARS: Final = 253
 _TCP_ENDPOINT: Final = re.compile(r"tcp://(\[[^\]]*\]|[^:\[\]]*):([0-9]+)", re.ASCII)
 _LABEL: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.ASCII)
 _SCOPE_ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
+
+
+def check_advertised_host(host: str, what: str) -> str:
+    """``host`` if peers can be told to reach us there; else :class:`ConfigurationError`.
+
+    An agent binds its sockets on ``host`` *and* publishes that address (the bootstrap route,
+    REGISTER, Mooncake's session id), so a wildcard such as ``0.0.0.0`` or ``::`` would send
+    peers on other hosts to an address that means "this machine" to each of them. Give the
+    address of the interface peers reach (docs/deployment.md)."""
+    name = host.strip()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        unspecified = ipaddress.ip_address(name.partition("%")[0]).is_unspecified
+    except ValueError:
+        unspecified = name in ("", "*")
+    if unspecified:
+        raise ConfigurationError(
+            f"{what}: host={host!r} is a wildcard; peers are told the address the agent binds, "
+            "so give the address (or name) of the interface they reach this host on"
+        )
+    return host
 
 
 @functools.lru_cache(maxsize=4096)  # endpoints repeat on every message; bounded, pure

@@ -18,10 +18,13 @@ What a call costs and how it fails (see ENGINES.md for the measurements):
 * A return code of -1 means **"outcome unknown"**: a batch with one bad block fails after the
   others were written; a batch cut short by a dead peer may have landed in part. The adapter
   raises :class:`~trio_pd.EngineError` and never retries.
-* More than about 2048 blocks in flight to one peer makes the engine fail the call without
-  delivering the admitted part, and can leave that link dead. The adapter splits a call into
-  sub-batches of at most :data:`MAX_BLOCKS_PER_CALL` blocks and caps the blocks in flight to
-  each peer, across all threads, at ``max_blocks_in_flight_per_peer``.
+* More blocks in flight to one peer than the engine queues for it
+  (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, about 2,048 by default) make it fail the call
+  without delivering the admitted part, and can leave that link dead. The adapter raises that
+  cap to 8,192 unless it is set, splits a call into sub-batches of at most
+  :data:`MAX_BLOCKS_PER_CALL` blocks, and caps the blocks in flight to each peer, across all
+  threads, at ``max_blocks_in_flight_per_peer`` (two full calls) and three quarters of the
+  engine's cap.
 * The receiving engine checks that destinations lie in memory it registered (-1 in ~0.1 ms),
   but the TCP transport does **not** check sources (0.3.13): a block from unregistered local
   memory is sent as is. trio_pd validates its blocks before calling the engine.
@@ -38,13 +41,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import EngineError
+from .._wire import check_advertised_host
 from ._base import Addrs, Deferred, Lens, Pending, Region, check_lengths
 
 #: the most blocks one ``batch_transfer_sync_write`` call carries
 MAX_BLOCKS_PER_CALL = 1024
 
-#: default cap on blocks in flight to one peer, summed over every thread writing to it
-MAX_BLOCKS_IN_FLIGHT_PER_PEER = 1024
+#: default cap on blocks in flight to one peer, summed over every thread writing to it: two
+#: full calls (and an aux block each), so a lane's second write is in flight while its first
+#: runs. With 1,024, two coalesced calls of 513 blocks did not fit, and every second write
+#: waited for the one before it (docs/bench.md, "pipelined").
+MAX_BLOCKS_IN_FLIGHT_PER_PEER = 2 * (MAX_BLOCKS_PER_CALL + 32)
+
+#: the engine's own cap on transfers queued to one peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``)
+#: that trio_pd sets when the environment does not; past the cap the engine fails a call
+#: without delivering the admitted part (its default, about 2,048, is too close to two calls)
+DEFAULT_QUEUED_PER_PEER = "8192"
 
 #: the per-call deadline set when the environment does not set one (seconds, as a string)
 DEFAULT_TRANSFER_TIMEOUT_S = "5"
@@ -110,8 +122,24 @@ def _set_env_defaults() -> None:
 
     The default here is 5 seconds (the engine's own floor) instead of the engine's 30, and is
     applied only when the variable is not already set.
+
+    ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (at most 65535): transfers the TCP transport
+    queues to one peer; more fail the call (see the module docstring). Set to
+    :data:`DEFAULT_QUEUED_PER_PEER` when not set; the adapter's per-peer budget stays at three
+    quarters of it whatever it is (:func:`_queue_cap`).
     """
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S)
+    os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", DEFAULT_QUEUED_PER_PEER)
+
+
+def _queue_cap() -> int:
+    """The most blocks the adapter lets be in flight to one peer under the engine's own queue
+    cap: three quarters of ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (2,048 if unreadable)."""
+    try:
+        cap = int(os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "2048"))
+    except ValueError:
+        cap = 2048
+    return max(1, min(cap, 65535) * 3 // 4)
 
 
 class _PeerBudget:
@@ -227,6 +255,7 @@ class MooncakeEngine:
     ) -> None:
         if max_blocks_in_flight_per_peer < 1:
             raise ValueError("max_blocks_in_flight_per_peer must be at least 1")
+        check_advertised_host(host, "mooncake engine")  # (its session id is host:rpc_port)
         _set_env_defaults()
         try:
             from mooncake.engine import TransferEngine as _MooncakeTE
@@ -249,7 +278,7 @@ class MooncakeEngine:
         self._lock = threading.Lock()  # registration book and close
         self._registered: dict[int, int] = {}  # base -> length
         self._closed = False
-        self._budget = _PeerBudget(max_blocks_in_flight_per_peer)
+        self._budget = _PeerBudget(min(max_blocks_in_flight_per_peer, _queue_cap()))
         self._links_lock = threading.Lock()
         self._links: dict[str, _Link] = {}
 
