@@ -270,3 +270,107 @@ async def test_lane_runs_when_its_priority_cannot_be_lowered(
     finally:
         lane.close()
     assert "could not lower" in caplog.text
+
+
+# ------------------------------------------------------------------------ joining (batching)
+
+
+class FakeWrite:
+    """A joinable call: ``blocks`` blocks for ``key``; running it (alone or as the head of a
+    joined call) appends the names it carried to ``calls`` and returns a value or raises."""
+
+    def __init__(self, name: str, key: str, blocks: int, calls: list[list[str]],
+                 error: Exception | None = None) -> None:
+        self.name, self.join_key, self.num_blocks = name, key, blocks
+        self.joined = False
+        self.calls = calls
+        self.error = error
+
+    def _run(self, names: list[str]) -> str:
+        self.calls.append(names)
+        if self.error is not None:
+            raise self.error
+        return "+".join(names)
+
+    def __call__(self) -> str:
+        return self._run([self.name])
+
+    def join(self, others: Any) -> Any:
+        return lambda: self._run([self.name, *(o.name for o in others)])
+
+
+async def _queued_behind_a_held_call(
+    lane: Lane, writes: list[FakeWrite], cancel: set[str] = frozenset()  # type: ignore[assignment]
+) -> dict[str, Any]:
+    """Queue ``writes`` (cancelling those named in ``cancel`` while queued) behind a call
+    that holds the lane's thread, then let it go; each caller's result or error."""
+    got: dict[str, Any] = {}
+    held = Held()
+
+    async def call(w: FakeWrite, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                got[w.name] = await lane.run_sync(w)
+            except Exception as exc:  # (the test looks at it)
+                got[w.name] = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lane.run_sync, held)
+        await held.wait_entered()
+        scopes = {}
+        for w in writes:
+            scopes[w.name] = trio.CancelScope()
+            nursery.start_soon(call, w, scopes[w.name])
+            await trio.testing.wait_all_tasks_blocked()  # queued in this order
+        for name in cancel:
+            scopes[name].cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        held.go.set()
+    return got
+
+
+async def test_queued_writes_for_one_peer_share_one_call() -> None:
+    """Four writes queued while the thread is busy: A, B, C for peer p join one call (up to
+    ``join_blocks``); D, for another peer, runs on its own; E for p does not fit the block
+    limit and starts the next joined call. Each caller gets the shared call's result, and
+    every write that rode in another's call is marked ``joined``."""
+    calls: list[list[str]] = []
+    lane = Lane("t", depth=2, join_blocks=100)
+    writes = [FakeWrite("A", "p", 40, calls), FakeWrite("B", "p", 30, calls),
+              FakeWrite("C", "p", 30, calls), FakeWrite("D", "q", 10, calls),
+              FakeWrite("E", "p", 50, calls), FakeWrite("F", "p", 60, calls)]
+    got = await _queued_behind_a_held_call(lane, writes)
+    assert calls == [["A", "B", "C"], ["D"], ["E"], ["F"]]  # E+F = 110 > 100
+    assert got == {"A": "A+B+C", "B": "A+B+C", "C": "A+B+C", "D": "D", "E": "E", "F": "F"}
+    assert [w.joined for w in writes] == [False, True, True, False, False, False]
+    lane.close()
+
+
+async def test_a_write_cancelled_while_queued_does_not_join() -> None:
+    calls: list[list[str]] = []
+    lane = Lane("t", join_blocks=100)
+    writes = [FakeWrite(n, "p", 10, calls) for n in "ABC"]
+    got = await _queued_behind_a_held_call(lane, writes, cancel={"B"})
+    assert calls == [["A", "C"]]
+    assert got == {"A": "A+C", "C": "A+C"}  # (B's caller was cancelled: no result)
+    lane.close()
+
+
+async def test_a_shared_call_that_fails_fails_each_caller_with_its_own_error() -> None:
+    calls: list[list[str]] = []
+    lane = Lane("t", join_blocks=100)
+    boom = RuntimeError("outcome unknown")
+    writes = [FakeWrite("A", "p", 10, calls, error=boom), FakeWrite("B", "p", 10, calls)]
+    got = await _queued_behind_a_held_call(lane, writes)
+    assert calls == [["A", "B"]]
+    assert isinstance(got["A"], RuntimeError) and isinstance(got["B"], RuntimeError)
+    assert got["A"] is not got["B"] and str(got["B"]) == "outcome unknown"
+    lane.close()
+
+
+async def test_writes_do_not_join_when_joining_is_off() -> None:
+    calls: list[list[str]] = []
+    lane = Lane("t")  # join_blocks=0
+    got = await _queued_behind_a_held_call(lane, [FakeWrite(n, "p", 1, calls) for n in "AB"])
+    assert calls == [["A"], ["B"]] and got == {"A": "A", "B": "B"}
+    lane.close()

@@ -48,8 +48,9 @@ from trio_pd import (
     open_prefill,
 )
 from trio_pd import _wire as wire
+from trio_pd._chunks import Write
 from trio_pd._topology import head_range
-from trio_pd.engines import TransferEngine, make_engine, start_write
+from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool
 
@@ -109,7 +110,7 @@ class EngineCalls:
         inner = agent.peers.run_engine_call
 
         async def tracked(lane: Any, fn: Callable[[], Any]) -> Any:
-            if getattr(fn, "func", None) is not start_write:
+            if not isinstance(fn, Write):
                 return await inner(lane, fn)  # add_peer: not a write
             try:
                 result = await inner(lane, fn)
@@ -653,10 +654,11 @@ async def test_backlogged_chunks_share_engine_calls(
 ) -> None:
     """A room's chunks queued behind the one a worker takes join its engine call, whole
     chunks only, up to ``coalesce_pages`` pages (one lease, one call); every byte lands and
-    the release runs once, after the last call."""
+    the release runs once, after the last call. (Batching on the lane is off here: it would
+    join the uncoalesced chunks' calls too, see tests/test_batching.py.)"""
     async with stalling_pair(
         engine_name, bootstrap_url, lambda *_: None,
-        prefill_config=PrefillConfig(coalesce_pages=coalesce),
+        prefill_config=PrefillConfig(coalesce_pages=coalesce, batch_blocks=0),
     ) as (pair, fault):
         log: list[str] = []
         room, n = 55, 8

@@ -54,6 +54,7 @@ from trio_pd import (
     PrefillConfig,
 )
 from trio_pd import _wire as wire
+from trio_pd._chunks import Write
 from trio_pd._lane import run_to_end
 from trio_pd._memory import stamp_aux_row
 from trio_pd._prefill import _Room
@@ -145,7 +146,7 @@ def _called(fn: Any) -> Any:
     """The function a (nested) partial calls in the end, for the trace."""
     while hasattr(fn, "func"):
         fn = fn.args[0] if fn.func is run_to_end else fn.func
-    return fn
+    return start_write if isinstance(fn, Write) else fn
 
 
 def inline_engine_call(trace: Trace, *, duration: int = 1) -> Callable[..., Awaitable[Any]]:
@@ -157,7 +158,7 @@ def inline_engine_call(trace: Trace, *, duration: int = 1) -> Callable[..., Awai
 
     async def run(lane: object, fn: Callable[[], Any]) -> Any:
         limiter = lanes.setdefault(lane, trio.CapacityLimiter(1))
-        run_sync = run_write if _called(fn) is start_write else run_other
+        run_sync = run_write if isinstance(fn, Write) else run_other
         return await run_sync(partial(run_to_end, fn), limiter=limiter)
 
     return run

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Literal
 
@@ -55,6 +55,38 @@ class _Call:
 
     def __init__(self) -> None:
         self.state: Literal["not-started", "done", "error"] = "not-started"
+
+
+class Write:
+    """One engine write of a chunk, as a lane call (:class:`~trio_pd._lane.Joinable`): the
+    writes of other rooms' chunks queued behind it for the same engine and peer join its
+    engine call (``PrefillConfig.batch_blocks``)."""
+
+    __slots__ = (
+        "blocks", "call_blocks", "call_bytes", "engine", "join_key", "joined", "num_blocks", "peer",
+    )
+
+    def __init__(self, engine: TransferEngine, peer: str, blocks: Blocks) -> None:
+        self.engine = engine
+        self.peer = peer
+        self.blocks = blocks
+        self.join_key = (id(engine), peer)
+        self.num_blocks = blocks.num_blocks
+        #: set by the lane on a write that rode in an earlier write's engine call
+        self.joined = False
+        #: the blocks and bytes of the engine call this write led (its own plus its
+        #: joiners'); bytes 0: its own (worked out when needed)
+        self.call_blocks = self.num_blocks
+        self.call_bytes = 0
+
+    def __call__(self) -> object:
+        return start_write(self.engine, self.peer, *self.blocks)
+
+    def join(self, others: Sequence[Write]) -> Callable[[], object]:
+        blocks = concat([self.blocks, *(w.blocks for w in others)])
+        self.call_blocks = blocks.num_blocks
+        self.call_bytes = blocks.nbytes
+        return partial(start_write, self.engine, self.peer, *blocks)
 
 
 def outcome_of(calls: list[_Call]) -> Outcome:
@@ -198,7 +230,7 @@ class ChunkRunner:
         **Cancellation:** before the lane's thread takes the call, it is skipped (``call``
         stays not-started); after, it completes and its result is observed.
         """
-        write = partial(start_write, self.engine, peer.session, blocks.src, blocks.dst, blocks.lens)
+        write = Write(self.engine, peer.session, blocks)
         metrics = self._metrics()
         t0 = time.perf_counter()
         try:
@@ -211,13 +243,18 @@ class ChunkRunner:
             ) from exc
         except BaseException:
             call.state = "error"
-            self.counters.bump("engine_errors")
-            if metrics is not None:
+            self.counters.bump("engine_errors")  # (each chunk of a shared call that failed)
+            if metrics is not None and not write.joined:
                 metrics.observe_write(self.engine.name, time.perf_counter() - t0, 0, ok=False)
             raise
         call.state = "done"
         nbytes = int(blocks.lens.sum())
-        self.counters.bump("engine_calls")
+        self.counters.bump("chunks_batched" if write.joined else "engine_calls")
         self.counters.bump("bytes_written", nbytes)
-        if metrics is not None:
-            metrics.observe_write(self.engine.name, time.perf_counter() - t0, nbytes)
+        # one observation per engine call, by the write that led it (a joined write's bytes
+        # are in its leader's call; bytes_written counts every chunk's own)
+        if metrics is not None and not write.joined:
+            seconds = time.perf_counter() - t0
+            metrics.observe_write(
+                self.engine.name, seconds, write.call_bytes or nbytes, blocks=write.call_blocks
+            )

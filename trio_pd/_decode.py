@@ -21,10 +21,12 @@ from __future__ import annotations
 import logging
 import secrets
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -115,6 +117,9 @@ class _Room:
     terminal: LazyEvent = field(default_factory=LazyEvent)
     released: LazyEvent = field(default_factory=LazyEvent)
     draining: bool = False  # the abort -> release latency is being measured
+    #: metrics attached only: the ``time.perf_counter()`` the room's transfer latency runs
+    #: from, its creation until ``init`` moves it there
+    started: float | None = None
 
 
 class DecodeReceiver:
@@ -186,6 +191,35 @@ class DecodeReceiver:
         """
         await self._room.released.wait()
 
+    async def __aenter__(self) -> DecodeReceiver:
+        """``async with decode.receiver(...) as receiver:`` holds the room for the block (see
+        :meth:`__aexit__`).
+
+        **Cancellation:** a schedule point that is never cancelled: the room ``receiver()`` made
+        is always handed to the block, so that the block's exit can abort it.
+        """
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving the block aborts the room unless it already ended (Success or Failed), so
+        a request handler that is cancelled or raises leaves no room open. Wait for the
+        outcome inside the block (``await receiver.wait()``): a room still going when the
+        block ends is aborted too. The pages go back by the usual rule: ``on_release``
+        runs once every prefill rank it contacted has acked its drain (or reported
+        Success, or is proven gone).
+
+        **Cancellation:** the abort is synchronous and done first; then a schedule point
+        that is never cancelled, and the exit re-raises whatever ended the block.
+        """
+        if self.poll() not in (KVPoll.Success, KVPoll.Failed):
+            why = "" if exc_type is None else f" ({exc_type.__name__})"
+            self.abort(f"the room's async with block was left before the room ended{why}")
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
 
 class DecodeAgent:
     """One decode rank. Make one with :func:`open_decode`."""
@@ -225,6 +259,7 @@ class DecodeAgent:
             heartbeat_interval=config.heartbeat_interval,
             heartbeat_misses=config.heartbeat_misses, probe_timeout=config.ack_timeout,
             on_resolved=self._resolved, on_failed=self._resolve_failed, on_lost=self._lost,
+            metrics=lambda: self.metrics,
         )
         self.sources.token = self.security.token
         self._rooms: dict[int, _Room] = {}
@@ -252,6 +287,8 @@ class DecodeAgent:
             epoch = secrets.randbits(62)
         inst = self.sources.instance(bootstrap_url)
         rec = _Room(DecodeRoom(room, epoch), inst)
+        if self.metrics is not None:
+            rec.started = time.perf_counter()
         self._rooms[room] = rec
         self.timers.after(self.config.waiting_timeout, partial(self._init_due, rec))
         if inst.ready:
@@ -283,6 +320,8 @@ class DecodeAgent:
         if not 0 <= aux_slot < self.pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
         rec.on_release = on_release
+        if self.metrics is not None:
+            rec.started = time.perf_counter()
         self._carry(rec, rec.machine.init(pages.astype(np.int32), aux_slot))
 
     def _bind(self, rec: _Room) -> None:
@@ -321,6 +360,8 @@ class DecodeAgent:
                     self._send_transfers(rec)
                 case Succeeded():
                     self.counters.bump("succeeded")
+                    if self.metrics is not None:
+                        self.metrics.observe_room("success", rec.started)
                     rec.terminal.set()
                 case Forget():
                     if self._rooms.get(machine.room) is rec:
@@ -332,6 +373,7 @@ class DecodeAgent:
                     self.counters.bump(kind)
                     if self.metrics is not None:
                         self.metrics.observe_failure(error)
+                        self.metrics.observe_room(kind, rec.started)
                     rec.terminal.set()
                     if machine.holding and not rec.draining:
                         rec.draining = True

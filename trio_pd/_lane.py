@@ -20,17 +20,27 @@ up to ``depth`` started and unwaited, and waits for them in order; the caller's 
 what the Pending's ``wait()`` returned or raised. So the engine always has the next batch
 queued while the lane waits for the current one, and the caller still hears only once its
 write is complete.
+
+**Joining.** A call that is :class:`Joinable` (an engine write, see ``_chunks.Write``) takes
+the joinable calls queued right behind it with the same :attr:`~Joinable.join_key` (the same
+engine and peer: chunks of other rooms for the same decode rank) into one call, up to
+``join_blocks`` blocks in all: what is queued already, never a wait for more. Each joined
+call is *started* by that, exactly as if it ran alone (it can no longer be cancelled), and
+each caller gets the shared call's result: its value, or its error (a copy each). So a
+failure of the shared call fails every call in it (each room quarantines its own lease), and
+an abort of one room while the call runs waits for the call.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import outcome
 import trio
@@ -49,6 +59,24 @@ log = logging.getLogger("trio_pd.lane")
 
 class LaneClosed(RuntimeError):
     """A call was handed to a lane after :meth:`Lane.close`."""
+
+
+@runtime_checkable
+class Joinable(Protocol):
+    """A lane call that may share one engine call with the calls queued behind it."""
+
+    #: calls join only with calls of an equal key (the same engine and peer)
+    join_key: object
+    #: what the call weighs against the lane's ``join_blocks``
+    num_blocks: int
+    #: set by the lane on every call that rode in an earlier call's engine call
+    joined: bool
+
+    def __call__(self) -> Any: ...
+
+    def join(self, others: Sequence[Joinable]) -> Callable[[], Any]:
+        """The one call that does this call's work and ``others``' (in that order)."""
+        ...
 
 
 class _Job:
@@ -78,10 +106,15 @@ class Lane:
     IDLE_EXIT = 5.0
 
     def __init__(
-        self, name: str, *, depth: int = 2, nice: int = 0, idle_exit: float | None = None
+        self, name: str, *, depth: int = 2, nice: int = 0, idle_exit: float | None = None,
+        join_blocks: int = 0,
     ) -> None:
         if depth < 1:
             raise ValueError("depth must be at least 1")
+        if join_blocks < 0:
+            raise ValueError("join_blocks must be >= 0 (0: calls never join)")
+        #: joinable calls queued together share one engine call up to this many blocks
+        self.join_blocks = join_blocks
         if nice < 0:
             raise ValueError("nice can only lower the thread's priority (>= 0)")
         self.name = name
@@ -149,10 +182,12 @@ class Lane:
                 )
             except OSError as exc:  # a sandbox may refuse it: run at the process's priority
                 log.warning("%r: could not lower the thread's priority: %s", self, exc)
-        flying: deque[tuple[_Job, Any]] = deque()  # started, returned a Pending, not waited
-        done: list[tuple[_Job, outcome.Outcome[Any]]] = []  # waited, caller not told yet
+        # started, returned a Pending, not waited: the jobs that share it, and it
+        flying: deque[tuple[list[_Job], Any]] = deque()
+        done: list[tuple[list[_Job], outcome.Outcome[Any]]] = []  # waited, callers not told
         while True:
             job = None
+            group: list[_Job] = []
             with self._cond:
                 while len(flying) < self.depth:
                     while not self._jobs and not flying and not done and not self._closed:
@@ -167,6 +202,7 @@ class Lane:
                             job = None
                     if job is not None:
                         job.state = "started"
+                        group = [job, *self._take_joiners(job)]
                         break
                     if flying or done:
                         break  # nothing new to start: tell callers, wait for the oldest
@@ -174,11 +210,18 @@ class Lane:
                         return  # closed and drained
                     # only cancelled calls were queued: wait for more
             if job is not None:
-                started = outcome.capture(job.fn, *job.args)
-                if isinstance(started, outcome.Value) and hasattr(started.value, "wait"):
-                    flying.append((job, started.value))
+                if len(group) > 1:
+                    head = job.fn
+                    assert isinstance(head, Joinable)
+                    others = [j.fn for j in group[1:]]  # (Joinable: see _take_joiners)
+                    call: Callable[[], Any] = head.join(others)  # type: ignore[arg-type]
+                    started = outcome.capture(call)
                 else:
-                    self._post(job, started)
+                    started = outcome.capture(job.fn, *job.args)
+                if isinstance(started, outcome.Value) and hasattr(started.value, "wait"):
+                    flying.append((group, started.value))
+                else:
+                    self._post(group, started)
                 continue
             # The engine has its next batch (if there was one) before anyone is told: waking
             # the event loop costs a syscall and a GIL hand-off, off the engine's critical path.
@@ -189,8 +232,48 @@ class Lane:
                 oldest, pending = flying.popleft()
                 done.append((oldest, outcome.capture(pending.wait)))
 
-    def _post(self, job: _Job, result: outcome.Outcome[Any]) -> None:
+    def _take_joiners(self, job: _Job) -> list[_Job]:
+        """Under the lock: the joinable jobs queued right behind ``job`` (see the module
+        docstring), marked started and taken off the queue. Cancelled ones are dropped."""
+        fn = job.fn
+        if not self.join_blocks or job.args or not isinstance(fn, Joinable):
+            return []
+        taken: list[_Job] = []
+        blocks = fn.num_blocks
+        while self._jobs:
+            head = self._jobs[0]
+            if head.state == "cancelled":
+                self._jobs.popleft()
+                continue
+            other = head.fn
+            if (head.args or not isinstance(other, Joinable) or other.join_key != fn.join_key
+                    or blocks + other.num_blocks > self.join_blocks):
+                break
+            self._jobs.popleft()
+            head.state = "started"
+            other.joined = True
+            blocks += other.num_blocks
+            taken.append(head)
+        return taken
+
+    def _post(self, jobs: list[_Job], result: outcome.Outcome[Any]) -> None:
+        """Tell each job's caller ``result`` (each its own outcome: one is unwrapped once)."""
         try:
-            self._token.run_sync_soon(trio.lowlevel.reschedule, job.task, result)
+            if len(jobs) == 1:
+                self._token.run_sync_soon(trio.lowlevel.reschedule, jobs[0].task, result)
+            else:
+                self._token.run_sync_soon(_reschedule_all, [j.task for j in jobs], result)
         except trio.RunFinishedError:  # the run is over: nobody is left to tell
             pass
+
+
+def _reschedule_all(tasks: list[Any], result: outcome.Outcome[Any]) -> None:
+    """Wake every task of a shared call with its own copy of ``result`` (on trio's thread:
+    one wake-up of the loop for all of them)."""
+    for k, task in enumerate(tasks):
+        if isinstance(result, outcome.Value):
+            mine: outcome.Outcome[Any] = outcome.Value(result.value)
+        else:
+            assert isinstance(result, outcome.Error)
+            mine = outcome.Error(result.error if k == 0 else copy.copy(result.error))
+        trio.lowlevel.reschedule(task, mine)

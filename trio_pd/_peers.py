@@ -104,6 +104,7 @@ class PeerRegistry:
         forget_endpoint: Callable[[str], None],
         max_peers: int = 1024,
         peer_idle: float = 300.0,
+        batch_blocks: int = 0,
     ) -> None:
         if max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, not {max_peers!r}")
@@ -114,6 +115,8 @@ class PeerRegistry:
         self.kv_heads = kv_heads
         self.inflight_per_peer = inflight_per_peer
         self.lane_nice = lane_nice
+        #: each lane joins queued chunk writes up to this many blocks (see _lane, "Joining")
+        self.batch_blocks = batch_blocks
         self.fence = fence
         self.counters = counters
         self.timers = timers
@@ -208,6 +211,7 @@ class PeerRegistry:
                 f"{msg.endpoint} ({msg.session})",
                 depth=self.inflight_per_peer,
                 nice=self.lane_nice,
+                join_blocks=self.batch_blocks,
             )
             if old is not None:  # a new engine behind the endpoint (decode restarted)
                 old.lane.close()  # what it has queued still runs; later calls: LaneClosed
@@ -407,14 +411,18 @@ class PeerRegistry:
         have left bytes there, which TCP delivers (into pages) whenever the link moves again:
         a peer answering a probe proves only that the link moves now.
 
-        False if not within the fence, or if no host could be named. Where the kernel's tables
-        cannot be read (not Linux) there is no such evidence: True, with a warning once, so
-        the quarantine rests on the engine's deadline alone there."""
+        False if not within the fence, or if a peer's host does not resolve. True at once for
+        peers reached over no TCP at all (in-process). Where the kernel's tables cannot be
+        read (not Linux) there is no such evidence: True, with a warning once, so the
+        quarantine rests on the engine's deadline alone there."""
         hosts: set[str] = set()
         for peer in peers:
-            hosts.update(await _probe.peer_hosts(self.engine, peer.session, peer.endpoint))
+            named = await _probe.peer_hosts(self.engine, peer.session, peer.endpoint)
+            if named is not None and not named:
+                return False
+            hosts.update(named or ())
         if not hosts:
-            return False
+            return True
         watch = _sendq.DrainWatch()
         with trio.move_on_after(self.fence):
             while True:

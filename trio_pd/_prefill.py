@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -95,6 +96,10 @@ class PrefillConfig:
     #: many pages in all (1: one call per chunk). Only a backlog coalesces; a lone chunk goes
     #: as it is. An aborted room waits for at most one such call (docs/bench.md: what it buys)
     coalesce_pages: int = 64
+    #: chunks of several rooms queued at once for the same decode peer join one engine call,
+    #: up to this many blocks in all (0: one call per chunk). Only what is already queued
+    #: joins; a failure of the shared call fails each room in it (docs/lifetimes.md)
+    batch_blocks: int = 1024
     #: raise the lanes' threads' nice value by this much (Linux; 0: leave them), so that on a
     #: host whose cores are all busy the event loop preempts threads waiting on engine calls
     lane_nice: int = 10
@@ -139,6 +144,10 @@ class _Room:
     terminal: LazyEvent = field(default_factory=LazyEvent)
     released: LazyEvent = field(default_factory=LazyEvent)
     _lock: trio.Lock | None = None
+    #: metrics attached only: the ``time.perf_counter()`` the room's transfer latency runs
+    #: from, its creation until the first ``send()`` (``sent``) moves it there, once
+    started: float | None = None
+    sent: bool = False
 
     @property
     def lock(self) -> trio.Lock:
@@ -179,9 +188,12 @@ class PrefillSender:
         Raises :class:`~trio_pd.AdmissionClosed` if the room was aborted or failed, and
         :class:`ProtocolError` for page ids outside the pool or a chunk past ``num_pages``.
         """
-        room = self._room
+        room, agent = self._room, self._agent
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
-        self._agent._carry(room, room.machine.admit(pages, last))
+        due = room.machine.admit(pages, last)
+        if not room.sent and agent.metrics is not None:
+            room.sent, room.started = True, time.perf_counter()
+        agent._carry(room, due)
 
     def abort(self, reason: str = "aborted by the prefill scheduler") -> None:
         """Abort the room: close admission, cancel work not yet started, publish Failed.
@@ -278,6 +290,7 @@ class PrefillAgent:
             engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, kv_heads=kv_heads,
             inflight_per_peer=config.inflight_per_peer, lane_nice=config.lane_nice,
             fence=fence, counters=self.counters, timers=self.timers,
+            batch_blocks=config.batch_blocks,
             forget_endpoint=self._forget_endpoint,
             max_peers=config.max_decode_peers, peer_idle=config.peer_idle_timeout,
         )
@@ -327,6 +340,8 @@ class PrefillAgent:
             raise ValueError("num_pages must be >= 0")
         machine = PrefillRoom(room, num_pages, aux_slot, self.pool.num_pages, epoch=epoch)
         rec = _Room(machine, on_release)
+        if self.metrics is not None:
+            rec.started = time.perf_counter()
         self._rooms[room] = rec
         self.timers.after(self.config.bootstrap_timeout, partial(self._bootstrap_due, rec))
         aborted = self.book.take_aborted(room)  # a parked TRANSFER of this use was aborted
@@ -366,6 +381,8 @@ class PrefillAgent:
                         self._jobs_tx.send_nowait((rec, "publish"))
                 case Succeeded():
                     self.counters.bump("succeeded")
+                    if self.metrics is not None:
+                        self.metrics.observe_room("success", rec.started)
                     rec.terminal.set()
                 case Release():
                     if rec.on_release is not None:
@@ -389,6 +406,7 @@ class PrefillAgent:
                     self.counters.bump(kind)
                     if self.metrics is not None:
                         self.metrics.observe_failure(error)
+                        self.metrics.observe_room(kind, rec.started)
                     rec.terminal.set()
                 case SendAck(endpoint=endpoint, epoch=epoch):
                     self._send_ack(room, epoch, endpoint)

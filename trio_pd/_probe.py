@@ -55,24 +55,29 @@ def _host_port(endpoint: str) -> tuple[str, int] | None:
     return host, port
 
 
-async def peer_hosts(engine: TransferEngine, session: str, control_endpoint: str) -> list[str]:
+async def peer_hosts(
+    engine: TransferEngine, session: str, control_endpoint: str
+) -> list[str] | None:
     """The numeric addresses of the peer's host(s): its control endpoint's, and for Mooncake
-    its engine session's (``"host:rpc_port"``), resolved. Empty if none parses or resolves.
+    its engine session's (``"host:rpc_port"``), resolved. None if neither names a TCP host
+    (nothing goes over TCP to it: an in-process peer); empty if a host does not resolve.
     Nothing but Cancelled is raised."""
     await trio.lowlevel.checkpoint()
     endpoints = [control_endpoint] + ([session] if engine.name == "mooncake" else [])
     hosts: set[str] = set()
+    named = False
     for endpoint in endpoints:
         parsed = _host_port(endpoint)
         if parsed is None:
             continue
+        named = True
         try:
             infos = await trio.socket.getaddrinfo(parsed[0], parsed[1],
                                                   type=trio.socket.SOCK_STREAM)
         except OSError:
             continue
         hosts.update(str(info[4][0]) for info in infos)
-    return sorted(hosts)
+    return sorted(hosts) if named else None
 
 
 async def _connect(family: int, type_: int, proto: int, addr: object) -> bool | None:

@@ -14,9 +14,10 @@ import contextlib
 import itertools
 import logging
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio_util
@@ -37,6 +38,9 @@ from ._state import Liveness
 from ._stats import Counters
 from ._topology import pairing_problem, source_ranks
 from .engines import TransferEngine
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
 
 log = logging.getLogger("trio_pd.decode")
 
@@ -89,6 +93,7 @@ class Sources:
         on_resolved: Callable[[Instance], None],
         on_failed: Callable[[Instance, TransferError], None],
         on_lost: Callable[[PrefillRank], None],
+        metrics: Callable[[], AgentMetrics | None] = lambda: None,
     ) -> None:
         self.engine, self.pool = engine, pool
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -97,6 +102,7 @@ class Sources:
         self.heartbeat_interval, self.heartbeat_misses = heartbeat_interval, heartbeat_misses
         self.probe_timeout = probe_timeout
         self._on_resolved, self._on_failed, self._on_lost = on_resolved, on_failed, on_lost
+        self._metrics = metrics  # the agent's metrics, if attached (bootstrap_resolve_seconds)
         self.instances: dict[str, Instance] = {}
         self.ranks: dict[str, PrefillRank] = {}  # endpoint -> rank we registered with
         self._ping_ids = itertools.count(1)
@@ -120,6 +126,7 @@ class Sources:
     async def _resolve(self, inst: Instance) -> None:
         """Find the instance's topology, check that it pairs with our pool, and register with
         the ranks we read from."""
+        t0 = time.perf_counter()
         try:
             async with BootstrapClient(inst.url, token=self.token, verify=self.verify) as client:
                 with trio.fail_after(self.bootstrap_timeout):
@@ -133,11 +140,15 @@ class Sources:
             else:
                 error = BootstrapError(f"prefill instance {inst.url}: {exc}")
             log.warning("%s", error)
+            if (metrics := self._metrics()) is not None:
+                metrics.observe_resolve(time.perf_counter() - t0, ok=False)
             if self.instances.get(inst.url) is inst:
                 del self.instances[inst.url]
             self._on_failed(inst, error)
             await trio.lowlevel.checkpoint()
             return
+        if (metrics := self._metrics()) is not None:
+            metrics.observe_resolve(time.perf_counter() - t0, ok=True)
         inst.ready = True
         self._on_resolved(inst)
 

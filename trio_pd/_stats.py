@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final, Literal
 
 
 @dataclass(frozen=True, slots=True)
 class AgentStatistics:
     """A snapshot of one agent's counters. Counters only grow; gauges (``rooms_active``,
-    ``leases_live``, ``leases_quarantined``, ``pages_held``) are current values."""
+    ``leases_live``, ``leases_quarantined``, ``pages_held``) are current values. Which
+    agent keeps which field: :data:`SIDES`, below."""
 
     rooms_active: int = 0
     leases_live: int = 0
@@ -31,6 +35,9 @@ class AgentStatistics:
     auth_refused: int = 0
     engine_calls: int = 0
     chunks_coalesced: int = 0  # prefill: chunks that joined an earlier chunk's engine call
+    #: prefill: chunk writes that rode in another room's engine call to the same decode peer
+    #: (a lane joins what is queued; see PrefillConfig.batch_blocks)
+    chunks_batched: int = 0
     engine_errors: int = 0
     bytes_written: int = 0
     send_backpressure: int = 0  # a non-blocking send found the socket full
@@ -65,6 +72,52 @@ class AgentStatistics:
 
 
 _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(AgentStatistics))
+
+Side = Literal["prefill", "decode", "both"]
+
+#: Which agent keeps each :class:`AgentStatistics` field: the one place that says it (the
+#: metrics export a field only for the roles that keep it; the other role's would stay 0).
+#: Every field is listed (tests/test_metrics.py checks it); one missing counts as "both".
+SIDES: Final[Mapping[str, Side]] = MappingProxyType({
+    "rooms_active": "both",
+    "leases_live": "prefill",  # statistics() of the prefill rooms' lease books
+    "leases_quarantined": "prefill",
+    "pages_held": "decode",  # statistics() of the decode rooms held for a drain
+    "succeeded": "both",
+    "failed": "both",
+    "aborted": "both",
+    "timeouts": "both",  # prefill: bootstrap deadline; decode: waiting, init and ack deadlines
+    "bad_messages": "both",  # the control plane (_control), which both agents run
+    "refused_messages": "both",
+    "late_messages": "both",
+    "handler_errors": "both",
+    "bad_endpoints": "both",
+    "auth_refused": "both",
+    "engine_calls": "prefill",  # the chunk runner (_chunks): only prefill writes
+    "chunks_coalesced": "prefill",
+    "chunks_batched": "prefill",
+    "engine_errors": "prefill",
+    "bytes_written": "prefill",
+    "send_backpressure": "both",
+    "outbox_retried": "both",  # the outbox (_outbox): prefill's acks and STATUS, decode's ABORTs
+    "outbox_dropped": "both",
+    "acks_sent": "prefill",
+    "acks_received": "decode",
+    "quarantined": "prefill",
+    "released_after_quarantine": "prefill",
+    "quarantine_unknown": "prefill",  # the decode peer registry (_peers)
+    "quarantine_undrained": "prefill",
+    "rooms_unproven_at_close": "decode",
+    "released_by_timeout": "decode",
+    "released_peer_gone": "decode",
+    "peers_failed": "prefill",
+    "peers_lost": "both",  # prefill: decode peers proven gone; decode: lost to the heartbeat
+    "sockets_evicted": "both",
+    "peers_evicted": "prefill",
+    "engine_peers_removed": "prefill",
+    "peers_refused": "prefill",
+    "rooms_reclaimed": "decode",
+})
 
 
 class Counters:

@@ -15,28 +15,62 @@ Serve the registry with ``open_bootstrap_server(metrics_registry=registry)`` (``
 
 Several agents (say one prefill and one decode rank in one process) may share one registry:
 the metric families are created once per registry and every :class:`AgentMetrics` fills its
-own ``role``/``rank`` label values. The families are
+own ``role``/``rank`` label values. A family that only one role can move (engine writes are
+prefill's, drain acks decode's) is exported only while the registry holds an agent of that
+role, and only with that role's series. The families are
 
-``trio_pd_engine_write_seconds`` (histogram; ``role, rank, engine, outcome``)
-    Duration of each engine write (prefill), from the call to its result, including the
-    wait for a free engine thread. ``outcome`` is ``ok`` or ``error``; a write cancelled
-    before it started is not observed.
-``trio_pd_engine_write_bytes`` (histogram; ``role, rank, engine``)
+``trio_pd_transfer_latency_seconds`` (histogram; ``role, rank, outcome``)
+    One observation per room, when its status becomes terminal; ``outcome`` is ``success``,
+    ``failed`` or ``aborted`` (a :class:`~trio_pd.TransferAborted` failure). Prefill: from
+    the room's first ``send()`` (a room that ends before any ``send()``: from its
+    ``sender()``); decode: from ``init()`` (a room failed before ``init()``: from its
+    ``receiver()``). Rooms created before the metrics were attached are counted in
+    ``trio_pd_rooms_total`` only.
+``trio_pd_rooms_total`` (counter; ``role, rank, outcome``)
+    Rooms concluded, once per room, by the same ``outcome``. Both families start with a 0
+    series for each outcome.
+``trio_pd_engine_write_seconds`` (histogram; ``role, rank, engine, outcome``; prefill)
+    Duration of each engine write, from the call to its result, including the wait for a
+    free engine thread. ``outcome`` is ``ok`` or ``error``; a write cancelled before it
+    started is not observed.
+``trio_pd_engine_write_bytes`` (histogram; ``role, rank, engine``; prefill)
     Bytes of each successful engine write.
+``trio_pd_engine_call_blocks`` (histogram; ``role, rank, engine``; prefill)
+    Blocks (contiguous source/destination ranges) of each successful engine write; its sum
+    is the blocks written. Coalescing (``PrefillConfig.coalesce_pages``) moves it up.
 ``trio_pd_failures_total`` (counter; ``role, rank, reason``)
     Rooms that failed, once per room, by the exception type name (``TransferAborted``,
     ``PeerLost``, ...).
-``trio_pd_ack_latency_seconds`` (histogram; ``role, rank``)
-    Decode: from the moment a failed room starts draining (ABORT sent) to the release of
-    its pages (every ack received, or the ack timeout / a lost peer released them).
+``trio_pd_ack_latency_seconds`` (histogram; ``role, rank``; decode)
+    From the moment a failed room starts draining (ABORT sent) to the release of its pages
+    (every ack received, or the ack timeout / a lost peer released them).
+``trio_pd_bootstrap_resolve_seconds`` (histogram; ``role, rank, outcome``; decode)
+    Resolving one prefill instance: from the first receiver that names its bootstrap URL to
+    the instance being usable (topology fetched, REGISTER sent to its ranks: ``ok``) or
+    failed (unreachable, timed out, incompatible: ``error``).
 ``trio_pd_agent_<field>`` (``role, rank``)
-    Every :class:`~trio_pd.AgentStatistics` field of the attached agent, read from
-    ``agent.statistics()`` at scrape time, so they always equal ``statistics()``: gauges for
-    ``rooms_active``, ``leases_live``, ``leases_quarantined`` and ``pages_held``, counters
-    (``..._total``) for the rest.
+    Every :class:`~trio_pd.AgentStatistics` field the attached agent's role keeps
+    (``trio_pd._stats.SIDES``), read from ``agent.statistics()`` at scrape time, so they
+    always equal ``statistics()``: gauges for ``rooms_active``, ``leases_live``,
+    ``leases_quarantined`` and ``pages_held``, counters (``..._total``) for the rest.
+    Names put the unit last (Prometheus naming); two fields are renamed for it:
+
+    ===================  ==========================================================
+    statistics field     exported as
+    ===================  ==========================================================
+    ``bytes_written``    ``trio_pd_agent_written_bytes_total``
+    ``pages_held``       ``trio_pd_agent_held_pages``
+    every other field    ``trio_pd_agent_<field>``, plus ``_total`` for a counter
+    ===================  ==========================================================
 ``trio_pd_sanitizer_late_writes_total`` (counter; ``role, rank``)
     Late writes caught by page sanitizers registered with :meth:`AgentMetrics.track_late_writes`
     (e.g. :class:`trio_pd.testing.pools.PageAllocator`), read at scrape time.
+
+What SGLang and vLLM users chart: SGLang's ``kv_transfer_latency_ms`` (per request, prefill
+side, milliseconds) is ``trio_pd_transfer_latency_seconds{role="prefill",outcome="success"}``
+in seconds; vLLM's ``nixl_xfer_time_seconds`` (per NIXL transfer) is, per request, the same
+family, and per engine call ``trio_pd_engine_write_seconds{outcome="ok"}`` (trio_pd writes
+from prefill). docs/architecture.md has the whole table.
 """
 
 from __future__ import annotations
@@ -45,20 +79,32 @@ import dataclasses
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Final, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ._stats import AgentStatistics
+from ._stats import SIDES, AgentStatistics, Side
 
-__all__ = ["AgentMetrics", "StatisticsSource"]
+__all__ = ["STATISTICS_NAMES", "AgentMetrics", "StatisticsSource"]
 
+ROLES: Final = ("prefill", "decode")
+#: the ``outcome`` of a concluded room (``trio_pd_rooms_total``, the transfer latency)
+ROOM_OUTCOMES: Final = ("success", "failed", "aborted")
 #: AgentStatistics fields that are current values, not ever-growing counts
 GAUGE_FIELDS = frozenset({"rooms_active", "leases_live", "leases_quarantined", "pages_held"})
 _FIELDS = tuple(f.name for f in dataclasses.fields(AgentStatistics))
+#: fields whose name does not end in their unit: exported with the unit last
+_RENAMED: Final = {"bytes_written": "written_bytes", "pages_held": "held_pages"}
+#: the family name each AgentStatistics field is exported as (``_total`` for a counter;
+#: the table in the module docstring)
+STATISTICS_NAMES: Final[Mapping[str, str]] = MappingProxyType({
+    name: f"trio_pd_agent_{_RENAMED.get(name, name)}" + ("" if name in GAUGE_FIELDS else "_total")
+    for name in _FIELDS
+})
 
 _M = TypeVar("_M", Histogram, Counter)
 
@@ -81,7 +127,14 @@ _SECONDS_BUCKETS = (
     10.0,
     30.0,
 )
+#: a room can last until its deadlines (bootstrap 30 s, waiting 120 s by default)
+_ROOM_BUCKETS = (*_SECONDS_BUCKETS, 60.0, 120.0)
 _BYTES_BUCKETS = tuple(float(4**k) for k in range(5, 16))  # 1 KiB .. 1 GiB
+_BLOCKS_BUCKETS = tuple(float(4**k) for k in range(9))  # 1 .. 65536
+
+
+def _applies(side: Side, roles: Iterable[str]) -> bool:
+    return side == "both" or side in roles
 
 
 class StatisticsSource(Protocol):
@@ -92,28 +145,42 @@ class StatisticsSource(Protocol):
     def statistics(self) -> AgentStatistics: ...
 
 
-class _StatisticsCollector(Collector):
-    """Every attached agent's statistics, as metric families, read at scrape time."""
+class _Collector(Collector):
+    """Every family of one registry. A family only one role moves is left out while the
+    registry holds no agent of that role; each agent's statistics are read at scrape time,
+    the fields its role keeps only."""
 
     def __init__(self, shared: _Shared) -> None:
         self._shared = shared
 
     def describe(self) -> Iterable[Metric]:
-        return self._families(())
+        # every name, so that the registry refuses a clash up front
+        described: list[Metric] = []
+        for metric, _side in self._shared.events:
+            described.extend(metric.describe())
+        return [*described, *self._statistics(())]
 
     def collect(self) -> Iterable[Metric]:
-        return self._families(list(self._shared.members))
+        members = list(self._shared.members)
+        roles = {m.role for m in members}
+        collected: list[Metric] = []
+        for metric, side in self._shared.events:
+            if _applies(side, roles):
+                collected.extend(metric.collect())
+        return [*collected, *self._statistics(members, roles)]
 
     @staticmethod
-    def _families(members: Iterable[AgentMetrics]) -> list[Metric]:
+    def _statistics(
+        members: Iterable[AgentMetrics], roles: Iterable[str] = ROLES
+    ) -> list[Metric]:
         labels = ["role", "rank"]
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for name in _FIELDS:
+            if not _applies(SIDES.get(name, "both"), roles):
+                continue
             doc = f"AgentStatistics.{name} of a trio_pd agent."
-            if name in GAUGE_FIELDS:
-                families[name] = GaugeMetricFamily(f"trio_pd_agent_{name}", doc, labels=labels)
-            else:
-                families[name] = CounterMetricFamily(f"trio_pd_agent_{name}", doc, labels=labels)
+            kind = GaugeMetricFamily if name in GAUGE_FIELDS else CounterMetricFamily
+            families[name] = kind(STATISTICS_NAMES[name], doc, labels=labels)
         late = CounterMetricFamily(
             "trio_pd_sanitizer_late_writes",
             "Late writes into released pages caught by a page sanitizer.",
@@ -124,7 +191,8 @@ class _StatisticsCollector(Collector):
             stats = member.statistics()
             if stats is not None:
                 for name in _FIELDS:
-                    families[name].add_metric(values, getattr(stats, name))
+                    if _applies(SIDES.get(name, "both"), (member.role,)):
+                        families[name].add_metric(values, getattr(stats, name))
             sources = member.late_write_sources()
             if sources:
                 late.add_metric(values, sum(fn() for fn in sources))
@@ -138,6 +206,20 @@ class _Shared:
         self.registry = registry
         self.members: list[AgentMetrics] = []
         labels = ("role", "rank")
+        self.transfer_latency = Histogram(
+            "trio_pd_transfer_latency_seconds",
+            "One room, from its first send() (prefill) or init() (decode) to its terminal "
+            "status.",
+            (*labels, "outcome"),
+            registry=None,
+            buckets=_ROOM_BUCKETS,
+        )
+        self.rooms = Counter(
+            "trio_pd_rooms",
+            "Rooms concluded, by outcome (success, failed, aborted).",
+            (*labels, "outcome"),
+            registry=None,
+        )
         self.write_seconds = Histogram(
             "trio_pd_engine_write_seconds",
             "Duration of one engine write, including the wait for an engine thread.",
@@ -152,6 +234,13 @@ class _Shared:
             registry=None,
             buckets=_BYTES_BUCKETS,
         )
+        self.call_blocks = Histogram(
+            "trio_pd_engine_call_blocks",
+            "Blocks of one successful engine write.",
+            (*labels, "engine"),
+            registry=None,
+            buckets=_BLOCKS_BUCKETS,
+        )
         self.failures = Counter(
             "trio_pd_failures",
             "Rooms that failed, by the exception type name.",
@@ -165,29 +254,31 @@ class _Shared:
             registry=None,
             buckets=_SECONDS_BUCKETS,
         )
-        self.statistics = _StatisticsCollector(self)
-        self.collectors: tuple[Collector, ...] = (
-            self.write_seconds,
-            self.write_bytes,
-            self.failures,
-            self.ack_latency,
-            self.statistics,
+        self.resolve_seconds = Histogram(
+            "trio_pd_bootstrap_resolve_seconds",
+            "Decode: resolving one prefill instance through its bootstrap service.",
+            (*labels, "outcome"),
+            registry=None,
+            buckets=_SECONDS_BUCKETS,
         )
+        #: the event families, with the role that moves each
+        self.events: tuple[tuple[Histogram | Counter, Side], ...] = (
+            (self.transfer_latency, "both"),
+            (self.rooms, "both"),
+            (self.write_seconds, "prefill"),
+            (self.write_bytes, "prefill"),
+            (self.call_blocks, "prefill"),
+            (self.failures, "both"),
+            (self.ack_latency, "decode"),
+            (self.resolve_seconds, "decode"),
+        )
+        self.collector = _Collector(self)
 
     def register(self) -> None:
-        done: list[Collector] = []
-        try:
-            for collector in self.collectors:
-                self.registry.register(collector)
-                done.append(collector)
-        except ValueError:
-            for collector in done:
-                self.registry.unregister(collector)
-            raise
+        self.registry.register(self.collector)
 
     def unregister(self) -> None:
-        for collector in self.collectors:
-            self.registry.unregister(collector)
+        self.registry.unregister(self.collector)
 
 
 _lock = threading.Lock()
@@ -198,11 +289,13 @@ class AgentMetrics:
     """Prometheus metrics of one agent (``role`` ``"prefill"`` or ``"decode"``, TP ``rank``),
     registered with ``registry`` only.
 
-    Raises ``ValueError`` if the registry already has an AgentMetrics with this role and
-    rank, or holds other collectors with the same metric names.
+    Raises ``ValueError`` for another ``role``, if the registry already has an AgentMetrics
+    with this role and rank, or if it holds other collectors with the same metric names.
     """
 
     def __init__(self, registry: CollectorRegistry, *, role: str, rank: int) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         self.registry = registry
         self.role = role
         self.rank = rank
@@ -224,6 +317,9 @@ class AgentMetrics:
             self._registered = True
         self._shared = shared
         self._labels = (role, str(rank))
+        for outcome in ROOM_OUTCOMES:  # a 0 series per outcome, for ratios before the first
+            self._child(shared.rooms, outcome)
+            self._child(shared.transfer_latency, outcome)
 
     def __repr__(self) -> str:
         return f"<AgentMetrics {self.role} rank {self.rank}>"
@@ -267,12 +363,30 @@ class AgentMetrics:
 
     # ------------------------------------------------------------------ events (agents call these)
 
-    def observe_write(self, engine: str, seconds: float, nbytes: int, *, ok: bool = True) -> None:
-        """One engine write finished (``ok``) or raised."""
+    def observe_write(
+        self, engine: str, seconds: float, nbytes: int, *, blocks: int = 0, ok: bool = True
+    ) -> None:
+        """Prefill: one engine write of ``nbytes`` in ``blocks`` blocks finished (``ok``) or
+        raised (its size is then not observed)."""
         outcome = "ok" if ok else "error"
         self._child(self._shared.write_seconds, engine, outcome).observe(seconds)
         if ok:
             self._child(self._shared.write_bytes, engine).observe(nbytes)
+            self._child(self._shared.call_blocks, engine).observe(blocks)
+
+    def observe_room(self, outcome: str, started: float | None) -> None:
+        """A room's status became terminal (call once per room): ``outcome`` is one of
+        ``success``, ``failed``, ``aborted``; ``started`` is the ``time.perf_counter()`` its
+        transfer latency runs from (None: not known, the room is only counted)."""
+        self._child(self._shared.rooms, outcome).inc()
+        if started is not None:
+            latency = self._child(self._shared.transfer_latency, outcome)
+            latency.observe(time.perf_counter() - started)
+
+    def observe_resolve(self, seconds: float, *, ok: bool) -> None:
+        """Decode: resolving one prefill instance took ``seconds``, and succeeded (``ok``)
+        or failed."""
+        self._child(self._shared.resolve_seconds, "ok" if ok else "error").observe(seconds)
 
     def observe_failure(self, error: BaseException) -> None:
         """A room failed (call once per room, when its status changed)."""
