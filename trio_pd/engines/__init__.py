@@ -4,6 +4,7 @@ from typing import Any
 
 from .._errors import EngineError
 from ._base import Addrs as Addrs
+from ._base import ClosingEngine as ClosingEngine
 from ._base import Deferred as Deferred
 from ._base import Lens as Lens
 from ._base import Pending as Pending
@@ -14,8 +15,9 @@ from ._base import start_write as start_write
 ENGINE_NAMES = ("mooncake", "nixl")
 
 
-def make_engine(name: str, host: str = "127.0.0.1", **kw: Any) -> TransferEngine:
-    """Build the engine called ``name``: "mooncake" or "nixl".
+def make_engine(name: str, host: str = "127.0.0.1", **kw: Any) -> ClosingEngine:
+    """Build the engine called ``name``: "mooncake" or "nixl". The caller owns it: close it
+    once no agent uses it, or build it in a ``with`` block, whose exit closes it.
 
     The adapters are imported here, so this package imports without either wheel. ``host`` is
     the address Mooncake peers reach this engine on (NIXL's UCX finds its own interfaces and

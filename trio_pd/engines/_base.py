@@ -10,7 +10,8 @@ An adapter never retries and never hides an error: a failed write raises
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -109,3 +110,18 @@ class TransferEngine(Protocol):
     def close(self) -> None:
         """Release the engine. Idempotent."""
         ...
+
+
+@runtime_checkable
+class ClosingEngine(TransferEngine, Protocol):
+    """A :class:`TransferEngine` that is also its own context manager: leaving
+    ``with make_engine(...) as engine:`` closes it. The adapters here all are (and so is
+    :class:`~trio_pd.engines.fault.FaultEngine`); trio_pd asks no more than
+    :class:`TransferEngine` of an engine it is given."""
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...

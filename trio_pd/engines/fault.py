@@ -31,7 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from types import TracebackType
+from typing import Literal, Self
 
 import trio
 
@@ -252,6 +253,16 @@ class FaultEngine:
 
     def remove_peer(self, session_id: str) -> None:
         self.inner.remove_peer(session_id)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving a ``with`` block closes the wrapped engine (:meth:`close`)."""
+        self.close()
 
     def close(self) -> None:
         self.inner.close()

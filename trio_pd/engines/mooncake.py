@@ -38,7 +38,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from .._errors import EngineError
 from .._wire import check_advertised_host
@@ -479,6 +480,16 @@ class MooncakeEngine:
         """``send_probe`` answers at once for a live or a dead peer, but takes about 60 s for a
         hung one (stopped process, black-holed host): callers bound it."""
         return bool(self._live_engine().send_probe(peer) == 0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving ``with make_engine(...) as engine:`` closes the engine (:meth:`close`)."""
+        self.close()
 
     def close(self) -> None:
         """Deregister what is still registered and drop the engine. Idempotent.

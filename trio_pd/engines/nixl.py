@@ -45,7 +45,8 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import numpy as np
 
@@ -412,6 +413,16 @@ class NixlEngine:
             with contextlib.suppress(Exception):
                 agent.get_new_notifs()
         return True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving ``with make_engine(...) as engine:`` closes the engine (:meth:`close`)."""
+        self.close()
 
     def close(self) -> None:
         """Forget peers, deregister what is still registered, drop the agent. Idempotent.

@@ -1,0 +1,686 @@
+"""trio_pd.sync: the agents on a trio thread, driven by schedulers on plain threads.
+
+The schedulers here are what a serving engine runs: loops on ordinary threads that poll their
+requests each step without blocking, take the rooms whose pages came back from
+``pop_released()`` and free those pages themselves, while another thread aborts requests. No
+trio code runs in them. Real engines, real ZeroMQ, the real bootstrap service, and page
+allocators with the lifetime sanitizer of :mod:`trio_pd.testing.pools`.
+
+Nothing sleeps to synchronise: the scheduler loops sleep between steps as a model's forward
+pass would, and conditions are polled under a deadline (:func:`poll_until`).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import queue
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+import trio_pd.sync as sync
+from trio_pd import (
+    ConfigurationError,
+    DecodeConfig,
+    KVPoll,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+)
+from trio_pd.engines import make_engine
+from trio_pd.engines.fault import Fault, FaultEngine
+from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool, PageAllocator, page_rows
+
+from .conftest import host_pool
+
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+#: bound on every wait for something that must happen (seconds)
+BOUND = 20.0
+
+
+def poll_until(pred: Callable[[], bool], bound: float = BOUND) -> None:
+    """Wait, on this plain thread, until ``pred()``; AssertionError after ``bound`` s."""
+    deadline = time.monotonic() + bound
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+@dataclass
+class Agents:
+    boot: sync.SyncBootstrapServer
+    prefill: sync.SyncPrefill
+    decode: sync.SyncDecode
+    src: HostKVPool
+    dst: HostKVPool
+
+
+@contextmanager
+def agents(
+    engine_name: str = "mooncake",
+    *,
+    wrap: Callable[[Any], Any] | None = None,
+    shared: bool = False,
+    num_pages: int = 64,
+    aux_slots: int = 16,
+    prefill_kw: dict[str, Any] | None = None,
+    decode_kw: dict[str, Any] | None = None,
+) -> Iterator[Agents]:
+    """A bootstrap service, a prefill and a decode facade, each on its own trio thread (or,
+    ``shared``, all on one), over two real engines; the engines close last."""
+    src, dst = host_pool(num_pages=num_pages, aux_slots=aux_slots), host_pool(
+        num_pages=num_pages, aux_slots=aux_slots
+    )
+    with ExitStack() as stack:
+        pe = stack.enter_context(make_engine(engine_name))
+        de = stack.enter_context(make_engine(engine_name))
+        thread = stack.enter_context(sync.TrioThread("test-shared")) if shared else None
+        boot = stack.enter_context(sync.open_bootstrap_server(thread=thread))
+        prefill = stack.enter_context(sync.open_prefill(
+            engine=wrap(pe) if wrap else pe, pool=src.spec, bootstrap_url=boot.url,
+            kv_heads=2, thread=thread, **(prefill_kw or {}),
+        ))
+        decode = stack.enter_context(
+            sync.open_decode(engine=de, pool=dst.spec, thread=thread, **(decode_kw or {}))
+        )
+        yield Agents(boot, prefill, decode, src, dst)
+
+
+def one_room(
+    a: Agents, room: int, *, npages: int = 4, send: bool = True, epoch: int | None = None
+) -> tuple[sync.SyncSender, sync.SyncReceiver]:
+    """A room on both sides: the receiver initialised once WaitingForInput, the sender given
+    its pages (and, with ``send``, all of them)."""
+    epoch = epoch if epoch is not None else room + 1000
+    src_pages, dst_pages = np.arange(npages), np.arange(npages) + npages
+    a.src.fill(src_pages, room)
+    a.src.fill_aux(1, room)
+    sender = a.prefill.sender(room, epoch=epoch)
+    sender.init(npages, 1)
+    receiver = a.decode.receiver(room, bootstrap_url=a.boot.url, epoch=epoch)
+    poll_until(lambda: receiver.poll() is not KVPoll.Bootstrapping)
+    receiver.init(dst_pages, 2)
+    if send:
+        sender.send(src_pages, last=True)
+    return sender, receiver
+
+
+# ------------------------------------------------------------------ the scheduler loop
+
+
+N_REQUESTS = 200
+ABORT_RATE = 0.3
+CONCURRENCY = 24
+STEP = 0.001  # the scheduler's "forward pass"
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    room: int
+    epoch: int
+    npages: int
+    chunk: int
+    #: which side's handle the second thread aborts, and how long after it exists
+    abort: str | None
+    abort_after: float
+
+
+def plan(seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    rooms = rng.sample(range(1, 1 << 40), N_REQUESTS)
+    aborted = set(rng.sample(range(N_REQUESTS), int(N_REQUESTS * ABORT_RATE)))
+    out = []
+    for i in range(N_REQUESTS):
+        side = rng.choice(("prefill", "decode")) if i in aborted else None
+        if side == "decode" and not i % 2:  # (its handle reaches the aborter after init)
+            after = rng.uniform(0.0, 0.012)  # often while the KV is being written
+        else:
+            after = rng.uniform(0.0, 0.03) if rng.random() < 0.8 else 0.2  # (0.2: after Success)
+        npages, chunk = rng.randint(1, 16), rng.randint(1, 6)
+        out.append(Request(i, rooms[i], rng.getrandbits(62), npages, chunk, side, after))
+    return out
+
+
+@dataclass
+class Books:
+    """What the threads report, for the checks at the end."""
+
+    errors: list[BaseException] = field(default_factory=list)
+    handles: queue.SimpleQueue[tuple[str, Request, Any]] = field(
+        default_factory=queue.SimpleQueue
+    )
+    aborted: set[int] = field(default_factory=set)
+    #: what the aborted handles' poll() said just before the abort
+    abort_points: collections.Counter[str] = field(default_factory=collections.Counter)
+    prefill_outcome: dict[int, KVPoll] = field(default_factory=dict)
+    decode_outcome: dict[int, KVPoll] = field(default_factory=dict)
+    prefill_popped: collections.Counter[int] = field(default_factory=collections.Counter)
+    decode_popped: collections.Counter[int] = field(default_factory=collections.Counter)
+    #: decode rooms given pages by init
+    decode_inited: set[int] = field(default_factory=set)
+    verified: int = 0
+    corrupt: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def guarded(books: Books, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            books.errors.append(exc)
+            books.done.set()
+
+    return run
+
+
+@dataclass
+class _Src:
+    req: Request
+    sender: sync.SyncSender
+    pages: npt.NDArray[np.int64]
+    aux: npt.NDArray[np.int64]
+    sent: int = 0
+
+
+def prefill_scheduler(
+    prefill: sync.SyncPrefill, src: HostKVPool, reqs: list[Request], books: Books,
+    pages: PageAllocator, aux: PageAllocator, deadline: float,
+) -> None:
+    """SGLang's prefill loop, reduced: admit, send one chunk per room per step, free what
+    pop_released() hands back."""
+    pending = collections.deque(reqs)
+    active: dict[int, _Src] = {}
+    while pending or active:
+        assert time.monotonic() < deadline, f"prefill: {len(active)} rooms hung"
+        while pending and len(active) < CONCURRENCY:
+            req = pending[0]
+            ids = pages.alloc_nowait(req.npages)
+            if ids is None:
+                break
+            slot = aux.alloc_nowait(1)
+            if slot is None:
+                pages.free(ids)
+                break
+            pending.popleft()
+            src.fill(ids, req.room)
+            src.fill_aux(int(slot[0]), req.room)
+            sender = prefill.sender(req.room, epoch=req.epoch)
+            assert sender.poll() is KVPoll.WaitingForInput  # (chunks may come before decode)
+            sender.init(req.npages, int(slot[0]))
+            active[req.room] = _Src(req, sender, ids, slot)
+            books.handles.put(("prefill", req, sender))
+        for st in active.values():
+            if st.sent < st.req.npages and st.sender.poll() is not KVPoll.Failed:
+                end = min(st.sent + st.req.chunk, st.req.npages)
+                st.sender.send(st.pages[st.sent:end], last=end == st.req.npages)
+                st.sent = end
+        for room in prefill.pop_released():
+            st = active.pop(room)  # KeyError: a room twice, or one never handed over
+            status = st.sender.poll()
+            assert status in TERMINAL, f"room {room} released while {status.name}"
+            if status is KVPoll.Failed:
+                with pytest.raises(TransferError):
+                    st.sender.failure_exception()
+            books.prefill_outcome[room] = status
+            books.prefill_popped[room] += 1
+            pages.free(st.pages)
+            aux.free(st.aux)
+        time.sleep(STEP)
+
+
+@dataclass
+class _Dst:
+    req: Request
+    receiver: sync.SyncReceiver
+    pages: npt.NDArray[np.int64] | None = None
+    aux: npt.NDArray[np.int64] | None = None
+
+
+def decode_scheduler(
+    decode: sync.SyncDecode, dst: HostKVPool, url: str, reqs: list[Request], books: Books,
+    pages: PageAllocator, aux: PageAllocator, deadline: float,
+) -> None:
+    """SGLang's decode loop, reduced: a receiver per request, pages allocated and ``init``
+    once it is WaitingForInput, the KV checked on Success, pages freed on Success or when
+    pop_released() hands them back."""
+    pending = collections.deque(reqs)
+    active: dict[int, _Dst] = {}
+    while pending or active:
+        assert time.monotonic() < deadline, f"decode: {len(active)} rooms hung"
+        while pending and len(active) < CONCURRENCY:
+            req = pending.popleft()
+            receiver = decode.receiver(req.room, bootstrap_url=url, epoch=req.epoch)
+            active[req.room] = _Dst(req, receiver)
+            if req.index % 2:  # (the others go to the aborter once they have pages)
+                books.handles.put(("decode", req, receiver))
+        over = []
+        for room, d in active.items():
+            status = d.receiver.poll()
+            if d.pages is None:
+                if status is KVPoll.Failed:  # before init: no pages were handed over
+                    books.decode_outcome[room] = status
+                    over.append(room)
+                elif status is not KVPoll.Bootstrapping:
+                    ids = pages.alloc_nowait(d.req.npages)
+                    if ids is None:
+                        continue
+                    slot = aux.alloc_nowait(1)
+                    if slot is None:
+                        pages.free(ids)
+                        continue
+                    d.pages, d.aux = ids, slot
+                    books.decode_inited.add(room)
+                    if not d.req.index % 2:
+                        books.handles.put(("decode", d.req, d.receiver))
+                    (d.receiver.init if room % 2 else d.receiver.send_metadata)(
+                        ids, int(slot[0])
+                    )
+            elif status is KVPoll.Success:
+                want = dst.expected(room, d.req.npages)
+                ok = bool((dst.kv[:, d.pages, :] == want).all()) and dst.aux_ok(
+                    int(d.aux[0]), room
+                )
+                books.verified += ok
+                books.corrupt += not ok
+                books.decode_outcome[room] = status
+                pages.free(d.pages)
+                aux.free(d.aux)
+                over.append(room)
+        for room in over:
+            del active[room]
+        for room in decode.pop_released():
+            d = active.pop(room)  # KeyError: a room twice, or one that holds nothing
+            assert d.pages is not None and d.aux is not None
+            assert d.receiver.poll() is KVPoll.Failed
+            books.decode_outcome[room] = KVPoll.Failed
+            books.decode_popped[room] += 1
+            pages.free(d.pages)
+            aux.free(d.aux)
+        time.sleep(STEP)
+
+
+def aborter(books: Books) -> None:
+    """The second thread: aborts the planned requests a little after their handle exists."""
+    due: list[tuple[float, int, Any]] = []
+    while not books.done.is_set() or due:
+        try:
+            side, req, handle = books.handles.get(timeout=0.002)
+            if req.abort == side:
+                heapq.heappush(due, (time.monotonic() + req.abort_after, req.index, handle))
+        except queue.Empty:
+            pass
+        while due and due[0][0] <= time.monotonic():
+            _, _index, handle = heapq.heappop(due)
+            books.abort_points[f"{type(handle).__name__} {handle.poll().name}"] += 1
+            handle.abort("aborted by the test's second thread")
+            books.aborted.add(handle.room)
+
+
+def slow_writes(index: int, _peer: str, _n: int) -> Fault | None:
+    """One write in four waits 10 ms before it writes: an abort often comes while a write
+    is under way, and a page handed back too early would then be written late."""
+    return Fault("delay_before", delay_s=0.01)
+
+
+def test_scheduler_threads_move_200_requests(engine_name: str) -> None:
+    """The acceptance test: a prefill and a decode scheduler on plain threads move 200
+    requests through trio_pd.sync while a third thread aborts 30% of them; one write in four
+    is slowed down. Every Success is byte-compared; no page is corrupt or leaked or written
+    late; every prefill room, and
+    every decode room that failed holding pages, comes out of pop_released() exactly once."""
+    reqs = plan(seed=15)
+    books = Books()
+    src = host_pool(num_pages=512, aux_slots=64)
+    dst = host_pool(num_pages=512, aux_slots=64)
+    src_pages, src_aux = PageAllocator(page_rows(src), SOURCE_POISON), PageAllocator(
+        src.aux, SOURCE_POISON
+    )
+    dst_pages, dst_aux = PageAllocator(page_rows(dst), DEST_POISON), PageAllocator(
+        dst.aux, DEST_POISON
+    )
+    started = time.monotonic()
+    with (
+        make_engine(engine_name) as pe, make_engine(engine_name) as de,
+        sync.TrioThread("test-prefill-side") as prefill_side,
+        sync.open_bootstrap_server(thread=prefill_side) as boot,
+        sync.open_prefill(
+            engine=FaultEngine(pe, slow_writes), pool=src.spec, bootstrap_url=boot.url,
+            kv_heads=2, thread=prefill_side,
+        ) as prefill,
+        sync.open_decode(engine=de, pool=dst.spec) as decode,
+    ):
+        deadline = time.monotonic() + 60
+        threads = [
+            threading.Thread(target=guarded(
+                books, prefill_scheduler, prefill, src, reqs, books, src_pages, src_aux,
+                deadline,
+            )),
+            threading.Thread(target=guarded(
+                books, decode_scheduler, decode, dst, boot.url, reqs, books, dst_pages,
+                dst_aux, deadline,
+            )),
+        ]
+        second = threading.Thread(target=guarded(books, aborter, books))
+        for t in [*threads, second]:
+            t.start()
+        for t in threads:
+            t.join(70)
+        books.done.set()
+        second.join(10)
+        assert not books.errors, books.errors
+        assert not any(t.is_alive() for t in [*threads, second])
+        p, d = prefill.statistics(), decode.statistics()
+        assert p.rooms_active == d.rooms_active == 0
+        assert p.leases_live == p.leases_quarantined == 0
+        assert d.pages_held == 0
+        moved = time.monotonic() - started
+    assert prefill.pop_released() == [] and decode.pop_released() == []  # nothing twice
+
+    rooms = {r.room for r in reqs}
+    aborted_plan = {r.room for r in reqs if r.abort}
+    assert books.aborted == aborted_plan and len(aborted_plan) == N_REQUESTS * ABORT_RATE
+    assert books.corrupt == 0
+    # every prefill room came back exactly once; on decode, exactly the failed ones holding
+    # pages did, once each
+    assert books.prefill_popped == collections.Counter(rooms)
+    assert set(books.decode_outcome) == rooms and set(books.prefill_outcome) == rooms
+    failed_holding = {
+        r for r in books.decode_inited if books.decode_outcome[r] is KVPoll.Failed
+    }
+    assert books.decode_popped == collections.Counter(failed_holding)
+    succeeded = {r for r, s in books.decode_outcome.items() if s is KVPoll.Success}
+    assert books.verified == len(succeeded)
+    # only aborts fail rooms, and most aborts landed before the room ended
+    failed = {r for r, s in books.decode_outcome.items() if s is KVPoll.Failed}
+    failed |= {r for r, s in books.prefill_outcome.items() if s is KVPoll.Failed}
+    assert failed <= aborted_plan
+    assert len(failed) >= len(aborted_plan) // 2
+    assert len(succeeded) >= N_REQUESTS - len(aborted_plan)
+    # no leak, no late write: every page is back and its poison intact
+    for alloc in (src_pages, src_aux, dst_pages, dst_aux):
+        assert alloc.outstanding == 0
+        assert alloc.late_writes == 0 and alloc.late_in_free_rows() == 0
+    assert len(books.abort_points) >= 3  # aborts at several points of a room's life
+    print(f"{N_REQUESTS} requests, {len(failed)} failed by aborts, in {moved:.2f} s;",
+          dict(books.abort_points))
+
+
+# ------------------------------------------------------------------ thread rules
+
+
+def test_a_blocking_call_on_the_trio_thread_raises() -> None:
+    """Every method that waits for the trio thread refuses to run on it (it would wait for
+    itself); the non-blocking ones work there."""
+    with agents(decode_kw={"call_timeout": 2.0}, prefill_kw={"call_timeout": 2.0}) as a:
+        sender, receiver = one_room(a, 3, send=False)
+        calls: list[tuple[str, sync.TrioThread, Callable[[], object]]] = [
+            ("receiver", a.decode.thread, lambda: a.decode.receiver(4, bootstrap_url=a.boot.url)),
+            ("init", a.prefill.thread, lambda: a.prefill.sender(5).init(1, 0)),
+            ("statistics", a.prefill.thread, a.prefill.statistics),
+            ("decode close", a.decode.thread, a.decode.close),
+            ("thread call", a.decode.thread, lambda: a.decode.thread.call(lambda: None)),
+            ("thread close", a.prefill.thread, a.prefill.thread.close),
+        ]
+        for name, thread, call in calls:
+
+            def on_trio_thread(
+                thread: sync.TrioThread = thread, call: Callable[[], object] = call
+            ) -> str:
+                assert thread.in_trio_thread
+                try:
+                    call()
+                except RuntimeError as exc:
+                    return str(exc)
+                return "returned"
+
+            said = thread.call(on_trio_thread)
+            assert "would deadlock" in said, (name, said)
+
+        def non_blocking() -> tuple[KVPoll, KVPoll, list[int]]:
+            sender.send(np.arange(4), last=True)
+            return sender.poll(), receiver.poll(), a.decode.pop_released()
+
+        assert a.prefill.thread.call(non_blocking)[0] in (
+            KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success,
+        )
+        poll_until(lambda: receiver.poll() is KVPoll.Success)
+        assert a.decode.statistics().succeeded == 1  # the facade still works
+
+
+def test_poll_never_waits_for_the_trio_thread() -> None:
+    """With the trio thread stuck for 0.5 s, poll(), failure, abort(), send() and
+    pop_released() still return at once; a blocking call gives up at its bound, and the call
+    it gave up on never runs."""
+    with agents(decode_kw={"call_timeout": 0.1}) as a:
+        sender, receiver = one_room(a, 3, send=False)
+        a.decode.thread.post(time.sleep, 0.5)  # the decode trio thread is busy
+        a.prefill.thread.post(time.sleep, 0.5)
+        t = time.perf_counter()
+        for _ in range(1000):
+            receiver.poll()
+            sender.poll()
+            assert receiver.failure is None
+        receiver.failure_exception()
+        a.decode.pop_released()
+        a.prefill.pop_released()
+        sender.send(np.arange(2))
+        took = time.perf_counter() - t
+        assert took < 0.1, f"the non-blocking calls took {took:.3f} s"
+        with pytest.raises(TransferTimeout, match="was not done"):
+            a.decode.receiver(9, bootstrap_url=a.boot.url)
+        assert time.perf_counter() - t < 0.4  # (it gave up at its bound, not after the stall)
+        # the call that timed out never ran: room 9 is free on the decode rank
+        late = None
+        while late is None:
+            try:
+                late = a.decode.receiver(9, bootstrap_url=a.boot.url)
+            except TransferTimeout:
+                assert time.perf_counter() - t < BOUND
+        assert a.decode.statistics().rooms_active == 2
+        late.abort()
+        sender.send(np.arange(2, 4), last=True)
+        poll_until(lambda: receiver.poll() is KVPoll.Success)
+        assert (a.dst.kv[:, 4:8] == a.src.expected(3, 4)).all()
+
+
+def test_abort_from_another_thread_and_the_rules_of_send() -> None:
+    """send() checks its chunk on the caller's thread; an abort from another thread fails
+    the room on both sides, and each side's pages come back through pop_released() once."""
+    with agents() as a:
+        sender, receiver = one_room(a, 7, send=False)
+        for bad in (
+            lambda: sender.send([0, 0]),  # repeated
+            lambda: sender.send([a.src.spec.num_pages]),  # outside the pool
+            lambda: sender.send(np.arange(5), last=True),  # past num_pages
+            lambda: sender.send(np.arange(2), last=True),  # last, short of num_pages
+            lambda: sender.init(4, 1),  # twice
+            lambda: receiver.init(np.arange(2), 0),  # twice
+            lambda: a.prefill.sender(8).send([0]),  # before init
+            lambda: a.prefill.sender(8).init(1, a.src.spec.aux_slots),
+        ):
+            with pytest.raises(ProtocolError):
+                bad()
+        with pytest.raises(TransferError, match="still in use"):
+            a.prefill.sender(7).init(4, 1)
+        sender.send(np.arange(2))
+        other = threading.Thread(target=receiver.abort, args=("the client went away",))
+        other.start()
+        other.join()
+        poll_until(lambda: receiver.poll() is KVPoll.Failed and sender.poll() is KVPoll.Failed)
+        assert isinstance(receiver.failure, TransferAborted)
+        with pytest.raises(TransferAborted, match="the client went away"):
+            receiver.failure_exception()
+        popped: collections.Counter[str] = collections.Counter()
+
+        def both_back() -> bool:
+            popped.update(f"p{r}" for r in a.prefill.pop_released())
+            popped.update(f"d{r}" for r in a.decode.pop_released())
+            return len(popped) == 2
+
+        poll_until(both_back)
+        assert popped == {"p7": 1, "d7": 1}
+        sender.send(np.arange(2, 4), last=True)  # a chunk for a failed room is dropped
+        sender.abort()
+        receiver.abort()  # idempotent
+        time.sleep(0.05)
+        assert a.prefill.pop_released() == [] and a.decode.pop_released() == []
+        assert a.prefill.statistics().rooms_active == a.decode.statistics().rooms_active == 0
+
+
+def test_decode_pages_come_back_only_after_the_drain() -> None:
+    """An abort from another thread while prefill's write is in the engine: decode's room
+    fails at once, but its pages come out of pop_released() only after the write returned
+    and prefill acked (they hold the whole write by then)."""
+    fault: list[FaultEngine] = []
+
+    def wrap(engine: Any) -> FaultEngine:
+        fault.append(FaultEngine(engine, lambda i, peer, n: Fault("stall")))
+        return fault[0]
+
+    with agents(wrap=wrap) as a:
+        try:
+            _sender, receiver = one_room(a, 13)
+            assert fault[0].stalls.wait_stalled(1, timeout=BOUND)
+            other = threading.Thread(target=receiver.abort)
+            other.start()
+            other.join()
+            poll_until(lambda: receiver.poll() is KVPoll.Failed)
+            deadline = time.monotonic() + 0.3  # watch: nothing may come back meanwhile
+            while time.monotonic() < deadline:
+                assert a.decode.pop_released() == [] and a.prefill.pop_released() == []
+                time.sleep(0.01)
+        finally:
+            fault[0].stalls.release_all()
+        poll_until(lambda: a.decode.pop_released() == [13])
+        assert (a.dst.kv[:, 4:8] == a.src.expected(13, 4)).all()  # the write had finished
+        poll_until(lambda: a.prefill.pop_released() == [13])
+        assert a.decode.statistics().acks_received == 1
+
+
+def test_abort_before_init_fails_both_sides_at_once() -> None:
+    """A sender aborted before init is Failed; the init that follows tells decode (its
+    receiver fails now, not at the bootstrap deadline), and the room comes back once."""
+    with agents() as a:
+        sender = a.prefill.sender(11, epoch=5)
+        sender.abort("dropped before prefill ran")
+        poll_until(lambda: sender.poll() is KVPoll.Failed)
+        sender.init(2, 0)
+        receiver = a.decode.receiver(11, bootstrap_url=a.boot.url, epoch=5)
+        poll_until(lambda: receiver.poll() is not KVPoll.Bootstrapping)
+        receiver.init([0, 1], 0)
+        poll_until(lambda: receiver.poll() is KVPoll.Failed, bound=5)
+        got: list[int] = []
+        poll_until(lambda: bool(got.extend(a.prefill.pop_released()) or got))
+        assert got == [11]
+        poll_until(lambda: a.decode.pop_released() == [11])
+        assert "dropped before prefill ran" in str(sender.failure)
+
+
+# ------------------------------------------------------------------ closing
+
+
+def test_close_fails_open_rooms_and_stops_the_thread() -> None:
+    """Closing a facade fails its open rooms, hands back what the close released (through
+    the last pop_released()), and stops its own trio thread; a closed facade refuses new
+    rooms, and its handles keep their final status."""
+    with agents() as a:
+        sender, receiver = one_room(a, 21, send=False)
+        sender.send(np.arange(2))  # half of the room
+        t = time.perf_counter()
+        a.prefill.close()
+        assert time.perf_counter() - t < 5
+        assert not a.prefill.thread.alive
+        assert sender.poll() is KVPoll.Failed
+        assert isinstance(sender.failure, TransferAborted) and "clos" in str(sender.failure)
+        assert a.prefill.pop_released() == [21]  # every call returned: the pages are free
+        assert a.prefill.statistics().rooms_active == 0  # (the final statistics)
+        with pytest.raises(RuntimeError, match="closed"):
+            a.prefill.sender(22).init(1, 0)
+        sender.send(np.arange(2, 4), last=True)  # raises nothing, does nothing
+        sender.abort()
+        # prefill's goodbye (a Failed STATUS and an ack) fails and releases decode's room
+        poll_until(lambda: receiver.poll() is KVPoll.Failed)
+        poll_until(lambda: a.decode.pop_released() == [21])
+        a.decode.close()
+        a.decode.close()  # idempotent
+        assert not a.decode.thread.alive
+        with pytest.raises(RuntimeError, match="closed"):
+            a.decode.receiver(23, bootstrap_url=a.boot.url)
+        assert a.prefill.pop_released() == [] and a.decode.pop_released() == []
+
+
+def test_decode_close_keeps_pages_a_write_may_still_reach() -> None:
+    """A decode facade closing while prefill's write is stuck in the engine: the close
+    waits at most DecodeConfig.close_timeout, the room fails, and its pages are *not*
+    handed back (pop_released never returns it). Prefill's pages come back once the write
+    returns."""
+    fault: list[FaultEngine] = []
+
+    def wrap(engine: Any) -> FaultEngine:
+        fault.append(FaultEngine(engine, lambda i, peer, n: Fault("stall")))
+        return fault[0]
+
+    with agents(wrap=wrap, decode_kw={"config": DecodeConfig(close_timeout=0.5)}) as a:
+        try:
+            _sender, receiver = one_room(a, 31)
+            assert fault[0].stalls.wait_stalled(1, timeout=BOUND)
+            t = time.perf_counter()
+            a.decode.close()
+            took = time.perf_counter() - t
+            assert 0.5 <= took < 5, took
+            assert receiver.poll() is KVPoll.Failed
+            assert a.decode.pop_released() == []
+            assert a.decode.statistics().rooms_unproven_at_close == 1
+            assert a.prefill.pop_released() == []  # still read by the stuck write
+        finally:
+            fault[0].stalls.release_all()
+        a.prefill.close()  # (waits for the write; it fails: decode's memory is deregistered)
+        assert a.prefill.pop_released() == [31]
+    assert a.decode.pop_released() == []
+
+
+def test_shared_thread_outlives_its_services() -> None:
+    """Three services on one trio thread: each closes on its own, the thread runs on until
+    it is closed."""
+    with agents(shared=True) as a:
+        assert a.prefill.thread is a.decode.thread
+        _sender, receiver = one_room(a, 41)
+        poll_until(lambda: receiver.poll() is KVPoll.Success)
+        poll_until(lambda: a.prefill.pop_released() == [41])
+        a.decode.close()
+        assert a.decode.statistics().rooms_active == 0  # (what it closed with: it has closed)
+        assert a.prefill.thread.alive
+        assert a.prefill.statistics().succeeded == 1
+    assert not a.prefill.thread.alive
+
+
+def test_a_failed_start_raises_and_leaves_no_thread() -> None:
+    before = {t.name for t in threading.enumerate()}
+    with make_engine("mooncake") as engine, sync.open_bootstrap_server() as boot:
+        pool = host_pool()
+        with pytest.raises(ConfigurationError):
+            sync.open_prefill(engine=engine, pool=pool.spec, bootstrap_url=boot.url, kv_heads=3)
+        assert {t.name for t in threading.enumerate()} - before == {"trio_pd-bootstrap"}
+
+
+def test_the_example_in_docs_threads_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/threads.md's complete example runs as it is and prints what the page shows."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "threads.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    shown = re.findall(r"^```\n(decode:.*?)^```", text, re.DOTALL | re.MULTILINE)
+    exec(compile(blocks[0], "docs/threads.md", "exec"), {"__name__": "docs_threads"})
+    assert capsys.readouterr().out == shown[0]

@@ -1,0 +1,1056 @@
+"""Host trio_pd from plain threads: the agents run on a trio thread of their own.
+
+A serving engine's scheduler is a loop on an ordinary thread (SGLang's and vLLM's are): each
+step it polls its requests without blocking, an abort may come from another thread, and it
+frees the pages of requests that are over on its own thread. This module gives such a loop
+the shapes it expects: :func:`open_prefill` / :func:`open_decode` /
+:func:`open_bootstrap_server` start the trio agent on a :class:`TrioThread` and return a
+facade whose handles (:class:`SyncSender`, :class:`SyncReceiver`) look like SGLang's
+``KVSender`` / ``KVReceiver``, and whose :meth:`~SyncPrefill.pop_released` says, once per
+step, which rooms' pages are free again. docs/threads.md says which thread may call what.
+
+There is one way into the trio thread, ``TrioToken.run_sync_soon``, used two ways:
+
+* a *post* hands a function over and returns at once (``send``, ``abort``, the receiver's
+  ``init``): what the function finds wrong fails the room, for ``poll()`` to report;
+* a *hop* hands a function over and waits until the trio thread has run it (creating a room,
+  ``statistics()``): its result or exception comes back. A hop never waits past its bound; on
+  the bound it tells "never ran" from "ran" exactly (:class:`_Hop`).
+
+The other way round needs no crossing: the trio thread *publishes* what the scheduler reads
+(a room's terminal status and failure, the rooms whose pages came back) into fields that
+other threads read with one reference load each.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from functools import partial
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import trio
+import trio.lowlevel
+
+from ._bootstrap import BootstrapServer
+from ._bootstrap import open_bootstrap_server as _open_bootstrap_server
+from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
+from ._decode import open_decode as _open_decode
+from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
+from ._memory import PoolSpec, validate_pages
+from ._prefill import PrefillAgent, PrefillSender
+from ._prefill import open_prefill as _open_prefill
+from ._state import KVPoll
+from ._stats import AgentStatistics
+from .engines import TransferEngine
+
+__all__ = [
+    "SyncBootstrapServer",
+    "SyncDecode",
+    "SyncPrefill",
+    "SyncReceiver",
+    "SyncSender",
+    "TrioThread",
+    "open_bootstrap_server",
+    "open_decode",
+    "open_prefill",
+]
+
+log = logging.getLogger("trio_pd.sync")
+
+T = TypeVar("T")
+A = TypeVar("A")
+AG = TypeVar("AG", PrefillAgent, DecodeAgent)
+
+_TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+#: how often a caller waiting on the trio thread checks that the thread is still alive
+_LIVENESS_SLICE = 0.25
+
+
+def _closed(what: str) -> RuntimeError:
+    return RuntimeError(f"trio_pd.sync: {what} is closed")
+
+
+class _Hop(Generic[T]):
+    """One call another thread is waiting for: run once on the trio thread, or never.
+
+    ``state`` moves once, under ``guard``: PENDING -> RUNNING (the trio thread took it) or
+    PENDING -> SKIPPED (the caller gave up first; the call then never runs). ``done`` is
+    released once the call has run.
+    """
+
+    __slots__ = ("_args", "_done", "_error", "_fn", "_guard", "_state", "_value")
+
+    PENDING, RUNNING, SKIPPED = 0, 1, 2
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...]) -> None:
+        self._fn, self._args = fn, args
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._guard = threading.Lock()
+        self._state = self.PENDING
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        """On the trio thread (a ``run_sync_soon`` callback: it must not raise)."""
+        with self._guard:
+            if self._state == self.SKIPPED:
+                return
+            self._state = self.RUNNING
+        try:
+            self._value = self._fn(*self._args)
+        except BaseException as exc:  # handed to the waiting thread, raised there
+            self._error = exc
+        finally:
+            self._done.release()
+
+    def wait(self, timeout: float, alive: Callable[[], bool], what: str) -> T:
+        """On the calling thread: the call's result, or its exception raised here.
+        :class:`~trio_pd.TransferTimeout` if the trio thread has not taken it within
+        ``timeout`` seconds (it then never runs); RuntimeError if the thread ended first."""
+        deadline = time.monotonic() + timeout
+        while not self._done.acquire(
+            timeout=max(0.0, min(_LIVENESS_SLICE, deadline - time.monotonic()))
+        ):
+            late = time.monotonic() >= deadline
+            if late or not alive():
+                with self._guard:
+                    if self._state == self.PENDING:
+                        self._state = self.SKIPPED
+                        if late:
+                            raise TransferTimeout(
+                                f"trio_pd.sync: the trio thread did not take {what} within "
+                                f"{timeout:g} s; it was not done"
+                            )
+                        raise _closed("the trio thread")
+                self._done.acquire()  # it is running: a short synchronous call
+                break
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._value  # type: ignore[return-value]  # (set when no error)
+
+
+def _guarded(fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+    """Run a posted function. An exception out of a ``run_sync_soon`` callback would crash
+    the trio run itself, so it is logged; posted functions catch what they expect."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("trio_pd.sync: %r raised on the trio thread", fn)
+
+
+class TrioThread:
+    """A trio run on a thread of its own, and the ways other threads hand it work.
+
+    :func:`open_prefill`, :func:`open_decode` and :func:`open_bootstrap_server` start one for
+    the facade they return, unless given one to share (``thread=``): services on one thread
+    share one event loop (a prefill rank and its bootstrap service, say). Each service
+    closes on its own; :meth:`close` closes the thread, and with it (by cancellation, under
+    each service's own close rules) whatever still runs on it.
+
+    Made on any thread; blocks until the run has started, at most ``start_timeout`` seconds
+    (then :class:`~trio_pd.TransferTimeout`). The thread is a daemon thread, so a program
+    that forgets :meth:`close` can still exit.
+    """
+
+    def __init__(self, name: str = "trio_pd", *, start_timeout: float = 10.0) -> None:
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        #: where services run; set on the trio thread before ``_ready``; None once closing
+        self._nursery: trio.Nursery | None = None
+        self._stop: trio.Event | None = None
+        #: what ended ``trio.run`` with an error, if anything did
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ident = self._thread.ident
+        if not self._ready.wait(start_timeout) or self._token is None:
+            raise TransferTimeout(f"trio_pd.sync: trio thread {name!r} did not start")
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:
+            self.error = exc
+            log.exception("trio_pd.sync: the trio thread %s ended with an error", self.name)
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._stop = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._ready.set()
+            await self._stop.wait()
+            self._nursery = None
+            nursery.cancel_scope.cancel("trio_pd.sync: the trio thread is closing")
+
+    @property
+    def name(self) -> str:
+        """The thread's name. Any thread; never blocks."""
+        return self._thread.name
+
+    @property
+    def alive(self) -> bool:
+        """The trio run has not ended. Any thread; never blocks."""
+        return self._thread.is_alive()
+
+    @property
+    def in_trio_thread(self) -> bool:
+        """The calling thread is this trio thread. Any thread; never blocks."""
+        return threading.get_ident() == self._ident
+
+    def check_may_block(self, what: str) -> None:
+        """Raise RuntimeError if the calling thread is this trio thread: a call that waits
+        for the trio thread would wait for itself."""
+        if threading.get_ident() == self._ident:
+            raise RuntimeError(
+                f"trio_pd.sync: {what} waits for the trio thread and was called on it (from "
+                "a callback or a trio task?): it would deadlock. Call it from another thread; "
+                "on the trio thread use the trio API (the agent's own methods)"
+            )
+
+    def post(self, fn: Callable[..., object], *args: Any) -> bool:
+        """Hand ``fn(*args)`` to the trio thread and return at once: True if it will run
+        there (in the order posted, after every call posted before it), False if the trio run
+        is over. An exception ``fn`` raises is logged on the trio thread.
+
+        Any thread, the trio thread included; never blocks (a lock and a byte written to the
+        run's wake-up socket).
+        """
+        if self._token is None:
+            return False
+        try:
+            self._token.run_sync_soon(_guarded, fn, args)
+        except trio.RunFinishedError:
+            return False
+        return True
+
+    def call(self, fn: Callable[..., T], *args: Any, timeout: float = 10.0) -> T:
+        """Run the synchronous ``fn(*args)`` on the trio thread and return its result, or
+        raise its exception here. ``fn`` must not block (it runs on the event loop).
+
+        Any thread but this trio thread (RuntimeError there). Blocks until the trio thread
+        has run it: one hop (docs/threads.md says what one costs), longer while the loop is
+        busy; at most ``timeout`` seconds before the trio thread takes it, then
+        :class:`~trio_pd.TransferTimeout`, and ``fn`` never runs. RuntimeError if the
+        thread has ended.
+        """
+        self.check_may_block("TrioThread.call")
+        hop: _Hop[T] = _Hop(fn, args)
+        if self._token is None:
+            raise _closed("the trio thread")
+        try:
+            self._token.run_sync_soon(hop.run)
+        except trio.RunFinishedError:
+            raise _closed("the trio thread") from None
+        return hop.wait(timeout, self._thread.is_alive, getattr(fn, "__name__", repr(fn)))
+
+    def start_service(
+        self,
+        service: Callable[..., Awaitable[object]],
+        *,
+        what: str,
+        timeout: float,
+    ) -> Any:
+        """Start ``service(task_status=...)`` as a task of the trio thread, like
+        ``nursery.start``, and return what it passes to ``task_status.started``.
+
+        Any thread but this trio thread. Blocks until the service has started or failed, for
+        at most ``timeout`` seconds (then the service is cancelled and
+        :class:`~trio_pd.TransferTimeout` raised). The service's own error is raised here.
+        RuntimeError if the thread is closing or closed.
+        """
+        self.check_may_block(f"starting {what}")
+        done = threading.Lock()
+        done.acquire()
+        box: list[tuple[bool, Any]] = []
+
+        async def starter(nursery: trio.Nursery) -> None:  # noqa: ASYNC910 - start() checkpoints
+            try:
+                with trio.fail_after(timeout):
+                    box.append((True, await nursery.start(service)))
+            except trio.TooSlowError:
+                error = TransferTimeout(f"trio_pd.sync: {what} did not start in {timeout:g} s")
+                box.append((False, error))
+            except Exception as exc:
+                box.append((False, exc))
+            finally:
+                done.release()
+
+        def spawn() -> None:
+            if self._nursery is None:
+                box.append((False, _closed("the trio thread")))
+                done.release()
+            else:
+                self._nursery.start_soon(starter, self._nursery)
+
+        if not self.post(spawn):
+            raise _closed("the trio thread")
+        while not done.acquire(timeout=_LIVENESS_SLICE):
+            if not self._thread.is_alive():
+                break
+        if not box:  # cancelled: the thread closed while the service started
+            raise _closed("the trio thread")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the trio run: every service still on it is cancelled, and closes under its
+        own rules (a decode agent waits for its drains, at most its ``close_timeout``).
+        Idempotent.
+
+        Any thread but this trio thread (RuntimeError there). Blocks until the thread has
+        ended, at most ``timeout`` seconds; then :class:`~trio_pd.TransferTimeout` (the
+        thread goes on, as a daemon, until its services have closed).
+        """
+        self.check_may_block("TrioThread.close")
+        stop = self._stop
+        if stop is not None:
+            self.post(stop.set)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TransferTimeout(
+                f"trio_pd.sync: the trio thread {self.name} did not end within {timeout:g} s"
+            )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _ours(error: BaseException, what: str) -> BaseException:
+    """The error to raise at the boundary for a service that failed to start: one of the
+    :class:`~trio_pd.TransferError` family, ``from`` the group that carried it."""
+    if isinstance(error, TransferError) or not isinstance(error, BaseExceptionGroup):
+        return error
+    sub = error.subgroup(TransferError)
+    if sub is not None:
+        leaf: BaseException = sub
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        return leaf
+    return TransferError(f"trio_pd.sync: {what} did not start: {error!r}")
+
+
+class _Host(Generic[A]):
+    """One trio_pd context manager (an ``open_*``) held open by a task of a TrioThread.
+
+    ``stop`` becomes set once (on the trio thread), when the facade closes; ``done`` (a
+    threading.Event) is set once the context manager has exited and ``on_stopped`` has run.
+    """
+
+    def __init__(
+        self,
+        thread: TrioThread,
+        what: str,
+        opener: Callable[[], AbstractAsyncContextManager[A]],
+        on_stopped: Callable[[BaseException | None], None],
+    ) -> None:
+        self.thread, self.what = thread, what
+        self._opener, self._on_stopped = opener, on_stopped
+        self.stop = trio.Event()
+        self.done = threading.Event()
+        #: trio thread only: the nursery of the facade's own small tasks (room watchers)
+        self.tasks: trio.Nursery | None = None
+        #: what ended the service after it started, if it was not closed
+        self.error: BaseException | None = None
+
+    def start(self, timeout: float) -> A:
+        try:
+            value: A = self.thread.start_service(self._serve, what=self.what, timeout=timeout)
+        except BaseException as exc:
+            error = _ours(exc, self.what)
+            if error is exc:
+                raise
+            raise error from exc
+        return value
+
+    async def _serve(  # noqa: ASYNC910 - a service task's end; every path is the opener's
+        self, *, task_status: trio.TaskStatus[A]
+    ) -> None:
+        started = False
+        try:
+            async with self._opener() as value:
+                try:
+                    async with trio.open_nursery() as tasks:
+                        self.tasks = tasks
+                        task_status.started(value)
+                        started = True
+                        await self.stop.wait()
+                        tasks.cancel_scope.cancel(f"{self.what} closing")
+                finally:
+                    self.tasks = None
+        except Exception as exc:
+            if not started:
+                raise
+            self.error = exc
+            log.error("trio_pd.sync: %s stopped: %r", self.what, exc)
+        finally:
+            if started:
+                try:
+                    self._on_stopped(self.error)
+                finally:
+                    self.done.set()
+
+    def close(self, bound: float) -> None:
+        """Any thread but the trio thread. Blocks until the service has closed, at most
+        ``bound`` seconds, then TransferTimeout."""
+        self.thread.check_may_block(f"closing {self.what}")
+        if not self.thread.post(self.stop.set):
+            return  # the trio run is over, and the service with it
+        if not self.done.wait(bound) and self.thread.alive:
+            raise TransferTimeout(
+                f"trio_pd.sync: {self.what} did not close within {bound:g} s; it goes on "
+                "closing on its trio thread"
+            )
+
+
+# ---------------------------------------------------------------------------------- rooms
+
+
+class _Handle:
+    """What a room's handle shares between the scheduler's threads and the trio thread.
+
+    Invariants: ``_final`` is written once, by the trio thread, as one tuple (status and
+    failure together); every other thread reads it with one load, so a terminal status is
+    never seen without its failure. ``_inner`` (the trio handle) is written once, by the trio
+    thread, before the hop that made it returns. ``_reported`` (trio thread only) becomes
+    True once, when the room is handed to ``pop_released``.
+    """
+
+    #: what poll() says before the trio handle reports anything further
+    _START = KVPoll.Bootstrapping
+
+    def __init__(self, facade: _Agent[Any], room: int) -> None:
+        self._facade = facade
+        self.room = room
+        self._final: tuple[KVPoll, TransferError | None] | None = None
+        self._inner: PrefillSender | DecodeReceiver | None = None
+        #: the furthest non-terminal status poll() has reported (poll never moves back)
+        self._floor = self._START
+        # trio thread only:
+        self._released = False
+        self._reported = False
+        self._given = False  # pages were handed to trio_pd (decode: by init)
+
+    def poll(self) -> KVPoll:
+        """The room's status: a :class:`~trio_pd.KVPoll`. Terminal ones (Success, Failed)
+        never change again; the others only move forward.
+
+        Any thread; never blocks and never waits for the trio thread: it reads what the trio
+        thread published (one load each). A terminal status shows once the trio thread has
+        published it with its failure, a loop iteration after the room ended.
+        """
+        final = self._final
+        if final is not None:
+            return final[0]
+        inner = self._inner
+        live = inner.poll() if inner is not None else self._floor
+        floor = self._floor
+        if live in _TERMINAL or live < floor:
+            return floor  # (terminal, not yet published with its failure)
+        self._floor = live
+        return live
+
+    @property
+    def failure(self) -> TransferError | None:
+        """Why the room failed: None unless :meth:`poll` is Failed. Any thread; never
+        blocks."""
+        final = self._final
+        return final[1] if final is not None else None
+
+    def failure_exception(self) -> None:
+        """Raise the room's failure (a :class:`~trio_pd.TransferError`) if :meth:`poll` is
+        Failed; else return None. SGLang's scheduler calls it to log why a request failed.
+
+        Any thread; never blocks.
+        """
+        error = self.failure
+        if error is not None:
+            raise error.with_traceback(None)
+
+    def abort(self, reason: str = "aborted by the scheduler") -> None:
+        """Abort the room, as the trio handle's ``abort``. Idempotent. A room that ended
+        first (Success) keeps its outcome.
+
+        Any thread, the trio thread included; never blocks: the abort is posted to the trio
+        thread, and :meth:`poll` shows Failed once it has run there. Raises nothing (after
+        the facade closed it does nothing: closing failed every open room).
+        """
+        self._facade._thread.post(self._facade._abort, self, reason)
+
+
+class SyncSender(_Handle):
+    """The prefill scheduler's handle for one room (≈ SGLang's ``KVSender``). Make it with
+    :meth:`SyncPrefill.sender`; then :meth:`init`, :meth:`send` the chunks, :meth:`poll`.
+
+    trio_pd takes chunks before decode's metadata has arrived (they wait for it, up to
+    ``PrefillConfig.bootstrap_timeout``), so a sender is WaitingForInput from the start: a
+    scheduler that waits for WaitingForInput before ``init`` (SGLang's bootstrap queue) goes
+    on at once. The source pages of the chunks sent belong to trio_pd until the room comes
+    out of :meth:`SyncPrefill.pop_released`.
+
+    One thread at a time calls :meth:`init` and :meth:`send` (the scheduler's);
+    :meth:`poll`, :meth:`abort` and the rest may come from any thread.
+    """
+
+    _START = KVPoll.WaitingForInput
+
+    def __init__(self, facade: SyncPrefill, room: int, epoch: int | None) -> None:
+        super().__init__(facade, room)
+        self._prefill = facade
+        self._epoch = epoch
+        self._lock = threading.Lock()  # the scheduler-side book below
+        self._num_pages: int | None = None
+        self._sent = 0
+        self._last = False
+        #: trio thread only: an abort that came before init (init then aborts at once)
+        self._abort_reason: str | None = None
+
+    def init(self, num_pages: int, aux_slot: int) -> None:
+        """Create the room on the prefill rank: ``num_pages`` source pages will come in
+        chunks, and aux row ``aux_slot`` with the last one.
+
+        The scheduler's thread, not the trio thread (RuntimeError there). Blocks for one
+        hop, at most the facade's ``call_timeout`` (then :class:`~trio_pd.TransferTimeout`,
+        and nothing was created). Raises :class:`~trio_pd.ProtocolError` for an aux slot
+        outside the pool or a second init, ValueError for a negative ``num_pages``,
+        :class:`~trio_pd.TransferError` while the room id is still in use on this rank (or
+        if the agent stopped on an error), RuntimeError once the facade is closed.
+        """
+        if not 0 <= aux_slot < self._prefill._pool.aux_slots:
+            raise ProtocolError(f"aux slot {aux_slot} outside [0, {self._prefill._pool.aux_slots})")
+        if num_pages < 0:
+            raise ValueError("num_pages must be >= 0")
+        with self._lock:
+            if self._num_pages is not None:
+                raise ProtocolError(f"room {self.room}: init called twice")
+            self._prefill._call(self._prefill._init, self, int(num_pages), int(aux_slot))
+            self._num_pages = int(num_pages)
+
+    def send(self, pages: npt.ArrayLike, *, last: bool = False) -> None:
+        """Hand the next chunk over: ``pages`` are source page ids, in request order; the
+        one with ``last=True`` ends at ``num_pages`` and carries the aux row. The ids are
+        copied: the array may be reused at once.
+
+        The scheduler's thread (the trio thread works too). Never blocks: the chunk is
+        posted to the trio thread. Raises :class:`~trio_pd.ProtocolError`, checked here, for
+        a send before :meth:`init`, page ids outside the pool or repeated, a chunk past
+        ``num_pages``, a last chunk that does not end there, or one after the last. A chunk
+        for a room that failed or was aborted meanwhile is dropped (its pages are not
+        trio_pd's); :meth:`poll` says Failed.
+        """
+        ids = np.array(pages, dtype=np.int64).reshape(-1)  # (a copy)
+        validate_pages(ids, self._prefill._pool.num_pages)
+        with self._lock:
+            if self._num_pages is None:
+                raise ProtocolError(f"room {self.room}: send before init")
+            if self._last:
+                raise ProtocolError(f"room {self.room}: a chunk after the last one")
+            end = self._sent + len(ids)
+            if end > self._num_pages or (last and end != self._num_pages):
+                raise ProtocolError(
+                    f"room {self.room}: chunk ends at page {end} of {self._num_pages}"
+                    + (" (the last chunk must end at num_pages)" if last else "")
+                )
+            self._sent, self._last = end, last
+            self._prefill._thread.post(self._prefill._send, self, ids, last)
+
+
+class SyncReceiver(_Handle):
+    """The decode scheduler's handle for one room (≈ SGLang's ``KVReceiver``). Make it with
+    :meth:`SyncDecode.receiver`; then :meth:`init` (alias :meth:`send_metadata`) once the
+    pages are allocated, and :meth:`poll`.
+
+    After Success the destination pages hold the KV and are the scheduler's. After a
+    failure they stay trio_pd's until the room comes out of :meth:`SyncDecode.pop_released`
+    (when no prefill rank can still write them). One thread at a time calls :meth:`init`.
+    """
+
+    def __init__(self, facade: SyncDecode, room: int) -> None:
+        super().__init__(facade, room)
+        self._decode = facade
+        self._init_lock = threading.Lock()
+        self._inited = False
+
+    @property
+    def epoch(self) -> int:
+        """The room's epoch (given to :meth:`SyncDecode.receiver`, or the one it drew)."""
+        inner = self._inner
+        assert isinstance(inner, DecodeReceiver)
+        return inner.epoch
+
+    def init(self, pages: npt.ArrayLike, aux_slot: int) -> None:
+        """Ask the prefill ranks for the room's KV into ``pages`` (destination page ids) and
+        aux row ``aux_slot``. From here the pages are trio_pd's until Success, or until the
+        room comes out of :meth:`SyncDecode.pop_released`. The ids are copied.
+
+        The scheduler's thread (the trio thread works too). Never blocks: posted to the
+        trio thread. Raises :class:`~trio_pd.ProtocolError`, checked here, for page ids
+        outside the pool or repeated, an aux slot outside it, or a second init. A room that
+        failed before its init runs gets its pages back at once (through pop_released), as
+        does one whose facade has closed.
+        """
+        ids = np.array(pages, dtype=np.int64).reshape(-1)
+        validate_pages(ids, self._decode._pool.num_pages)
+        if not 0 <= aux_slot < self._decode._pool.aux_slots:
+            raise ProtocolError(f"aux slot {aux_slot} outside [0, {self._decode._pool.aux_slots})")
+        with self._init_lock:
+            if self._inited:
+                raise ProtocolError(f"room {self.room}: init called twice")
+            self._inited = True
+        if not self._decode._thread.post(self._decode._init, self, ids, int(aux_slot)):
+            self._decode._released.append(self.room)  # never reached trio_pd: free already
+
+    send_metadata = init
+
+
+# ---------------------------------------------------------------------------------- agents
+
+
+class _Agent(Generic[AG]):
+    """What the prefill and decode facades share: the host, the trio thread, the book of
+    rooms and the queue of released ones."""
+
+    _what = "agent"
+    #: a room that succeeded is over for pop_released (decode: its pages are the caller's)
+    _success_frees_nothing = False
+
+    def __init__(
+        self,
+        thread: TrioThread,
+        owned: bool,
+        pool: PoolSpec,
+        opener: Callable[[], AbstractAsyncContextManager[AG]],
+        *,
+        start_timeout: float,
+        call_timeout: float,
+        close_bound: float,
+    ) -> None:
+        self._thread, self._owned, self._pool = thread, owned, pool
+        self._call_timeout, self._close_bound = call_timeout, close_bound
+        #: rooms whose pages are free again, oldest first; the trio thread appends, any
+        #: thread pops (deque appends and pops are atomic)
+        self._released: collections.deque[int] = collections.deque()
+        # trio thread only:
+        #: handles whose room trio_pd may still report on (an ordered set)
+        self._live: dict[_Handle, None] = {}
+        self._closing = False
+        self._final_stats: AgentStatistics | None = None
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._host: _Host[AG] = _Host(thread, self._what, opener, self._stopped)
+        #: the trio agent: for code on the trio thread only
+        self.agent: AG = self._host.start(start_timeout)
+
+    # -------------------------------------------------------------- from the scheduler
+
+    def pop_released(self) -> list[int]:
+        """The rooms whose pages are free again since the last call, each room exactly once
+        over the facade's life: the scheduler frees their pages on its own thread. Call it
+        once per scheduler step. (What "free" means per side: see the subclass.)
+
+        Any thread; never blocks. Works after :meth:`close` too: the last call returns what
+        the close released.
+        """
+        if not self._released:
+            return []
+        out: list[int] = []
+        popleft = self._released.popleft
+        try:
+            while True:
+                out.append(popleft())
+        except IndexError:
+            return out
+
+    def statistics(self) -> AgentStatistics:
+        """The agent's counters (:class:`~trio_pd.AgentStatistics`); once the agent has
+        closed (or stopped on an error), those it ended with.
+
+        Any thread but the trio thread (RuntimeError there). Blocks for one hop (at most
+        ``call_timeout``, then :class:`~trio_pd.TransferTimeout`); once closed, not at all.
+        """
+        if self._host.done.is_set():
+            assert self._final_stats is not None
+            return self._final_stats
+        return self._call(self._statistics)
+
+    def close(self) -> None:
+        """Close the agent under its trio rules, then the trio thread if this facade started
+        it. Rooms still open fail; what their release rules then allow comes out of the next
+        :meth:`pop_released`. Idempotent; also what leaving the ``with`` block does.
+
+        Any thread but the trio thread (RuntimeError there). Blocks until the agent has
+        closed: at most the ``close_timeout`` given to ``open_*`` (by default the agent's own
+        bound plus a margin), then :class:`~trio_pd.TransferTimeout` (the close goes on, on
+        the trio thread).
+        """
+        self._thread.check_may_block(f"{self._what} close")
+        with self._close_lock:
+            self._closed = True
+            self._host.close(self._close_bound)
+            if self._owned:
+                self._thread.close(self._close_bound)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def thread(self) -> TrioThread:
+        """The trio thread the agent runs on. Any thread; never blocks."""
+        return self._thread
+
+    # -------------------------------------------------------------- the way across
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._host.error is not None:
+            raise TransferError(f"the {self._what} stopped: {self._host.error!r}")
+        if self._closed or self._host.done.is_set():
+            raise _closed(f"the {self._what}")
+        return self._thread.call(fn, *args, timeout=self._call_timeout)
+
+    # -------------------------------------------------------------- on the trio thread
+
+    def _statistics(self) -> AgentStatistics:
+        return self.agent.statistics()
+
+    def _admit(self) -> None:
+        """Refuse new rooms once the facade is closing (a hop made before close ran first)."""
+        if self._closing or self._host.stop.is_set() or self._host.tasks is None:
+            raise _closed(f"the {self._what}")
+
+    def _track(self, h: _Handle) -> None:
+        self._live[h] = None
+        tasks = self._host.tasks
+        assert tasks is not None
+        tasks.start_soon(self._watch, h)
+
+    async def _watch(self, h: _Handle) -> None:
+        inner = h._inner
+        assert inner is not None
+        await inner.wait()
+        self._finish(h)
+
+    def _finish(self, h: _Handle) -> None:
+        """Publish the room's terminal status and failure, as one tuple."""
+        inner = h._inner
+        if h._final is None and inner is not None and inner.poll() in _TERMINAL:
+            h._final = (inner.poll(), inner.failure)
+        self._settle(h)
+
+    def _on_release(self, h: _Handle) -> None:
+        """The trio handle's ``on_release``: the room's pages are free again."""
+        h._released = True
+        self._finish(h)
+
+    def _settle(self, h: _Handle) -> None:
+        """Hand the room to pop_released once it is terminal (published) and released;
+        forget it once nothing more can be reported."""
+        if h._final is None or h._reported:
+            return
+        if h._released:
+            h._reported = True
+            self._released.append(h.room)
+            self._live.pop(h, None)
+        elif self._success_frees_nothing and (h._final[0] is KVPoll.Success or not h._given):
+            # decode: the pages are the caller's, or none were handed over yet (an init
+            # that comes later releases them through _on_release, which still reports)
+            self._live.pop(h, None)
+
+    def _abort(self, h: _Handle, reason: str) -> None:
+        inner = h._inner
+        if inner is not None:
+            inner.abort(reason)
+            self._finish(h)
+            return
+        assert isinstance(h, SyncSender)  # (a receiver's trio handle exists from the start)
+        h._abort_reason = reason
+        if h._final is None:
+            h._final = (KVPoll.Failed, TransferAborted(reason))
+
+    def _stopped(self, error: BaseException | None) -> None:
+        """The agent has closed (or stopped with ``error``): publish what every room still
+        tracked ended as, and keep the last statistics."""
+        self._closing = True
+        if error is None:
+            gone: TransferError = TransferAborted(f"{self._what} closed")
+        else:
+            gone = TransferError(f"{self._what} stopped: {error!r}")
+        for h in list(self._live):
+            inner = h._inner
+            if h._final is None:
+                if inner is not None and inner.poll() in _TERMINAL:
+                    h._final = (inner.poll(), inner.failure)
+                else:
+                    h._final = (KVPoll.Failed, gone)
+            self._settle(h)
+        self._final_stats = self._statistics()
+
+
+class SyncPrefill(_Agent[PrefillAgent]):
+    """A prefill rank for a thread-based scheduler. Make it with :func:`open_prefill`.
+
+    :meth:`pop_released` returns every room whose :meth:`SyncSender.init` ran, exactly once,
+    when its source pages may be reused (Success or failure: no engine call can still read
+    them).
+    """
+
+    _what = "prefill agent"
+
+    @property
+    def endpoint(self) -> str:
+        """The rank's control endpoint (ZeroMQ). Any thread; never blocks."""
+        return self.agent.endpoint
+
+    def sender(self, room: int, *, epoch: int | None = None) -> SyncSender:
+        """A handle for ``room``; nothing reaches the agent before :meth:`SyncSender.init`.
+        ``epoch`` as for :meth:`trio_pd.PrefillAgent.sender`: pass the router's epoch, the
+        one decode's receiver got, when you know it.
+
+        Any thread; never blocks; raises nothing.
+        """
+        return SyncSender(self, room, epoch)
+
+    def _init(self, h: SyncSender, num_pages: int, aux_slot: int) -> None:
+        self._admit()
+        inner = self.agent.sender(
+            h.room, num_pages=num_pages, aux_slot=aux_slot, epoch=h._epoch,
+            on_release=partial(self._on_release, h),
+        )
+        h._inner = inner
+        h._given = True
+        self._track(h)
+        if h._abort_reason is not None:
+            inner.abort(h._abort_reason)
+        self._finish(h)
+
+    def _send(self, h: SyncSender, pages: npt.NDArray[np.int64], last: bool) -> None:
+        inner = h._inner
+        assert isinstance(inner, PrefillSender)
+        try:
+            inner.send(pages, last=last)
+        except AdmissionClosed:
+            pass  # failed or aborted meanwhile: the chunk's pages never became trio_pd's
+        except TransferError as exc:  # (checked on the scheduler's side: not expected)
+            inner.abort(f"trio_pd.sync: a chunk was refused: {exc}")
+            self._finish(h)
+
+
+class SyncDecode(_Agent[DecodeAgent]):
+    """A decode rank for a thread-based scheduler. Make it with :func:`open_decode`.
+
+    :meth:`pop_released` returns a room given pages by :meth:`SyncReceiver.init` that
+    failed (or was aborted), exactly once, when no prefill rank can still write its pages.
+    A room that succeeded is not returned: its pages hold the KV and are the scheduler's
+    from Success on. A room still unproven when the agent closes is never returned
+    (``statistics().rooms_unproven_at_close``): a write may still land in its pages.
+    """
+
+    _what = "decode agent"
+    _success_frees_nothing = True
+
+    @property
+    def endpoint(self) -> str:
+        """The rank's control endpoint (ZeroMQ). Any thread; never blocks."""
+        return self.agent.endpoint
+
+    def receiver(
+        self, room: int, *, bootstrap_url: str, epoch: int | None = None
+    ) -> SyncReceiver:
+        """Create the handle for ``room``, served by the prefill instance at
+        ``bootstrap_url`` (as :meth:`trio_pd.DecodeAgent.receiver`).
+
+        Any thread but the trio thread (RuntimeError there). Blocks for one hop, at most
+        the facade's ``call_timeout`` (then :class:`~trio_pd.TransferTimeout`, and nothing
+        was created). Raises :class:`~trio_pd.TransferError` while the room id is still in
+        use on this rank (or if the agent stopped on an error), RuntimeError once the
+        facade is closed.
+        """
+        return self._call(self._receiver, room, bootstrap_url, epoch)
+
+    def _receiver(self, room: int, bootstrap_url: str, epoch: int | None) -> SyncReceiver:
+        self._admit()
+        h = SyncReceiver(self, room)
+        h._inner = self.agent.receiver(room, bootstrap_url=bootstrap_url, epoch=epoch)
+        self._track(h)
+        return h
+
+    def _init(self, h: SyncReceiver, pages: npt.NDArray[np.int64], aux_slot: int) -> None:
+        inner = h._inner
+        assert isinstance(inner, DecodeReceiver)
+        h._given = True
+        try:
+            inner.init(pages, aux_slot, on_release=partial(self._on_release, h))
+        except TransferError as exc:  # (checked on the scheduler's side: not expected)
+            inner.abort(f"trio_pd.sync: init was refused: {exc}")
+            if h._final is None:
+                h._final = (KVPoll.Failed, exc)
+            h._released = True  # the pages never became trio_pd's
+        self._finish(h)
+
+
+class SyncBootstrapServer:
+    """The bootstrap service on a trio thread. Make it with :func:`open_bootstrap_server`."""
+
+    def __init__(
+        self, thread: TrioThread, owned: bool, kwargs: dict[str, Any], start_timeout: float
+    ) -> None:
+        self._thread, self._owned = thread, owned
+        self._host: _Host[BootstrapServer] = _Host(
+            thread, "bootstrap server", partial(_open_bootstrap_server, **kwargs),
+            lambda error: None,
+        )
+        self.server: BootstrapServer = self._host.start(start_timeout)
+        #: the service's URL, for ``bootstrap_url=``
+        self.url: str = self.server.url
+
+    def close(self) -> None:
+        """Stop the service (well under a second), then the trio thread if this facade
+        started it. Idempotent. Any thread but the trio thread (RuntimeError there); blocks
+        at most 10 s, then :class:`~trio_pd.TransferTimeout`."""
+        self._host.close(10.0)
+        if self._owned:
+            self._thread.close(10.0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------- open_*
+
+
+def _thread_for(thread: TrioThread | None, name: str) -> tuple[TrioThread, bool]:
+    if thread is not None:
+        return thread, False
+    return TrioThread(name), True
+
+
+def _started(thread: TrioThread, owned: bool, make: Callable[[], T]) -> T:
+    """``make()``, closing the thread this call started if it fails."""
+    try:
+        return make()
+    except BaseException:
+        if owned:
+            thread.close()
+        raise
+
+
+def open_bootstrap_server(
+    *, thread: TrioThread | None = None, start_timeout: float = 30.0, **kwargs: Any
+) -> SyncBootstrapServer:
+    """Start :func:`trio_pd.open_bootstrap_server` (``kwargs`` are its arguments) on
+    ``thread``, or on a trio thread of its own that closing stops.
+
+    Any thread but a trio thread of ``thread`` (RuntimeError there). Blocks until the
+    service accepts connections, at most ``start_timeout`` seconds (then
+    :class:`~trio_pd.TransferTimeout`); raises what the service raises at start
+    (:class:`~trio_pd.BootstrapError`...).
+    """
+    thread, owned = _thread_for(thread, "trio_pd-bootstrap")
+    return _started(thread, owned, lambda: SyncBootstrapServer(thread, owned, kwargs,
+                                                               start_timeout))
+
+
+def open_prefill(
+    *,
+    engine: TransferEngine,
+    pool: PoolSpec,
+    bootstrap_url: str,
+    thread: TrioThread | None = None,
+    start_timeout: float = 60.0,
+    call_timeout: float = 10.0,
+    close_timeout: float | None = None,
+    **kwargs: Any,
+) -> SyncPrefill:
+    """Start :func:`trio_pd.open_prefill` (``engine``, ``pool``, ``bootstrap_url`` and
+    ``kwargs`` are its arguments) on ``thread``, or on a trio thread of its own that
+    :meth:`SyncPrefill.close` stops. The engine and the pool's memory stay the caller's:
+    close the engine after the facade.
+
+    ``call_timeout`` bounds each blocking call of the facade; ``close_timeout`` its close
+    (default: the engine's per-call deadline, which bounds the engine calls the close waits
+    for, plus 15 s).
+
+    Any thread but a trio thread of ``thread`` (RuntimeError there). Blocks until the agent
+    is registered with the bootstrap service, at most ``start_timeout`` seconds (then
+    :class:`~trio_pd.TransferTimeout`); raises what :func:`trio_pd.open_prefill` raises at
+    start (:class:`~trio_pd.ConfigurationError`, :class:`~trio_pd.BootstrapError`...).
+    """
+    if close_timeout is None:
+        close_timeout = float(getattr(engine, "write_deadline_s", 10.0)) + 15.0
+    bound = close_timeout
+
+    opener = partial(_open_prefill, engine=engine, pool=pool, bootstrap_url=bootstrap_url,
+                     **kwargs)
+    thread, owned = _thread_for(thread, "trio_pd-prefill")
+    return _started(thread, owned, lambda: SyncPrefill(
+        thread, owned, pool, opener, start_timeout=start_timeout, call_timeout=call_timeout,
+        close_bound=bound,
+    ))
+
+
+def open_decode(
+    *,
+    engine: TransferEngine,
+    pool: PoolSpec,
+    thread: TrioThread | None = None,
+    start_timeout: float = 60.0,
+    call_timeout: float = 10.0,
+    close_timeout: float | None = None,
+    **kwargs: Any,
+) -> SyncDecode:
+    """Start :func:`trio_pd.open_decode` (``engine``, ``pool`` and ``kwargs`` are its
+    arguments) on ``thread``, or on a trio thread of its own that :meth:`SyncDecode.close`
+    stops. The engine and the pool's memory stay the caller's: close the engine after the
+    facade (a room unproven at close may still be written: keep that memory alive).
+
+    ``call_timeout`` bounds each blocking call of the facade; ``close_timeout`` its close
+    (default: ``DecodeConfig.close_timeout``, how long the agent waits for the drains of
+    the rooms it fails, plus 15 s for the rest of its shutdown).
+
+    Any thread but a trio thread of ``thread`` (RuntimeError there). Blocks until the agent
+    serves, at most ``start_timeout`` seconds (then :class:`~trio_pd.TransferTimeout`);
+    raises what :func:`trio_pd.open_decode` raises at start.
+    """
+    if close_timeout is None:
+        config = kwargs.get("config") or DecodeConfig()
+        close_timeout = float(config.close_timeout) + 15.0
+    bound = close_timeout
+
+    opener = partial(_open_decode, engine=engine, pool=pool, **kwargs)
+    thread, owned = _thread_for(thread, "trio_pd-decode")
+    return _started(thread, owned, lambda: SyncDecode(
+        thread, owned, pool, opener, start_timeout=start_timeout, call_timeout=call_timeout,
+        close_bound=bound,
+    ))
