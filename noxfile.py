@@ -79,5 +79,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """The tutorials' code runs in the test suite; this checks the pages' snippets."""
-    session.run("pytest", "-q", "tests/test_docs.py", *session.posargs)
+    """The documentation: the pages' code snippets run (tests/test_docs.py), then the site
+    (mkdocs-material, with the API reference generated from the docstrings by mkdocstrings)
+    is built into build/site, strict: any warning fails the session."""
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs.py", *session.posargs)
+    session.run("mkdocs", "build", "--strict", "-q", env={"NO_MKDOCS_2_WARNING": "1"})

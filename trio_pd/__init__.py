@@ -1,5 +1,7 @@
 """trio_pd: KV-cache page transfer for prefill/decode-disaggregated LLM serving, on trio."""
 
+import importlib.metadata as _metadata
+
 from ._bootstrap import open_bootstrap_server as open_bootstrap_server
 from ._bootstrap import serve_bootstrap as serve_bootstrap
 from ._bootstrap_client import BootstrapClient as BootstrapClient
@@ -28,4 +30,7 @@ from ._prefill import open_prefill as open_prefill
 from ._state import KVPoll as KVPoll
 from ._stats import AgentStatistics as AgentStatistics
 
-__version__ = "0.1.0"
+try:  # one version source: pyproject.toml, through the installed package's metadata
+    __version__: str = _metadata.version("trio-pd")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import random
 import secrets
 import threading
@@ -64,13 +65,19 @@ from .testing.pools import HostKVPool
 
 Progress = Callable[[str], None]
 
+#: ratio (trio_pd / ceiling) targets, >=, by engine
+RATIO_TARGETS = {"mooncake": 0.95, "nixl": 0.85}
 TARGETS = {
-    "ratio": 0.9,  # >=
-    "overhead_us_p50": 150.0,  # <=
+    "loop_cpu_us_per_request": 500.0,  # <=
+    "overhead_us_p50": 300.0,  # <=
     "loop_lateness_ms_p99": 5.0,  # <=
     "abort_release_ms_p99": 10.0,  # <=
     "bytes_per_room_10k": 4096.0,  # <=
 }
+
+
+def _ratio_target(engine: str) -> float:
+    return RATIO_TARGETS.get(engine, 0.9)
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,9 @@ class BenchOptions:
     #: the prefill agent's ``coalesce_pages`` (its default): chunks a backlog joins into one
     #: engine call, up to this many pages
     coalesce_pages: int = PrefillConfig().coalesce_pages
+    #: the prefill agent's ``batch_blocks`` (its default): chunk writes of several rooms
+    #: queued for the same decode peer join one engine call, up to this many blocks
+    batch_blocks: int = PrefillConfig().batch_blocks
     seed: int = 0
     #: authentication on (CURVE control plane, a cluster token; docs/security.md)
     secure: bool = False
@@ -406,7 +416,8 @@ async def _open_pair(
     prefill = await stack.enter_async_context(open_prefill(
         engine=clock or pre_engine, pool=src.spec, bootstrap_url=server.url,
         kv_heads=src.spec.heads,
-        config=PrefillConfig(bootstrap_timeout=900.0, coalesce_pages=opts.coalesce_pages),
+        config=PrefillConfig(bootstrap_timeout=900.0, coalesce_pages=opts.coalesce_pages,
+                             batch_blocks=opts.batch_blocks),
         **auth,
     ))
     decode = await stack.enter_async_context(open_decode(
@@ -518,6 +529,7 @@ async def run_trio_pd(s: _Setup, ceiling: _Ceiling, progress: Progress) -> None:
         # the destination wiped before each (the ceiling writes the same pages)
         late: list[float] = []
         runs: list[float] = []
+        loop_cpu: list[float] = []  # CPU seconds of the event loop's thread, per run
         failures = corrupt = verified = 0
         for rep in range(opts.ceiling_repeats):
             await trio.to_thread.run_sync(ceiling.run_all)
@@ -526,7 +538,9 @@ async def run_trio_pd(s: _Setup, ceiling: _Ceiling, progress: Progress) -> None:
             s.dst.aux[...] = 0
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_lateness_probe, late)
+                cpu = time.thread_time()  # (this task runs on the loop's thread)
                 seconds, failed = await _load(big, reqs, opts)
+                loop_cpu.append(time.thread_time() - cpu)
                 nursery.cancel_scope.cancel()
             bad, checked = verify(s, reqs)
             runs.append(seconds)
@@ -540,6 +554,10 @@ async def run_trio_pd(s: _Setup, ceiling: _Ceiling, progress: Progress) -> None:
             trio_pd_gbps_runs=[round(nbytes / x / 1e9, 3) for x in runs],
             requests=len(s.load), failed=failures, corrupt_pages=corrupt,
             verified_bytes=verified, loop_lateness_ms=_p(late, 1e3), loop_samples=len(late),
+            # both agents' work on the one loop (and the lateness probe's 1 ms wake-ups), in
+            # the least busy run: what the loop pays per request, engines' threads excluded
+            loop_cpu_us_per_request=round(min(loop_cpu) / len(s.load) * 1e6, 1),
+            loop_cpu_us_per_mib=round(min(loop_cpu) / (nbytes / 2**20) * 1e6, 1),
         )
         s.results["ratio"] = round(s.results["trio_pd_gbps"] / s.results["ceiling_gbps"], 3)
         progress("trio_pd")
@@ -707,9 +725,12 @@ def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
         return None if v is None else v <= t
 
     ten_k = [x for x in r.get("scale", []) if x["rooms"] == 10_000]
+    ratio = _ratio_target(r["options"]["engine"])
     return {
-        "ratio>=0.9": r["ratio"] >= TARGETS["ratio"],
-        "overhead_p50<=150us": le(r["overhead_us"]["p50"], TARGETS["overhead_us_p50"]),
+        f"ratio>={ratio}": r["ratio"] >= ratio,
+        "loop_cpu<=500us/request": le(r.get("loop_cpu_us_per_request"),
+                                      TARGETS["loop_cpu_us_per_request"]),
+        "overhead_p50<=300us": le(r["overhead_us"]["p50"], TARGETS["overhead_us_p50"]),
         "loop_lateness_p99<=5ms": le(r["loop_lateness_ms"]["p99"],
                                      TARGETS["loop_lateness_ms_p99"]),
         "abort_release_p99<=10ms": le(r["abort_release_ms"]["p99"],
@@ -755,7 +776,10 @@ def table(r: dict[str, Any]) -> Any:
               f"{r['ceiling_gbps']:.3f} GB/s ({r['ceiling_mode']})", "", "")
     t.add_row("trio_pd (end to end, verified)",
               f"{r['trio_pd_gbps']:.3f} GB/s (best of {len(r['trio_pd_gbps_runs'])})", "", "")
-    t.add_row("ratio", f"{r['ratio']:.3f}", ">= 0.9", mark("ratio>=0.9"))
+    ratio = _ratio_target(o["engine"])
+    t.add_row("ratio", f"{r['ratio']:.3f}", f">= {ratio}", mark(f"ratio>={ratio}"))
+    t.add_row("event loop CPU per request", f"{r['loop_cpu_us_per_request']} µs "
+              f"({r['loop_cpu_us_per_mib']} µs/MiB)", "<= 500 µs", mark("loop_cpu<=500us/request"))
     t.add_row("engine call (1 page), back to back", pp(r["engine_call_us"], "µs"), "", "")
     t.add_row("engine call (1 page), 1 ms apart", pp(r["engine_call_isolated_us"], "µs"),
               "", "")
@@ -763,7 +787,7 @@ def table(r: dict[str, Any]) -> Any:
               "", "")
     t.add_row("trio_pd send→Success (1 page)", pp(r["trio_pd_chunk_us"], "µs"), "", "")
     t.add_row("overhead/chunk (minus its call)", pp(r["overhead_us"], "µs"),
-              "p50 <= 150 µs", mark("overhead_p50<=150us"))
+              "p50 <= 300 µs", mark("overhead_p50<=300us"))
     t.add_row("overhead/chunk (minus direct)",
               pp(r["overhead_vs_direct_us"], "µs"), "", "")
     t.add_row("loop lateness (1 ms task)", pp(r["loop_lateness_ms"], "ms"), "p99 <= 5 ms",
@@ -780,6 +804,26 @@ def table(r: dict[str, Any]) -> Any:
     t.add_row("verified", f"{r['verified_bytes'] / 1e6:.1f} MB, corrupt pages "
               f"{r['corrupt_pages']}", "", "")
     return t
+
+
+def plot_problem(path: str) -> str | None:
+    """Why :func:`plot` could not write ``path`` (checked before the run), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return (f"--plot needs matplotlib ({exc}); install the plot extra: "
+                f"pip install 'trio-pd[plot]'")
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        return f"--plot {path}: is a folder, not a file name"
+    if not os.path.isdir(folder):
+        return f"--plot {path}: the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"--plot {path}: the folder {folder} is not writable"
+    if os.path.exists(target) and not os.access(target, os.W_OK):
+        return f"--plot {path}: the file is not writable"
+    return None
 
 
 def plot(r: dict[str, Any], path: str) -> None:
@@ -815,4 +859,6 @@ def plot(r: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["BenchOptions", "phases", "plot", "problems", "run", "table", "verify"]
+__all__ = [
+    "BenchOptions", "phases", "plot", "plot_problem", "problems", "run", "table", "verify",
+]

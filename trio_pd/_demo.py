@@ -14,12 +14,14 @@ import math
 import os
 import random
 import secrets
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +48,7 @@ from .testing.pools import (
 
 ABORT_POINTS = ("before_bootstrap", "between_chunks", "mid_chunk", "after_last")
 Side = Literal["prefill", "decode"]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,94 @@ class DemoOptions:
     #: Off, the loopback demo runs open (and says so)
     secure: bool = False
 
+    def option_problem(self) -> str | None:
+        """What makes these options unusable, in the CLI's option names, or None.
+
+        Checked before anything starts: every count positive, the rates in [0, 1], the TP
+        sizes and heads paired by the same rules the agents apply
+        (:func:`trio_pd._topology.pairing_problem`), and the pools within this machine's
+        memory. MLA has one latent head, so ``kv_heads`` must be 1 with it (the demo's own
+        runners ignore ``kv_heads`` for MLA; the CLI passes 1 unless told otherwise).
+        """
+        for name in ("requests", "concurrency", "page_size", "layers", "kv_heads",
+                     "head_bytes", "min_tokens", "max_tokens", "chunk_pages", "prefill_tp",
+                     "decode_tp"):
+            value = getattr(self, name)
+            if value < 1:
+                return f"{_flag(name)} must be at least 1, got {value}"
+        for name in ("abort_rate", "fault_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                return f"{_flag(name)} must be between 0 and 1, got {value}"
+        if not (math.isfinite(self.fault_delay) and self.fault_delay >= 0):
+            return f"--fault-delay must be a number of seconds >= 0, got {self.fault_delay}"
+        if not (math.isfinite(self.request_bound) and self.request_bound > 0):
+            return f"request_bound must be a positive number of seconds, got {self.request_bound}"
+        if self.max_tokens < self.min_tokens:
+            return (f"--max-tokens ({self.max_tokens}) must be at least --min-tokens "
+                    f"({self.min_tokens})")
+        from .engines.fault import FAULT_KINDS
+
+        unknown = [k for k in self.fault_kinds if k not in FAULT_KINDS]
+        if unknown or not self.fault_kinds:
+            return (f"--fault-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; "
+                    f"choose from {','.join(FAULT_KINDS)}")
+        return self._topology_problem() or self._memory_problem()
+
+    def _topology_problem(self) -> str | None:
+        from ._bootstrap import MAX_TP_SIZE
+        from ._topology import pairing_problem, source_ranks
+
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) > MAX_TP_SIZE:
+                return f"{_flag(name)} must be at most {MAX_TP_SIZE}, got {getattr(self, name)}"
+        pair = f"--prefill-tp {self.prefill_tp} cannot pair with --decode-tp {self.decode_tp}"
+        try:
+            source_ranks(0, self.prefill_tp, self.decode_tp)  # the agents' TP pairing rule
+        except ValueError as exc:
+            return f"{pair}: {exc}"
+        if self.layout == "mla" and self.kv_heads != 1:
+            return (f"--layout mla: MLA has one latent head, so --kv-heads must be 1 (or left "
+                    f"out), got {self.kv_heads}")
+        # every pool as the demo builds it (head_range), then each decode rank paired with
+        # the prefill instance as the agents pair them
+        pools: dict[str, list[tuple[int, int]]] = {}
+        for name in ("prefill_tp", "decode_tp"):
+            tp = getattr(self, name)
+            try:
+                pools[name] = [_heads(self, rank, tp) for rank in range(tp)]
+            except ValueError as exc:
+                return f"--kv-heads {self.kv_heads} does not fit {_flag(name)} {tp}: {exc}"
+        for rank, (first, count) in enumerate(pools["decode_tp"]):
+            problem = pairing_problem(
+                layout=self.layout, page_size=self.page_size, head_bytes=self.head_bytes,
+                num_layers=self.layers, aux_item_len=0, kv_heads=self.kv_heads,
+                prefill_tp=self.prefill_tp, peer_layout=self.layout,
+                peer_page_size=self.page_size, peer_head_bytes=self.head_bytes,
+                peer_num_layers=self.layers, peer_aux_item_len=0, peer_rank=rank,
+                peer_tp=self.decode_tp, peer_heads=count, peer_first_head=first,
+            )
+            if problem is not None:
+                return f"{pair}: {problem}"
+        return None
+
+    def _memory_problem(self) -> str | None:
+        buffers = 2 * self.layers if self.layout == "mha" else self.layers
+        page = self.page_size * self.head_bytes
+        total = 0
+        for tp in (self.prefill_tp, self.decode_tp):
+            heads = sum(_heads(self, rank, tp)[1] for rank in range(tp))
+            total += buffers * self.pool_pages * page * heads
+        try:
+            have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+        if total > have:
+            return (f"the pools would need {total / 2**30:.1f} GiB of host memory, more than "
+                    f"this machine's {have / 2**30:.1f} GiB (pool pages per rank = "
+                    f"--concurrency x pages of --max-tokens x 2: lower either)")
+        return None
+
     @property
     def max_pages(self) -> int:
         return math.ceil(self.max_tokens / self.page_size)
@@ -88,6 +179,15 @@ class DemoOptions:
     @property
     def aux_slots(self) -> int:
         return self.concurrency * 4
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _heads(opts: DemoOptions, rank: int, tp: int) -> tuple[int, int]:
+    """``(first_head, count)`` of the pool of TP rank ``rank`` of ``tp``."""
+    return head_range(rank, tp, opts.kv_heads) if opts.layout == "mha" else (0, 1)
 
 
 @dataclass(frozen=True)
@@ -129,13 +229,13 @@ class RankResult:
     bytes: int = 0
     abort_release_ms: list[float] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
+    #: decode: ``(start, end)`` of each Successful request, ``time.monotonic()`` seconds
+    #: from ``receiver.init`` to its Success (one clock for every process of the host)
+    active: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _pool(opts: DemoOptions, rank: int, tp: int) -> HostKVPool:
-    if opts.layout == "mha":
-        first, heads = head_range(rank, tp, opts.kv_heads)
-    else:
-        first, heads = 0, 1
+    first, heads = _heads(opts, rank, tp)
     return HostKVPool(
         layout=opts.layout, num_pages=opts.pool_pages, num_layers=opts.layers,
         page_size=opts.page_size, head_bytes=opts.head_bytes, heads=heads, first_head=first,
@@ -186,8 +286,13 @@ async def run_prefill_rank(
     progress: Callable[[], None] = lambda: None,
     engines: list[TransferEngine] | None = None,
     token: str | None = None,
+    sink: list[RankResult] | None = None,
 ) -> RankResult:
+    """One prefill rank. ``sink`` gets the result object at once, so that a run that is
+    cancelled (Ctrl-C) still has what this rank counted so far."""
     result = RankResult("prefill", rank)
+    if sink is not None:
+        sink.append(result)
     pool = _pool(opts, rank, opts.prefill_tp)
     pages_alloc = PageAllocator(page_rows(pool), SOURCE_POISON)
     aux_alloc = PageAllocator(pool.aux, SOURCE_POISON)
@@ -271,8 +376,12 @@ async def run_decode_rank(
     progress: Callable[[], None] = lambda: None,
     engines: list[TransferEngine] | None = None,
     token: str | None = None,
+    sink: list[RankResult] | None = None,
 ) -> RankResult:
+    """One decode rank; ``sink`` as for :func:`run_prefill_rank`."""
     result = RankResult("decode", rank)
+    if sink is not None:
+        sink.append(result)
     pool = _pool(opts, rank, opts.decode_tp)
     pages_alloc = PageAllocator(page_rows(pool), DEST_POISON)
     aux_alloc = PageAllocator(pool.aux, DEST_POISON)
@@ -309,6 +418,7 @@ async def run_decode_rank(
                     point = req.abort[1] if req.abort and req.abort[0] == "decode" else None
                     if point == "before_bootstrap":
                         abort("demo: abort before bootstrap")
+                    started = time.monotonic()
                     receiver.init(pages, int(aux[0]), on_release=release)
                     if point in ("between_chunks", "mid_chunk", "after_last"):
                         await trio.sleep(rng.random() * 0.01)
@@ -320,6 +430,7 @@ async def run_decode_rank(
                         return
                     result.outcomes[req.index] = int(status)
                     if status is KVPoll.Success:
+                        result.active.append((started, time.monotonic()))
                         _verify(result, pool, pages, int(aux[0]), req)
                         pages_alloc.free(pages)  # the request's KV is ours again: done with it
                         aux_alloc.free(aux)
@@ -365,14 +476,33 @@ def _verify(
 # ---------------------------------------------------------------------- the whole demo
 
 
-def summarize(opts: DemoOptions, results: list[RankResult], seconds: float) -> dict[str, Any]:
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``[start, end]`` intervals."""
+    total = 0.0
+    end = -math.inf
+    for a, b in sorted((float(a), float(b)) for a, b in intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(
+    opts: DemoOptions, results: list[RankResult], seconds: float, *, interrupted: bool = False
+) -> dict[str, Any]:
+    """The run's summary. ``interrupted``: the run was stopped (Ctrl-C); requests some
+    decode rank has no outcome for count as ``unfinished`` instead of failed."""
     reqs = plan_requests(opts)
     decode = [r for r in results if r.role == "decode"]
-    succeeded = failed = aborted = 0
+    succeeded = failed = aborted = unfinished = 0
     for req in reqs:
-        ok = all(r.outcomes.get(req.index) == int(KVPoll.Success) for r in decode)
+        outcomes = [r.outcomes.get(req.index) for r in decode]
+        ok = bool(decode) and all(o == int(KVPoll.Success) for o in outcomes)
         if ok:
             succeeded += 1
+        elif interrupted and (not decode or None in outcomes):
+            unfinished += 1
         elif req.abort is not None:
             aborted += 1
         else:
@@ -382,14 +512,19 @@ def summarize(opts: DemoOptions, results: list[RankResult], seconds: float) -> d
 
     ms = sorted(m for r in decode for m in r.abort_release_ms)
     total_bytes = sum(r.bytes for r in decode)
+    in_flight = _union_seconds([iv for r in decode for iv in r.active])
     return {
         "requests": len(reqs),
         "succeeded": succeeded,
         "failed": failed,
         "aborted": aborted,
+        "unfinished": unfinished,
+        "interrupted": interrupted,
         "bytes": total_bytes,
         "seconds": round(seconds, 3),
         "gbps": round(total_bytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        "transfer_seconds": round(in_flight, 3),
+        "transfer_gbps": round(total_bytes / in_flight / 1e9, 3) if in_flight > 0 else 0.0,
         "corrupt_pages": sum(r.corrupt_pages for r in results),
         "source_uaf_pages": sum(r.source_uaf_pages for r in results),
         "late_writes": sum(r.late_writes for r in results),
@@ -416,36 +551,118 @@ def _pct(values: list[float], p: float) -> float:
     return float(np.percentile(np.asarray(values), p))
 
 
+async def _until(interrupt: trio.Event | None, body: Callable[[], Awaitable[object]]) -> None:
+    """Run ``body``; if ``interrupt`` is set before it returns, cancel it."""
+    async with trio.open_nursery() as nursery:
+        if interrupt is not None:
+
+            async def watch() -> None:
+                await interrupt.wait()
+                nursery.cancel_scope.cancel(reason="the demo was interrupted")
+
+            nursery.start_soon(watch)
+        await body()
+        nursery.cancel_scope.cancel(reason="the demo finished")
+
+
+async def run_sigint_aware(
+    run: Callable[[trio.Event], Awaitable[_T]], *, second_exits: bool = True
+) -> _T:
+    """``await run(interrupt)``, where ``interrupt`` is set by the first SIGINT (Ctrl-C)
+    instead of trio's ``KeyboardInterrupt``, so ``run`` can stop its work and still report.
+    With ``second_exits``, another SIGINT ends the process at once (exit status 130)."""
+    interrupt = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for _ in signals:
+                    if interrupt.is_set() and second_exits:
+                        print("trio-pd: interrupted again, exiting now", file=sys.stderr,
+                              flush=True)
+                        os._exit(130)
+                    interrupt.set()
+
+            nursery.start_soon(watch)
+            result = await run(interrupt)
+            nursery.cancel_scope.cancel(reason="the run finished")
+    return result
+
+
 async def run_in_process(
-    opts: DemoOptions, progress: Callable[[], None] = lambda: None
+    opts: DemoOptions,
+    progress: Callable[[], None] = lambda: None,
+    *,
+    interrupt: trio.Event | None = None,
 ) -> dict[str, Any]:
-    """Every rank as tasks of one trio run."""
+    """Every rank as tasks of one trio run. If ``interrupt`` is set, the ranks stop, decode
+    first (closing, it fails its rooms and gets their drain acks from the still-running
+    prefill ranks), then prefill, and the summary says what they had done (``interrupted``,
+    ``unfinished``)."""
     results: list[RankResult] = []
     engines: list[TransferEngine] = []
     token = secrets.token_urlsafe(24) if opts.secure else None
     start = time.perf_counter()
-    try:
+    prefill_scope, decode_scope = trio.CancelScope(), trio.CancelScope()
+    decode_done = trio.Event()
+
+    async def side(scope: trio.CancelScope, ranks: Sequence[Callable[[], Awaitable[object]]],
+                   done: trio.Event | None = None) -> None:
+        with scope:
+            async with trio.open_nursery() as nursery:
+                for rank in ranks:
+                    nursery.start_soon(rank)
+        if done is not None:
+            done.set()
+
+    async def ranks() -> None:
         async with (
             open_bootstrap_server(token=token, secure=True if opts.secure else None) as server,
             trio.open_nursery() as nursery,
         ):
+            nursery.start_soon(side, prefill_scope, [
+                partial(run_prefill_rank, opts, p, server.url, lambda: None, engines,
+                        token=token, sink=results)
+                for p in range(opts.prefill_tp)
+            ])
+            nursery.start_soon(side, decode_scope, [
+                partial(run_decode_rank, opts, d, server.url,
+                        progress if d == 0 else lambda: None, engines, token=token,
+                        sink=results)
+                for d in range(opts.decode_tp)
+            ], decode_done)
 
-            async def run(fn: Any, rank: int, tick: Callable[[], None]) -> None:
-                results.append(await fn(opts, rank, server.url, tick, engines, token=token))
+    async def stop_in_order() -> None:
+        if interrupt is None:
+            await trio.sleep_forever()  # cancelled once the ranks are done
+            return
+        await interrupt.wait()
+        decode_scope.cancel(reason="the demo was interrupted")
+        with trio.move_on_after(INTERRUPT_GRACE_S):
+            await decode_done.wait()
+        prefill_scope.cancel(reason="the demo was interrupted")
 
-            for p in range(opts.prefill_tp):
-                nursery.start_soon(run, run_prefill_rank, p, lambda: None)
-            for d in range(opts.decode_tp):
-                nursery.start_soon(run, run_decode_rank, d, progress if d == 0 else lambda: None)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_in_order)
+            await ranks()
+            nursery.cancel_scope.cancel(reason="the demo finished")
         seconds = time.perf_counter() - start
     finally:
         for engine in engines:
             engine.close()
-    return summarize(opts, results, seconds)
+    return summarize(opts, results, seconds, interrupted=_is_set(interrupt))
 
 
-async def run_worker(role: str, rank: int, url: str, opts: DemoOptions) -> None:
-    """One rank in its own process (``--processes``): progress lines, then a JSON result."""
+def _is_set(interrupt: trio.Event | None) -> bool:
+    return interrupt is not None and interrupt.is_set()
+
+
+async def run_worker(
+    role: str, rank: int, url: str, opts: DemoOptions, *, interrupt: trio.Event | None = None
+) -> None:
+    """One rank in its own process (``--processes``): progress lines, then a JSON result
+    (also when ``interrupt`` stopped the rank early)."""
     done = 0
 
     def tick() -> None:
@@ -455,18 +672,35 @@ async def run_worker(role: str, rank: int, url: str, opts: DemoOptions) -> None:
 
     fn = run_prefill_rank if role == "prefill" else run_decode_rank
     engines: list[TransferEngine] = []
-    result = await fn(opts, rank, url, tick, engines)
-    print("result " + json.dumps(asdict(result)), flush=True)
-    for engine in engines:
-        engine.close()
+    results: list[RankResult] = []
+    # from here on an interrupt stops the rank and still gets its report (run_processes
+    # sends SIGINT only to ranks that said this; the others it kills)
+    print("started", flush=True)
+    try:
+        await _until(interrupt, partial(fn, opts, rank, url, tick, engines, sink=results))
+        print("result " + json.dumps(asdict(results[0])), flush=True)
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 async def run_processes(
-    opts: DemoOptions, progress: Callable[[], None] = lambda: None
+    opts: DemoOptions,
+    progress: Callable[[], None] = lambda: None,
+    *,
+    interrupt: trio.Event | None = None,
 ) -> dict[str, Any]:
-    """Bootstrap, every prefill rank and every decode rank as separate OS processes."""
+    """Bootstrap, every prefill rank and every decode rank as separate OS processes.
+
+    The child processes run in process groups of their own, so a terminal's Ctrl-C reaches
+    only this one. If ``interrupt`` is set, the rank processes that have started their run
+    are sent SIGINT, decode ranks first and prefill ranks once those ended (as in
+    :func:`run_in_process`): each stops and reports what it did. Ranks that have not ended
+    within :data:`INTERRUPT_GRACE_S` are killed, and so is, at once, a rank process still
+    starting up (it has done nothing to report)."""
     exe = [sys.executable, "-m", "trio_pd.cli"]
     results: list[RankResult] = []
+    procs: list[_RankProcess] = []
     start = time.perf_counter()
     # --secure: every process reads the token from TRIO_PD_TOKEN (kept out of argv)
     env = dict(os.environ)
@@ -474,7 +708,7 @@ async def run_processes(
     if opts.secure:
         env[TOKEN_ENV] = secrets.token_urlsafe(24)
     boot = await trio.lowlevel.open_process(
-        [*exe, "bootstrap", "--port", "0"], stdout=subprocess.PIPE, env=env
+        [*exe, "bootstrap", "--port", "0"], stdout=subprocess.PIPE, env=env, process_group=0
     )
     try:
         assert boot.stdout is not None
@@ -482,42 +716,100 @@ async def run_processes(
         workers = [("prefill", p) for p in range(opts.prefill_tp)] + [
             ("decode", d) for d in range(opts.decode_tp)
         ]
-        async with trio.open_nursery() as nursery:
-            for role, rank in workers:
-                nursery.start_soon(
-                    _worker_process, exe, role, rank, url, opts, results,
-                    progress if (role, rank) == ("decode", 0) else lambda: None, env,
-                )
+        async with trio.open_nursery() as outer:
+            with trio.CancelScope() as ranks:
+                if interrupt is not None:
+                    outer.start_soon(_forward_interrupt, interrupt, procs, ranks)
+                async with trio.open_nursery() as nursery:
+                    for role, rank in workers:
+                        nursery.start_soon(
+                            _worker_process, exe, role, rank, url, opts, results,
+                            progress if (role, rank) == ("decode", 0) else lambda: None, env,
+                            procs, interrupt,
+                        )
+            outer.cancel_scope.cancel(reason="every rank process ended")
     finally:
         boot.terminate()
         with trio.CancelScope(shield=True):
             await boot.wait()
-    if len(results) != len(workers):
+    if len(results) != len(workers) and not _is_set(interrupt):
         raise RuntimeError(f"{len(workers) - len(results)} rank processes gave no result")
-    return summarize(opts, results, time.perf_counter() - start)
+    return summarize(opts, results, time.perf_counter() - start,
+                     interrupted=_is_set(interrupt))
+
+
+#: seconds an interrupted run gives its decode ranks (in-process) or its rank processes
+#: (``--processes``) to stop and report; more than a decode agent's close_timeout (10 s)
+INTERRUPT_GRACE_S = 20.0
+
+
+@dataclass
+class _RankProcess:
+    role: str
+    proc: trio.Process
+    #: it printed "started": from then on SIGINT makes it stop and report
+    started: bool = False
+    ended: trio.Event = field(default_factory=trio.Event)
+
+
+async def _forward_interrupt(
+    interrupt: trio.Event, procs: list[_RankProcess], ranks: trio.CancelScope
+) -> None:
+    await interrupt.wait()
+    with trio.move_on_after(INTERRUPT_GRACE_S) as grace:
+        await trio.lowlevel.checkpoint()
+        for side in ("decode", "prefill"):
+            mine = [rp for rp in procs if rp.role == side]
+            for rp in mine:
+                if rp.proc.returncode is None:
+                    if rp.started:
+                        rp.proc.send_signal(signal.SIGINT)
+                    else:
+                        rp.proc.kill()
+            for rp in mine:
+                await rp.ended.wait()
+    if grace.cancelled_caught:
+        ranks.cancel(reason="rank processes did not report in time after the interrupt")
 
 
 async def _worker_process(
     exe: list[str], role: str, rank: int, url: str, opts: DemoOptions,
     results: list[RankResult], progress: Callable[[], None], env: dict[str, str],
+    procs: list[_RankProcess], interrupt: trio.Event | None,
 ) -> None:
     cmd = [*exe, "_worker", role, str(rank), url, json.dumps(asdict(opts))]
-    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, env=env)
-    assert proc.stdout is not None
-    buf = b""
-    async for data in proc.stdout:
-        buf += data
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            text = line.decode()
-            if text.startswith("progress"):
-                progress()
-            elif text.startswith("result "):
-                raw = json.loads(text[7:])
-                raw["outcomes"] = {int(k): v for k, v in raw["outcomes"].items()}
-                results.append(RankResult(**raw))
-    code = await proc.wait()
-    if code != 0:
+    await trio.lowlevel.checkpoint()
+    if _is_set(interrupt):
+        return
+    proc = await trio.lowlevel.open_process(
+        cmd, stdout=subprocess.PIPE, env=env, process_group=0
+    )
+    me = _RankProcess(role, proc)
+    procs.append(me)
+    try:
+        assert proc.stdout is not None
+        buf = b""
+        async for data in proc.stdout:
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                text = line.decode()
+                if text.startswith("progress"):
+                    progress()
+                elif text == "started":
+                    me.started = True
+                elif text.startswith("result "):
+                    raw = json.loads(text[7:])
+                    raw["outcomes"] = {int(k): v for k, v in raw["outcomes"].items()}
+                    results.append(RankResult(**raw))
+        code = await proc.wait()
+    finally:
+        if proc.returncode is None:  # cancelled: never leave a rank process behind
+            proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+        me.ended.set()
+    if code != 0 and not _is_set(interrupt):
         raise RuntimeError(f"{role} rank {rank} exited with {code}")
 
 
@@ -533,23 +825,46 @@ async def _read_line(stream: trio.abc.ReceiveStream) -> str:
 
 
 def check(opts: DemoOptions, summary: dict[str, Any]) -> list[str]:
-    """What makes a demo run a failure (the command exits 1)."""
+    """What makes a demo run a failure (the command exits 1). In an interrupted run,
+    requests failed by the interruption itself are not held against it."""
     problems = []
     for key in ("corrupt_pages", "late_writes", "leaked_pages", "hung", "released_by_timeout"):
         if summary.get(key):
             problems.append(f"{key} = {summary[key]}")
-    if summary["succeeded"] + summary["failed"] + summary["aborted"] != summary["requests"]:
+    counted = (summary["succeeded"] + summary["failed"] + summary["aborted"]
+               + summary.get("unfinished", 0))
+    if counted != summary["requests"]:
         problems.append("requests unaccounted for")
-    if summary["failed"] and opts.fault_rate == 0:
+    if summary["failed"] and opts.fault_rate == 0 and not summary.get("interrupted"):
         problems.append(f"failed = {summary['failed']} without injected faults")
     return problems
+
+
+#: glog's threshold: 0 info, 1 warnings, 2 errors, 3 fatal only
+_GLOG_LEVEL = "GLOG_minloglevel"
+
+
+def quiet_engine_logs(verbose: bool) -> None:
+    """Keep the engines' own log lines off stderr in CLI runs, unless asked for.
+
+    Mooncake logs through glog on stderr, and a healthy start already prints an error
+    ("Local segment descriptor not found") and warnings ("No RDMA devices found", ...)
+    that tear the progress bar. Without ``verbose`` glog is set to fatal messages only;
+    with it, to warnings and errors. A ``GLOG_minloglevel`` the user set wins either way
+    (``GLOG_minloglevel=0`` shows everything). The Mooncake adapter applies the variable
+    when it builds an engine, so this must run before the first engine exists; rank
+    processes inherit it. Engine failures still reach trio_pd as errors it counts.
+    """
+    os.environ.setdefault(_GLOG_LEVEL, "1" if verbose else "3")
 
 
 __all__ = [
     "DemoOptions",
     "check",
     "plan_requests",
+    "quiet_engine_logs",
     "run_in_process",
     "run_processes",
+    "run_sigint_aware",
     "run_worker",
 ]

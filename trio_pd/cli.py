@@ -5,63 +5,148 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn
 
 import trio
 
+from . import __version__
 
-def _demo_parser(sub: Any) -> None:
+#: the exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it
+INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (``trio-pd demo: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except for flags and options without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError("not a number: nan")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be 0..65535 (0: any free port), got {value}"
+        )
+    return value
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    return tuple(k for k in text.split(",") if k)
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options every command takes (also after the command's name)."""
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+        help="trio_pd's INFO logs, and the engines' own warnings and errors, on stderr",
+    )
+    return common
+
+
+def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from ._demo import DemoOptions
 
     d = DemoOptions()
-    p = sub.add_parser(
-        "demo",
+    p: argparse.ArgumentParser = sub.add_parser(
+        "demo", parents=[common], formatter_class=_Formatter,
         help="bootstrap + prefill + decode on loopback with a real engine; verifies every byte",
         description="Run N concurrent requests prefill -> decode over a real transfer engine on "
         "loopback, verify every Success byte for byte, and report. Exits 1 on any corrupt page, "
-        "late write, leaked page or hung request.",
+        "late write, leaked page or hung request, 130 when stopped by Ctrl-C (after printing "
+        "what it did so far), 2 for an unusable option.",
     )
-    p.add_argument("--requests", type=int, default=d.requests)
-    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--requests", type=int, default=d.requests, help="requests in all")
+    p.add_argument("--concurrency", type=int, default=d.concurrency,
+                   help="requests in flight per rank")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--layout", choices=("mha", "mla"), default=d.layout)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="total KV heads (MHA)")
+    p.add_argument("--layers", type=int, default=d.layers, help="model layers")
+    p.add_argument("--layout", choices=("mha", "mla"), default=d.layout,
+                   help="KV layout: K and V per head (mha) or one latent (mla)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help=f"total KV heads (default: {d.kv_heads} for mha; mla has one latent "
+                   "head, so 1)")
     p.add_argument("--head-bytes", type=int, default=d.head_bytes,
                    help="bytes of one head of one token (head_dim * dtype size)")
-    p.add_argument("--min-tokens", type=int, default=d.min_tokens)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--min-tokens", type=int, default=d.min_tokens,
+                   help="shortest prompt (tokens); lengths are drawn uniformly")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="longest prompt (tokens)")
     p.add_argument("--chunk-pages", type=int, default=d.chunk_pages,
                    help="pages per prefill chunk (chunked prefill)")
-    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp)
-    p.add_argument("--decode-tp", type=int, default=d.decode_tp)
-    p.add_argument("--engine", choices=("mooncake", "nixl"), default=d.engine)
-    p.add_argument("--abort-rate", type=float, default=d.abort_rate,
+    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="prefill TP size")
+    p.add_argument("--decode-tp", type=int, default=d.decode_tp,
+                   help="decode TP size; the larger TP size must be a multiple of the smaller")
+    p.add_argument("--engine", choices=("mooncake", "nixl"), default=d.engine,
+                   help="transfer engine")
+    p.add_argument("--abort-rate", type=_number, default=d.abort_rate,
                    help="fraction of requests aborted at a random point on a random side")
-    p.add_argument("--fault-rate", type=float, default=d.fault_rate,
+    p.add_argument("--fault-rate", type=_number, default=d.fault_rate,
                    help="fraction of prefill engine calls given a fault (see --fault-kinds)")
-    p.add_argument("--fault-kinds", type=lambda v: tuple(v.split(",")), default=d.fault_kinds,
-                   help="comma-separated: fail,partial,delay_before,delay_after")
-    p.add_argument("--fault-delay", type=float, default=d.fault_delay,
+    p.add_argument("--fault-kinds", type=_kinds, default=",".join(d.fault_kinds),
+                   help="comma-separated: fail,partial,delay_before,delay_after,stall")
+    p.add_argument("--fault-delay", type=_number, default=d.fault_delay,
                    help="seconds the delay faults wait")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the request plan, aborts and faults")
     p.add_argument("--processes", action="store_true",
                    help="bootstrap, each prefill rank and each decode rank in its own process")
     p.add_argument("--secure", action="store_true",
                    help="authentication on: CURVE on the control plane and a random cluster "
                         "token for the bootstrap service (docs/security.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    return p
 
 
 def _options(args: argparse.Namespace) -> Any:
     from ._demo import DemoOptions
 
     names = {f.name for f in fields(DemoOptions)}
-    return DemoOptions(**{k: v for k, v in vars(args).items() if k in names})
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if given.get("kv_heads") is None:
+        given["kv_heads"] = 1 if args.layout == "mla" else DemoOptions().kv_heads
+    return DemoOptions(**given)
 
 
 def _with_progress(total: int, quiet: bool, run: Callable[[Callable[[], None]], Any]) -> Any:
@@ -83,10 +168,13 @@ def _with_progress(total: int, quiet: bool, run: Callable[[Callable[[], None]], 
         return run(lambda: bar.advance(task))
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from ._demo import check, run_in_process, run_processes
+def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ._demo import check, run_in_process, run_processes, run_sigint_aware
 
     opts = _options(args)
+    problem = opts.option_problem()
+    if problem is not None:
+        parser.error(problem)
     runner = run_processes if args.processes else run_in_process
     if not args.json:
         print(
@@ -96,22 +184,33 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             "them on; docs/security.md)",
             flush=True,
         )
-    summary = _with_progress(opts.requests, args.json, lambda tick: trio.run(runner, opts, tick))
+
+    def run(tick: Callable[[], None]) -> Any:
+        # Ctrl-C stops the ranks; the summary of what they did still comes back
+        return trio.run(run_sigint_aware, lambda stop: runner(opts, tick, interrupt=stop))
+
+    summary = _with_progress(opts.requests, args.json, run)
     problems = check(opts, summary)
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summary), flush=True)
     else:
         _print_summary(summary, problems)
+    if summary.get("interrupted"):
+        return INTERRUPTED
     return 1 if problems else 0
 
 
 def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
+    outcome = f"  succeeded {s['succeeded']}   failed {s['failed']}   aborted {s['aborted']}"
+    if s.get("interrupted"):
+        outcome += f"   unfinished {s['unfinished']}"
     lines = [
         f"trio_pd demo: {s['requests']} requests, engine {s['engine']}, layout {s['layout']}, "
         f"prefill TP {s['prefill_tp']} -> decode TP {s['decode_tp']}",
-        f"  succeeded {s['succeeded']}   failed {s['failed']}   aborted {s['aborted']}",
-        f"  moved {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.2f} s "
-        f"({s['gbps']:.2f} GB/s verified)",
+        outcome,
+        f"  moved {s['bytes'] / 1e6:.1f} MB verified: {s['transfer_gbps']:.2f} GB/s over "
+        f"{s['transfer_seconds']:.2f} s with requests in flight (union of request intervals); "
+        f"{s['seconds']:.2f} s wall",
         f"  corrupt pages {s['corrupt_pages']}   late writes {s['late_writes']}   "
         f"leaked pages {s['leaked_pages']}   hung {s['hung']}",
         f"  engine errors {s['engine_errors']}   quarantined {s['quarantined']}   released after "
@@ -123,39 +222,48 @@ def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
             f"  decode abort -> pages released: p50 {s['abort_release_ms']['p50']:.2f} ms, "
             f"p99 {s['abort_release_ms']['p99']:.2f} ms"
         )
-    lines.append("  OK" if not problems else "  PROBLEMS: " + "; ".join(problems))
-    print("\n".join(lines))
+    if s.get("interrupted"):
+        lines.append(f"  interrupted (Ctrl-C): {s['unfinished']} requests unfinished"
+                     + ("; PROBLEMS: " + "; ".join(problems) if problems else ""))
+    else:
+        lines.append("  OK" if not problems else "  PROBLEMS: " + "; ".join(problems))
+    print("\n".join(lines), flush=True)
 
 
-def _bench_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "bench",
+def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench", parents=[common], formatter_class=_Formatter,
         help="trio_pd vs direct engine calls on the same blocks; overhead, latency, scale",
         description="Push the blocks trio_pd plans for a workload through the bare engine "
         "(the ceiling), then run the same workload through trio_pd end to end (verified), "
         "and measure per-chunk overhead, event-loop lateness, abort -> release latency and "
         "bookkeeping memory per room at 100 / 1,000 / 10,000 rooms.",
     )
-    p.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake")
+    p.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake",
+                   help="transfer engine")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds; for tests)")
-    p.add_argument("--coalesce-pages", type=int, default=None, metavar="N",
+    p.add_argument("--coalesce-pages", type=_at_least(1), default=None, metavar="N",
                    help="the prefill agent's coalesce_pages (default: its own; 1: one engine "
                    "call per chunk)")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG of the results (matplotlib)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="write a PNG of the results (needs matplotlib: the plot extra)")
     p.add_argument("--secure", action="store_true",
                    help="authentication on: CURVE control plane, cluster token")
+    return p
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import _bench
 
+    if args.plot:
+        problem = _bench.plot_problem(args.plot)
+        if problem is not None:
+            parser.error(problem)
     opts = _bench.BenchOptions.quick(args.engine) if args.quick else _bench.BenchOptions(
         engine=args.engine
     )
     if args.coalesce_pages is not None:
-        if args.coalesce_pages < 1:
-            raise SystemExit("trio-pd bench: --coalesce-pages must be at least 1")
         opts = replace(opts, coalesce_pages=args.coalesce_pages)
     if args.secure:
         opts = replace(opts, secure=True)
@@ -176,68 +284,149 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 bar.update(task, advance=1, description=next(done, "done"))
 
             result = _bench.run(opts, tick)
-    if args.plot:
-        _bench.plot(result, args.plot)
+    problems = _bench.problems(result)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
     else:
         from rich.console import Console
 
         Console().print(_bench.table(result))
-    problems = _bench.problems(result)
-    if problems and not args.json:
-        print("PROBLEMS: " + "; ".join(problems))
+        if problems:
+            print("PROBLEMS: " + "; ".join(problems), flush=True)
+    if args.plot:  # after the numbers are out: a plotting failure loses none of them
+        _bench.plot(result, args.plot)
     return 1 if problems else 0
 
 
-def _cmd_bootstrap(args: argparse.Namespace) -> int:
+def _bootstrap_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bootstrap", parents=[common], formatter_class=_Formatter,
+        help="run a bootstrap service; prints its URL",
+        description="Serve the bootstrap service until Ctrl-C (exit status 130) and print its "
+        "URL as the first line on stdout. The cluster token comes from TRIO_PD_TOKEN "
+        "(required off loopback; docs/security.md).",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8998, help="0: any free port")
+    p.add_argument("--metrics", action="store_true",
+                   help="serve the service's Prometheus metrics at GET <url>/metrics")
+    return p
+
+
+def _cmd_bootstrap(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from prometheus_client import CollectorRegistry
+
     from ._bootstrap import serve_bootstrap
+    from ._errors import BootstrapError, ConfigurationError
+
+    registry = CollectorRegistry() if args.metrics else None
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            server = await nursery.start(serve_bootstrap, args.host, args.port)
+            server = await nursery.start(
+                partial(serve_bootstrap, args.host, args.port, metrics_registry=registry)
+            )
             print(server.url, flush=True)
+            if registry is not None:
+                print(f"metrics: {server.url}/metrics", file=sys.stderr, flush=True)
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except BaseException as exc:
+        leaf = _only(exc, (ConfigurationError, BootstrapError))
+        if leaf is None:
+            raise
+        if isinstance(leaf, ConfigurationError):
+            parser.error(str(leaf))
+        print(f"{parser.prog}: {leaf}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _cmd_worker(args: argparse.Namespace) -> int:
-    from ._demo import DemoOptions, run_worker
-
-    raw = json.loads(args.options)
-    opts = DemoOptions(**raw)
-    trio.run(run_worker, args.role, args.rank, args.url, opts)
-    return 0
+def _only(exc: BaseException, types: tuple[type[BaseException], ...]) -> BaseException | None:
+    """``exc`` or, for an exception group, its one leaf, if it is one of ``types``."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, types) else None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trio-pd", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _demo_parser(sub)
-    _bench_parser(sub)
-    b = sub.add_parser("bootstrap", help="run a bootstrap service; prints its URL")
-    b.add_argument("--host", default="127.0.0.1")
-    b.add_argument("--port", type=int, default=8998)
-    w = sub.add_parser("_worker", help=argparse.SUPPRESS)
+def _cmd_worker(argv: Sequence[str]) -> int:
+    """The hidden ``_worker`` command: one rank of ``demo --processes``."""
+    from ._demo import DemoOptions, quiet_engine_logs, run_sigint_aware, run_worker
+
+    w = _Parser(prog="trio-pd _worker", description="internal: one rank of demo --processes")
     w.add_argument("role", choices=("prefill", "decode"))
     w.add_argument("rank", type=int)
     w.add_argument("url")
     w.add_argument("options")
-    args = parser.parse_args(argv)
-    # Mooncake logs every connection through glog on stderr; keep warnings and errors only
-    # unless asked (read when the engine library loads, so set before any engine exists).
-    if not args.verbose:
-        os.environ.setdefault("GLOG_minloglevel", "1")
+    args = w.parse_args(argv)
+    quiet_engine_logs(verbose=False)  # the parent's choice, inherited, wins
+    logging.basicConfig(level=logging.ERROR,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    opts = DemoOptions(**json.loads(args.options))
+    # a terminal's Ctrl-C reaches every rank process, and the parent forwards it too:
+    # the second SIGINT must not cut the rank's report short
+    trio.run(partial(
+        run_sigint_aware,
+        lambda stop: run_worker(args.role, args.rank, args.url, opts, interrupt=stop),
+        second_exits=False,
+    ))
+    return 0
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    common = _common()
+    parser = _Parser(
+        prog="trio-pd", formatter_class=_Formatter,
+        description="trio_pd's command line: the loopback demo, the benchmark against the bare "
+        "engine, and the bootstrap service. `trio-pd COMMAND --help` for each.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="trio_pd's INFO logs, and the engines' own warnings and errors, "
+                        "on stderr")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {
+        "demo": _demo_parser(sub, common),
+        "bench": _bench_parser(sub, common),
+        "bootstrap": _bootstrap_parser(sub, common),
+    }
+    return parser, commands
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``trio-pd ARGV``; returns the exit status (argparse exits 0 for ``--help`` and
+    ``--version`` and 2 for a usage error, through ``SystemExit``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_worker"]:  # internal, so not in the parser (nor in its usage text)
+        try:
+            return _cmd_worker(argv[1:])
+        except BaseException as exc:  # a SIGINT after the rank's report, while it exits
+            if _only(exc, (KeyboardInterrupt,)) is None:
+                raise
+            return INTERRUPTED
+    parser, commands = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's parser, so the line names the command
+        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    from ._demo import quiet_engine_logs
+
+    # set before any engine exists; rank processes inherit it
+    quiet_engine_logs(args.verbose)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
-        "demo": _cmd_demo, "bench": _cmd_bench, "bootstrap": _cmd_bootstrap, "_worker": _cmd_worker,
+    handlers: dict[str, Callable[[argparse.Namespace, argparse.ArgumentParser], int]] = {
+        "demo": _cmd_demo, "bench": _cmd_bench, "bootstrap": _cmd_bootstrap,
     }
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args, commands[args.command])
+    except BaseException as exc:
+        if _only(exc, (KeyboardInterrupt,)) is None:
+            raise
+        print(f"trio-pd {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import warnings
 from collections.abc import Awaitable, Callable, Iterator, MutableSequence, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,12 +63,14 @@ import trio
 import trio.testing
 
 __all__ = [
+    "CHECKED_TRIO",
     "Deadlock",
     "ExplorationResult",
     "Failure",
     "Livelock",
     "Schedule",
     "ScheduleMismatch",
+    "TrioVersionWarning",
     "assert_all_schedules",
     "explore",
     "hook_available",
@@ -78,8 +81,9 @@ Scenario = Callable[[], Awaitable[object]]
 
 # --- trio internals -------------------------------------------------------------------------
 # These are private names of trio._core._run. trio has exposed them (for its Hypothesis
-# plugin) for years, but they are not API: that is why trio_pd pins trio to the minor version
-# this was checked against (0.35), and why hook_available() exists and a canary test calls it.
+# plugin) for years, but they are not API: the explorer was checked against trio
+# CHECKED_TRIO, says so (_check_trio) when it runs on another minor version, and
+# hook_available() exists and a canary test calls it.
 #
 # With _ALLOW_DETERMINISTIC_SCHEDULING true, each pass of the run loop does
 #     batch = list(runner.runq); batch.sort(key=lambda t: t._counter); _r.shuffle(batch)
@@ -89,6 +93,8 @@ Scenario = Callable[[], Awaitable[object]]
 # MockClock). Our driver is a seeded random.Random, so every call other than shuffle() is
 # deterministic too.
 _RUN_MODULE = "trio._core._run"
+#: the trio minor version whose private scheduling hook the explorer was checked against
+CHECKED_TRIO = "0.35"
 _FLAG = "_ALLOW_DETERMINISTIC_SCHEDULING"
 _RANDOM = "_r"
 
@@ -169,6 +175,32 @@ def hook_available() -> bool:
         isinstance(flag, bool)
         and isinstance(rng, random.Random)
         and callable(getattr(rng, "shuffle", None))
+    )
+
+
+class TrioVersionWarning(RuntimeWarning):
+    """The explorer runs on a trio minor version other than :data:`CHECKED_TRIO`."""
+
+
+def _check_trio() -> None:
+    """Warn (:class:`TrioVersionWarning`) on a trio other than the one the explorer was
+    checked against, and raise ``RuntimeError`` if that trio lacks the hook altogether.
+    Called each time :func:`explore` or :func:`replay` starts, not at import."""
+    installed = trio.__version__
+    if ".".join(installed.split(".")[:2]) == CHECKED_TRIO:
+        return
+    if not hook_available():
+        raise RuntimeError(
+            f"trio_pd.testing's schedule explorer was checked against trio {CHECKED_TRIO}, and "
+            f"trio {installed} no longer has the private scheduling hook it uses "
+            f"({_RUN_MODULE}.{_FLAG}, {_RANDOM}): install trio=={CHECKED_TRIO}.*"
+        )
+    warnings.warn(
+        f"trio_pd.testing's schedule explorer was checked against trio {CHECKED_TRIO}, but "
+        f"trio {installed} is installed: it drives trio's private scheduling hook, which "
+        f"is still there, but its results are unverified on this version",
+        TrioVersionWarning,
+        stacklevel=3,
     )
 
 
@@ -331,6 +363,7 @@ def explore(
     """
     if max_schedules < 1:
         raise ValueError("max_schedules must be at least 1")
+    _check_trio()
     prefix: list[int] = []
     expected: list[int] = []
     failures: list[Failure] = []
@@ -365,6 +398,7 @@ def replay(scenario: Scenario, schedule: Schedule) -> None:
     schedule's choices do not fit the scenario's decisions. Must be called outside
     ``trio.run``.
     """
+    _check_trio()
     driver = _Driver(schedule.choices, None, first_only=schedule.first_only)
     error = _run_once(scenario, driver)
     mismatch = driver.mismatch
