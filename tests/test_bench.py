@@ -41,4 +41,10 @@ def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:
     assert [x["rooms"] for x in r["scale"]] == r["options"]["scale_rooms"]
     for x in r["scale"]:
         assert x["gbps"] > 0 and x["bytes_per_room"] > 0 and x["failed"] == 0
+    # the event loop's CPU per request, and the thread facade beside the trio API
+    assert r["loop_cpu_us_per_request"] > 0 and r["loop_cpu_us_per_mib"] > 0
+    assert 0 < r["facade_poll_us"]["p50"] < r["facade_hop_us"]["p50"]  # poll() never hops
+    assert r["facade_chunk_us"]["p50"] > 0
+    assert r["facade_chunk_vs_trio_us"] == round(
+        r["facade_chunk_us"]["p50"] - r["trio_pd_chunk_us"]["p50"], 1)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -701,6 +701,78 @@ def _stats(st: Any) -> dict[str, int]:
 # ---------------------------------------------------------------------------- the whole bench
 
 
+def _until(pred: Callable[[], bool], bound: float = 10.0) -> None:
+    """Poll ``pred`` every 50 µs (a scheduler's step) until true; RuntimeError after ``bound``."""
+    end = time.perf_counter() + bound
+    while not pred():
+        if time.perf_counter() > end:
+            raise RuntimeError("the facade phase waited too long")
+        time.sleep(50e-6)
+
+
+def _past(handle: Any, state: KVPoll) -> bool:
+    return bool(handle.poll() is not state)
+
+
+def _ended(handle: Any) -> bool:
+    return handle.poll() in (KVPoll.Success, KVPoll.Failed)
+
+
+def run_facade(s: _Setup, progress: Progress) -> None:
+    """The thread facade (:mod:`trio_pd.sync`) from this plain thread, beside the trio API:
+    one hop to the trio thread and back (``TrioThread.call``), a ``poll()``, and the same
+    1-page requests as the overhead phase, from ``send`` to the prefill's Success as the
+    scheduler thread sees it (polling every 50 µs)."""
+    from . import sync  # (not loaded by the trio phases)
+
+    opts = s.opts
+    hop_us: list[float] = []
+    poll_us: list[float] = []
+    request_us: list[float] = []
+    with (
+        make_engine(opts.engine) as pre_engine, make_engine(opts.engine) as dec_engine,
+        sync.open_bootstrap_server() as boot,
+        sync.open_prefill(engine=pre_engine, pool=s.small_src.spec, bootstrap_url=boot.url,
+                          kv_heads=s.small_src.spec.heads,
+                          config=PrefillConfig(bootstrap_timeout=900.0)) as prefill,
+        sync.open_decode(engine=dec_engine, pool=s.small_dst.spec) as decode,
+    ):
+        for _ in range(max(opts.overhead_samples, 50)):
+            t = time.perf_counter()
+            prefill.thread.call(int)  # a no-op there and back
+            hop_us.append((time.perf_counter() - t) * 1e6)
+        for i in range(opts.overhead_samples + 1):  # the first one: bootstrap, not timed
+            room = (1 << 44) + i
+            pages = np.array([i % 64], dtype=np.int64)
+            sender = prefill.sender(room, epoch=i)
+            sender.init(1, 0)
+            receiver = decode.receiver(room, bootstrap_url=boot.url, epoch=i)
+            _until(partial(_past, receiver, KVPoll.Bootstrapping))
+            receiver.init(pages, 0)
+            time.sleep(0.002)  # (decode's TRANSFER reaches prefill)
+            t = time.perf_counter()
+            sender.send(pages, last=True)
+            _until(partial(_ended, sender))
+            took = (time.perf_counter() - t) * 1e6
+            t = time.perf_counter()
+            status = sender.poll()
+            poll_us.append((time.perf_counter() - t) * 1e6)
+            _until(partial(_ended, receiver))
+            if status is not KVPoll.Success or receiver.poll() is not KVPoll.Success:
+                raise RuntimeError(f"facade request {i} failed")
+            if i:
+                request_us.append(took)
+            prefill.pop_released()
+            decode.pop_released()
+    chunk = _p(request_us, nd=1)
+    s.results.update(
+        facade_hop_us=_p(hop_us, nd=1), facade_poll_us=_p(poll_us, nd=2),
+        facade_chunk_us=chunk,
+        facade_chunk_vs_trio_us=round(chunk["p50"] - s.results["trio_pd_chunk_us"]["p50"], 1),
+    )
+    progress("facade")
+
+
 def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, Any]:
     """Every phase; returns the JSON-able summary."""
     s = _setup(opts)
@@ -709,6 +781,7 @@ def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, An
         trio.run(run_trio_pd, s, ceiling, progress)
     finally:
         ceiling.close()
+    run_facade(s, progress)
     r = s.results
     r["options"] = asdict(opts)
     r["verified"] = "every destination page and aux row of the load, after the timed region"
@@ -717,7 +790,8 @@ def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, An
 
 
 def phases(opts: BenchOptions) -> list[str]:
-    return ["ceiling", "trio_pd", "aborts", "overhead", *(f"scale {n}" for n in opts.scale_rooms)]
+    return ["ceiling", "trio_pd", "aborts", "overhead", *(f"scale {n}" for n in opts.scale_rooms),
+            "facade"]
 
 
 def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
@@ -801,6 +875,11 @@ def table(r: dict[str, Any]) -> Any:
         t.add_row(f"scale {x['rooms']} rooms",
                   f"{x['bytes_per_room']} B/room, {x['chunks_per_s']} chunks/s",
                   "<= 4096 B/room" if key else "", mark(key) if key else "")
+    t.add_row("thread facade: one hop", pp(r["facade_hop_us"], "µs"), "", "")
+    t.add_row("thread facade: poll()", pp(r["facade_poll_us"], "µs"), "", "")
+    t.add_row("thread facade: send→Success (1 page)",
+              f"{pp(r['facade_chunk_us'], 'µs')} ({r['facade_chunk_vs_trio_us']:+} µs "
+              "vs trio, p50)", "", "")
     t.add_row("verified", f"{r['verified_bytes'] / 1e6:.1f} MB, corrupt pages "
               f"{r['corrupt_pages']}", "", "")
     return t
