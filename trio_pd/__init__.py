@@ -22,7 +22,10 @@ from ._errors import RemoteFailure as RemoteFailure
 from ._errors import TransferAborted as TransferAborted
 from ._errors import TransferError as TransferError
 from ._errors import TransferTimeout as TransferTimeout
+from ._memory import MemoryKind as MemoryKind
 from ._memory import PoolSpec as PoolSpec
+from ._memory import buffer_region as buffer_region
+from ._memory import describe_pool as describe_pool
 from ._prefill import PrefillAgent as PrefillAgent
 from ._prefill import PrefillConfig as PrefillConfig
 from ._prefill import PrefillSender as PrefillSender

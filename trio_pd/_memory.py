@@ -1,23 +1,28 @@
-"""The memory model: registered regions, a rank's pool layout, the aux-row stamp, and the
-checks that page ids and planned writes stay inside what was registered (SPEC §3, I8).
+"""The memory model: where memory lives (:class:`MemoryKind`), registered regions, a rank's
+pool layout, the aux-row stamp, and the checks that page ids and planned writes stay inside
+what was registered (SPEC §3, I8).
 
-Pure: numpy and the standard library only (``ctypes`` for the aux stamp, which trio_pd writes
-and reads in place). Nothing here imports trio, zmq, an engine adapter or the trio layer;
-``engines/_base.py`` imports :class:`Region` from here, never the reverse.
+Pure: numpy and the standard library only (``ctypes`` for the aux stamp of a host row, which
+trio_pd writes and reads in place). A device row goes through :mod:`trio_pd._cuda`, imported
+only when a row or a buffer needs it. Nothing here imports trio, zmq, an engine adapter or the
+trio layer; ``engines/_base.py`` imports :class:`Region` from here, never the reverse.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import math
+import operator
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Final, Literal
+from dataclasses import InitVar, dataclass, fields
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import ProtocolError
+from ._errors import ConfigurationError, ProtocolError
 
 _U64 = np.uint64
 _U64_MAX: Final = int(np.iinfo(np.uint64).max)
@@ -31,19 +36,65 @@ BITMAP_PAGES = 1 << 26
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryKind:
+    """Where a range of memory lives: host memory, or the memory of one CUDA device. Build one
+    with :meth:`host` or :meth:`cuda`; ``str()`` gives ``"host"`` or ``"cuda:N"``."""
+
+    #: None for host memory; else the CUDA device ordinal, as this process numbers its devices
+    #: (after ``CUDA_VISIBLE_DEVICES``)
+    device: int | None = None
+
+    def __post_init__(self) -> None:
+        d = self.device
+        if d is not None and (type(d) is not int or d < 0):
+            raise ConfigurationError(f"a CUDA device ordinal is an int >= 0, not {d!r}")
+
+    @classmethod
+    def host(cls) -> MemoryKind:
+        return cls(None)
+
+    @classmethod
+    def cuda(cls, device: int = 0) -> MemoryKind:
+        return cls(device)
+
+    @property
+    def is_device(self) -> bool:
+        return self.device is not None
+
+    def __str__(self) -> str:
+        return "host" if self.device is None else f"cuda:{self.device}"
+
+
+HOST: Final = MemoryKind.host()
+
+
+@dataclass(frozen=True, slots=True)
 class Region:
-    """One registered memory range: [base, base + length)."""
+    """One registered memory range: [base, base + length), and where it lives.
+
+    ``kind`` None means "not stated": an engine registers such a region as it always has
+    (Mooncake finds the memory's location itself; NIXL uses the memory type it was built
+    with). :meth:`PoolSpec.regions` states it whenever the pool's kinds are known.
+    """
 
     base: int
     length: int
+    kind: MemoryKind | None = None
 
     @property
     def end(self) -> int:
         return self.base + self.length
 
 
+class _KindSlot:
+    """Storage for :class:`PoolSpec`'s memory kinds, outside its dataclass fields."""
+
+    __slots__ = ("_kinds",)
+    _kinds: tuple[MemoryKind, ...] | None
+
+
 @dataclass(frozen=True, slots=True)
-class PoolSpec:
+class PoolSpec(_KindSlot):
     """The layout of one rank's KV pool and aux buffer, as registered with its engine.
 
     Buffers: MHA has one K and one V buffer per layer, ordered K[0..L-1] then V[0..L-1];
@@ -53,6 +104,16 @@ class PoolSpec:
     byte offset ``t * heads * head_bytes + (h - first_head) * head_bytes`` for global head ``h``.
     MLA: ``heads == 1`` and ``first_head == 0`` (the latent row is replicated on every rank).
     The aux buffer holds ``aux_slots`` rows of ``aux_item_len`` bytes at ``aux_base``.
+
+    ``kinds`` says where each region of :meth:`regions` lives, in that order: one
+    :class:`MemoryKind` per KV buffer, then the aux buffer's (a pool may mix them: KV buffers
+    on a device, the aux buffer on the host or on the device). None (the default) leaves
+    them unstated: the regions go to the engine without a kind and the aux row is read and
+    written as host memory, as for every pool before kinds existed.
+    :func:`describe_pool` states them for the buffers it is given. Kinds are facts about this
+    process's memory, not part of the layout a peer is told: they are no dataclass field, so
+    the wire form (built field by field), ``==`` and ``repr`` are the layout's alone.
+    ``dataclasses.replace`` does not carry them over: pass ``kinds=spec.region_kinds`` again.
     """
 
     layout: Literal["mha", "mla"]
@@ -66,6 +127,38 @@ class PoolSpec:
     aux_base: int
     aux_item_len: int
     aux_slots: int
+    kinds: InitVar[Sequence[MemoryKind] | None] = None
+
+    def __post_init__(self, kinds: Sequence[MemoryKind] | None) -> None:
+        stated: tuple[MemoryKind, ...] | None = None
+        if kinds is not None:
+            stated = tuple(kinds)
+            if len(stated) != len(self.buffer_bases) + 1:
+                raise ConfigurationError(
+                    f"kinds: one per KV buffer ({len(self.buffer_bases)}) and one for the aux "
+                    f"buffer, got {len(stated)}"
+                )
+            if not all(isinstance(k, MemoryKind) for k in stated):
+                raise ConfigurationError(f"kinds must be MemoryKind values, got {stated!r}")
+        object.__setattr__(self, "_kinds", stated)
+
+    # frozen + slots: pickling and copying go through these, so the kinds travel too
+    def __getstate__(self) -> tuple[object, ...]:
+        return (*(getattr(self, f) for f in _SPEC_FIELDS), self._kinds)
+
+    def __setstate__(self, state: tuple[object, ...]) -> None:
+        for name, value in zip((*_SPEC_FIELDS, "_kinds"), state, strict=True):
+            object.__setattr__(self, name, value)
+
+    @property
+    def region_kinds(self) -> tuple[MemoryKind, ...] | None:
+        """The stated kind of each region of :meth:`regions` (KV buffers, then aux), or None."""
+        return self._kinds
+
+    @property
+    def aux_kind(self) -> MemoryKind | None:
+        """Where the aux buffer lives, if stated."""
+        return None if self._kinds is None else self._kinds[-1]
 
     @property
     def slot_bytes(self) -> int:
@@ -82,9 +175,212 @@ class PoolSpec:
         return len(self.buffer_bases)
 
     def regions(self) -> list[Region]:
-        """Every registered range: the KV buffers, then the aux buffer."""
-        kv = [Region(b, self.num_pages * self.item_len) for b in self.buffer_bases]
-        return [*kv, Region(self.aux_base, self.aux_slots * self.aux_item_len)]
+        """Every registered range: the KV buffers, then the aux buffer, each with its stated
+        kind (None when the pool's kinds are unstated)."""
+        kinds = self._kinds or (None,) * (len(self.buffer_bases) + 1)
+        length = self.num_pages * self.item_len
+        kv = [Region(b, length, kinds[i]) for i, b in enumerate(self.buffer_bases)]
+        return [*kv, Region(self.aux_base, self.aux_slots * self.aux_item_len, kinds[-1])]
+
+
+_SPEC_FIELDS: Final = tuple(f.name for f in fields(PoolSpec))
+
+
+# --------------------------------------------------------------------------------------------
+# Describing buffers the caller allocated
+# --------------------------------------------------------------------------------------------
+
+
+def buffer_region(buffer: object, kind: MemoryKind | None = None) -> Region:
+    """The :class:`Region` a caller's buffer occupies, and where it lives. ``buffer`` is:
+
+    * a :class:`Region` (its kind replaced by ``kind`` if that is given);
+    * ``(address, nbytes)``: a raw pointer and a size;
+    * an object with ``data_ptr()`` (a PyTorch-style tensor): its size from ``nbytes``, or
+      ``numel() * element_size()``; where it lives from ``device.type`` and ``device.index``
+      when it has them;
+    * an object with ``__cuda_array_interface__`` (CuPy, Numba, ...);
+    * an object with ``__array_interface__`` (a NumPy array: host memory).
+
+    No framework is imported: the object is only asked for these attributes. It must be
+    contiguous and not empty. Where nothing says where it lives (a raw pointer, a CUDA array
+    interface, which names no device) the pointer is classified with
+    ``cudaPointerGetAttributes`` (:func:`trio_pd._cuda.classify`); without cuda-python a raw
+    pointer counts as host memory, and a CUDA array interface is refused: pass ``kind``,
+    which overrides all of the above. Raises :class:`~trio_pd.ConfigurationError` for a buffer
+    it cannot describe.
+    """
+    if isinstance(buffer, Region):
+        return _region(buffer.base, buffer.length,
+                       kind or buffer.kind or _classify(buffer.base, buffer))
+    if isinstance(buffer, tuple):
+        try:
+            base, nbytes = (operator.index(v) for v in buffer)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"a raw buffer is (address, nbytes), two ints; got {buffer!r}"
+            ) from exc
+        return _region(base, nbytes, kind or _classify(base, buffer))
+    device = getattr(buffer, "device", None)
+    stated = _stated_kind(device)
+    data_ptr = getattr(buffer, "data_ptr", None)
+    if callable(data_ptr) and (stated is not None or kind is not None):
+        return _region(int(data_ptr()), _tensor_nbytes(buffer), kind or stated or HOST)
+    cai = getattr(buffer, "__cuda_array_interface__", None)
+    if isinstance(cai, dict):
+        base, nbytes = _interface_extent(cai, "__cuda_array_interface__")
+        return _region(base, nbytes, kind or _classify(base, buffer, required=True))
+    if callable(data_ptr):
+        base = int(data_ptr())
+        return _region(base, _tensor_nbytes(buffer), _classify(base, buffer))
+    ai = getattr(buffer, "__array_interface__", None)
+    if isinstance(ai, dict):
+        base, nbytes = _interface_extent(ai, "__array_interface__")
+        return _region(base, nbytes, kind or HOST)
+    raise ConfigurationError(
+        f"cannot describe a buffer of type {type(buffer).__name__}: give (address, nbytes), "
+        "a Region, or an object with data_ptr(), __cuda_array_interface__ or "
+        "__array_interface__"
+    )
+
+
+def _region(base: int, nbytes: int, kind: MemoryKind) -> Region:
+    if base <= 0 or nbytes <= 0:
+        raise ConfigurationError(f"a buffer needs an address and a size, got {base:#x}, {nbytes}")
+    return Region(base, nbytes, kind)
+
+
+def _stated_kind(device: object) -> MemoryKind | None:
+    """The kind a PyTorch-style ``device`` attribute states (``type`` "cuda" or "cpu")."""
+    kind = getattr(device, "type", None)
+    if kind == "cpu":
+        return HOST
+    index = getattr(device, "index", None)
+    if kind == "cuda" and type(index) is int:
+        return MemoryKind.cuda(index)
+    return None
+
+
+def _tensor_nbytes(buffer: Any) -> int:
+    is_contiguous = getattr(buffer, "is_contiguous", None)
+    if callable(is_contiguous) and not is_contiguous():
+        raise ConfigurationError("the buffer is not contiguous")
+    nbytes = getattr(buffer, "nbytes", None)
+    if nbytes is None:
+        nbytes = buffer.numel() * buffer.element_size()
+    return int(nbytes)
+
+
+def _interface_extent(iface: dict[str, Any], name: str) -> tuple[int, int]:
+    """Address and size of the memory an array interface describes; refuse strided ones."""
+    try:
+        base = int(iface["data"][0])
+        shape = tuple(int(n) for n in iface["shape"])
+        itemsize = np.dtype(iface["typestr"]).itemsize
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ConfigurationError(f"malformed {name}: {iface!r}") from exc
+    if iface.get("mask") is not None:
+        raise ConfigurationError(f"a masked {name} cannot be a pool buffer")
+    strides = iface.get("strides")
+    if strides is not None:
+        want, step = [], itemsize
+        for n in reversed(shape):
+            want.append(step)
+            step *= n
+        if any(n > 1 and s != w for n, s, w in zip(shape, strides, reversed(want), strict=True)):
+            raise ConfigurationError(f"the buffer is not contiguous ({name} strides {strides})")
+    return base, math.prod(shape) * itemsize
+
+
+def _classify(base: int, buffer: object, *, required: bool = False) -> MemoryKind:
+    from ._cuda import classify, runtime
+
+    if required and runtime() is None:
+        raise ConfigurationError(
+            f"a {type(buffer).__name__} with __cuda_array_interface__ names no device, and "
+            "without cuda-python trio_pd cannot ask CUDA which: pass kind=MemoryKind.cuda(N)"
+        )
+    return classify(base)
+
+
+def describe_pool(
+    *,
+    layout: Literal["mha", "mla"],
+    page_size: int,
+    num_layers: int,
+    head_bytes: int,
+    buffers: Sequence[object],
+    aux: object,
+    aux_item_len: int,
+    heads: int = 1,
+    first_head: int = 0,
+    num_pages: int | None = None,
+    aux_slots: int | None = None,
+    kv_kind: MemoryKind | None = None,
+    aux_kind: MemoryKind | None = None,
+) -> PoolSpec:
+    """The :class:`PoolSpec` of KV and aux buffers the caller allocated (a serving engine's
+    own cache), with every region's :class:`MemoryKind` stated.
+
+    ``buffers`` are the KV buffers in :class:`PoolSpec`'s order (MHA: K of every layer, then V
+    of every layer; MLA: one per layer) and ``aux`` the aux buffer, each anything
+    :func:`buffer_region` takes; ``kv_kind`` / ``aux_kind`` override where they are found to
+    live. ``num_pages`` defaults to the pages the smallest KV buffer holds, ``aux_slots`` to
+    the rows the aux buffer holds. Raises :class:`~trio_pd.ConfigurationError` when the
+    buffers cannot hold that layout: a wrong number of buffers, one too small for
+    ``num_pages`` pages, aux rows shorter than trio_pd's 16-byte stamp, or overlapping
+    buffers (two writes could land on one byte).
+    """
+    per_layer = 2 if layout == "mha" else 1
+    if layout not in ("mha", "mla"):
+        raise ConfigurationError(f"layout must be 'mha' or 'mla', not {layout!r}")
+    for name, value in (("page_size", page_size), ("num_layers", num_layers),
+                        ("head_bytes", head_bytes), ("heads", heads),
+                        ("aux_item_len", aux_item_len)):
+        if type(value) is not int or value < 1:
+            raise ConfigurationError(f"{name} must be a positive int, not {value!r}")
+    if layout == "mla" and (heads != 1 or first_head != 0):
+        raise ConfigurationError("an mla pool has heads=1 and first_head=0")
+    if len(buffers) != per_layer * num_layers:
+        raise ConfigurationError(
+            f"a {layout} pool of {num_layers} layers has {per_layer * num_layers} KV buffers, "
+            f"got {len(buffers)}"
+        )
+    if aux_item_len < AUX_STAMP.size:
+        raise ConfigurationError(
+            f"aux rows of {aux_item_len} bytes cannot hold trio_pd's {AUX_STAMP.size}-byte stamp"
+        )
+    kv = [buffer_region(b, kv_kind) for b in buffers]
+    aux_region = buffer_region(aux, aux_kind)
+    item_len = page_size * heads * head_bytes
+    pages = min(r.length for r in kv) // item_len if num_pages is None else num_pages
+    slots = aux_region.length // aux_item_len if aux_slots is None else aux_slots
+    if type(pages) is not int or pages < 1:
+        raise ConfigurationError(f"the KV buffers hold no whole page of {item_len} bytes")
+    if type(slots) is not int or slots < 1:
+        raise ConfigurationError(f"the aux buffer holds no whole row of {aux_item_len} bytes")
+    for i, r in enumerate(kv):
+        if r.length < pages * item_len:
+            raise ConfigurationError(
+                f"KV buffer {i} has {r.length} bytes, fewer than {pages} pages of {item_len}"
+            )
+    if aux_region.length < slots * aux_item_len:
+        raise ConfigurationError(
+            f"the aux buffer has {aux_region.length} bytes, fewer than {slots} rows of "
+            f"{aux_item_len}"
+        )
+    used = sorted([(r.base, r.base + pages * item_len) for r in kv]
+                  + [(aux_region.base, aux_region.base + slots * aux_item_len)])
+    for (_, end), (start, _) in itertools.pairwise(used):
+        if start < end:
+            raise ConfigurationError(f"pool buffers overlap at {start:#x}")
+    return PoolSpec(
+        layout=layout, page_size=page_size, num_pages=pages, num_layers=num_layers,
+        head_bytes=head_bytes, heads=heads, first_head=first_head,
+        buffer_bases=tuple(r.base for r in kv), aux_base=aux_region.base,
+        aux_item_len=aux_item_len, aux_slots=slots,
+        kinds=(*(r.kind or HOST for r in kv), aux_region.kind or HOST),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,13 +400,33 @@ def aux_row_address(pool: PoolSpec, slot: int) -> int:
 
 def stamp_aux_row(pool: PoolSpec, slot: int, room: int, epoch: int) -> None:
     """Write the :data:`AUX_STAMP` ``(room, epoch)`` into the first bytes of aux row ``slot``,
-    in place. The row must be memory this process owns (the prefill side's own pool)."""
-    ctypes.memmove(aux_row_address(pool, slot), AUX_STAMP.pack(room, epoch), AUX_STAMP.size)
+    in place. The row must be memory this process owns (the prefill side's own pool).
+
+    A host row is written with ``ctypes``; a row on a CUDA device (the pool's
+    :attr:`~PoolSpec.aux_kind`) with a device copy that has landed when this returns, so the
+    engine call that follows reads the stamp. Raises :class:`~trio_pd.EngineError` if the
+    copy fails."""
+    address, stamp = aux_row_address(pool, slot), AUX_STAMP.pack(room, epoch)
+    kind = pool.aux_kind
+    if kind is not None and kind.device is not None:
+        from ._cuda import write
+
+        write(address, stamp, kind.device)
+    else:
+        ctypes.memmove(address, stamp, AUX_STAMP.size)
 
 
 def read_aux_stamp(pool: PoolSpec, slot: int) -> tuple[int, int]:
-    """The ``(room, epoch)`` :data:`AUX_STAMP` at the start of aux row ``slot``, read in place."""
-    room, epoch = AUX_STAMP.unpack(ctypes.string_at(aux_row_address(pool, slot), AUX_STAMP.size))
+    """The ``(room, epoch)`` :data:`AUX_STAMP` at the start of aux row ``slot``, read in place
+    (from a CUDA device with a device copy when the pool's aux buffer lives there)."""
+    address, kind = aux_row_address(pool, slot), pool.aux_kind
+    if kind is not None and kind.device is not None:
+        from ._cuda import read
+
+        raw = read(address, AUX_STAMP.size, kind.device)
+    else:
+        raw = ctypes.string_at(address, AUX_STAMP.size)
+    room, epoch = AUX_STAMP.unpack(raw)
     return int(room), int(epoch)
 
 

@@ -15,6 +15,9 @@ What a call costs and how it fails (see ENGINES.md for the measurements):
   first *sleeps* through most of the time the batch is expected to take, from a running
   estimate of the link's rate, and lets the engine busy-poll only the rest.
 * Both are thread-safe.
+* :meth:`register` gives each region its location from its memory kind
+  (:func:`mooncake_location`: ``cuda:N`` for a GPU's memory); regions on a GPU need the
+  CUDA build of the wheel, and the adapter refuses them on the non-CUDA one.
 * A return code of -1 means **"outcome unknown"**: a batch with one bad block fails after the
   others were written; a batch cut short by a dead peer may have landed in part. The adapter
   raises :class:`~trio_pd.EngineError` and never retries.
@@ -32,6 +35,8 @@ What a call costs and how it fails (see ENGINES.md for the measurements):
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
 import threading
 import time
@@ -42,6 +47,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from .._errors import EngineError
+from .._memory import MemoryKind
 from .._wire import check_advertised_host
 from ._base import Addrs, Deferred, Lens, Pending, Region, check_lengths
 
@@ -141,6 +147,24 @@ def _queue_cap() -> int:
     except ValueError:
         cap = 2048
     return max(1, min(cap, 65535) * 3 // 4)
+
+
+def mooncake_location(kind: MemoryKind | None) -> str:
+    """The location a region of ``kind`` is registered with: ``"cuda:N"`` for memory of CUDA
+    device N; ``"*"`` for host memory and for a region whose kind is not stated, which has
+    Mooncake find the location itself (for host pages their NUMA node, ``"cpu:N"``: naming
+    ``"cpu:0"`` here would tie every host region to node 0's NICs)."""
+    if kind is None or kind.device is None:
+        return "*"
+    return f"cuda:{kind.device}"
+
+
+@functools.cache
+def _cuda_build() -> bool:
+    """Whether the installed ``mooncake`` module comes from the CUDA build of the wheel (both
+    builds install the same module name; the non-CUDA one is a distribution of its own)."""
+    owners = importlib.metadata.packages_distributions().get("mooncake", [])
+    return any(name.lower().replace("_", "-") == "mooncake-transfer-engine" for name in owners)
 
 
 class _PeerBudget:
@@ -309,18 +333,42 @@ class MooncakeEngine:
     # -- memory ------------------------------------------------------------------------------
 
     def register(self, regions: list[Region]) -> None:
-        """Register every region in one ``batch_register_memory`` call (it releases the GIL)."""
+        """Register the regions with their locations (:func:`mooncake_location`): one
+        ``batch_register_memory`` call (it releases the GIL) per location, in the order the
+        locations first appear. If a later call fails, what the earlier ones registered is
+        deregistered again: a failed ``register`` leaves none of ``regions`` registered.
+
+        A region on a CUDA device needs the CUDA build of the wheel
+        (``mooncake-transfer-engine``): the non-CUDA one would move a device pointer as host
+        memory and crash the process, so it refuses such a region with
+        :class:`~trio_pd.EngineError` before registering anything."""
         if not regions:
             return
+        groups: dict[str, list[Region]] = {}
+        for r in regions:
+            groups.setdefault(mooncake_location(r.kind), []).append(r)
+        device = [loc for loc in groups if loc != "*"]
+        if device and not _cuda_build():
+            raise EngineError(
+                f"mooncake: regions on {', '.join(device)} need the CUDA build of the wheel "
+                f"(pip install mooncake-transfer-engine); {_PIP_NAME} moves host memory only"
+            )
         with self._lock:
             engine = self._live_engine()
-            bases = [r.base for r in regions]
-            rc = engine.batch_register_memory(bases, [r.length for r in regions])
-            if rc != 0:
-                raise EngineError(
-                    f"mooncake batch_register_memory of {len(regions)} regions returned {rc}",
-                    code=rc,
-                )
+            done: list[int] = []
+            for location, group in groups.items():
+                bases = [r.base for r in group]
+                rc = engine.batch_register_memory(bases, [r.length for r in group], location)
+                if rc != 0:
+                    error = EngineError(
+                        f"mooncake batch_register_memory of {len(group)} regions at "
+                        f"{location!r} returned {rc}",
+                        code=rc,
+                    )
+                    if done and engine.batch_unregister_memory(done) != 0:
+                        error.add_note(f"and deregistering the {len(done)} regions before failed")
+                    raise error
+                done.extend(bases)
             for r in regions:
                 self._registered[r.base] = r.length
 

@@ -33,8 +33,17 @@ Limits:
 * NIXL has no liveness call: :meth:`probe` sends an empty notification and reports the
   connection lost only once UCX has noticed (a killed peer: milliseconds; a hung one: only
   when UCX's keepalive gives up). See :meth:`probe`.
-* Remote descriptors carry this engine's ``device_id``: for VRAM, both ranks must use the same
-  CUDA device ordinal (true for one GPU per process with ``CUDA_VISIBLE_DEVICES``).
+
+Memory kinds. NIXL names a memory type (DRAM, or VRAM with a CUDA device id) in every
+descriptor list, and one list holds one type. The adapter registers each region with its own
+type, from the region's :class:`~trio_pd._memory.MemoryKind` (a region of unstated kind takes
+the ``mem_type`` / ``device_id`` the engine was built with), so one agent can hold a pool whose
+KV buffers are on a GPU and whose aux buffer is in host memory. A write's remote descriptors
+must carry the types the *peer* registered, which NIXL's metadata does not hand back to Python:
+:meth:`NixlEngine.metadata` therefore starts with a short trio_pd header listing the registered
+regions and their kinds, and :meth:`NixlEngine.add_peer` reads it. A write whose blocks span
+several (local, remote) type pairs (KV pages from VRAM plus the aux row from DRAM) is posted as
+one NIXL request per pair and completes when all of them have.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
@@ -49,8 +59,10 @@ from types import TracebackType
 from typing import Any, Self
 
 import numpy as np
+import numpy.typing as npt
 
 from .._errors import EngineError
+from .._memory import HOST, MemoryKind
 from ._base import Addrs, Deferred, Lens, Pending, Region, check_lengths
 
 _PIP_NAME = "nixl-cu12"  # pip install --no-deps nixl-cu12 (its torch requirement is not needed)
@@ -66,6 +78,100 @@ DEFAULT_PROGRESS_DELAY_US = 1000
 DEFAULT_TRANSFER_TIMEOUT_S = 5.0
 
 _build_lock = threading.Lock()
+
+#: :meth:`NixlEngine.metadata` is this, the number of regions, one record per region, then
+#: NIXL's own agent metadata
+_META_MAGIC = b"trio-pd/nixl-kinds/1\n"
+_META_COUNT = struct.Struct("<I")
+#: base, length, CUDA device (-1: host memory)
+_META_REGION = struct.Struct("<QQq")
+_META_MAX_REGIONS = 1 << 16
+
+
+def _nixl_type(kind: MemoryKind) -> tuple[str, int]:
+    """NIXL's memory type and device id for memory of ``kind``."""
+    return ("DRAM", 0) if kind.device is None else ("VRAM", kind.device)
+
+
+def _pack_metadata(regions: list[Region], agent_metadata: bytes) -> bytes:
+    records = b"".join(
+        _META_REGION.pack(r.base, r.length, -1 if r.kind is None or r.kind.device is None
+                          else r.kind.device)
+        for r in regions
+    )
+    return _META_MAGIC + _META_COUNT.pack(len(regions)) + records + agent_metadata
+
+
+def _unpack_metadata(metadata: bytes) -> tuple[list[Region] | None, bytes]:
+    """The regions a peer's :meth:`NixlEngine.metadata` lists (None: bytes without trio_pd's
+    header, NIXL metadata alone) and its NIXL agent metadata. EngineError if malformed."""
+    if not metadata.startswith(_META_MAGIC):
+        return None, metadata
+    at = len(_META_MAGIC)
+    try:
+        (count,) = _META_COUNT.unpack_from(metadata, at)
+        if count > _META_MAX_REGIONS:
+            raise ValueError(f"{count} regions")
+        at += _META_COUNT.size
+        regions = []
+        for _ in range(count):
+            base, length, device = _META_REGION.unpack_from(metadata, at)
+            at += _META_REGION.size
+            regions.append(Region(base, length, HOST if device < 0 else MemoryKind.cuda(device)))
+    except (struct.error, ValueError) as exc:
+        raise EngineError(f"nixl: malformed trio_pd metadata header: {exc}") from exc
+    return regions, metadata[at:]
+
+
+class _KindMap:
+    """The memory kind of every region one agent registered, to tell each block's kind by its
+    first byte. ``single`` is the kind of every block when all regions share one (no lookup)."""
+
+    __slots__ = ("bases", "codes", "default", "ends", "kinds", "single")
+
+    def __init__(self, regions: list[Region], default: MemoryKind) -> None:
+        ordered = sorted(regions, key=lambda r: r.base)
+        kinds = sorted({r.kind or default for r in ordered}, key=str)
+        self.single: MemoryKind | None = kinds[0] if len(kinds) == 1 else None
+        if not ordered:
+            self.single = default
+        if default not in kinds:
+            kinds.append(default)
+        self.kinds: list[MemoryKind] = kinds
+        self.default = kinds.index(default)
+        self.bases = np.array([r.base for r in ordered], dtype=np.uint64)
+        self.ends = np.array([r.end for r in ordered], dtype=np.uint64)
+        self.codes = np.array([kinds.index(r.kind or default) for r in ordered], dtype=np.intp)
+
+    def codes_of(self, addrs: Addrs) -> npt.NDArray[np.intp]:
+        """Index into :attr:`kinds` of each address's region (:attr:`default` outside all)."""
+        pos = np.searchsorted(self.bases, addrs, side="right").astype(np.intp) - 1
+        safe = np.maximum(pos, 0)
+        inside = (pos >= 0) & (addrs < self.ends[safe]) if len(self.bases) else pos >= 0
+        return np.where(inside, self.codes[safe] if len(self.bases) else 0, self.default)
+
+
+class _Requests:
+    """The requests of one write whose blocks span several memory-type pairs (one per pair):
+    :meth:`wait` waits for every one (each exactly once) and raises the first error, with the
+    others as notes."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[_Request]) -> None:
+        self.parts = parts
+
+    def wait(self) -> None:
+        errors: list[BaseException] = []
+        for part in self.parts:
+            try:
+                part.wait()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            for other in errors[1:]:
+                errors[0].add_note(f"another part of the write failed too: {other}")
+            raise errors[0]
 
 
 def _set_env_defaults() -> None:
@@ -191,9 +297,11 @@ class NixlEngine:
     session id and must be unique among the agents that talk to each other.
 
     ``mem_type`` is "DRAM" for host pools or "VRAM" for device pools; ``device_id`` is the
-    CUDA device ordinal of VRAM pools (0 for DRAM). ``progress_delay_us``: see the module
-    docstring. ``transfer_timeout_s``: see :meth:`write`. Raises :class:`~trio_pd.EngineError`
-    if the wheel is missing or the agent cannot be built.
+    CUDA device ordinal of VRAM pools (0 for DRAM). They apply to regions registered without
+    a kind; a region's own :class:`~trio_pd._memory.MemoryKind` wins (module docstring).
+    ``progress_delay_us``: see the module docstring. ``transfer_timeout_s``: see
+    :meth:`write`. Raises :class:`~trio_pd.EngineError` if the wheel is missing or the agent
+    cannot be built.
     """
 
     name = "nixl"
@@ -211,8 +319,8 @@ class NixlEngine:
             raise ValueError(f"mem_type must be 'DRAM' or 'VRAM', not {mem_type!r}")
         api = _import_api()
         self._name = name if name is not None else f"trio-pd-{uuid.uuid4().hex}"
-        self._mem_type = mem_type
-        self._dev = device_id
+        #: the kind of a region registered without one
+        self._default = HOST if mem_type == "DRAM" else MemoryKind.cuda(device_id)
         self._timeout_s = transfer_timeout_s
         try:
             self._agent: Any = _build_agent(api, self._name, progress_delay_us)
@@ -228,6 +336,10 @@ class NixlEngine:
         self._lock = threading.Lock()  # registrations, peers, close
         self._registered: dict[int, tuple[Region, Any]] = {}  # base -> (region, reg descs)
         self._peers: dict[str, bytes] = {}  # session id -> metadata loaded
+        # Kinds of our regions and of each loaded peer's: replaced whole (under _lock) when
+        # they change, read without the lock by writes
+        self._local = _KindMap([], self._default)
+        self._peer_kinds: dict[str, _KindMap] = {}
         self._closed = False
 
     def __repr__(self) -> str:
@@ -251,19 +363,26 @@ class NixlEngine:
     # -- memory ------------------------------------------------------------------------------
 
     def register(self, regions: list[Region]) -> None:
-        """Register each region (one descriptor list per region, so each can be deregistered
-        on its own). Take :meth:`metadata` afterwards: it describes what is registered."""
+        """Register each region with its own memory type (one descriptor list per region, so
+        each can be deregistered on its own): DRAM for host memory, VRAM with the device id for
+        memory of a CUDA device, the engine's ``mem_type`` for a region of unstated kind. Take
+        :meth:`metadata` afterwards: it describes what is registered."""
         with self._lock:
             agent = self._live_agent()
-            for r in regions:
-                if r.base in self._registered:
-                    raise EngineError(f"nixl: region at {r.base:#x} is already registered")
-                try:
-                    descs = agent.get_reg_descs([(r.base, r.length, self._dev, "")], self._mem_type)
-                    agent.register_memory(descs)
-                except Exception as exc:
-                    raise EngineError(f"nixl register of {r} failed: {exc!r}") from exc
-                self._registered[r.base] = (r, descs)
+            try:
+                for r in regions:
+                    if r.base in self._registered:
+                        raise EngineError(f"nixl: region at {r.base:#x} is already registered")
+                    kind = r.kind or self._default
+                    mem_type, device = _nixl_type(kind)
+                    try:
+                        descs = agent.get_reg_descs([(r.base, r.length, device, "")], mem_type)
+                        agent.register_memory(descs)
+                    except Exception as exc:
+                        raise EngineError(f"nixl register of {r} failed: {exc!r}") from exc
+                    self._registered[r.base] = (Region(r.base, r.length, kind), descs)
+            finally:
+                self._local = _KindMap([r for r, _ in self._registered.values()], self._default)
 
     def unregister(self, regions: list[Region]) -> None:
         with self._lock:
@@ -273,6 +392,7 @@ class NixlEngine:
                 raise EngineError(f"nixl: unregister of regions never registered: {unknown}")
             for r in regions:
                 _, descs = self._registered.pop(r.base)
+                self._local = _KindMap([r for r, _ in self._registered.values()], self._default)
                 try:
                     agent.deregister_memory(descs)
                 except Exception as exc:
@@ -281,13 +401,16 @@ class NixlEngine:
     # -- peers -------------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
-        """Our agent metadata (connection info and registered memory), for peers' add_peer."""
-        try:
-            return bytes(self._live_agent().get_agent_metadata())
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise EngineError(f"nixl get_agent_metadata failed: {exc!r}") from exc
+        """What a peer's :meth:`add_peer` loads: trio_pd's header (our registered regions and
+        where they live; module docstring), then our NIXL agent metadata (connection info and
+        registered memory)."""
+        with self._lock:
+            agent = self._live_agent()
+            regions = [r for r, _ in self._registered.values()]
+            try:
+                return _pack_metadata(regions, bytes(agent.get_agent_metadata()))
+            except Exception as exc:
+                raise EngineError(f"nixl get_agent_metadata failed: {exc!r}") from exc
 
     def add_peer(self, session_id: str, metadata: bytes) -> None:
         """Load a peer's metadata. Idempotent for the same bytes.
@@ -296,8 +419,11 @@ class NixlEngine:
         peer only registered more memory (its connections stay up), and refuses them
         (``NIXL_ERR_NOT_ALLOWED``) when the connection info changed because the peer
         restarted under the same name; then the old peer is removed first (dropping UCX's
-        connection to it) and the new metadata loaded.
+        connection to it) and the new metadata loaded. The regions and kinds in trio_pd's
+        header give the memory types of later writes' remote descriptors (bytes without the
+        header: every remote block takes this engine's own ``mem_type``).
         """
+        regions, agent_metadata = _unpack_metadata(metadata)
         with self._lock:
             agent = self._live_agent()
             known = self._peers.get(session_id)
@@ -306,11 +432,12 @@ class NixlEngine:
             retry = self._not_allowed if known is not None else ()
             try:
                 try:
-                    loaded = agent.add_remote_agent(metadata)
+                    loaded = agent.add_remote_agent(agent_metadata)
                 except retry:
                     agent.remove_remote_agent(session_id)
                     del self._peers[session_id]
-                    loaded = agent.add_remote_agent(metadata)
+                    self._peer_kinds.pop(session_id, None)
+                    loaded = agent.add_remote_agent(agent_metadata)
             except Exception as exc:
                 raise EngineError(f"nixl add_peer({session_id!r}) failed: {exc!r}") from exc
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -321,6 +448,7 @@ class NixlEngine:
                     f"nixl add_peer: metadata for {session_id!r} names agent {name!r}"
                 )
             self._peers[session_id] = metadata
+            self._peer_kinds[session_id] = _KindMap(regions or [], self._default)
 
     def remove_peer(self, session_id: str) -> None:
         """Forget a peer (and drop UCX's connection to it). Idempotent."""
@@ -328,6 +456,7 @@ class NixlEngine:
             if self._closed or session_id not in self._peers:
                 return
             del self._peers[session_id]
+            self._peer_kinds.pop(session_id, None)
             try:
                 self._agent.remove_remote_agent(session_id)
             except Exception as exc:
@@ -335,12 +464,33 @@ class NixlEngine:
 
     # -- data --------------------------------------------------------------------------------
 
-    def _descs(self, agent: Any, addrs: Addrs, lens: Lens) -> Any:
+    def _descs(self, agent: Any, addrs: Addrs, lens: Lens, kind: MemoryKind) -> Any:
+        mem_type, device = _nixl_type(kind)
         rows = np.empty((len(addrs), 3), dtype=np.uint64)
         rows[:, 0] = addrs
         rows[:, 1] = lens
-        rows[:, 2] = self._dev
-        return agent.get_xfer_descs(rows, self._mem_type)
+        rows[:, 2] = device
+        return agent.get_xfer_descs(rows, mem_type)
+
+    def _parts(
+        self, peer: str, src: Addrs, dst: Addrs
+    ) -> list[tuple[MemoryKind, MemoryKind, npt.NDArray[np.intp] | None]]:
+        """The blocks grouped by (local kind, remote kind): one NIXL request each. ``None``
+        for indices: all the blocks (the common case: one kind on each side, no lookup)."""
+        local = self._local
+        remote = self._peer_kinds.get(peer) or _KindMap([], self._default)
+        if local.single is not None and remote.single is not None:
+            return [(local.single, remote.single, None)]
+        width = len(remote.kinds)
+        pairs = local.codes_of(src) * width + remote.codes_of(dst)
+        found = np.unique(pairs)
+        if len(found) == 1:
+            k = int(found[0])
+            return [(local.kinds[k // width], remote.kinds[k % width], None)]
+        return [
+            (local.kinds[int(k) // width], remote.kinds[int(k) % width], np.flatnonzero(pairs == k))
+            for k in found
+        ]
 
     def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
         """One NIXL WRITE request for all blocks; returns when it is DONE: :meth:`submit`,
@@ -365,27 +515,41 @@ class NixlEngine:
         unknown": some blocks may have been written, and after a deadline some may still
         land. The request handle is always released (for an unfinished request that asks
         NIXL to cancel it).
+
+        Blocks of several memory-type pairs (module docstring) become one request per pair:
+        all are built before any is posted, so a refusal still posts nothing, and ``wait()``
+        returns once every one is DONE.
         """
         n = check_lengths(src, dst, lens)
         if n == 0:
             return Deferred(lambda: None)
         agent = self._live_agent()
+        built: list[tuple[Any, int, int]] = []  # (handle, blocks, bytes)
         try:
-            local = self._descs(agent, src, lens)
-            remote = self._descs(agent, dst, lens)
-            handle = agent.initialize_xfer("WRITE", local, remote, peer, b"")
+            for local_kind, remote_kind, idx in self._parts(peer, src, dst):
+                s, d, sizes = (src, dst, lens) if idx is None else (src[idx], dst[idx], lens[idx])
+                local = self._descs(agent, s, sizes, local_kind)
+                remote = self._descs(agent, d, sizes, remote_kind)
+                handle = agent.initialize_xfer("WRITE", local, remote, peer, b"")
+                built.append((handle, len(s), int(sizes.sum())))
         except Exception as exc:
             # Refused while building the request: nothing was posted, no byte moved.
+            for handle, _, _ in built:
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
             raise EngineError(
                 f"nixl write to {peer}: request of {n} blocks refused: {exc!r}"
             ) from exc
-        flight = _Request(agent, handle, peer, n)
-        flight.deadline = time.monotonic() + self._timeout_s + int(lens.sum()) / 1e9
-        try:
-            flight.state = agent.transfer(handle)
-        except Exception as exc:
-            flight.fail(exc)  # wait() releases the handle and raises
-        return flight
+        flights: list[_Request] = []
+        for handle, blocks, nbytes in built:
+            flight = _Request(agent, handle, peer, blocks)
+            flight.deadline = time.monotonic() + self._timeout_s + nbytes / 1e9
+            try:
+                flight.state = agent.transfer(handle)
+            except Exception as exc:
+                flight.fail(exc)  # wait() releases the handle and raises
+            flights.append(flight)
+        return flights[0] if len(flights) == 1 else _Requests(flights)
 
     def probe(self, peer: str) -> bool:
         """False only if UCX reports the connection to a loaded peer lost; True otherwise
@@ -436,6 +600,7 @@ class NixlEngine:
             agent, self._agent = self._agent, None
             peers = list(self._peers)
             self._peers.clear()
+            self._peer_kinds.clear()
             regs = list(self._registered.values())
             self._registered.clear()
         errors: list[str] = []

@@ -1,5 +1,6 @@
 """Host-memory KV pools, page allocators with a lifetime sanitizer, and the deterministic
-KV bytes the demo and the tests write and verify.
+KV bytes the demo and the tests write and verify. (Pools in the memory of a CUDA device:
+:mod:`trio_pd.testing.device`.)
 
 The sanitizer (SPEC I1): a page handed back to its allocator is *poisoned*; when it is handed
 out again the poison must still be intact. A page whose poison changed was written after it
@@ -11,7 +12,7 @@ source poison tells of a source use-after-free (a write that read released sourc
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -123,24 +124,66 @@ def aux_bytes(room: int, n: int) -> npt.NDArray[np.uint8]:
     return ((np.arange(n, dtype=np.int64) * 13 + room * 101) % 251).astype(np.uint8)
 
 
+class Rows(Protocol):
+    """The rows a :class:`PageAllocator` hands out, wherever they live: it poisons rows and
+    asks whether their poison is intact."""
+
+    @property
+    def count(self) -> int:
+        """How many rows there are."""
+        ...
+
+    def poison(self, ids: npt.NDArray[np.int64] | None, value: int) -> None:
+        """Set every byte of rows ``ids`` (None: of every row) to ``value``."""
+        ...
+
+    def broken(self, ids: npt.NDArray[np.int64], value: int) -> int:
+        """How many of rows ``ids`` hold a byte other than ``value``."""
+        ...
+
+
+class HostRows:
+    """:class:`Rows` over axis 0 of a host array (whatever the shape of one row)."""
+
+    def __init__(self, rows: npt.NDArray[np.uint8]) -> None:
+        self.rows = rows
+
+    @property
+    def count(self) -> int:
+        return int(self.rows.shape[0])
+
+    def poison(self, ids: npt.NDArray[np.int64] | None, value: int) -> None:
+        if ids is None:
+            self.rows[...] = value
+        else:
+            self.rows[ids] = value
+
+    def broken(self, ids: npt.NDArray[np.int64], value: int) -> int:
+        intact = (self.rows[ids] == value).reshape(len(ids), -1).all(axis=1)
+        return int(len(ids) - intact.sum())
+
+
 class PageAllocator:
-    """Hands out row indices of ``rows`` (axis 0) and takes them back, poisoning each
-    returned row and checking the poison when it is handed out again.
+    """Hands out row indices of ``rows`` (axis 0 of a host array, or any :class:`Rows`, such
+    as a device pool's) and takes them back, poisoning each returned row and checking the
+    poison when it is handed out again.
 
     ``alloc`` waits while the pool is exhausted (the demo's natural back-pressure).
     """
 
-    def __init__(self, rows: npt.NDArray[np.uint8], poison: int, *, sanitize: bool = True):
-        self._rows = rows
+    def __init__(
+        self, rows: npt.NDArray[np.uint8] | Rows, poison: int, *, sanitize: bool = True
+    ) -> None:
+        self._rows: Rows = HostRows(rows) if isinstance(rows, np.ndarray) else rows
         self._poison = poison
         self._sanitize = sanitize
-        self.capacity = rows.shape[0]
+        self.capacity = self._rows.count
         self._free: deque[int] = deque(range(self.capacity))
         self._out: set[int] = set()
         self._freed = trio.Event()
         self.late_writes = 0
         if sanitize:
-            self._rows[...] = poison
+            self._rows.poison(None, poison)
 
     @property
     def free_count(self) -> int:
@@ -154,9 +197,7 @@ class PageAllocator:
         """How many of these rows no longer hold their poison (were written after release)."""
         if not self._sanitize or not len(ids):
             return 0
-        # the trailing axes of one row, whatever its shape
-        intact = (self._rows[ids] == self._poison).reshape(len(ids), -1).all(axis=1)
-        return int(len(ids) - intact.sum())
+        return self._rows.broken(ids, self._poison)
 
     def alloc_nowait(self, n: int) -> npt.NDArray[np.int64] | None:
         if n > len(self._free):
@@ -198,7 +239,7 @@ class PageAllocator:
                 raise RuntimeError(f"row {i} freed twice or never allocated")
             self._out.discard(i)
         if self._sanitize and len(ids):
-            self._rows[ids] = self._poison
+            self._rows.poison(ids, self._poison)
         self._free.extend(ids.tolist())
         self._freed.set()
         self._freed = trio.Event()
