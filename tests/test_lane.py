@@ -280,8 +280,8 @@ class FakeWrite:
     joined call) appends the names it carried to ``calls`` and returns a value or raises."""
 
     def __init__(self, name: str, key: str, blocks: int, calls: list[list[str]],
-                 error: Exception | None = None) -> None:
-        self.name, self.join_key, self.num_blocks = name, key, blocks
+                 error: Exception | None = None, nbytes: int = 1) -> None:
+        self.name, self.join_key, self.num_blocks, self.nbytes = name, key, blocks, nbytes
         self.joined = False
         self.calls = calls
         self.error = error
@@ -373,4 +373,18 @@ async def test_writes_do_not_join_when_joining_is_off() -> None:
     lane = Lane("t")  # join_blocks=0
     got = await _queued_behind_a_held_call(lane, [FakeWrite(n, "p", 1, calls) for n in "AB"])
     assert calls == [["A"], ["B"]] and got == {"A": "A", "B": "B"}
+    lane.close()
+
+
+async def test_large_writes_do_not_join() -> None:
+    """The byte bound: writes join only while their bytes together stay within
+    ``join_bytes`` (small writes, whose cost is the call); a write over it runs alone."""
+    calls: list[list[str]] = []
+    lane = Lane("t", join_blocks=100, join_bytes=1000)
+    writes = [FakeWrite("A", "p", 1, calls, nbytes=400), FakeWrite("B", "p", 1, calls, nbytes=500),
+              FakeWrite("C", "p", 1, calls, nbytes=200), FakeWrite("D", "p", 1, calls, nbytes=5000),
+              FakeWrite("E", "p", 1, calls, nbytes=10)]
+    got = await _queued_behind_a_held_call(lane, writes)
+    assert calls == [["A", "B"], ["C"], ["D"], ["E"]]
+    assert got["A"] == got["B"] == "A+B" and got["D"] == "D"
     lane.close()

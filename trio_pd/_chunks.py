@@ -63,7 +63,8 @@ class Write:
     engine call (``PrefillConfig.batch_blocks``)."""
 
     __slots__ = (
-        "blocks", "call_blocks", "call_bytes", "engine", "join_key", "joined", "num_blocks", "peer",
+        "blocks", "call_blocks", "call_bytes", "engine", "join_key", "joined", "nbytes",
+        "num_blocks", "peer",
     )
 
     def __init__(self, engine: TransferEngine, peer: str, blocks: Blocks) -> None:
@@ -72,12 +73,12 @@ class Write:
         self.blocks = blocks
         self.join_key = (id(engine), peer)
         self.num_blocks = blocks.num_blocks
+        self.nbytes = blocks.nbytes
         #: set by the lane on a write that rode in an earlier write's engine call
         self.joined = False
-        #: the blocks and bytes of the engine call this write led (its own plus its
-        #: joiners'); bytes 0: its own (worked out when needed)
+        #: the blocks and bytes of the engine call this write led (its own plus its joiners')
         self.call_blocks = self.num_blocks
-        self.call_bytes = 0
+        self.call_bytes = self.nbytes
 
     def __call__(self) -> object:
         return start_write(self.engine, self.peer, *self.blocks)
@@ -248,13 +249,12 @@ class ChunkRunner:
                 metrics.observe_write(self.engine.name, time.perf_counter() - t0, 0, ok=False)
             raise
         call.state = "done"
-        nbytes = int(blocks.lens.sum())
         self.counters.bump("chunks_batched" if write.joined else "engine_calls")
-        self.counters.bump("bytes_written", nbytes)
+        self.counters.bump("bytes_written", write.nbytes)
         # one observation per engine call, by the write that led it (a joined write's bytes
         # are in its leader's call; bytes_written counts every chunk's own)
         if metrics is not None and not write.joined:
             seconds = time.perf_counter() - t0
             metrics.observe_write(
-                self.engine.name, seconds, write.call_bytes or nbytes, blocks=write.call_blocks
+                self.engine.name, seconds, write.call_bytes, blocks=write.call_blocks
             )

@@ -24,7 +24,11 @@ write is complete.
 **Joining.** A call that is :class:`Joinable` (an engine write, see ``_chunks.Write``) takes
 the joinable calls queued right behind it with the same :attr:`~Joinable.join_key` (the same
 engine and peer: chunks of other rooms for the same decode rank) into one call, up to
-``join_blocks`` blocks in all: what is queued already, never a wait for more. Each joined
+``join_blocks`` blocks and ``join_bytes`` bytes in all: what is queued already, never a wait
+for more. The byte bound keeps joining to small writes, whose cost is the call, not the
+bytes: joined large writes would all finish at the end of one long call, and the rooms behind
+them would start late (measured: the default bench workload's 8 MiB calls, joined, moved 0.80
+to 0.90 GB/s on Mooncake against 1.03 to 1.24 alone). Each joined
 call is *started* by that, exactly as if it ran alone (it can no longer be cancelled), and
 each caller gets the shared call's result: its value, or its error (a copy each). So a
 failure of the shared call fails every call in it (each room quarantines its own lease), and
@@ -67,8 +71,9 @@ class Joinable(Protocol):
 
     #: calls join only with calls of an equal key (the same engine and peer)
     join_key: object
-    #: what the call weighs against the lane's ``join_blocks``
+    #: what the call weighs against the lane's ``join_blocks`` and ``join_bytes``
     num_blocks: int
+    nbytes: int
     #: set by the lane on every call that rode in an earlier call's engine call
     joined: bool
 
@@ -107,14 +112,16 @@ class Lane:
 
     def __init__(
         self, name: str, *, depth: int = 2, nice: int = 0, idle_exit: float | None = None,
-        join_blocks: int = 0,
+        join_blocks: int = 0, join_bytes: int = 1 << 20,
     ) -> None:
         if depth < 1:
             raise ValueError("depth must be at least 1")
         if join_blocks < 0:
             raise ValueError("join_blocks must be >= 0 (0: calls never join)")
-        #: joinable calls queued together share one engine call up to this many blocks
+        #: joinable calls queued together share one engine call up to this many blocks and
+        #: bytes
         self.join_blocks = join_blocks
+        self.join_bytes = join_bytes
         if nice < 0:
             raise ValueError("nice can only lower the thread's priority (>= 0)")
         self.name = name
@@ -239,7 +246,7 @@ class Lane:
         if not self.join_blocks or job.args or not isinstance(fn, Joinable):
             return []
         taken: list[_Job] = []
-        blocks = fn.num_blocks
+        blocks, nbytes = fn.num_blocks, fn.nbytes
         while self._jobs:
             head = self._jobs[0]
             if head.state == "cancelled":
@@ -247,12 +254,14 @@ class Lane:
                 continue
             other = head.fn
             if (head.args or not isinstance(other, Joinable) or other.join_key != fn.join_key
-                    or blocks + other.num_blocks > self.join_blocks):
+                    or blocks + other.num_blocks > self.join_blocks
+                    or nbytes + other.nbytes > self.join_bytes):
                 break
             self._jobs.popleft()
             head.state = "started"
             other.joined = True
             blocks += other.num_blocks
+            nbytes += other.nbytes
             taken.append(head)
         return taken
 

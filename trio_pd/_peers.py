@@ -105,6 +105,7 @@ class PeerRegistry:
         max_peers: int = 1024,
         peer_idle: float = 300.0,
         batch_blocks: int = 0,
+        batch_bytes: int = 1 << 20,
     ) -> None:
         if max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, not {max_peers!r}")
@@ -117,6 +118,7 @@ class PeerRegistry:
         self.lane_nice = lane_nice
         #: each lane joins queued chunk writes up to this many blocks (see _lane, "Joining")
         self.batch_blocks = batch_blocks
+        self.batch_bytes = batch_bytes
         self.fence = fence
         self.counters = counters
         self.timers = timers
@@ -212,6 +214,7 @@ class PeerRegistry:
                 depth=self.inflight_per_peer,
                 nice=self.lane_nice,
                 join_blocks=self.batch_blocks,
+                join_bytes=self.batch_bytes,
             )
             if old is not None:  # a new engine behind the endpoint (decode restarted)
                 old.lane.close()  # what it has queued still runs; later calls: LaneClosed

@@ -97,9 +97,11 @@ class PrefillConfig:
     #: as it is. An aborted room waits for at most one such call (docs/bench.md: what it buys)
     coalesce_pages: int = 64
     #: chunks of several rooms queued at once for the same decode peer join one engine call,
-    #: up to this many blocks in all (0: one call per chunk). Only what is already queued
-    #: joins; a failure of the shared call fails each room in it (docs/lifetimes.md)
+    #: up to this many blocks (0: one call per chunk) and ``batch_bytes`` bytes in all. Only
+    #: what is already queued joins; a failure of the shared call fails each room in it
+    #: (docs/lifetimes.md). The byte bound keeps it to small writes (docs/bench.md)
     batch_blocks: int = 1024
+    batch_bytes: int = 1 << 20
     #: raise the lanes' threads' nice value by this much (Linux; 0: leave them), so that on a
     #: host whose cores are all busy the event loop preempts threads waiting on engine calls
     lane_nice: int = 10
@@ -290,7 +292,7 @@ class PrefillAgent:
             engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, kv_heads=kv_heads,
             inflight_per_peer=config.inflight_per_peer, lane_nice=config.lane_nice,
             fence=fence, counters=self.counters, timers=self.timers,
-            batch_blocks=config.batch_blocks,
+            batch_blocks=config.batch_blocks, batch_bytes=config.batch_bytes,
             forget_endpoint=self._forget_endpoint,
             max_peers=config.max_decode_peers, peer_idle=config.peer_idle_timeout,
         )
