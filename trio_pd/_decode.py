@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -36,6 +35,7 @@ import trio.lowlevel
 import trio_util
 
 from . import _wire
+from ._closing import AbortsOnExit
 from ._control import ControlPlane, sweep_idle_sockets
 from ._errors import (
     AuthenticationError,
@@ -122,7 +122,7 @@ class _Room:
     started: float | None = None
 
 
-class DecodeReceiver:
+class DecodeReceiver(AbortsOnExit):
     """The scheduler's handle for one room on a decode rank (≈ SGLang's ``KVReceiver``).
 
     Ownership of the destination pages: from :meth:`init` they belong to trio_pd. After
@@ -190,36 +190,6 @@ class DecodeReceiver:
         **Cancellation:** cancelling the wait changes nothing.
         """
         await self._room.released.wait()
-
-    async def __aenter__(self) -> DecodeReceiver:
-        """``async with decode.receiver(...) as receiver:`` holds the room for the block (see
-        :meth:`__aexit__`).
-
-        **Cancellation:** a schedule point that is never cancelled: the room ``receiver()`` made
-        is always handed to the block, so that the block's exit can abort it.
-        """
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Leaving the block aborts the room unless it already ended (Success or Failed), so
-        a request handler that is cancelled or raises leaves no room open. Wait for the
-        outcome inside the block (``await receiver.wait()``): a room still going when the
-        block ends is aborted too. The pages go back by the usual rule: ``on_release``
-        runs once every prefill rank it contacted has acked its drain (or reported
-        Success, or is proven gone).
-
-        **Cancellation:** the abort is synchronous and done first; then a schedule point
-        that is never cancelled, and the exit re-raises whatever ended the block.
-        """
-        if self.poll() not in (KVPoll.Success, KVPoll.Failed):
-            why = "" if exc_type is None else f" ({exc_type.__name__})"
-            self.abort(f"the room's async with block was left before the room ended{why}")
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
 
 class DecodeAgent:
     """One decode rank. Make one with :func:`open_decode`."""

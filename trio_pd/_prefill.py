@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -35,6 +34,7 @@ import trio.lowlevel
 from . import _wire
 from ._bootstrap_client import BootstrapClient, PrefillRankInfo
 from ._chunks import ChunkRunner
+from ._closing import AbortsOnExit
 from ._control import ControlPlane, sweep_idle_sockets
 from ._errors import (
     AuthenticationError,
@@ -159,7 +159,7 @@ class _Room:
         return self._lock
 
 
-class PrefillSender:
+class PrefillSender(AbortsOnExit):
     """The scheduler's handle for one room on a prefill rank (≈ SGLang's ``KVSender``).
 
     Create with :meth:`PrefillAgent.sender`. Hand chunks over with :meth:`send`; the last one
@@ -220,35 +220,6 @@ class PrefillSender:
         **Cancellation:** cancelling the wait changes nothing.
         """
         await self._room.released.wait()
-
-    async def __aenter__(self) -> PrefillSender:
-        """``async with prefill.sender(...) as sender:`` holds the room for the block (see
-        :meth:`__aexit__`).
-
-        **Cancellation:** a schedule point that is never cancelled: the room ``sender()`` made
-        is always handed to the block, so that the block's exit can abort it.
-        """
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Leaving the block aborts the room unless it already ended (Success or Failed), so
-        a request handler that is cancelled or raises leaves no room open. Wait for the
-        outcome inside the block (``await sender.wait()``): a room still going when the
-        block ends is aborted too. The source pages go back by the usual rule:
-        ``on_release`` runs once no engine call can read them.
-
-        **Cancellation:** the abort is synchronous and done first; then a schedule point
-        that is never cancelled, and the exit re-raises whatever ended the block.
-        """
-        if self.poll() not in (KVPoll.Success, KVPoll.Failed):
-            why = "" if exc_type is None else f" ({exc_type.__name__})"
-            self.abort(f"the room's async with block was left before the room ended{why}")
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
 
 class PrefillAgent:
     """One prefill rank. Make one with :func:`open_prefill`."""

@@ -31,8 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from functools import partial
-from types import TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +40,7 @@ import trio.lowlevel
 
 from ._bootstrap import BootstrapServer
 from ._bootstrap import open_bootstrap_server as _open_bootstrap_server
+from ._closing import ClosesOnExit
 from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
 from ._decode import open_decode as _open_decode
 from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
@@ -149,7 +149,7 @@ def _guarded(fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         log.exception("trio_pd.sync: %r raised on the trio thread", fn)
 
 
-class TrioThread:
+class TrioThread(ClosesOnExit):
     """A trio run on a thread of its own, and the ways other threads hand it work.
 
     :func:`open_prefill`, :func:`open_decode` and :func:`open_bootstrap_server` start one for
@@ -326,16 +326,6 @@ class TrioThread:
             raise TransferTimeout(
                 f"trio_pd.sync: the trio thread {self.name} did not end within {timeout:g} s"
             )
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 def _ours(error: BaseException, what: str) -> BaseException:
     """The error to raise at the boundary for a service that failed to start: one of the
@@ -627,7 +617,7 @@ class SyncReceiver(_Handle):
 # ---------------------------------------------------------------------------------- agents
 
 
-class _Agent(Generic[AG]):
+class _Agent(ClosesOnExit, Generic[AG]):
     """What the prefill and decode facades share: the host, the trio thread, the book of
     rooms and the queue of released ones."""
 
@@ -710,15 +700,6 @@ class _Agent(Generic[AG]):
             self._host.close(self._close_bound)
             if self._owned:
                 self._thread.close(self._close_bound)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @property
     def thread(self) -> TrioThread:
@@ -914,7 +895,7 @@ class SyncDecode(_Agent[DecodeAgent]):
         self._finish(h)
 
 
-class SyncBootstrapServer:
+class SyncBootstrapServer(ClosesOnExit):
     """The bootstrap service on a trio thread. Make it with :func:`open_bootstrap_server`."""
 
     def __init__(
@@ -936,16 +917,6 @@ class SyncBootstrapServer:
         self._host.close(10.0)
         if self._owned:
             self._thread.close(10.0)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 # ---------------------------------------------------------------------------------- open_*
 

@@ -31,11 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Literal, Self
+from typing import Literal
 
 import trio
 
+from .._closing import ClosesOnExit
 from .._errors import EngineError
 from ._base import Addrs, Lens, Region, TransferEngine
 
@@ -163,7 +163,7 @@ class StallGate:
             raise RuntimeError(f"stall gate opened before {n} calls reached it")
 
 
-class FaultEngine:
+class FaultEngine(ClosesOnExit):
     """Wraps ``inner`` (any :class:`~trio_pd.engines.TransferEngine`) and injects the faults
     ``policy`` picks, one decision per :meth:`write` call. Thread-safe.
 
@@ -253,16 +253,6 @@ class FaultEngine:
 
     def remove_peer(self, session_id: str) -> None:
         self.inner.remove_peer(session_id)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Leaving a ``with`` block closes the wrapped engine (:meth:`close`)."""
-        self.close()
 
     def close(self) -> None:
         self.inner.close()

@@ -43,9 +43,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
+from .._closing import ClosesOnExit
 from .._errors import EngineError
 from .._memory import MemoryKind
 from .._wire import check_advertised_host
@@ -254,7 +254,7 @@ class _InFlight:
         self.owner._wait(self)
 
 
-class MooncakeEngine:
+class MooncakeEngine(ClosesOnExit):
     """A Mooncake Transfer Engine over the P2P handshake.
 
     ``host`` is the address peers reach this engine on. ``protocol`` is passed to
@@ -528,16 +528,6 @@ class MooncakeEngine:
         """``send_probe`` answers at once for a live or a dead peer, but takes about 60 s for a
         hung one (stopped process, black-holed host): callers bound it."""
         return bool(self._live_engine().send_probe(peer) == 0)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Leaving ``with make_engine(...) as engine:`` closes the engine (:meth:`close`)."""
-        self.close()
 
     def close(self) -> None:
         """Deregister what is still registered and drop the engine. Idempotent.

@@ -55,12 +55,12 @@ import struct
 import threading
 import time
 import uuid
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from .._closing import ClosesOnExit
 from .._errors import EngineError
 from .._memory import HOST, MemoryKind
 from ._base import Addrs, Deferred, Lens, Pending, Region, check_lengths
@@ -292,7 +292,7 @@ class _Request:
             raise self.error
 
 
-class NixlEngine:
+class NixlEngine(ClosesOnExit):
     """A NIXL agent over UCX. The agent name (``name``, default ``"trio-pd-<uuid>"``) is the
     session id and must be unique among the agents that talk to each other.
 
@@ -577,16 +577,6 @@ class NixlEngine:
             with contextlib.suppress(Exception):
                 agent.get_new_notifs()
         return True
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Leaving ``with make_engine(...) as engine:`` closes the engine (:meth:`close`)."""
-        self.close()
 
     def close(self) -> None:
         """Forget peers, deregister what is still registered, drop the agent. Idempotent.

@@ -11,13 +11,13 @@ framework import and no device pool of ours.
 
 from __future__ import annotations
 
-from types import TracebackType
-from typing import Literal, Self
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from .. import _cuda
+from .._closing import ClosesOnExit
 from .._memory import (
     AUX_STAMP,
     HOST,
@@ -87,7 +87,7 @@ class DeviceRows:
         return bad
 
 
-class DeviceKVPool:
+class DeviceKVPool(ClosesOnExit):
     """One rank's KV pool on CUDA device ``device``, and the :class:`PoolSpec` describing it,
     with its kinds stated (``spec.region_kinds``).
 
@@ -155,15 +155,6 @@ class DeviceKVPool:
         for ptr in (self.kv_base, self._aux_device):
             if ptr:
                 _cuda.free(ptr, self.device)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- contents ------------------------------------------------------------------------------
 
