@@ -1,0 +1,889 @@
+"""trio_pd.compat.sglang: scheduler loops written against SGLang's connector API drive
+trio_pd unchanged.
+
+Memory is laid out the way SGLang allocates it: one array per K and per V layer buffer, one
+per metadata buffer (output ids, logprobs, hidden states), their raw pointers handed over in a
+KVArgs. The scheduler loops are SGLang's, reduced: create the sender / receiver, poll until
+WaitingForInput, ``init`` / ``send_metadata``, send chunks until the total, poll every step
+until Success or Failed, ``failure_exception()`` on Failed, ``clear()``. They run on plain
+threads while a third aborts requests. Real engines, real ZeroMQ, the real bootstrap service,
+page and slot allocators with the lifetime sanitizer of :mod:`trio_pd.testing.pools`.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import heapq
+import queue
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+import trio_pd
+import trio_pd._cuda
+from trio_pd import ConfigurationError, DecodeConfig, PrefillConfig, ProtocolError, TransferError
+from trio_pd._memory import MemoryKind
+from trio_pd.compat import sglang
+from trio_pd.compat.sglang import (
+    AuxRows,
+    KVArgs,
+    KVBootstrapServer,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    config_from_env,
+    pool_from_kvargs,
+)
+from trio_pd.engines import make_engine
+from trio_pd.engines.fault import Fault, FaultEngine
+from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator
+
+BOUND = 20.0
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+def poll_until(pred: Callable[[], bool], bound: float = BOUND) -> None:
+    deadline = time.monotonic() + bound
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+# ------------------------------------------------------------------ SGLang-shaped memory
+
+#: SGLang's metadata buffers, reduced: (name, dtype, elements per slot)
+METADATA = (("output_ids", np.int32, 16), ("logprobs", np.float32, 16),
+            ("hidden_states", np.float16, 40))
+PAGE_SIZE, HEAD_DIM, LAYERS = 4, 8, 2  # float16 heads: 16 bytes each
+
+
+class Memory:
+    """One rank's KV cache and metadata buffers, allocated as SGLang does: a separate
+    ``(tokens, heads, head_dim)`` float16 array per K layer and per V layer (or per MLA
+    layer), and a ``(slots, n)`` array per metadata buffer."""
+
+    def __init__(self, *, num_pages: int, heads: int, aux_slots: int, mla: bool = False) -> None:
+        buffers = LAYERS if mla else 2 * LAYERS
+        self.heads = heads
+        self.kv = [np.zeros((num_pages * PAGE_SIZE, heads, HEAD_DIM), dtype=np.float16)
+                   for _ in range(buffers)]
+        self.meta = [np.zeros((aux_slots, n), dtype=dt) for _, dt, n in METADATA]
+        #: byte views: a page per row, a slot per row
+        self.pages = [b.view(np.uint8).reshape(num_pages, -1) for b in self.kv]
+        self.slots = [m.view(np.uint8).reshape(aux_slots, -1) for m in self.meta]
+
+    def kvargs(self, *, rank: int = 0, total_heads: int | None = None) -> KVArgs:
+        args = KVArgs()  # set field by field, as SGLang's scheduler does
+        args.engine_rank = rank
+        args.kv_data_ptrs = [int(b.ctypes.data) for b in self.kv]
+        args.kv_data_lens = [int(b.nbytes) for b in self.kv]
+        args.kv_item_lens = [int(p.shape[1]) for p in self.pages]
+        args.aux_data_ptrs = [int(m.ctypes.data) for m in self.meta]
+        args.aux_data_lens = [int(m.nbytes) for m in self.meta]
+        args.aux_item_lens = [int(s.shape[1]) for s in self.slots]
+        args.kv_head_num = self.heads
+        args.total_kv_head_num = total_heads or self.heads
+        args.page_size = PAGE_SIZE
+        return args
+
+    def fill(self, room: int, pages: npt.NDArray[np.int64], slot: int, first_head: int = 0) -> None:
+        want = kv_pattern(room, len(self.kv), len(pages), first_head, self.heads)
+        for b, rows in enumerate(self.pages):
+            rows[pages] = want[b]
+        for m, rows in enumerate(self.slots):
+            rows[slot] = meta_pattern(room, m, rows.shape[1])
+
+    def holds(self, room: int, pages: npt.NDArray[np.int64], slot: int) -> bool:
+        want = kv_pattern(room, len(self.kv), len(pages), 0, self.heads)
+        kv_ok = all((rows[pages] == want[b]).all() for b, rows in enumerate(self.pages))
+        meta_ok = all((rows[slot] == meta_pattern(room, m, rows.shape[1])).all()
+                      for m, rows in enumerate(self.slots))
+        return bool(kv_ok and meta_ok)
+
+
+def _key(room: int) -> npt.NDArray[np.uint8]:
+    return np.frombuffer(((room * 0x9E3779B97F4A7C15) % (1 << 64) | 1).to_bytes(8, "little"),
+                         dtype=np.uint8)
+
+
+def kv_pattern(room: int, buffers: int, npages: int, first_head: int, heads: int,
+               ) -> npt.NDArray[np.uint8]:
+    """A request's page bytes as held by a rank with heads ``first_head..+heads``: a function
+    of (room, buffer, page of the request, token, global head, byte). Shape (buffers, npages,
+    page bytes)."""
+    hb = HEAD_DIM * 2
+    b = np.arange(buffers)[:, None, None, None, None]
+    p = np.arange(npages)[None, :, None, None, None]
+    t = np.arange(PAGE_SIZE)[None, None, :, None, None]
+    h = np.arange(first_head, first_head + heads)[None, None, None, :, None]
+    k = np.arange(hb)[None, None, None, None, :]
+    v = ((b * 104729 + p * 257 + t * 31 + h * 61 + k * 3) % 251).astype(np.uint8)
+    v ^= _key(room)[k % 8]
+    return v.reshape(buffers, npages, -1)
+
+
+def meta_pattern(room: int, m: int, n: int) -> npt.NDArray[np.uint8]:
+    i = np.arange(n)
+    return ((i * 13 + m * 37) % 251).astype(np.uint8) ^ _key(room)[(i + m) % 8]
+
+
+class SplitRows:
+    """The sanitizer's rows over several arrays at once: row ``i`` is row ``i`` of each (a
+    page of every KV buffer, or a slot of every metadata buffer)."""
+
+    def __init__(self, arrays: Sequence[npt.NDArray[np.uint8]]) -> None:
+        self.arrays = list(arrays)
+
+    @property
+    def count(self) -> int:
+        return int(self.arrays[0].shape[0])
+
+    def poison(self, ids: npt.NDArray[np.int64] | None, value: int) -> None:
+        for a in self.arrays:
+            if ids is None:
+                a[...] = value
+            else:
+                a[ids] = value
+
+    def broken(self, ids: npt.NDArray[np.int64], value: int) -> int:
+        intact = np.ones(len(ids), dtype=bool)
+        for a in self.arrays:
+            intact &= (a[ids] == value).reshape(len(ids), -1).all(axis=1)
+        return int(len(ids) - intact.sum())
+
+
+def server_args(**kw: Any) -> SimpleNamespace:
+    base = dict(host="127.0.0.1", disaggregation_bootstrap_port=0, tp_size=1, pp_size=1,
+                disaggregation_transfer_backend="mooncake")
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+class Mode(enum.Enum):  # (SGLang passes its own enum: anything with .value works)
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class Side:
+    prefill: KVManager
+    decode: KVManager
+    src: Memory
+    dst: Memory
+    boot: KVBootstrapServer
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.boot.port}"  # as SGLang's decode forms bootstrap_addr
+
+
+@contextmanager
+def pair(
+    engine_name: str = "mooncake", *, num_pages: int = 64, aux_slots: int = 16,
+    wrap: Callable[[Any], Any] | None = None, decode_frees_on_terminal: bool = True,
+    decode_config: DecodeConfig | None = None,
+) -> Iterator[Side]:
+    """A bootstrap service, a prefill and a decode manager over SGLang-shaped memory and two
+    real engines (closed last)."""
+    src = Memory(num_pages=num_pages, heads=2, aux_slots=aux_slots)
+    dst = Memory(num_pages=num_pages, heads=2, aux_slots=aux_slots)
+    with ExitStack() as stack:
+        pe = stack.enter_context(make_engine(engine_name))
+        de = stack.enter_context(make_engine(engine_name))
+        boot = stack.enter_context(KVBootstrapServer("127.0.0.1", 0))
+        prefill = stack.enter_context(KVManager(
+            src.kvargs(), Mode.PREFILL, server_args(), False,
+            engine=wrap(pe) if wrap else pe, bootstrap_url=boot.url,
+        ))
+        decode = stack.enter_context(KVManager(
+            dst.kvargs(), "decode", server_args(), False, engine=de,
+            free_on_terminal=decode_frees_on_terminal, config=decode_config,
+        ))
+        yield Side(prefill, decode, src, dst, boot)
+
+
+# ------------------------------------------------------------------ the scheduler loops
+
+N_REQUESTS = 200
+ABORT_RATE = 0.3
+CONCURRENCY = 16
+STEP = 0.001
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    room: int
+    npages: int
+    chunk: int
+    abort: str | None  # which side's handle the aborter aborts
+    #: the handle goes to the aborter once its pages were handed over (init /
+    #: send_metadata), else as soon as it exists
+    late: bool
+    abort_after: float
+
+
+def plan(seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    rooms = rng.sample(range(1, 1 << 62), N_REQUESTS)  # SGLang draws random room ids
+    aborted = set(rng.sample(range(N_REQUESTS), int(N_REQUESTS * ABORT_RATE)))
+    out = []
+    for i in range(N_REQUESTS):
+        side = rng.choice(("prefill", "decode")) if i in aborted else None
+        late = rng.random() < 0.5
+        if late:
+            after = rng.uniform(0.0, 0.012)  # often while the KV is being written
+        else:
+            after = rng.uniform(0.0, 0.03) if rng.random() < 0.85 else 0.2
+        out.append(Request(i, rooms[i], rng.randint(1, 12), rng.randint(1, 5), side, late,
+                           after))
+    return out
+
+
+@dataclass
+class Books:
+    errors: list[BaseException] = field(default_factory=list)
+    handles: queue.SimpleQueue[tuple[str, Request, Any]] = field(
+        default_factory=queue.SimpleQueue)
+    aborted: set[int] = field(default_factory=set)
+    abort_points: collections.Counter[str] = field(default_factory=collections.Counter)
+    prefill_outcome: dict[int, KVPoll] = field(default_factory=dict)
+    decode_outcome: dict[int, KVPoll] = field(default_factory=dict)
+    #: rooms whose pages (and slot) the scheduler freed after handing them over, and how often
+    prefill_freed: collections.Counter[int] = field(default_factory=collections.Counter)
+    decode_failed_freed: collections.Counter[int] = field(default_factory=collections.Counter)
+    prefill_inited: set[int] = field(default_factory=set)
+    decode_given: set[int] = field(default_factory=set)
+    verified: int = 0
+    corrupt: list[int] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def guarded(books: Books, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            books.errors.append(exc)
+            books.done.set()
+
+    return run
+
+
+@dataclass
+class _P:
+    req: Request
+    sender: KVSender
+    pages: npt.NDArray[np.int64] | None = None
+    slot: npt.NDArray[np.int64] | None = None
+    sent: int = 0
+
+
+def prefill_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], books: Books,
+                 pages: PageAllocator, slots: PageAllocator, deadline: float) -> None:
+    """SGLang's prefill scheduler, reduced: a bootstrap queue (sender made, polled until
+    WaitingForInput, then a metadata slot and pages, the KV and metadata written, ``init``),
+    one chunk per request per step, the last one bringing the total to the pages given to
+    init, and every request polled each step; on Success or Failed its pages and slot are
+    freed at once, as SGLang's loop does."""
+    pending = collections.deque(reqs)
+    queued: dict[int, _P] = {}
+    running: dict[int, _P] = {}
+    while pending or queued or running:
+        assert time.monotonic() < deadline, f"prefill: {len(queued) + len(running)} hung"
+        while pending and len(queued) + len(running) < CONCURRENCY:
+            req = pending.popleft()
+            sender = KVSender(mgr, addr, req.room, [0], 0)
+            queued[req.room] = _P(req, sender)
+            if not req.late:
+                books.handles.put(("prefill", req, sender))
+        for room, st in list(queued.items()):
+            status = st.sender.poll()
+            if status == KVPoll.Failed:  # aborted before init: nothing was handed over
+                books.prefill_outcome[room] = status
+                del queued[room]
+            elif status == KVPoll.WaitingForInput:
+                slot = slots.alloc_nowait(1)
+                ids = pages.alloc_nowait(st.req.npages) if slot is not None else None
+                if ids is None or slot is None:
+                    if slot is not None:
+                        slots.free(slot)
+                    continue
+                st.pages, st.slot = ids, slot
+                mem.fill(room, ids, int(slot[0]))
+                st.sender.init(st.req.npages, aux_index=int(slot[0]))
+                books.prefill_inited.add(room)
+                if st.req.late:
+                    books.handles.put(("prefill", st.req, st.sender))
+                running[room] = queued.pop(room)
+        for room, st in list(running.items()):
+            assert st.pages is not None and st.slot is not None
+            if st.sent < st.req.npages:
+                end = min(st.sent + st.req.chunk, st.req.npages)
+                st.sender.send(st.pages[st.sent:end].astype(np.int32))  # (SGLang's dtype)
+                st.sent = end
+            status = st.sender.poll()
+            if status in TERMINAL:
+                if status == KVPoll.Failed:
+                    with pytest.raises(TransferError):
+                        st.sender.failure_exception()
+                st.sender.clear()
+                pages.free(st.pages)
+                slots.free(st.slot)
+                books.prefill_freed[room] += 1
+                books.prefill_outcome[room] = status
+                del running[room]
+        time.sleep(STEP)
+
+
+@dataclass
+class _D:
+    req: Request
+    receiver: KVReceiver
+    pages: npt.NDArray[np.int64] | None = None
+    slot: npt.NDArray[np.int64] | None = None
+
+
+def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], books: Books,
+                pages: PageAllocator, slots: PageAllocator, deadline: float) -> None:
+    """SGLang's decode scheduler, reduced: a receiver per request (half ``init(0)``, the
+    newer form), polled until WaitingForInput, then pages and a slot and ``send_metadata``
+    (or the older ``init(kv_indices, aux_index)``); every request polled each step. On
+    Success the KV and every metadata row are checked and freed. On Failed: freed at once
+    when the manager frees on terminal, else once ``pop_released()`` returns the room."""
+    on_terminal = mgr.free_on_terminal
+    pending = collections.deque(reqs)
+    queued: dict[int, _D] = {}
+    transfer: dict[int, _D] = {}
+    failed: dict[int, _D] = {}  # failed holding pages, waiting for pop_released
+    while pending or queued or transfer or failed:
+        assert time.monotonic() < deadline, f"decode: {len(queued) + len(transfer)} hung"
+        while pending and len(queued) + len(transfer) + len(failed) < CONCURRENCY:
+            req = pending.popleft()
+            receiver = KVReceiver(mgr, addr, req.room)
+            if req.index % 2:
+                receiver.init(0)  # (the newer API: pick the prefill DP rank)
+            queued[req.room] = _D(req, receiver)
+            if not req.late:
+                books.handles.put(("decode", req, receiver))
+        for room, d in list(queued.items()):
+            status = d.receiver.poll()
+            if status == KVPoll.Failed:
+                books.decode_outcome[room] = status
+                del queued[room]
+            elif status == KVPoll.WaitingForInput:
+                slot = slots.alloc_nowait(1)
+                ids = pages.alloc_nowait(d.req.npages) if slot is not None else None
+                if ids is None or slot is None:
+                    if slot is not None:
+                        slots.free(slot)
+                    continue
+                d.pages, d.slot = ids, slot
+                if d.req.index % 2:
+                    d.receiver.send_metadata(ids.astype(np.int32), int(slot[0]))
+                else:
+                    d.receiver.init(ids.astype(np.int32), int(slot[0]))  # the older form
+                books.decode_given.add(room)
+                if d.req.late:
+                    books.handles.put(("decode", d.req, d.receiver))
+                transfer[room] = queued.pop(room)
+        for room, d in list(transfer.items()):
+            assert d.pages is not None and d.slot is not None
+            status = d.receiver.poll()
+            if status == KVPoll.Success:
+                if mem.holds(room, d.pages, int(d.slot[0])):
+                    books.verified += 1
+                else:
+                    books.corrupt.append(room)
+                d.receiver.clear()
+                pages.free(d.pages)
+                slots.free(d.slot)
+                books.decode_outcome[room] = status
+                del transfer[room]
+            elif status == KVPoll.Failed:
+                with pytest.raises(TransferError):
+                    d.receiver.failure_exception()
+                d.receiver.clear()
+                books.decode_outcome[room] = status
+                del transfer[room]
+                if on_terminal:
+                    pages.free(d.pages)
+                    slots.free(d.slot)
+                    books.decode_failed_freed[room] += 1
+                else:
+                    failed[room] = d
+        if not on_terminal:
+            for room in mgr.pop_released():
+                d = failed.pop(room) if room in failed else transfer.pop(room)  # KeyError: not held
+                assert d.receiver.poll() == KVPoll.Failed and d.pages is not None
+                assert d.slot is not None
+                books.decode_outcome[room] = KVPoll.Failed
+                pages.free(d.pages)
+                slots.free(d.slot)
+                books.decode_failed_freed[room] += 1
+        time.sleep(STEP)
+
+
+def aborter(books: Books) -> None:
+    """The other thread: aborts the planned requests a little after their handle exists."""
+    due: list[tuple[float, int, Any]] = []
+    while not books.done.is_set() or due:
+        try:
+            side, req, handle = books.handles.get(timeout=0.002)
+            if req.abort == side:
+                heapq.heappush(due, (time.monotonic() + req.abort_after, req.index, handle))
+        except queue.Empty:
+            pass
+        while due and due[0][0] <= time.monotonic():
+            _, _index, handle = heapq.heappop(due)
+            books.abort_points[f"{type(handle).__name__} {handle.poll().name}"] += 1
+            handle.abort()
+            books.aborted.add(handle.room)
+
+
+def slow_writes(index: int, _peer: str, _n: int) -> Fault | None:
+    """One write in three waits 10 ms first: aborts often land while a write is under way."""
+    return Fault("delay_before", delay_s=0.01) if index % 3 == 0 else None
+
+
+@pytest.mark.parametrize("decode_frees", ["pop_released", "on_terminal"])
+def test_sglang_loops_move_requests_with_aborts(engine_name: str, decode_frees: str) -> None:
+    """SGLang-shaped prefill and decode loops on plain threads move 200 requests while a
+    third thread aborts 30% of them at random points. Every Success holds exactly what
+    prefill wrote, in every KV buffer and every metadata buffer; no page or slot leaks or is
+    written after it was freed; every room handed over is freed exactly once (decode: each
+    failed one, through pop_released or on its Failed poll)."""
+    reqs = plan(seed=15)
+    books = Books()
+    with pair(engine_name, num_pages=256, aux_slots=48, wrap=lambda e: FaultEngine(e, slow_writes),
+              decode_frees_on_terminal=decode_frees == "on_terminal") as s:
+        src_pages = PageAllocator(SplitRows(s.src.pages), SOURCE_POISON)
+        dst_pages = PageAllocator(SplitRows(s.dst.pages), DEST_POISON)
+        # a slot is each metadata buffer's row and the adapter's own aux row
+        src_slots = PageAllocator(SplitRows([*s.src.slots, s.prefill.aux.rows]), SOURCE_POISON)
+        dst_slots = PageAllocator(SplitRows([*s.dst.slots, s.decode.aux.rows]), DEST_POISON)
+        started = time.monotonic()
+        deadline = started + 45
+        loops = [
+            threading.Thread(target=guarded(books, prefill_loop, s.prefill, s.src, s.addr, reqs,
+                                            books, src_pages, src_slots, deadline)),
+            threading.Thread(target=guarded(books, decode_loop, s.decode, s.dst, s.addr, reqs,
+                                            books, dst_pages, dst_slots, deadline)),
+        ]
+        second = threading.Thread(target=guarded(books, aborter, books))
+        for t in [*loops, second]:
+            t.start()
+        for t in loops:
+            t.join(50)
+        books.done.set()
+        second.join(10)
+        assert not books.errors, books.errors
+        p, d = s.prefill.statistics(), s.decode.statistics()
+        assert p.rooms_active == d.rooms_active == 0
+        assert p.leases_live == p.leases_quarantined == 0 and d.pages_held == 0
+        moved = time.monotonic() - started
+    rooms = {r.room for r in reqs}
+    planned = {r.room for r in reqs if r.abort}
+    assert books.aborted == planned
+    assert set(books.prefill_outcome) == set(books.decode_outcome) == rooms
+    assert books.corrupt == []
+    succeeded = {r for r, st in books.decode_outcome.items() if st == KVPoll.Success}
+    assert books.verified == len(succeeded) >= N_REQUESTS - len(planned)
+    failed = {r for r, st in books.decode_outcome.items() if st == KVPoll.Failed}
+    assert failed <= planned and len(failed) >= len(planned) // 2
+    # every room handed over is freed exactly once
+    assert books.prefill_freed == collections.Counter(books.prefill_inited)
+    assert books.decode_failed_freed == collections.Counter(books.decode_given & failed)
+    for alloc in (src_pages, src_slots, dst_pages, dst_slots):
+        assert alloc.outstanding == 0
+        assert alloc.late_writes == 0 and alloc.late_in_free_rows() == 0
+    assert len(books.abort_points) >= 3
+    print(f"{N_REQUESTS} requests, {len(failed)} failed by aborts, in {moved:.2f} s;",
+          dict(books.abort_points))
+
+
+# ------------------------------------------------------------------ the release gate
+
+
+def _stalled(fault: list[FaultEngine]) -> Callable[[Any], FaultEngine]:
+    def wrap(engine: Any) -> FaultEngine:
+        fault.append(FaultEngine(engine, lambda i, peer, n: Fault("stall")))
+        return fault[0]
+
+    return wrap
+
+
+def _one_room(s: Side, room: int, npages: int = 4) -> tuple[KVSender, KVReceiver]:
+    pages = np.arange(npages)
+    s.src.fill(room, pages, 1)
+    sender = KVSender(s.prefill, s.addr, room, [0], 0)
+    sender.init(npages, 1)
+    receiver = KVReceiver(s.decode, s.addr, room)
+    poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata(pages + npages, 2)
+    sender.send(pages[:1])
+    sender.send(pages[1:])
+    return sender, receiver
+
+
+def _watch(what: Callable[[], object], want: object, seconds: float = 0.3) -> None:
+    """``what()`` keeps returning ``want`` for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert what() == want
+        time.sleep(0.01)
+
+
+def test_prefill_poll_holds_failure_until_the_source_pages_are_free(engine_name: str) -> None:
+    """A sender aborted while its write is inside the engine reads Transferring, not Failed,
+    until the write returned and trio_pd handed its source pages back: SGLang's loop frees
+    them on Failed."""
+    fault: list[FaultEngine] = []
+    with pair(engine_name, wrap=_stalled(fault)) as s:
+        try:
+            sender, receiver = _one_room(s, 77)
+            assert fault[0].stalls.wait_stalled(1, timeout=BOUND)
+            sender.abort()
+            poll_until(lambda: sender.failure is not None)  # trio_pd has failed the room
+            _watch(sender.poll, KVPoll.Transferring)
+        finally:
+            fault[0].stalls.release_all()
+        poll_until(lambda: sender.poll() == KVPoll.Failed)
+        poll_until(lambda: receiver.poll() == KVPoll.Failed)
+
+
+@pytest.mark.parametrize("on_terminal", [True, False])
+def test_decode_failure_waits_for_the_drain(engine_name: str, on_terminal: bool) -> None:
+    """A receiver aborted while prefill's write is inside the engine: freeing on terminal, it
+    reads Transferring until no prefill rank can write its pages, then Failed; otherwise it
+    reads Failed at once and its pages come out of pop_released() only after the drain."""
+    fault: list[FaultEngine] = []
+    with pair(engine_name, wrap=_stalled(fault), decode_frees_on_terminal=on_terminal) as s:
+        try:
+            _sender, receiver = _one_room(s, 78)
+            assert fault[0].stalls.wait_stalled(1, timeout=BOUND)
+            receiver.abort()
+            poll_until(lambda: receiver.failure is not None)
+            if on_terminal:
+                _watch(receiver.poll, KVPoll.Transferring)
+                with pytest.raises(RuntimeError, match="free_on_terminal"):
+                    s.decode.pop_released()
+            else:
+                assert receiver.poll() == KVPoll.Failed
+                _watch(s.decode.pop_released, [])
+        finally:
+            fault[0].stalls.release_all()
+        if on_terminal:
+            poll_until(lambda: receiver.poll() == KVPoll.Failed)
+        else:
+            poll_until(lambda: s.decode.pop_released() == [78])
+        # the stalled write has landed by now, whole
+        want = kv_pattern(78, len(s.dst.kv), 4, 0, 2)
+        assert all((rows[4:8] == want[b]).all() for b, rows in enumerate(s.dst.pages))
+
+
+def test_success_shows_only_with_the_metadata_in_place(engine_name: str) -> None:
+    """The first poll() that says Success has scattered the metadata row into every metadata
+    buffer at the receiver's slot; the adapter's row layout is stamp + each buffer's item."""
+    with pair(engine_name) as s:
+        _sender, receiver = _one_room(s, 79)
+        poll_until(lambda: receiver.poll() == KVPoll.Success)
+        assert s.dst.holds(79, np.arange(4, 8), 2)
+        aux = s.decode.aux
+        assert aux.offsets == (16, 80, 144) and aux.row_len == 224 == 16 + aux.bytes_per_request
+        assert bytes(aux.rows[2, 16:80]) == bytes(meta_pattern(79, 0, 64))
+
+
+def test_an_abort_in_the_bootstrap_queue_fails_decode_at_once(engine_name: str) -> None:
+    """A sender aborted before init (SGLang's bootstrap queue then drops the request and
+    never calls init) fails decode's request within a moment, not at its waiting deadline;
+    an init and chunks after the abort are taken and dropped, and nothing is held."""
+    with pair(engine_name, decode_config=DecodeConfig(waiting_timeout=60)) as s:
+        sender = KVSender(s.prefill, s.addr, 81, [0], 0)
+        receiver = KVReceiver(s.decode, s.addr, 81)
+        sender.abort()
+        poll_until(lambda: sender.poll() == KVPoll.Failed)
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        receiver.send_metadata(np.arange(3), 0)
+        poll_until(lambda: receiver.poll() == KVPoll.Failed, bound=5)
+        with pytest.raises(TransferError, match="abort"):
+            receiver.failure_exception()
+        late = KVSender(s.prefill, s.addr, 82, [0], 0)  # aborted from another thread ...
+        threading.Thread(target=late.abort).start()
+        poll_until(lambda: late.poll() == KVPoll.Failed)
+        late.init(2, aux_index=1)  # ... while the scheduler goes on: nothing breaks
+        late.send([0, 1])
+        assert late.poll() == KVPoll.Failed
+        poll_until(lambda: s.prefill.statistics().rooms_active == 0)
+        poll_until(lambda: s.decode.statistics().rooms_active == 0)
+        assert s.prefill.statistics().aborted == 2  # the two empty rooms, nothing more
+
+
+def test_the_example_in_docs_sglang_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/sglang.md's complete example runs as it is and prints what the page shows."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "sglang.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    shown = re.findall(r"^```\n(decode:.*?)^```", text, re.DOTALL | re.MULTILINE)
+    exec(compile(blocks[1], "docs/sglang.md", "exec"), {"__name__": "docs_sglang"})
+    assert capsys.readouterr().out == shown[0]
+
+
+# ------------------------------------------------------------------ tensor parallelism
+
+
+def test_two_prefill_ranks_fill_one_decode_rank(engine_name: str) -> None:
+    """Prefill TP 2 (one KV head each) into decode TP 1 (both heads): each prefill rank's
+    head range comes from its engine_rank, and the decode pages hold both heads."""
+    srcs = [Memory(num_pages=32, heads=1, aux_slots=8) for _ in range(2)]
+    dst = Memory(num_pages=32, heads=2, aux_slots=8)
+    with ExitStack() as stack:
+        boot = stack.enter_context(KVBootstrapServer("127.0.0.1", 0))
+        prefills = [
+            stack.enter_context(KVManager(
+                m.kvargs(rank=r, total_heads=2), "prefill", server_args(tp_size=2),
+                engine=stack.enter_context(make_engine(engine_name)), bootstrap_url=boot.url,
+            ))
+            for r, m in enumerate(srcs)
+        ]
+        assert [p.pool.first_head for p in prefills] == [0, 1]
+        decode = stack.enter_context(KVManager(
+            dst.kvargs(), "decode", server_args(), engine=stack.enter_context(
+                make_engine(engine_name))))
+        addr = f"127.0.0.1:{boot.port}"
+        for room in (5, 6):
+            pages = np.arange(3) + room * 3
+            senders = []
+            for r, (mgr, m) in enumerate(zip(prefills, srcs, strict=True)):
+                m.fill(room, pages, room, first_head=r)
+                sender = KVSender(mgr, addr, room, [0], 0)
+                sender.init(3, room)
+                senders.append(sender)
+            receiver = KVReceiver(decode, addr, room)
+            poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)  # noqa: B023
+            receiver.send_metadata(pages, room)
+            for sender in senders:
+                sender.send(pages)
+            poll_until(lambda: receiver.poll() in TERMINAL)  # noqa: B023
+            assert receiver.poll() == KVPoll.Success, receiver.failure
+            assert dst.holds(room, pages, room)
+            poll_until(lambda: all(x.poll() == KVPoll.Success for x in senders))  # noqa: B023
+
+
+# ------------------------------------------------------------------ pool_from_kvargs
+
+
+def _raw(n_buffers: int, nbytes: int) -> list[npt.NDArray[np.uint8]]:
+    return [np.zeros(nbytes, dtype=np.uint8) for _ in range(n_buffers)]
+
+
+def _args(kv: Sequence[npt.NDArray[Any]], item: int | Sequence[int],
+          meta: Sequence[npt.NDArray[Any]] | None = None, **kw: Any) -> SimpleNamespace:
+    meta = list(meta) if meta is not None else [np.zeros((8, 16), np.int32)]
+    items = [item] * len(kv) if isinstance(item, int) else list(item)
+    fields = dict(
+        engine_rank=0, kv_data_ptrs=[int(b.ctypes.data) for b in kv],
+        kv_data_lens=[int(b.nbytes) for b in kv], kv_item_lens=items,
+        aux_data_ptrs=[int(m.ctypes.data) for m in meta],
+        aux_data_lens=[int(m.nbytes) for m in meta],
+        aux_item_lens=[int(m.nbytes) // m.shape[0] for m in meta],
+        kv_head_num=1, total_kv_head_num=1, page_size=4,
+    )
+    fields.update(kw)
+    return SimpleNamespace(**fields)  # a KVArgs-like object
+
+
+def test_pool_from_kvargs_mha() -> None:
+    kv = _raw(6, 10 * 256)  # 3 layers, 10 pages of 4 tokens x 2 heads x 32 bytes
+    meta: list[npt.NDArray[Any]] = [np.zeros((12, 16), np.int32), np.zeros((12, 5), np.float64)]
+    args = _args(kv, 256, meta, engine_rank=1, kv_head_num=2, total_kv_head_num=4)
+    aux = AuxRows(args)
+    pool = pool_from_kvargs(args, is_mla=False, aux=aux)
+    assert (pool.layout, pool.num_layers, pool.page_size, pool.num_pages) == ("mha", 3, 4, 10)
+    assert (pool.heads, pool.first_head, pool.head_bytes) == (2, 2, 32)
+    assert pool.buffer_bases == tuple(args.kv_data_ptrs)
+    assert (pool.aux_base, pool.aux_item_len, pool.aux_slots) == (
+        int(aux.rows.ctypes.data), 16 + 64 + 40, 12)
+    assert pool_from_kvargs(args, is_mla=False, aux=aux, num_pages=4).num_pages == 4
+    # with the TP size: GQA replication (TP 4 over 2 heads) puts rank 3 on head 1
+    rep = _args(kv, 256, meta, engine_rank=3, kv_head_num=1, total_kv_head_num=2, page_size=8)
+    assert pool_from_kvargs(rep, is_mla=False, aux=aux, tp_size=4).first_head == 1
+    # TP 1 (total == kv_head_num): head 0
+    assert pool_from_kvargs(_args(kv, 256, meta, kv_head_num=2, total_kv_head_num=2),
+                            is_mla=False, aux=aux).first_head == 0
+
+
+def test_pool_from_kvargs_mla() -> None:
+    kv = _raw(3, 16 * 4 * 72)  # 3 layers, 16 pages of 4 tokens x 72-byte latent
+    args = _args(kv, 4 * 72)
+    pool = pool_from_kvargs(args, is_mla=True, aux=AuxRows(args))
+    assert (pool.layout, pool.num_layers, pool.num_pages) == ("mla", 3, 16)
+    assert (pool.heads, pool.first_head, pool.head_bytes) == (1, 0, 72)
+
+
+@pytest.mark.parametrize(("what", "make", "match"), [
+    ("K and V items differ", lambda kv: _args(kv, [256, 256, 128, 128]), r"kv_item_lens\[2\]"),
+    ("one buffer shorter", lambda kv: _args([*kv[:3], np.zeros(9 * 256, np.uint8)], 256),
+     "buffer 3 holds 9 pages"),
+    ("odd MHA buffers", lambda kv: _args(kv[:3], 256), "K and a V buffer per layer"),
+    ("lens list short", lambda kv: _args(kv, 256, kv_data_lens=[2560] * 3),
+     "one entry per KV buffer"),
+    ("not whole heads", lambda kv: _args(kv, 250, kv_head_num=2, total_kv_head_num=2),
+     "not page_size 4 x 2 head"),
+    ("heads past the model", lambda kv: _args(kv, 256, engine_rank=2, kv_head_num=2,
+                                              total_kv_head_num=4), "past the model's 4"),
+    ("overlapping", lambda kv: _args([kv[0], kv[0], kv[1], kv[1]], 256), "overlap"),
+    ("too many pages asked", lambda kv: _args(kv, 256), "hold 10 pages"),
+    ("no buffers", lambda kv: _args([], 256), "kv_data_ptrs is empty"),
+])
+def test_pool_from_kvargs_refuses_buffers_that_disagree(
+    what: str, make: Callable[[list[npt.NDArray[np.uint8]]], Any], match: str
+) -> None:
+    args = make(_raw(4, 10 * 256))
+    with pytest.raises(ConfigurationError, match=match):
+        pool_from_kvargs(args, is_mla=False, aux=AuxRows(args),
+                         num_pages=11 if what == "too many pages asked" else None)
+
+
+def test_aux_rows_gather_and_scatter_each_metadata_buffer() -> None:
+    meta: list[npt.NDArray[Any]] = [np.arange(8 * 4, dtype=np.int32).reshape(8, 4),
+                                    np.linspace(0, 1, 8 * 3).reshape(8, 3)]
+    args = _args(_raw(2, 1024), 256, meta)
+    aux = AuxRows(args)
+    assert (aux.slots, aux.offsets, aux.row_len, aux.bytes_per_request) == (8, (16, 32), 56, 40)
+    aux.rows[5, :16] = 0xAB  # trio_pd's stamp: never touched by gather
+    aux.gather(5)
+    assert bytes(aux.rows[5, :16]) == b"\xab" * 16
+    assert bytes(aux.rows[5, 16:32]) == meta[0][5].tobytes()
+    assert bytes(aux.rows[5, 32:]) == meta[1][5].tobytes()
+    before = [m.copy() for m in meta]
+    aux.rows[5, 16:] = 7
+    aux.scatter(5)
+    assert (meta[0][5].view(np.uint8) == 7).all() and (meta[1][5].view(np.uint8) == 7).all()
+    assert all((m[:5] == b[:5]).all() and (m[6:] == b[6:]).all() for m, b in zip(
+        meta, before, strict=True))
+    with pytest.raises(ProtocolError):
+        aux.gather(8)
+    uneven = _args(_raw(2, 1024), 256, [np.zeros((8, 4), np.int32), np.zeros((9, 4), np.int32)])
+    with pytest.raises(ConfigurationError, match="same aux slot"):
+        AuxRows(uneven)
+    with pytest.raises(ConfigurationError, match="aux_data_ptrs is empty"):
+        AuxRows(_args(_raw(2, 1024), 256, []))
+
+
+def test_device_metadata_buffers_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A metadata buffer CUDA reports as device memory is refused (the adapter's copies are
+    host memcpys); the KV buffers may live anywhere. (CUDA's answer is stood in for.)"""
+    meta = [np.zeros((8, 16), np.int32), np.zeros((8, 4), np.float32)]
+    device_ptr = int(meta[1].ctypes.data)
+    monkeypatch.setattr(trio_pd._cuda, "classify", lambda address: MemoryKind(
+        0 if address == device_ptr else None))
+    with pytest.raises(ConfigurationError, match=r"aux_data_ptrs\[1\] is in cuda:0 memory"):
+        AuxRows(_args(_raw(2, 1024), 256, meta))
+
+
+# ------------------------------------------------------------------ what is not supported
+
+
+@pytest.mark.parametrize(("kvargs_kw", "server_kw", "knob"), [
+    ({"pp_rank": 1}, {}, "KVArgs.pp_rank=1"),
+    ({"prefill_start_layer": 2}, {}, "KVArgs.prefill_start_layer=2"),
+    ({"system_dp_rank": 1}, {}, "KVArgs.system_dp_rank=1"),
+    ({"state_data_ptrs": [4096]}, {}, "KVArgs.state_data_ptrs"),
+    ({}, {"pp_size": 2}, "server_args.pp_size=2"),
+    ({}, {"disaggregation_transfer_backend": "fake"}, "--disaggregation-transfer-backend"),
+])
+def test_unsupported_manager_knobs_are_named(
+    kvargs_kw: dict[str, Any], server_kw: dict[str, Any], knob: str
+) -> None:
+    mem = Memory(num_pages=4, heads=2, aux_slots=4)
+    args = mem.kvargs()
+    for k, v in kvargs_kw.items():
+        setattr(args, k, v)
+    with pytest.raises(ConfigurationError, match="not supported") as info:
+        KVManager(args, "decode", server_args(**server_kw))
+    assert knob in str(info.value)
+    with pytest.raises(ConfigurationError, match="disaggregation_mode"):
+        KVManager(mem.kvargs(), "null", server_args())
+
+
+def test_unsupported_call_knobs_are_named() -> None:
+    with pair(num_pages=16, aux_slots=4) as s:
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("pp_rank=1", lambda: KVSender(s.prefill, s.addr, 1, [0], 1)),
+            ("bootstrap_room=None", lambda: KVReceiver(s.decode, s.addr)),
+            ("aux_index=None", lambda: KVSender(s.prefill, s.addr, 2, [0], 0).init(1)),
+            ("needs a decode KVManager", lambda: KVReceiver(s.prefill, s.addr, 3)),
+        ]
+        sender = KVSender(s.prefill, s.addr, 4, [0], 0)
+        sender.init(2, 0)
+        receiver = KVReceiver(s.decode, s.addr, 4)
+        calls += [
+            ("state_indices", lambda: sender.send([0], state_indices=[1])),
+            ("decode_prefix_len=5", lambda: receiver.send_metadata([0], 0, None, 5)),
+            ("state_indices", lambda: receiver.send_metadata([0], 0, state_indices=[3])),
+            ("aux_index=None", lambda: receiver.send_metadata([0])),
+            ("prefill_dp_rank=1", lambda: receiver.init(1)),
+        ]
+        for knob, call in calls:
+            with pytest.raises(ConfigurationError, match=r"not supported|needs a") as info:
+                call()
+            assert knob in str(info.value), (knob, info.value)
+        # what is allowed in their place goes through
+        receiver.init(prefill_dp_rank=0)
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        receiver.send_metadata([8, 9], aux_index=1, state_indices=None, decode_prefix_len=0)
+        s.src.fill(4, np.array([0, 1]), 0)
+        sender.send(np.array([0], np.int32), state_indices=None)
+        with pytest.raises(ProtocolError, match="last chunk must end"):
+            sender.send([1, 2])  # past the total given to init
+        sender.send([1])
+        poll_until(lambda: receiver.poll() == KVPoll.Success)
+        assert s.dst.holds(4, np.array([8, 9]), 1)
+
+
+# ------------------------------------------------------------------ small shapes
+
+
+def test_kvpoll_compares_equal_to_sglang_ints() -> None:
+    assert sglang.KVPoll is trio_pd.KVPoll
+    assert [int(KVPoll.Failed), KVPoll.Bootstrapping, KVPoll.WaitingForInput,
+            KVPoll.Transferring, KVPoll.Success] == [0, 1, 2, 3, 4]
+    assert min(KVPoll.Success, 3) == KVPoll.Transferring  # SGLang's all-reduce over ranks
+
+
+def test_config_from_env_maps_sglang_variables() -> None:
+    env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "45",
+           "SGLANG_DISAGGREGATION_THREAD_POOL_SIZE": "3",
+           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "200",
+           "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2.5",
+           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "4"}
+    p = config_from_env(Mode.PREFILL, env)
+    assert isinstance(p, PrefillConfig) and (p.bootstrap_timeout, p.workers) == (45.0, 3)
+    d = config_from_env("decode", env)
+    assert isinstance(d, DecodeConfig)
+    assert (d.waiting_timeout, d.heartbeat_interval, d.heartbeat_misses) == (200.0, 2.5, 4)
+    assert config_from_env("decode", {}) == DecodeConfig()
+    with pytest.raises(ConfigurationError, match="SGLANG_DISAGGREGATION_WAITING_TIMEOUT"):
+        config_from_env("decode", {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "soon"})
+
+
+def test_bootstrap_server_shape() -> None:
+    server = KVBootstrapServer("127.0.0.1", 0)
+    try:
+        assert server.port > 0 and server.url == f"http://127.0.0.1:{server.port}"
+    finally:
+        server.close()
+    server.close()  # idempotent

@@ -1,0 +1,1011 @@
+"""SGLang's PD connector API, over trio_pd: a scheduler loop written against SGLang's
+``KVManager`` / ``KVSender`` / ``KVReceiver`` drives trio_pd unchanged.
+
+The classes here have the names, signatures and keyword names of SGLang's connector classes
+(they are trio_pd's own code; SGLang is never imported). Underneath, each :class:`KVManager`
+runs one :mod:`trio_pd.sync` facade (a :class:`~trio_pd.sync.SyncPrefill` or
+:class:`~trio_pd.sync.SyncDecode` on a trio thread of its own), and each sender or receiver
+is a thin handle over the facade's. docs/sglang.md maps every call, field and knob.
+
+Three things differ between the two APIs, and the adapter bridges each:
+
+* **When pages are free.** SGLang's loops free a request's KV pages and metadata slot as soon
+  as ``poll()`` says Success or Failed. trio_pd hands them back later, through
+  ``pop_released()``, once no engine call can still read (prefill) or write (decode) them. By
+  default (``free_on_terminal=True``) the adapter's ``poll()`` therefore holds a terminal
+  status back, reporting Transferring, until trio_pd has handed the room's pages back: what
+  ``poll()`` says is then safe to act on exactly as SGLang's loop does. With
+  ``free_on_terminal=False`` ``poll()`` reports at once and the scheduler frees pages when
+  :meth:`KVManager.pop_released` returns the room, the trio_pd way.
+* **The aux row.** trio_pd moves one aux row per request, whose first 16 bytes are its own
+  ``(room, epoch)`` stamp; SGLang has several metadata buffers (output ids, logprobs, hidden
+  states...), each indexed by the request's aux slot. The adapter registers a host buffer of
+  its own (:class:`AuxRows`) as the pool's aux buffer, with one row per slot: the stamp, then
+  each metadata buffer's item, in order. Prefill gathers the metadata rows into it at the
+  last ``send()``; decode scatters the row back into the metadata buffers when ``poll()``
+  first sees Success, before it returns Success. The cost is two host copies of the
+  metadata items per request (see :class:`AuxRows`); a native multi-buffer aux in trio_pd is
+  what would remove them.
+* **Epochs.** trio_pd tells uses of a room id apart by an epoch that every rank of a request
+  must agree on; SGLang has none, and draws a fresh random 63-bit room id per request. The
+  adapter derives the epoch from the room id (:func:`room_epoch`), so every rank agrees with
+  no router involved.
+
+What trio_pd does not do raises :class:`~trio_pd.ConfigurationError` naming the knob:
+pipeline parallelism, state buffers of hybrid models (``state_indices``), a decode prefix
+(``decode_prefix_len``), data-parallel ranks other than 0, and device memory for the
+metadata buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import math
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import sync
+from .._closing import ClosesOnExit
+from .._decode import DecodeConfig
+from .._errors import ConfigurationError, ProtocolError, TransferError
+from .._memory import AUX_STAMP, PoolSpec, describe_pool
+from .._prefill import PrefillAgent, PrefillConfig
+from .._state import KVPoll as KVPoll
+from .._stats import AgentStatistics
+from .._topology import head_range
+from ..engines import ENGINE_NAMES, TransferEngine, make_engine
+
+__all__ = [
+    "AuxRows",
+    "DisaggregationMode",
+    "KVArgs",
+    "KVBootstrapServer",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "config_from_env",
+    "pool_from_kvargs",
+    "room_epoch",
+]
+
+# SGLang's ``KVPoll`` values are ints (Failed=0, Bootstrapping=1, WaitingForInput=2,
+# Transferring=3, Success=4); trio_pd's KVPoll is an IntEnum with those very values, so it
+# *is* the adapter's KVPoll: ``KVPoll.Success == 4``, and ``min()`` over the ranks' statuses
+# (how SGLang combines them across TP ranks) works as on ints.
+_TERMINAL = (KVPoll.Success, KVPoll.Failed)
+#: what a held-back terminal status reads as (forward of every non-terminal one)
+_HELD = KVPoll.Transferring
+#: SGLang's default bootstrap port (``--disaggregation-bootstrap-port``)
+DEFAULT_BOOTSTRAP_PORT = 8998
+_I63 = (1 << 63) - 1
+
+
+class DisaggregationMode(enum.Enum):
+    """The side a :class:`KVManager` serves. Any object with ``.value`` (SGLang's own enum)
+    or a plain ``"prefill"`` / ``"decode"`` works as well."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def _mode(mode: object) -> Literal["prefill", "decode"]:
+    value = getattr(mode, "value", mode)
+    if isinstance(value, str) and value.lower() in ("prefill", "decode"):
+        return "prefill" if value.lower() == "prefill" else "decode"
+    raise ConfigurationError(
+        f"disaggregation_mode must be 'prefill' or 'decode' (a str or an enum with that "
+        f".value), not {mode!r}"
+    )
+
+
+@dataclass
+class KVArgs:
+    """What a scheduler tells the connector about its rank's memory: SGLang's ``KVArgs``,
+    same attribute names. Make one empty and set the attributes, as SGLang's scheduler does;
+    any object with these attributes works in its place (missing optional ones read as their
+    defaults here).
+
+    KV buffers, in trio_pd's pool order (MHA: K of every layer, then V of every layer; MLA:
+    one per layer): ``kv_data_ptrs`` (addresses), ``kv_data_lens`` (bytes of each buffer),
+    ``kv_item_lens`` (bytes of one page in each). Metadata buffers, all indexed by the same
+    aux slot: ``aux_data_ptrs``, ``aux_data_lens``, ``aux_item_lens`` (bytes of one slot's
+    item in each); host memory only.
+    """
+
+    #: this rank's TP rank within its prefill (or decode) attention TP group
+    engine_rank: int = 0
+    kv_data_ptrs: list[int] = field(default_factory=list)
+    kv_data_lens: list[int] = field(default_factory=list)
+    kv_item_lens: list[int] = field(default_factory=list)
+    aux_data_ptrs: list[int] = field(default_factory=list)
+    aux_data_lens: list[int] = field(default_factory=list)
+    aux_item_lens: list[int] = field(default_factory=list)
+    #: state buffers of hybrid models (Mamba, sliding window): not supported, must be empty
+    state_data_ptrs: list[int] = field(default_factory=list)
+    #: the RDMA device filter handed to the Mooncake engine ("" or None: all devices)
+    ib_device: str | None = None
+    #: the rank's GPU (informational: where each buffer lives is asked of CUDA)
+    gpu_id: int = 0
+    #: KV heads this rank holds (MHA); 1 for MLA
+    kv_head_num: int = 1
+    #: KV heads of the whole model (MHA); left 0, taken to be ``kv_head_num`` (TP 1)
+    total_kv_head_num: int = 0
+    #: tokens per page
+    page_size: int = 1
+    #: informational: trio_pd learns the decode side's TP size from its registrations
+    decode_tp_size: int = 1
+    #: must be 0: data-parallel ranks other than 0 are not supported
+    system_dp_rank: int = 0
+    #: must be 0: pipeline parallelism is not supported
+    pp_rank: int = 0
+    #: must be 0 (pipeline parallelism)
+    prefill_start_layer: int = 0
+
+
+def room_epoch(room: int) -> int:
+    """The epoch the adapter gives room ``room`` on every rank: a fixed mix of the room id
+    (in trio_pd's epoch range, ``[0, 2**63)``). SGLang draws a random room id per request,
+    so the epoch still tells one request from another; two uses of the *same* room id are
+    not told apart (trio_pd then refuses the second while the first is still tracked)."""
+    return (room * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _I63
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def _get(args: object, name: str, default: Any) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def _ints(args: object, name: str) -> list[int]:
+    raw = _get(args, name, [])
+    try:
+        return [int(v) for v in raw]
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"KVArgs.{name} must be a list of ints, got {raw!r}") from exc
+
+
+def _int(args: object, name: str, default: int) -> int:
+    raw = _get(args, name, default)
+    try:
+        return int(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"KVArgs.{name} must be an int, got {raw!r}") from exc
+
+
+def _unsupported(knob: str, value: object, why: str) -> ConfigurationError:
+    return ConfigurationError(f"{knob}={value!r} is not supported by trio_pd: {why}")
+
+
+def check_kvargs(args: object) -> None:
+    """Refuse the KVArgs fields trio_pd has no equivalent for, naming the field:
+    ``pp_rank`` / ``prefill_start_layer`` other than 0 (pipeline parallelism),
+    ``system_dp_rank`` other than 0, and ``state_data_ptrs`` (state buffers of hybrid
+    models). Raises :class:`~trio_pd.ConfigurationError`."""
+    for knob, why in (
+        ("pp_rank", "pipeline parallelism (each PP stage would be a pool of its own)"),
+        ("prefill_start_layer", "pipeline parallelism (every rank holds all layers)"),
+        ("system_dp_rank", "data-parallel ranks other than 0"),
+    ):
+        value = _int(args, knob, 0)
+        if value != 0:
+            raise _unsupported(f"KVArgs.{knob}", value, why)
+    if _ints(args, "state_data_ptrs"):
+        raise _unsupported(
+            "KVArgs.state_data_ptrs", _ints(args, "state_data_ptrs"),
+            "state buffers of hybrid models (Mamba, sliding window) are not moved",
+        )
+
+
+def _check_server_args(server_args: object) -> None:
+    """Refuse the server arguments trio_pd has no equivalent for (pipeline parallelism)."""
+    for knob in ("pp_size", "disaggregation_prefill_pp"):
+        value = getattr(server_args, knob, None)
+        if value not in (None, 1):
+            raise _unsupported(f"server_args.{knob}", value, "pipeline parallelism")
+
+
+# ---------------------------------------------------------------------------------- aux rows
+
+
+class AuxRows:
+    """The adapter's own aux buffer, registered as the pool's aux: one host row per aux slot,
+    laid out as trio_pd's 16-byte stamp followed by each SGLang metadata buffer's item for
+    that slot, in the order of ``aux_data_ptrs``.
+
+    Prefill fills a row with :meth:`gather` before the request's last chunk goes to trio_pd;
+    decode empties one with :meth:`scatter` once the request succeeded. Each is one
+    ``ctypes.memmove`` per metadata buffer, :attr:`bytes_per_request` bytes in all, on the
+    scheduler's thread: the price of keeping trio_pd's single aux row. The metadata buffers
+    must be host memory (memmove cannot reach a device); a pointer CUDA reports as device
+    memory is refused. trio_pd moves :attr:`row_len` bytes per request over the engine.
+
+    ``rows`` (a ``(slots, row_len)`` uint8 array) lives as long as this object: keep it (the
+    :class:`KVManager` does) while the pool is registered.
+    """
+
+    def __init__(self, args: object) -> None:
+        ptrs = _ints(args, "aux_data_ptrs")
+        lens = _ints(args, "aux_data_lens")
+        items = _ints(args, "aux_item_lens")
+        if not ptrs:
+            raise ConfigurationError(
+                "KVArgs.aux_data_ptrs is empty: trio_pd moves a metadata row with every "
+                "request and needs at least one metadata buffer to size its aux slots"
+            )
+        if not len(ptrs) == len(lens) == len(items):
+            raise ConfigurationError(
+                "aux_data_ptrs, aux_data_lens and aux_item_lens need one entry per metadata "
+                f"buffer, got {len(ptrs)}, {len(lens)} and {len(items)}"
+            )
+        slots: int | None = None
+        for i, (ptr, length, item) in enumerate(zip(ptrs, lens, items, strict=True)):
+            if ptr <= 0 or item <= 0 or length < item:
+                raise ConfigurationError(
+                    f"metadata buffer {i}: address {ptr:#x}, {length} bytes, items of {item} "
+                    "bytes: needs an address and at least one item"
+                )
+            n = length // item
+            if slots is not None and n != slots:
+                raise ConfigurationError(
+                    f"metadata buffer {i} holds {n} slots of {item} bytes, buffer 0 holds "
+                    f"{slots}: every metadata buffer is indexed by the same aux slot"
+                )
+            slots = n
+            _require_host(ptr, f"KVArgs.aux_data_ptrs[{i}]")
+        assert slots is not None
+        self.ptrs: tuple[int, ...] = tuple(ptrs)
+        self.item_lens: tuple[int, ...] = tuple(items)
+        #: where each metadata buffer's item starts inside a row
+        self.offsets: tuple[int, ...] = tuple(
+            AUX_STAMP.size + sum(items[:i]) for i in range(len(items))
+        )
+        self.slots = slots
+        self.row_len = AUX_STAMP.size + sum(items)
+        self.rows: npt.NDArray[np.uint8] = np.zeros((slots, self.row_len), dtype=np.uint8)
+        self._base = int(self.rows.ctypes.data)
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Bytes :meth:`gather` (prefill) or :meth:`scatter` (decode) copies per request."""
+        return self.row_len - AUX_STAMP.size
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ProtocolError(f"aux slot {slot} outside [0, {self.slots})")
+
+    def gather(self, slot: int) -> None:
+        """Copy slot ``slot`` of every metadata buffer into row ``slot`` (after the stamp)."""
+        self._check(slot)
+        row = self._base + slot * self.row_len
+        for ptr, item, off in zip(self.ptrs, self.item_lens, self.offsets, strict=True):
+            ctypes.memmove(row + off, ptr + slot * item, item)
+
+    def scatter(self, slot: int) -> None:
+        """Copy row ``slot`` (after the stamp) into slot ``slot`` of every metadata buffer."""
+        self._check(slot)
+        row = self._base + slot * self.row_len
+        for ptr, item, off in zip(self.ptrs, self.item_lens, self.offsets, strict=True):
+            ctypes.memmove(ptr + slot * item, row + off, item)
+
+
+def _require_host(ptr: int, what: str) -> None:
+    """Refuse a pointer CUDA reports as device memory (without cuda-python nothing can
+    tell, and every pointer counts as host memory)."""
+    from .._cuda import classify
+
+    kind = classify(ptr)
+    if kind.is_device:
+        raise ConfigurationError(
+            f"{what} is in {kind} memory: the adapter copies metadata rows with memmove, "
+            "host memory only; allocate SGLang's metadata buffers on the host"
+        )
+
+
+# ---------------------------------------------------------------------------------- the pool
+
+
+def pool_from_kvargs(
+    args: object,
+    *,
+    is_mla: bool,
+    aux: AuxRows,
+    num_pages: int | None = None,
+    tp_size: int | None = None,
+) -> PoolSpec:
+    """The :class:`~trio_pd.PoolSpec` of the KV buffers SGLang describes in ``args`` (a
+    :class:`KVArgs` or any object with its attributes), with ``aux`` as its aux buffer.
+
+    * layout ``"mla"`` if ``is_mla`` (one buffer per layer, one replicated latent "head"),
+      else ``"mha"``: K of every layer then V of every layer, so ``num_layers`` is half the
+      buffers;
+    * ``heads`` is ``kv_head_num``; ``first_head`` the first global head this rank holds:
+      ``head_range(engine_rank, tp_size, total_kv_head_num)`` when ``tp_size`` (the
+      attention TP size) is given, which also covers GQA replication, else
+      ``engine_rank * kv_head_num`` when ``total_kv_head_num > kv_head_num`` (0 otherwise);
+    * ``head_bytes`` is ``kv_item_lens / (page_size * heads)``, and ``num_pages`` what every
+      buffer holds (``kv_data_lens // kv_item_lens``; a smaller ``num_pages`` uses only the
+      first pages).
+
+    Where each buffer lives is asked of CUDA (host memory without cuda-python). Raises
+    :class:`~trio_pd.ConfigurationError` with the reason when the buffers disagree: lists of
+    different lengths, an odd number of MHA buffers, buffers whose page sizes in bytes or
+    page counts differ, a page that is not ``page_size x heads`` whole heads, a head range
+    outside the model's, or overlapping buffers.
+    """
+    ptrs = _ints(args, "kv_data_ptrs")
+    lens = _ints(args, "kv_data_lens")
+    items = _ints(args, "kv_item_lens")
+    if not ptrs:
+        raise ConfigurationError("KVArgs.kv_data_ptrs is empty: no KV buffer to register")
+    if not len(ptrs) == len(lens) == len(items):
+        raise ConfigurationError(
+            "kv_data_ptrs, kv_data_lens and kv_item_lens need one entry per KV buffer, got "
+            f"{len(ptrs)}, {len(lens)} and {len(items)}"
+        )
+    page_size = _int(args, "page_size", 1)
+    if page_size < 1:
+        raise ConfigurationError(f"KVArgs.page_size must be >= 1, got {page_size}")
+    rank = _int(args, "engine_rank", 0)
+    layout: Literal["mha", "mla"]
+    if is_mla:
+        layout, num_layers, heads, first_head = "mla", len(ptrs), 1, 0
+    else:
+        if len(ptrs) % 2:
+            raise ConfigurationError(
+                f"an MHA pool has a K and a V buffer per layer (K[0..L-1] then V[0..L-1]), "
+                f"got {len(ptrs)} buffers; pass is_mla=True for an MLA pool"
+            )
+        layout, num_layers = "mha", len(ptrs) // 2
+        heads = _int(args, "kv_head_num", 1)
+        total = _int(args, "total_kv_head_num", 0) or heads
+        if heads < 1 or total < heads:
+            raise ConfigurationError(
+                f"KVArgs.kv_head_num={heads} with total_kv_head_num={total}: need "
+                "1 <= kv_head_num <= total_kv_head_num"
+            )
+        if tp_size is not None:
+            try:
+                first_head, count = head_range(rank, tp_size, total)
+            except ValueError as exc:
+                raise ConfigurationError(f"engine_rank {rank} of TP {tp_size}: {exc}") from None
+            if count != heads:
+                raise ConfigurationError(
+                    f"engine_rank {rank} of TP {tp_size} holds {count} of {total} KV heads, "
+                    f"but KVArgs.kv_head_num is {heads}"
+                )
+        else:
+            first_head = rank * heads if total > heads else 0
+        if first_head + heads > total:
+            raise ConfigurationError(
+                f"engine_rank {rank} would hold heads {first_head}..{first_head + heads - 1}, "
+                f"past the model's {total} (total_kv_head_num)"
+            )
+    item_len = items[0]
+    for i, n in enumerate(items):
+        if n != item_len:
+            raise ConfigurationError(
+                f"kv_item_lens[{i}] is {n} bytes but kv_item_lens[0] is {item_len}: trio_pd "
+                "needs one page size in bytes for every buffer (K and V heads of one size)"
+            )
+    if item_len < 1 or item_len % (page_size * heads):
+        raise ConfigurationError(
+            f"kv_item_lens {item_len} is not page_size {page_size} x {heads} head(s) of a "
+            "whole number of bytes"
+        )
+    head_bytes = item_len // (page_size * heads)
+    held = [n // item_len for n in lens]
+    for i, n in enumerate(held):
+        if n != held[0]:
+            raise ConfigurationError(
+                f"KV buffer {i} holds {n} pages of {item_len} bytes (kv_data_lens[{i}] = "
+                f"{lens[i]}), buffer 0 holds {held[0]}: every buffer holds the same pages"
+            )
+    if held[0] < 1:
+        raise ConfigurationError(f"the KV buffers hold no whole page of {item_len} bytes")
+    if num_pages is None:
+        num_pages = held[0]
+    elif not 1 <= num_pages <= held[0]:
+        raise ConfigurationError(f"num_pages={num_pages}: the KV buffers hold {held[0]} pages")
+    return describe_pool(
+        layout=layout, page_size=page_size, num_layers=num_layers, head_bytes=head_bytes,
+        buffers=[(p, n) for p, n in zip(ptrs, lens, strict=True)], aux=aux.rows,
+        aux_item_len=aux.row_len, heads=heads, first_head=first_head, num_pages=num_pages,
+        aux_slots=aux.slots,
+    )
+
+
+# ---------------------------------------------------------------------------------- env knobs
+
+#: SGLang environment variable -> (side, trio_pd config field, type)
+ENV_KNOBS: Mapping[str, tuple[str, str, type]] = {
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": ("prefill", "bootstrap_timeout", float),
+    "SGLANG_DISAGGREGATION_THREAD_POOL_SIZE": ("prefill", "workers", int),
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": ("decode", "waiting_timeout", float),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": ("decode", "heartbeat_interval", float),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": ("decode", "heartbeat_misses", int),
+}
+
+
+def config_from_env(
+    mode: object,
+    environ: Mapping[str, str] | None = None,
+    base: PrefillConfig | DecodeConfig | None = None,
+) -> PrefillConfig | DecodeConfig:
+    """The trio_pd config for ``mode``'s side (``"prefill"`` or ``"decode"``): ``base`` (or
+    the defaults) with each SGLang environment variable of :data:`ENV_KNOBS` that is set in
+    ``environ`` (default ``os.environ``) applied. Raises
+    :class:`~trio_pd.ConfigurationError` naming a variable whose value does not parse or is
+    not positive."""
+    side = _mode(mode)
+    env = os.environ if environ is None else environ
+    config: PrefillConfig | DecodeConfig = base or (
+        PrefillConfig() if side == "prefill" else DecodeConfig()
+    )
+    changes: dict[str, Any] = {}
+    for name, (knob_side, attr, kind) in ENV_KNOBS.items():
+        raw = env.get(name)
+        if raw is None or knob_side != side:
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ConfigurationError(f"{name}={raw!r}: not a number") from None
+        if not value > 0 or (kind is float and not math.isfinite(value)):
+            raise ConfigurationError(f"{name}={raw!r}: must be positive")
+        changes[attr] = value
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+# ---------------------------------------------------------------------------------- manager
+
+
+def _wildcard(host: str) -> bool:
+    return host.strip("[]") in ("", "0.0.0.0", "::", "*")
+
+
+def _bootstrap_url(addr: str) -> str:
+    """SGLang passes ``host:port``; trio_pd wants a URL (a full one is kept as it is)."""
+    return addr if "://" in addr else f"http://{addr}"
+
+
+class KVManager(ClosesOnExit):
+    """One rank's connector: SGLang's ``KVManager(args, disaggregation_mode, server_args,
+    is_mla_backend=False)``. Builds the pool from ``args`` (:func:`pool_from_kvargs`, with
+    the adapter's :class:`AuxRows`), the transfer engine, and the :mod:`trio_pd.sync` facade
+    (:attr:`facade`), on its own trio thread unless ``thread=`` is given. A prefill manager
+    registers with its bootstrap service here (:meth:`register_to_bootstrap`).
+
+    From ``server_args`` (any object; missing attributes read as SGLang's defaults):
+    ``disaggregation_transfer_backend`` ("mooncake" or "nixl"), ``host`` and
+    ``disaggregation_bootstrap_port`` (where a prefill rank's bootstrap service is),
+    ``tp_size`` / ``dp_size`` / ``enable_dp_attention`` (the attention TP size) and
+    ``pp_size`` (must be 1). ``disaggregation_mode`` is "prefill" or "decode", a str or an
+    enum with that ``.value``.
+
+    trio_pd's own keywords: ``engine`` (a :class:`~trio_pd.engines.TransferEngine` to use
+    instead of building one; the caller then closes it), ``host`` (the address peers reach
+    this rank on; default ``server_args.host``), ``bootstrap_url`` (prefill: instead of
+    ``http://{server_args.host}:{disaggregation_bootstrap_port}``), ``config`` (a
+    :class:`~trio_pd.PrefillConfig` / :class:`~trio_pd.DecodeConfig`; default: the SGLang
+    environment variables, :func:`config_from_env`), ``num_pages``, ``thread``,
+    ``free_on_terminal`` (see :meth:`KVSender.poll`), and ``facade_kw`` (more keywords for
+    :func:`trio_pd.sync.open_prefill` / :func:`~trio_pd.sync.open_decode`: ``token``,
+    ``call_timeout``...).
+
+    Any thread but a trio thread. Blocks until the agent serves (prefill: registered);
+    raises :class:`~trio_pd.ConfigurationError` for what cannot work, and what the facade
+    raises at start. :meth:`close` (or the ``with`` block) closes the facade, then the engine
+    if the manager built it.
+    """
+
+    def __init__(
+        self,
+        args: object,
+        disaggregation_mode: object,
+        server_args: object = None,
+        is_mla_backend: bool | None = False,
+        *,
+        engine: TransferEngine | None = None,
+        host: str | None = None,
+        bootstrap_url: str | None = None,
+        config: PrefillConfig | DecodeConfig | None = None,
+        num_pages: int | None = None,
+        thread: sync.TrioThread | None = None,
+        free_on_terminal: bool = True,
+        facade_kw: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.kv_args = args
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.mode: Literal["prefill", "decode"] = _mode(disaggregation_mode)
+        self.disaggregation_mode = disaggregation_mode
+        self.free_on_terminal = free_on_terminal
+        check_kvargs(args)
+        _check_server_args(server_args)
+        tp = int(getattr(server_args, "tp_size", 1) or 1)
+        if getattr(server_args, "enable_dp_attention", False):
+            tp //= max(1, int(getattr(server_args, "dp_size", 1) or 1))
+        self.tp_size = max(1, tp)
+        self.tp_rank = _int(args, "engine_rank", 0)
+        self.aux = AuxRows(args)
+        self.pool: PoolSpec = pool_from_kvargs(
+            args, is_mla=self.is_mla_backend, aux=self.aux, num_pages=num_pages,
+            tp_size=self.tp_size,
+        )
+        total = 1 if self.is_mla_backend else (_int(args, "total_kv_head_num", 0)
+                                               or self.pool.heads)
+        self._kv_heads = total
+        server_host = str(getattr(server_args, "host", None) or "127.0.0.1")
+        self.host = host if host is not None else server_host
+        if bootstrap_url is None:
+            port = int(getattr(server_args, "disaggregation_bootstrap_port", None)
+                       or DEFAULT_BOOTSTRAP_PORT)
+            boot_host = "127.0.0.1" if _wildcard(server_host) else server_host
+            bootstrap_url = f"http://{boot_host}:{port}"
+        self.bootstrap_url = bootstrap_url
+        self.config = config or config_from_env(self.mode)
+        self._facade_kw = dict(facade_kw or {})
+        self._thread = thread
+        #: rooms handed to trio_pd whose pages are not back yet (``free_on_terminal`` only)
+        self._held: dict[int, _Handle] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._owns_engine = engine is None
+        if engine is None:
+            engine = self._make_engine(server_args, args)
+        self.engine: TransferEngine = engine
+        self._facade: sync.SyncPrefill | sync.SyncDecode | None = None
+        try:
+            if self.mode == "prefill":
+                self.register_to_bootstrap()
+            else:
+                self._facade = sync.open_decode(
+                    engine=engine, pool=self.pool, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                    kv_heads=self._kv_heads, host=self.host, config=self.config,
+                    thread=thread, **self._facade_kw,
+                )
+        except BaseException:
+            if self._owns_engine:
+                engine.close()
+            raise
+
+    def _make_engine(self, server_args: object, args: object) -> TransferEngine:
+        backend = str(getattr(server_args, "disaggregation_transfer_backend", None)
+                      or "mooncake")
+        if backend not in ENGINE_NAMES:
+            raise _unsupported(
+                "--disaggregation-transfer-backend", backend,
+                f"trio_pd runs over {' or '.join(ENGINE_NAMES)}",
+            )
+        if backend == "mooncake":
+            device = _get(args, "ib_device", "") or str(
+                getattr(server_args, "disaggregation_ib_device", None) or ""
+            )
+            return make_engine("mooncake", host=self.host, device=device)
+        return make_engine(backend)
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill: start the agent, which registers this rank with the bootstrap service at
+        :attr:`bootstrap_url` (the constructor already did; calling again does nothing).
+        Decode registers nothing: a no-op. Blocks until registered, at most the facade's
+        ``start_timeout``."""
+        if self.mode != "prefill" or self._facade is not None:
+            return
+        self._facade = sync.open_prefill(
+            engine=self.engine, pool=self.pool, bootstrap_url=self.bootstrap_url,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self._kv_heads,
+            host=self.host, config=self.config, thread=self._thread, **self._facade_kw,
+        )
+
+    @property
+    def facade(self) -> sync.SyncPrefill | sync.SyncDecode:
+        """The :mod:`trio_pd.sync` facade underneath. Any thread; never blocks."""
+        assert self._facade is not None
+        return self._facade
+
+    def statistics(self) -> AgentStatistics:
+        """The agent's counters (:meth:`trio_pd.sync.SyncPrefill.statistics`)."""
+        return self.facade.statistics()
+
+    def pop_released(self) -> list[int]:
+        """The rooms whose pages are free again since the last call, each once (as
+        :meth:`trio_pd.sync.SyncPrefill.pop_released`: on prefill every room given
+        ``init``; on decode the rooms given ``send_metadata`` that failed). Only with
+        ``free_on_terminal=False``; otherwise ``poll()`` consumes them, and this raises
+        RuntimeError. Any thread; never blocks."""
+        if self.free_on_terminal:
+            raise RuntimeError(
+                "KVManager.pop_released: with free_on_terminal=True a terminal poll() means "
+                "the pages are free; pass free_on_terminal=False to free them from here"
+            )
+        return self.facade.pop_released()
+
+    def close(self) -> None:
+        """Close the facade (open rooms fail), then the engine if the manager built it.
+        Idempotent. Any thread but a trio thread; blocks at most the facade's
+        ``close_timeout``. If the facade's close times out
+        (:class:`~trio_pd.TransferTimeout`) the engine is left open: the agent still closing
+        may still use it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._facade is not None:
+            self._facade.close()
+        if self._owns_engine:
+            self.engine.close()
+
+    # -------------------------------------------------------------- the release gate
+
+    def _hold(self, h: _Handle) -> None:
+        """Book ``h``'s room before its pages go to trio_pd (so a release that comes at
+        once still finds it)."""
+        if not self.free_on_terminal:
+            return
+        with self._lock:
+            if h.room in self._held:
+                raise TransferError(f"room {h.room} is still in use on this rank")
+            self._held[h.room] = h
+
+    def _unhold(self, h: _Handle) -> None:
+        with self._lock:
+            if self._held.get(h.room) is h:
+                del self._held[h.room]
+
+    def _released(self, h: _Handle) -> bool:
+        """Whether trio_pd has handed ``h``'s pages back (taking what ``pop_released``
+        says for every room of this manager)."""
+        if h._freed:
+            return True
+        rooms = self.facade.pop_released()
+        if rooms:
+            with self._lock:
+                for room in rooms:
+                    other = self._held.pop(room, None)
+                    if other is not None:
+                        other._freed = True
+        return h._freed
+
+    def _require(self, mode: str, what: str) -> None:
+        if self.mode != mode:
+            raise ConfigurationError(f"{what} needs a {mode} KVManager, this one is {self.mode}")
+
+
+# ---------------------------------------------------------------------------------- handles
+
+
+def _room(bootstrap_room: int | None) -> int:
+    if bootstrap_room is None:
+        raise ConfigurationError(
+            "bootstrap_room=None is not supported: trio_pd needs the room id the prefill "
+            "side uses for this request"
+        )
+    room = int(bootstrap_room)
+    if not 0 <= room <= _I63:
+        raise ConfigurationError(f"bootstrap_room {room} outside [0, 2**63)")
+    return room
+
+
+class _Handle:
+    """What the sender and receiver share: the facade's handle, the room, the gate."""
+
+    _h: sync.SyncSender | sync.SyncReceiver
+
+    def __init__(self, mgr: KVManager, room: int) -> None:
+        self._mgr = mgr
+        self.room = room
+        self.bootstrap_room = room
+        #: pages were handed to trio_pd (init / send_metadata ran)
+        self._given = False
+        #: trio_pd handed the pages back (set once, under the manager's lock)
+        self._freed = False
+
+    def _gated(self, status: KVPoll) -> KVPoll:
+        """``status``, or Transferring while a terminal one must wait for the pages."""
+        if (
+            status in _TERMINAL and self._given and self._mgr.free_on_terminal
+            and not self._mgr._released(self)
+        ):
+            return _HELD
+        return status
+
+    @property
+    def failure(self) -> TransferError | None:
+        """Why the room failed (None unless it did). Any thread; never blocks."""
+        return self._h.failure
+
+    def failure_exception(self) -> None:
+        """Raise the room's failure (a :class:`~trio_pd.TransferError`) if it failed; else
+        return None. SGLang's loop calls it on Failed to log the reason. Any thread; never
+        blocks."""
+        self._h.failure_exception()
+
+    def abort(self, reason: str = "aborted by the scheduler") -> None:
+        """Abort the room (idempotent; a room that succeeded first keeps its Success). Any
+        thread; never blocks."""
+        self._h.abort(reason)
+
+    def clear(self) -> None:
+        """SGLang's per-room cleanup. Nothing to do: the adapter forgets a room by itself
+        once its pages are free (or, on decode, once it succeeded). Any thread."""
+
+
+class KVSender(_Handle):
+    """SGLang's ``KVSender(mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank)``:
+    the prefill scheduler's handle for one request. Nothing reaches trio_pd before
+    :meth:`init`. ``bootstrap_addr`` and ``dest_tp_ranks`` are not needed (the rank's
+    bootstrap service is the manager's, and decode ranks announce themselves); ``pp_rank``
+    must be 0.
+
+    Any thread; never blocks. Raises :class:`~trio_pd.ConfigurationError` for ``pp_rank``
+    other than 0, a ``bootstrap_room`` of None, or a decode manager.
+    """
+
+    def __init__(
+        self,
+        mgr: KVManager,
+        bootstrap_addr: str | None,
+        bootstrap_room: int,
+        dest_tp_ranks: Sequence[int] | None = None,
+        pp_rank: int | None = 0,
+    ) -> None:
+        mgr._require("prefill", "KVSender")
+        if pp_rank not in (0, None):
+            raise _unsupported("pp_rank", pp_rank, "pipeline parallelism")
+        super().__init__(mgr, _room(bootstrap_room))
+        facade = mgr.facade
+        assert isinstance(facade, sync.SyncPrefill)
+        self._h = self._sender = facade.sender(self.room, epoch=room_epoch(self.room))
+        self._num: int | None = None
+        self._sent = 0
+        self._aux_index = 0
+        self._claim = threading.Lock()  # init and abort decide here who came first
+        #: aborted before init: the room never reaches trio_pd's facade
+        self._early = False
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        """Create the room: ``num_kv_indices`` source *pages* will come through :meth:`send`,
+        and the request's metadata is in slot ``aux_index`` of the metadata buffers.
+
+        The scheduler's thread. Blocks for one hop to the trio thread (as
+        :meth:`trio_pd.sync.SyncSender.init`, which says what it raises). ``aux_index=None``
+        raises :class:`~trio_pd.ConfigurationError`: the metadata row travels with the KV.
+        """
+        if aux_index is None:
+            raise _unsupported("aux_index", None, "the request's metadata row travels with "
+                               "its KV, in its aux slot")
+        num, slot = int(num_kv_indices), int(aux_index)
+        with self._claim:
+            early = self._early
+            if not early:
+                self._mgr._hold(self)
+                self._given = True  # (before the room exists: a poll meanwhile is gated)
+        if early:  # aborted first: Failed already, and decode was told; chunks are dropped
+            self._num, self._aux_index = num, slot
+            return
+        try:
+            self._sender.init(num, slot)
+        except BaseException:
+            self._given = False
+            self._mgr._unhold(self)
+            raise
+        self._num, self._aux_index = num, slot
+
+    def abort(self, reason: str = "aborted by the scheduler") -> None:
+        """Abort the room (idempotent; a room that succeeded first keeps its Success). Any
+        thread; never blocks.
+
+        An abort before :meth:`init` (SGLang aborts requests still in its bootstrap queue,
+        whose loop then never calls init) still reaches the decode side at once: the adapter
+        posts an empty room, aborted, to the prefill agent, which fails decode's request
+        for it; an init that comes afterwards does nothing, and poll() says Failed."""
+        with self._claim:
+            early = not self._given and not self._early
+            if early:
+                self._early = True
+        self._sender.abort(reason)
+        if early:
+            facade = self._mgr.facade
+            facade.thread.post(_fail_early, facade, self.room, room_epoch(self.room), reason)
+
+    def send(self, kv_indices: npt.ArrayLike, state_indices: Sequence[int] | None = None) -> None:
+        """Hand the next chunk of source page ids over; the chunk that brings the total to
+        ``num_kv_indices`` is the last. Before the last chunk goes, the request's metadata
+        rows are gathered into the adapter's aux row (:meth:`AuxRows.gather`): the scheduler
+        must have written them by then, as SGLang's does. The page ids are copied.
+
+        The scheduler's thread; never blocks. Raises :class:`~trio_pd.ProtocolError` as
+        :meth:`trio_pd.sync.SyncSender.send` (before init, bad ids, past the total), and
+        :class:`~trio_pd.ConfigurationError` for ``state_indices``.
+        """
+        if state_indices is not None and len(state_indices):
+            raise _unsupported("state_indices", state_indices,
+                               "state buffers of hybrid models are not moved")
+        if self._num is None:
+            raise ProtocolError(f"room {self.room}: send before init")
+        ids = np.asarray(kv_indices).reshape(-1)
+        if self._early:
+            self._sent += len(ids)
+            return
+        last = self._sent + len(ids) >= self._num
+        if last and self._sent + len(ids) == self._num:
+            self._mgr.aux.gather(self._aux_index)
+        self._sender.send(ids, last=last)
+        self._sent += len(ids)
+
+    def poll(self) -> KVPoll:
+        """The request's :class:`KVPoll`. WaitingForInput from the start (trio_pd takes
+        chunks before decode's metadata came), then Transferring, then Success or Failed.
+
+        With ``free_on_terminal`` (the default) a terminal status shows only once trio_pd has
+        handed the room's source pages back (until then it reads Transferring): SGLang's loop
+        frees the pages and the metadata slot on a terminal status, and may then. Otherwise
+        it shows at once and the pages come back through :meth:`KVManager.pop_released`.
+
+        Any thread; never blocks (no hop).
+        """
+        return self._gated(self._sender.poll())
+
+
+def _fail_early(facade: sync.SyncPrefill | sync.SyncDecode, room: int, epoch: int,
+                reason: str) -> None:
+    """On the trio thread: create ``room`` with no pages on the prefill agent and abort it,
+    so that decode's request for it fails now, not at its waiting deadline. Nothing is read
+    from the pool for it."""
+    agent = facade.agent
+    assert isinstance(agent, PrefillAgent)
+    try:
+        sender = agent.sender(room, num_pages=0, aux_slot=0, epoch=epoch)
+    except TransferError:  # the room id is still tracked (a use of it is under way)
+        return
+    sender.abort(reason)
+
+
+class KVReceiver(_Handle):
+    """SGLang's ``KVReceiver(mgr, bootstrap_addr, bootstrap_room=None)``: the decode
+    scheduler's handle for one request, served by the prefill instance whose bootstrap
+    service is at ``bootstrap_addr`` (``host:port``, or a full URL).
+
+    The scheduler's thread (not a trio thread). Blocks for one hop (as
+    :meth:`trio_pd.sync.SyncDecode.receiver`). Raises :class:`~trio_pd.ConfigurationError`
+    for ``bootstrap_room=None`` or a prefill manager.
+    """
+
+    def __init__(
+        self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int | None = None
+    ) -> None:
+        mgr._require("decode", "KVReceiver")
+        super().__init__(mgr, _room(bootstrap_room))
+        facade = mgr.facade
+        assert isinstance(facade, sync.SyncDecode)
+        self._h = self._receiver = facade.receiver(
+            self.room, bootstrap_url=_bootstrap_url(bootstrap_addr),
+            epoch=room_epoch(self.room),
+        )
+        self._aux_index = 0
+        self._delivered = False
+        self._deliver_lock = threading.Lock()
+
+    def init(
+        self,
+        prefill_dp_rank: int | npt.ArrayLike | None = None,
+        aux_index: int | None = None,
+        kv_indices: npt.ArrayLike | None = None,
+    ) -> None:
+        """Both of SGLang's forms. ``init(prefill_dp_rank)``: pick the prefill DP rank; only
+        0 (or None) is supported, and nothing else happens (the receiver resolved its prefill
+        instance when it was made). ``init(kv_indices, aux_index)`` (older SGLang): the same
+        as :meth:`send_metadata`."""
+        if kv_indices is None and (
+            prefill_dp_rank is None or isinstance(prefill_dp_rank, int | np.integer)
+        ):
+            if aux_index is not None:
+                raise ProtocolError("init(prefill_dp_rank): aux_index goes to send_metadata")
+            if prefill_dp_rank not in (None, 0):
+                raise _unsupported("prefill_dp_rank", prefill_dp_rank,
+                                   "data-parallel ranks other than 0")
+            return
+        pages = prefill_dp_rank if kv_indices is None else kv_indices
+        assert pages is not None
+        self.send_metadata(pages, aux_index)
+
+    def send_metadata(
+        self,
+        kv_indices: npt.ArrayLike,
+        aux_index: int | None = None,
+        state_indices: Sequence[int] | None = None,
+        decode_prefix_len: int | None = None,
+    ) -> None:
+        """Ask for the request's KV into destination pages ``kv_indices`` and its metadata
+        into slot ``aux_index`` of the metadata buffers. From here the pages are trio_pd's
+        until Success (or, failed, until :meth:`poll` says Failed with
+        ``free_on_terminal``, else until :meth:`KVManager.pop_released` returns the room).
+
+        The scheduler's thread; never blocks. Raises :class:`~trio_pd.ProtocolError` as
+        :meth:`trio_pd.sync.SyncReceiver.init`, and :class:`~trio_pd.ConfigurationError` for
+        ``aux_index=None``, ``state_indices``, or a ``decode_prefix_len`` other than 0.
+        """
+        if aux_index is None:
+            raise _unsupported("aux_index", None, "the request's metadata row travels with "
+                               "its KV, in its aux slot")
+        if state_indices is not None and len(state_indices):
+            raise _unsupported("state_indices", state_indices,
+                               "state buffers of hybrid models are not moved")
+        if decode_prefix_len not in (None, 0):
+            raise _unsupported("decode_prefix_len", decode_prefix_len,
+                               "a decode-side prefix cache (the whole request's KV is moved)")
+        self._aux_index = int(aux_index)
+        self._mgr._hold(self)
+        self._given = True
+        try:
+            self._receiver.init(kv_indices, self._aux_index)
+        except BaseException:
+            self._given = False
+            self._mgr._unhold(self)
+            raise
+
+    def poll(self) -> KVPoll:
+        """The request's :class:`KVPoll`: Bootstrapping until the prefill instance is
+        resolved, WaitingForInput (call :meth:`send_metadata`), Transferring, then Success or
+        Failed.
+
+        Success shows only once the request's metadata row has been scattered into the
+        metadata buffers (:meth:`AuxRows.scatter`, by the first poll that sees it); the
+        pages hold the KV and are the scheduler's. With ``free_on_terminal`` (the default)
+        Failed shows only once no prefill rank can still write the pages (until then it
+        reads Transferring), so the scheduler may free them on Failed as SGLang's loop does.
+
+        Any thread; never blocks on the trio thread (the first Success copies the row).
+        """
+        status = self._receiver.poll()
+        if status is KVPoll.Success:
+            if not self._delivered:
+                self._deliver()
+            return status
+        return self._gated(status)
+
+    def _deliver(self) -> None:
+        with self._deliver_lock:
+            if self._delivered:
+                return
+            self._mgr.aux.scatter(self._aux_index)
+            self._delivered = True
+        self._mgr._unhold(self)  # a room that succeeded never comes out of pop_released
+
+
+class KVBootstrapServer(ClosesOnExit):
+    """SGLang's ``KVBootstrapServer(host, port)``: trio_pd's bootstrap service
+    (:func:`trio_pd.open_bootstrap_server`) on a trio thread (its own, or ``thread=``),
+    serving from construction until :meth:`close`. ``kwargs`` go to the service (``token``,
+    ``certfile``...). :attr:`url` is what prefill managers take as ``bootstrap_url`` and
+    decode receivers as ``bootstrap_addr``; :attr:`port` the bound port (0 asks for a free
+    one).
+
+    Any thread but a trio thread. Blocks until the service accepts connections; raises what
+    it raises at start (:class:`~trio_pd.BootstrapError`, :class:`~trio_pd.ConfigurationError`
+    for a host off loopback without a token...).
+    """
+
+    def __init__(
+        self, host: str, port: int, *, thread: sync.TrioThread | None = None, **kwargs: Any
+    ) -> None:
+        self._server = sync.open_bootstrap_server(host=host, port=port, thread=thread,
+                                                  **kwargs)
+        self.host: str = self._server.server.host
+        self.port: int = self._server.server.port
+        self.url: str = self._server.url
+
+    def close(self) -> None:
+        """Stop the service (and its trio thread if it has its own). Idempotent."""
+        self._server.close()
