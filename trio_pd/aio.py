@@ -56,6 +56,7 @@ log = logging.getLogger("trio_pd.aio")
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 H = TypeVar("H", PrefillSender, DecodeReceiver)
+_A = TypeVar("_A", PrefillAgent, DecodeAgent)
 
 #: the message of the RuntimeError a call raises once the trio run is over (or ending)
 CLOSED = "the trio host is closed"
@@ -512,14 +513,14 @@ async def _new_room(host: TrioHost, make: Callable[[], H]) -> H:
         raise
 
 
-class AioPrefill:
-    """A :class:`~trio_pd.PrefillAgent` seen from asyncio. Make one with
-    :meth:`TrioHost.open_prefill`."""
+class _AioAgent(Generic[_A]):
+    """What both agents seen from asyncio have: the host, the trio agent, its endpoint and
+    its statistics (read directly: both run on the loop's thread)."""
 
-    def __init__(self, host: TrioHost, agent: PrefillAgent) -> None:
+    def __init__(self, host: TrioHost, agent: _A) -> None:
         self.host = host
         #: the trio agent: read it directly, change it through ``host.call``
-        self.agent = agent
+        self.agent: _A = agent
 
     @property
     def endpoint(self) -> str:
@@ -527,6 +528,11 @@ class AioPrefill:
 
     def statistics(self) -> AgentStatistics:
         return self.agent.statistics()
+
+
+class AioPrefill(_AioAgent[PrefillAgent]):
+    """A :class:`~trio_pd.PrefillAgent` seen from asyncio. Make one with
+    :meth:`TrioHost.open_prefill`."""
 
     async def sender(
         self,
@@ -550,21 +556,9 @@ class AioPrefill:
         return AioSender(self.host, await _new_room(self.host, make))
 
 
-class AioDecode:
+class AioDecode(_AioAgent[DecodeAgent]):
     """A :class:`~trio_pd.DecodeAgent` seen from asyncio. Make one with
     :meth:`TrioHost.open_decode`."""
-
-    def __init__(self, host: TrioHost, agent: DecodeAgent) -> None:
-        self.host = host
-        #: the trio agent: read it directly, change it through ``host.call``
-        self.agent = agent
-
-    @property
-    def endpoint(self) -> str:
-        return self.agent.endpoint
-
-    def statistics(self) -> AgentStatistics:
-        return self.agent.statistics()
 
     async def receiver(
         self, room: int, *, bootstrap_url: str, epoch: int | None = None
