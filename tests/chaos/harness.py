@@ -212,11 +212,13 @@ async def final(proc: Proc, bound: float = 60) -> dict[str, Any]:
 
 
 async def engine_calls(proc: Proc, seconds: float = 10) -> int:
-    """The prefill rank's engine call counter, asked for now."""
+    """The chunk writes the prefill rank made so far, asked for now: its engine calls, and
+    the writes that rode in another room's call (``chunks_batched``)."""
     proc.events[:] = [e for e in proc.events if e["ev"] != "stats"]
     proc.send({"cmd": "stats"})
     got = await proc.wait_for(lambda ev: proc.of("stats"), seconds, "stats")
-    calls: int = got[-1]["stats"]["engine_calls"]
+    stats = got[-1]["stats"]
+    calls: int = stats["engine_calls"] + stats.get("chunks_batched", 0)
     return calls
 
 
