@@ -51,6 +51,8 @@ from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator
 
+from .test_sync import guarded  # (any books with ``errors`` and ``done``)
+
 BOUND = 20.0
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
@@ -270,17 +272,6 @@ class Books:
     verified: int = 0
     corrupt: list[int] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
-
-
-def guarded(books: Books, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
-    def run() -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:
-            books.errors.append(exc)
-            books.done.set()
-
-    return run
 
 
 @dataclass
