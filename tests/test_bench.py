@@ -47,4 +47,8 @@ def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:
     assert r["facade_chunk_us"]["p50"] > 0
     assert r["facade_chunk_vs_trio_us"] == round(
         r["facade_chunk_us"]["p50"] - r["trio_pd_chunk_us"]["p50"], 1)
+    # the same bytes at TP 1->1 and 1->4, verified by the demo's runner
+    tp = r["tp_mismatch"]
+    assert tp["tp1_1_gbps"] > 0 and tp["tp1_4_gbps"] > 0
+    assert tp["ratio"] == round(tp["tp1_4_gbps"] / tp["tp1_1_gbps"], 3)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

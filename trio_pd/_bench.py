@@ -73,6 +73,7 @@ TARGETS = {
     "loop_lateness_ms_p99": 5.0,  # <=
     "abort_release_ms_p99": 10.0,  # <=
     "bytes_per_room_10k": 4096.0,  # <=
+    "tp_mismatch_ratio": 0.7,  # >=
 }
 
 
@@ -773,6 +774,36 @@ def run_facade(s: _Setup, progress: Progress) -> None:
     progress("facade")
 
 
+def run_tp_mismatch(s: _Setup, progress: Progress) -> None:
+    """The same bytes from one prefill rank to one decode rank, then to four (MHA, each
+    decode rank holding a quarter of the heads: every token slot becomes a head slice, one
+    block each), through the demo's verified in-process runner; the throughput over the
+    requests' in-flight time, and the ratio TP 1->4 / TP 1->1."""
+    from ._demo import DemoOptions, run_in_process
+
+    opts = s.opts
+    quick = opts.total_mib <= 16
+    base = DemoOptions(
+        requests=8 if quick else 64, concurrency=opts.concurrency, page_size=opts.page_size,
+        layers=opts.layers, kv_heads=opts.kv_heads, head_bytes=opts.head_bytes,
+        min_tokens=128 if quick else 512, max_tokens=128 if quick else 512,
+        chunk_pages=opts.chunk_pages, engine=opts.engine, seed=opts.seed,
+    )
+    out: dict[str, Any] = {"requests": base.requests, "tokens": base.max_tokens}
+    for decode_tp in (1, 4):
+        run = trio.run(run_in_process, replace(base, decode_tp=decode_tp))
+        bad = [k for k in ("failed", "corrupt_pages", "late_writes", "leaked_pages", "hung")
+               if run[k]]
+        if bad or run["succeeded"] != base.requests:
+            raise RuntimeError(f"tp mismatch phase, TP 1 -> {decode_tp}: {bad or run}")
+        out[f"tp1_{decode_tp}_gbps"] = run["transfer_gbps"]
+        out[f"tp1_{decode_tp}_seconds"] = run["transfer_seconds"]
+        out["bytes"] = run["bytes"]
+    out["ratio"] = round(out["tp1_4_gbps"] / out["tp1_1_gbps"], 3) if out["tp1_1_gbps"] else 0.0
+    s.results["tp_mismatch"] = out
+    progress("tp mismatch")
+
+
 def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, Any]:
     """Every phase; returns the JSON-able summary."""
     s = _setup(opts)
@@ -782,6 +813,7 @@ def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, An
     finally:
         ceiling.close()
     run_facade(s, progress)
+    run_tp_mismatch(s, progress)
     r = s.results
     r["options"] = asdict(opts)
     r["verified"] = "every destination page and aux row of the load, after the timed region"
@@ -791,7 +823,7 @@ def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, An
 
 def phases(opts: BenchOptions) -> list[str]:
     return ["ceiling", "trio_pd", "aborts", "overhead", *(f"scale {n}" for n in opts.scale_rooms),
-            "facade"]
+            "facade", "tp mismatch"]
 
 
 def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
@@ -809,6 +841,10 @@ def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
                                      TARGETS["loop_lateness_ms_p99"]),
         "abort_release_p99<=10ms": le(r["abort_release_ms"]["p99"],
                                       TARGETS["abort_release_ms_p99"]),
+        "tp_mismatch_ratio>=0.7": (
+            r["tp_mismatch"]["ratio"] >= TARGETS["tp_mismatch_ratio"] if "tp_mismatch" in r
+            else None
+        ),
         "10k_rooms<=4KiB/room": (
             ten_k[0]["bytes_per_room"] <= TARGETS["bytes_per_room_10k"] if ten_k else None
         ),
@@ -875,6 +911,10 @@ def table(r: dict[str, Any]) -> Any:
         t.add_row(f"scale {x['rooms']} rooms",
                   f"{x['bytes_per_room']} B/room, {x['chunks_per_s']} chunks/s",
                   "<= 4096 B/room" if key else "", mark(key) if key else "")
+    tp = r["tp_mismatch"]
+    t.add_row(f"TP 1->4 / TP 1->1, same bytes ({tp['requests']} x {tp['tokens']} tokens)",
+              f"{tp['ratio']:.3f} ({tp['tp1_4_gbps']} / {tp['tp1_1_gbps']} GB/s)", ">= 0.7",
+              mark("tp_mismatch_ratio>=0.7"))
     t.add_row("thread facade: one hop", pp(r["facade_hop_us"], "µs"), "", "")
     t.add_row("thread facade: poll()", pp(r["facade_poll_us"], "µs"), "", "")
     t.add_row("thread facade: send→Success (1 page)",
