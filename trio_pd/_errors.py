@@ -51,7 +51,8 @@ class ProtocolError(TransferError):
 
 
 class RegionError(ProtocolError):
-    """A planned write would land outside the memory the destination registered (SPEC I8)."""
+    """A planned write would land outside the memory the destination registered (invariant I8
+    of docs/architecture.md: nothing lands outside what the destination registered)."""
 
 
 class IncompatiblePeer(ProtocolError):

@@ -2,8 +2,9 @@
 KV bytes the demo and the tests write and verify. (Pools in the memory of a CUDA device:
 :mod:`trio_pd.testing.device`.)
 
-The sanitizer (SPEC I1): a page handed back to its allocator is *poisoned*; when it is handed
-out again the poison must still be intact. A page whose poison changed was written after it
+The sanitizer (invariant I1 of docs/architecture.md: no write after release): a page handed
+back to its allocator is *poisoned*; when it is handed out again the poison must still be
+intact. A page whose poison changed was written after it
 was released: a late write, counted in :attr:`PageAllocator.late_writes`. Source and
 destination allocators use different poison bytes, so a destination page that received
 source poison tells of a source use-after-free (a write that read released source pages).
