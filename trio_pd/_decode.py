@@ -64,7 +64,7 @@ from ._rooms import (
 from ._security import Keypair, Security, resolve
 from ._sources import Instance, PrefillRank, Sources
 from ._state import KVPoll, Liveness
-from ._stats import AgentStatistics, Counters
+from ._stats import AgentStatistics, Counters, count_room_end
 from ._timers import Timers
 from ._topology import model_kv_heads
 from .engines import TransferEngine
@@ -329,9 +329,7 @@ class DecodeAgent:
                 case SendTransfers():
                     self._send_transfers(rec)
                 case Succeeded():
-                    self.counters.bump("succeeded")
-                    if self.metrics is not None:
-                        self.metrics.observe_room("success", rec.started)
+                    count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Forget():
                     if self._rooms.get(machine.room) is rec:
@@ -339,11 +337,7 @@ class DecodeAgent:
                     for rank in rec.sources:
                         rank.rooms.discard(machine.room)
                 case Failed(error=error):
-                    kind = "aborted" if isinstance(error, TransferAborted) else "failed"
-                    self.counters.bump(kind)
-                    if self.metrics is not None:
-                        self.metrics.observe_failure(error)
-                        self.metrics.observe_room(kind, rec.started)
+                    count_room_end(self.counters, self.metrics, rec.started, error)
                     rec.terminal.set()
                     if machine.holding and not rec.draining:
                         rec.draining = True

@@ -70,7 +70,7 @@ from ._rooms import (
 )
 from ._security import Keypair, Security, check_register_mac, resolve
 from ._state import KVPoll, Lease, Outcome
-from ._stats import AgentStatistics, Counters
+from ._stats import AgentStatistics, Counters, count_room_end
 from ._timers import Timers
 from ._topology import model_kv_heads, served_decode_ranks
 from .engines import TransferEngine
@@ -353,9 +353,7 @@ class PrefillAgent:
                     if not in_worker:  # (a worker publishes inline, after its chunk)
                         self._jobs_tx.send_nowait((rec, "publish"))
                 case Succeeded():
-                    self.counters.bump("succeeded")
-                    if self.metrics is not None:
-                        self.metrics.observe_room("success", rec.started)
+                    count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Release():
                     if rec.on_release is not None:
@@ -375,11 +373,7 @@ class PrefillAgent:
                     for scope in list(rec.scopes):
                         scope.cancel(reason)
                 case Failed(error=error):
-                    kind = "aborted" if isinstance(error, TransferAborted) else "failed"
-                    self.counters.bump(kind)
-                    if self.metrics is not None:
-                        self.metrics.observe_failure(error)
-                        self.metrics.observe_room(kind, rec.started)
+                    count_room_end(self.counters, self.metrics, rec.started, error)
                     rec.terminal.set()
                 case SendAck(endpoint=endpoint, epoch=epoch):
                     self._send_ack(room, epoch, endpoint)

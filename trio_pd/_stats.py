@@ -6,7 +6,12 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
+
+from ._errors import TransferAborted
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,3 +143,21 @@ class Counters:
 
     def snapshot(self, **gauges: int) -> AgentStatistics:
         return AgentStatistics(**{**self._values, **gauges})
+
+
+def count_room_end(
+    counters: Counters, metrics: AgentMetrics | None, started: float | None,
+    error: BaseException | None = None,
+) -> None:
+    """A room's status became terminal (once per room): Success when ``error`` is None, else
+    ``aborted`` (a :class:`~trio_pd.TransferAborted`) or ``failed``. Counted, and reported to
+    ``metrics`` when attached (``started``: where its transfer latency runs from)."""
+    if error is None:
+        kind = "succeeded"
+    else:
+        kind = "aborted" if isinstance(error, TransferAborted) else "failed"
+    counters.bump(kind)
+    if metrics is not None:
+        if error is not None:
+            metrics.observe_failure(error)
+        metrics.observe_room("success" if error is None else kind, started)
