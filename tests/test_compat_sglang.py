@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import heapq
 import queue
 import random
 import re
@@ -51,7 +50,11 @@ from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator
 
-from .test_sync import guarded  # (any books with ``errors`` and ``done``)
+from .test_sync import aborter, guarded  # (any books with the fields they use)
+
+
+def _abort_as_sglang(handle: Any) -> None:
+    handle.abort()  # (SGLang's schedulers call abort() with no reason)
 
 BOUND = 20.0
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
@@ -428,23 +431,6 @@ def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], boo
         time.sleep(STEP)
 
 
-def aborter(books: Books) -> None:
-    """The other thread: aborts the planned requests a little after their handle exists."""
-    due: list[tuple[float, int, Any]] = []
-    while not books.done.is_set() or due:
-        try:
-            side, req, handle = books.handles.get(timeout=0.002)
-            if req.abort == side:
-                heapq.heappush(due, (time.monotonic() + req.abort_after, req.index, handle))
-        except queue.Empty:
-            pass
-        while due and due[0][0] <= time.monotonic():
-            _, _index, handle = heapq.heappop(due)
-            books.abort_points[f"{type(handle).__name__} {handle.poll().name}"] += 1
-            handle.abort()
-            books.aborted.add(handle.room)
-
-
 def slow_writes(index: int, _peer: str, _n: int) -> Fault | None:
     """One write in three waits 10 ms first: aborts often land while a write is under way."""
     return Fault("delay_before", delay_s=0.01) if index % 3 == 0 else None
@@ -474,7 +460,7 @@ def test_sglang_loops_move_requests_with_aborts(engine_name: str, decode_frees: 
             threading.Thread(target=guarded(books, decode_loop, s.decode, s.dst, s.addr, reqs,
                                             books, dst_pages, dst_slots, deadline)),
         ]
-        second = threading.Thread(target=guarded(books, aborter, books))
+        second = threading.Thread(target=guarded(books, aborter, books, _abort_as_sglang))
         for t in [*loops, second]:
             t.start()
         for t in loops:

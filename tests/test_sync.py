@@ -313,8 +313,14 @@ def decode_scheduler(
         time.sleep(STEP)
 
 
-def aborter(books: Books) -> None:
-    """The second thread: aborts the planned requests a little after their handle exists."""
+def _abort(handle: Any) -> None:
+    handle.abort("aborted by the test's second thread")
+
+
+def aborter(books: Books, abort: Callable[[Any], None] = _abort) -> None:
+    """The second thread: aborts the planned requests a little after their handle exists,
+    with ``abort(handle)`` (any books with ``handles``, ``done``, ``abort_points`` and
+    ``aborted``: the SGLang adapter's test uses it too)."""
     due: list[tuple[float, int, Any]] = []
     while not books.done.is_set() or due:
         try:
@@ -326,7 +332,7 @@ def aborter(books: Books) -> None:
         while due and due[0][0] <= time.monotonic():
             _, _index, handle = heapq.heappop(due)
             books.abort_points[f"{type(handle).__name__} {handle.poll().name}"] += 1
-            handle.abort("aborted by the test's second thread")
+            abort(handle)
             books.aborted.add(handle.room)
 
 
