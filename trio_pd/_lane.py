@@ -44,7 +44,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast
 
 import outcome
 import trio
@@ -65,9 +65,9 @@ class LaneClosed(RuntimeError):
     """A call was handed to a lane after :meth:`Lane.close`."""
 
 
-@runtime_checkable
 class Joinable(Protocol):
-    """A lane call that may share one engine call with the calls queued behind it."""
+    """A lane call that may share one engine call with the calls queued behind it: one
+    whose ``join_key`` attribute is not None."""
 
     #: calls join only with calls of an equal key (the same engine and peer)
     join_key: object
@@ -218,8 +218,7 @@ class Lane:
                     # only cancelled calls were queued: wait for more
             if job is not None:
                 if len(group) > 1:
-                    head = job.fn
-                    assert isinstance(head, Joinable)
+                    head = cast(Joinable, job.fn)
                     others = [j.fn for j in group[1:]]  # (Joinable: see _take_joiners)
                     call: Callable[[], Any] = head.join(others)  # type: ignore[arg-type]
                     started = outcome.capture(call)
@@ -242,8 +241,11 @@ class Lane:
     def _take_joiners(self, job: _Job) -> list[_Job]:
         """Under the lock: the joinable jobs queued right behind ``job`` (see the module
         docstring), marked started and taken off the queue. Cancelled ones are dropped."""
-        fn = job.fn
-        if not self.join_blocks or job.args or not isinstance(fn, Joinable):
+        fn = cast(Joinable, job.fn)
+        # (an attribute, not isinstance on the runtime Protocol: that costs ~18 µs a job here,
+        # under the lane's lock, on every chunk's path)
+        key = getattr(fn, "join_key", None)
+        if not self.join_blocks or job.args or key is None:
             return []
         taken: list[_Job] = []
         blocks, nbytes = fn.num_blocks, fn.nbytes
@@ -252,8 +254,8 @@ class Lane:
             if head.state == "cancelled":
                 self._jobs.popleft()
                 continue
-            other = head.fn
-            if (head.args or not isinstance(other, Joinable) or other.join_key != fn.join_key
+            other = cast(Joinable, head.fn)
+            if (head.args or getattr(other, "join_key", None) != key
                     or blocks + other.num_blocks > self.join_blocks
                     or nbytes + other.nbytes > self.join_bytes):
                 break
