@@ -187,12 +187,12 @@ def test_twenty_verified_transfers_while_asyncio_keeps_ticking() -> None:
             assert a.src_pages.outstanding == a.dst_pages.outstanding == 0
             p, d = a.prefill.statistics(), a.decode.statistics()
             assert p.succeeded == d.succeeded == 20 and p.rooms_active == d.rooms_active == 0
-            ticks_during_transfers = ticker.ticks
-        assert ticker.ticks > ticks_during_transfers  # it went on ticking while agents closed
 
     asyncio.run(scenario())
     assert sorted(verified) == list(range(20))
-    # it ran from before the host started until the host had closed, never held up long
+    # it ran from before the host started until the host had closed, never held up long:
+    # Ticker.stop, after the close, counts the gap since the last tick too, so a close that
+    # held the loop shows here (a tick *during* the close is not required: it may take <10 ms)
     assert ticker.longest < MAX_GAP, f"the asyncio loop was held {ticker.longest:.3f} s"
     assert ticker.ticks >= ticker.span / 0.01 / 4, (ticker.ticks, ticker.span)
 
