@@ -20,6 +20,7 @@ What the outcome means for the lease, and everything after, is the room machine'
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -38,8 +39,18 @@ from ._errors import (
 from ._lane import LaneClosed
 from ._memory import PoolSpec, stamp_aux_row
 from ._peers import DecodePeer, PeerRegistry
-from ._plan import Blocks, concat, plan_aux, plan_pages, validate_blocks
+from ._plan import (
+    Blocks,
+    concat,
+    plan_aux,
+    plan_pages,
+    plan_staged,
+    staged_bytes,
+    stages_heads,
+    validate_blocks,
+)
 from ._rooms import Chunk, PrefillRoom, Target
+from ._staging import Reservation, StagingArea, host_source
 from ._state import Outcome
 from ._stats import Counters
 from .engines import TransferEngine, start_write
@@ -47,14 +58,21 @@ from .engines import TransferEngine, start_write
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
 
+log = logging.getLogger("trio_pd.prefill")
+
+#: staging areas of closed agents that an engine may still read (a failed call's range)
+_KEPT: list[StagingArea] = []
+
 
 class _Call:
-    """One engine call of a chunk: whether it started, and how it ended."""
+    """One engine call of a chunk: whether it started, how it ended, and the staging range
+    it reads (if its head slices were gathered: see _staging)."""
 
-    __slots__ = ("state",)
+    __slots__ = ("staged", "state")
 
-    def __init__(self) -> None:
+    def __init__(self, staged: Reservation | None = None) -> None:
         self.state: Literal["not-started", "done", "error"] = "not-started"
+        self.staged = staged
 
 
 class Write:
@@ -64,13 +82,18 @@ class Write:
 
     __slots__ = (
         "blocks", "call_blocks", "call_bytes", "engine", "join_key", "joined", "nbytes",
-        "num_blocks", "peer",
+        "num_blocks", "peer", "prepare",
     )
 
-    def __init__(self, engine: TransferEngine, peer: str, blocks: Blocks) -> None:
+    def __init__(
+        self, engine: TransferEngine, peer: str, blocks: Blocks,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.peer = peer
         self.blocks = blocks
+        #: run on the lane's thread right before the engine call (a staging gather)
+        self.prepare = prepare
         self.join_key = (id(engine), peer)
         self.num_blocks = blocks.num_blocks
         self.nbytes = blocks.nbytes
@@ -81,13 +104,24 @@ class Write:
         self.call_bytes = self.nbytes
 
     def __call__(self) -> object:
+        if self.prepare is not None:
+            self.prepare()
         return start_write(self.engine, self.peer, *self.blocks)
 
     def join(self, others: Sequence[Write]) -> Callable[[], object]:
         blocks = concat([self.blocks, *(w.blocks for w in others)])
         self.call_blocks = blocks.num_blocks
         self.call_bytes = blocks.nbytes
-        return partial(start_write, self.engine, self.peer, *blocks)
+        prepares = [w.prepare for w in (self, *others) if w.prepare is not None]
+        if not prepares:
+            return partial(start_write, self.engine, self.peer, *blocks)
+
+        def call() -> object:
+            for prepare in prepares:
+                prepare()
+            return start_write(self.engine, self.peer, *blocks)
+
+        return call
 
 
 def outcome_of(calls: list[_Call]) -> Outcome:
@@ -131,12 +165,16 @@ class ChunkRunner:
         peers: PeerRegistry,
         counters: Counters,
         metrics: Callable[[], AgentMetrics | None],
+        staging_bytes: int = 0,
     ) -> None:
         self.engine = engine
         self.pool = pool
         self.peers = peers
         self.counters = counters
         self._metrics = metrics
+        #: where head slices for decode ranks of a larger TP are gathered (_staging)
+        self.staging = StagingArea(staging_bytes if host_source(pool) else 0)
+        self._staging_lock = trio.Lock()
 
     async def run(  # noqa: ASYNC910 (the nursery's exit is a schedule point on every path)
         self,
@@ -172,6 +210,7 @@ class ChunkRunner:
             except* Exception as group:  # planning, validation or engine: the room fails
                 failure = room_error(group)
         finally:
+            self._settle_staging(room, calls)
             outcome = outcome_of(calls)
             if ran_to_end and not calls:
                 outcome = Outcome.COMPLETED  # nothing to write here (a dummy rank): done
@@ -194,44 +233,125 @@ class ChunkRunner:
                     )
                 if not peer.ready.is_set():
                     await peer.ready.wait()  # not started yet: cancellable
-                blocks = self._plan(room, chunk, target, peer)
+                staging = self._stages(peer, chunk)
+                if staging and not self.staging.registered:
+                    await self._register_staging()  # once per agent; cancellable until then
+                call = _Call()
+                blocks, prepare = self._plan(room, chunk, target, peer, call, staging)
                 if len(blocks.lens) == 0:
                     continue  # a dummy rank for this destination: bookkeeping only
+                calls.append(call)  # (settling gives back or keeps its staging range)
                 if peer.failed:
                     self.peers.mark_failed(peer)  # (probes again unless a probe is running)
                     raise PeerLost(f"decode peer {peer.endpoint} is marked failed")
-                call = _Call()
-                calls.append(call)
                 if single:
-                    await self._engine_call(peer, blocks, call)
+                    await self._engine_call(peer, blocks, call, prepare)
                 else:
-                    nursery.start_soon(self._engine_call, peer, blocks, call)
+                    nursery.start_soon(self._engine_call, peer, blocks, call, prepare)
 
-    def _plan(self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer) -> Blocks:
+    def _stages(self, peer: DecodePeer, chunk: Chunk) -> bool:
+        """Whether this chunk's pages for ``peer`` go through staging (see _staging)."""
+        return (
+            len(chunk.pages) > 0
+            and self.staging.usable
+            and stages_heads(self.pool, peer.pool, peer.heads)
+        )
+
+    async def _register_staging(self) -> None:
+        async with self._staging_lock:
+            if self.staging.registered or self.staging.disabled:
+                return
+            try:
+                await trio.to_thread.run_sync(self.engine.register, [self.staging.region])
+            except Exception as exc:
+                log.warning("staging area not registered (%s): head slices go in place", exc)
+                self.staging.disabled = True
+            else:
+                self.staging.registered = True
+
+    async def close_staging(self) -> None:
+        """Deregister the staging area (the agent is closing: every call has returned). A
+        range still kept for a failed call stays allocated for the life of the process: the
+        engine may still read it."""
+        if not self.staging.registered:
+            return
+        self.staging.registered = False
+        self.staging.disabled = True
+        if self.staging.held:
+            _KEPT.append(self.staging)
+        try:
+            await trio.to_thread.run_sync(self.engine.unregister, [self.staging.region])
+        except Exception as exc:
+            log.warning("could not deregister the staging area: %s", exc)
+
+    def _plan(
+        self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer, call: _Call,
+        staging: bool,
+    ) -> tuple[Blocks, Callable[[], None] | None]:
+        """The chunk's blocks for ``target``, and the gather to run before they are written
+        (when they are staged: the reservation is then ``call.staged``)."""
         parts: list[Blocks] = []
+        prepare = None
         if peer.heads is not None and len(chunk.pages):
             dst = target.dst_pages[chunk.start : chunk.start + len(chunk.pages)]
             mha_heads = peer.heads if self.pool.layout == "mha" else None
-            # both page lists were validated when they arrived (admit, add_target)
-            parts.append(
-                plan_pages(
-                    self.pool, peer.pool, chunk.pages, dst, heads=mha_heads, pages_checked=True
+            r = None
+            if staging and self.staging.registered:
+                r = self.staging.reserve(staged_bytes(self.pool, peer.pool, len(dst)))
+                if r is None:
+                    self.counters.bump("staging_full")
+            if r is not None:
+                call.staged = r
+                assert mha_heads is not None
+                parts.append(plan_staged(self.pool, peer.pool, dst, r.addr))
+                prepare = self.staging.gatherer(
+                    self.pool, chunk.pages, mha_heads, r, peer.pool.item_len
                 )
-            )
-        if chunk.last and peer.writes_aux:
-            stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
-            parts.append(plan_aux(self.pool, peer.pool, room.aux_slot, target.aux_slot))
-        blocks = parts[0] if len(parts) == 1 else concat(parts)
-        validate_blocks(blocks, peer.regions)  # I8: nothing lands outside what decode registered
-        return blocks
+            else:
+                # both page lists were validated when they arrived (admit, add_target)
+                parts.append(
+                    plan_pages(
+                        self.pool, peer.pool, chunk.pages, dst, heads=mha_heads,
+                        pages_checked=True,
+                    )
+                )
+        try:
+            if chunk.last and peer.writes_aux:
+                stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
+                parts.append(plan_aux(self.pool, peer.pool, room.aux_slot, target.aux_slot))
+            blocks = parts[0] if len(parts) == 1 else concat(parts)
+            validate_blocks(blocks, peer.regions)  # I8: nothing lands outside decode's memory
+        except BaseException:
+            if call.staged is not None:  # (no engine call was made: nothing reads it)
+                self.staging.give(call.staged)
+                call.staged = None
+            raise
+        return blocks, prepare
 
-    async def _engine_call(self, peer: DecodePeer, blocks: Blocks, call: _Call) -> None:
+    def _settle_staging(self, room: PrefillRoom, calls: list[_Call]) -> None:
+        """Staging ranges of the chunk's calls: back to the area if the call completed or
+        never started; kept until the room's pages are released if it failed (the engine
+        may still read them: see _staging)."""
+        for call in calls:
+            r = call.staged
+            if r is None:
+                continue
+            call.staged = None
+            if call.state == "error":
+                self.staging.hold(room, r)
+            else:
+                self.staging.give(r)
+
+    async def _engine_call(
+        self, peer: DecodePeer, blocks: Blocks, call: _Call,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
         """The one place an engine write happens.
 
         **Cancellation:** before the lane's thread takes the call, it is skipped (``call``
         stays not-started); after, it completes and its result is observed.
         """
-        write = Write(self.engine, peer.session, blocks)
+        write = Write(self.engine, peer.session, blocks, prepare)
         metrics = self._metrics()
         t0 = time.perf_counter()
         try:
@@ -251,6 +371,8 @@ class ChunkRunner:
         call.state = "done"
         self.counters.bump("chunks_batched" if write.joined else "engine_calls")
         self.counters.bump("bytes_written", write.nbytes)
+        if call.staged is not None:
+            self.counters.bump("chunks_staged")
         # one observation per engine call, by the write that led it (a joined write's bytes
         # are in its leader's call; bytes_written counts every chunk's own)
         if metrics is not None and not write.joined:

@@ -252,6 +252,55 @@ def plan_pages(
     return Blocks(src_addr, dst_addr, np.full(src_addr.size, (h1 - h0) * hb, dtype=_U64))
 
 
+def stages_heads(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) -> bool:
+    """Whether a head-sliced copy of heads ``[h0, h1)`` can go through a staging area on the
+    source side: an MHA copy that slices (not :func:`plan_pages`' whole-page case) and fills
+    whole token slots of the destination (it holds exactly those heads: decode TP a multiple
+    of prefill TP). Then a destination page is one contiguous range, and the slices of a
+    page, gathered into staging, go as one block (:func:`plan_staged`). Where the
+    destination holds more heads than the slice (prefill TP above decode TP) its side is
+    strided too, and the copy stays per token slot."""
+    if heads is None or src.layout != "mha" or src.head_bytes != dst.head_bytes:
+        return False
+    h0, h1 = heads
+    whole = src.first_head == dst.first_head == h0 and src.heads == dst.heads == h1 - h0
+    return not whole and dst.first_head == h0 and dst.heads == h1 - h0
+
+
+def staged_bytes(src: PoolSpec, dst: PoolSpec, num_pages: int) -> int:
+    """Bytes of staging one chunk of ``num_pages`` pages takes (see :func:`plan_staged`)."""
+    return src.num_buffers * num_pages * dst.item_len
+
+
+def plan_staged(src: PoolSpec, dst: PoolSpec, dst_pages: npt.ArrayLike, base: int) -> Blocks:
+    """The blocks that copy a gathered chunk from staging memory at ``base`` into the
+    destination pages ``dst_pages`` (checked already: the caller ran :func:`validate_pages`).
+
+    The staging layout is buffer-major, then page: the slice of chunk page ``k`` of buffer
+    ``b`` is the ``dst.item_len`` bytes at ``base + (b * n + k) * dst.item_len``, laid out as
+    the destination page is (:func:`stages_heads` holds). One block per run of destination
+    pages consecutive in a buffer: a consecutive chunk costs ``num_buffers`` blocks."""
+    if src.num_buffers != dst.num_buffers:
+        raise ValueError(f"source has {src.num_buffers} buffers, destination {dst.num_buffers}")
+    num_buffers = src.num_buffers
+    d = _as_pages(dst_pages, "destination")
+    n = d.size
+    if n == 0 or num_buffers == 0:
+        return empty()
+    item = _U64(dst.item_len)
+    _, d0, run = _runs(np.arange(n, dtype=np.int64), d)
+    k0 = np.concatenate(([0], np.cumsum(run)[:-1])).astype(_U64)  # first chunk page of a run
+    rows = (np.arange(num_buffers, dtype=_U64) * _U64(n))[:, None]
+    lens = np.empty((num_buffers, run.size), dtype=_U64)
+    lens[:] = run.astype(_U64) * item
+    dst_bases = _bases_column(dst.buffer_bases)
+    return Blocks(
+        (_U64(base) + (rows + k0[None, :]) * item).ravel(),
+        (dst_bases + d0.astype(_U64) * item).ravel(),
+        lens.ravel(),
+    )
+
+
 def plan_aux(src: PoolSpec, dst: PoolSpec, src_slot: int, dst_slot: int) -> Blocks:
     """The one block that copies aux row ``src_slot`` to the destination's row ``dst_slot``.
 

@@ -102,6 +102,11 @@ class PrefillConfig:
     #: (docs/lifetimes.md). The byte bound keeps it to small writes (docs/bench.md)
     batch_blocks: int = 1024
     batch_bytes: int = 1 << 20
+    #: host memory for gathering head slices for decode ranks of a larger TP (MHA, host
+    #: pools), so each destination page goes as one block instead of one per token slot;
+    #: allocated and registered the first time it is needed (0: never stage). A chunk that
+    #: finds it full is written in place (``staging_full``). docs/topologies.md
+    staging_bytes: int = 64 << 20
     #: raise the lanes' threads' nice value by this much (Linux; 0: leave them), so that on a
     #: host whose cores are all busy the event loop preempts threads waiting on engine calls
     lane_nice: int = 10
@@ -269,7 +274,7 @@ class PrefillAgent:
         )
         self.runner = ChunkRunner(
             engine=engine, pool=pool, peers=self.peers, counters=self.counters,
-            metrics=lambda: self.metrics,
+            metrics=lambda: self.metrics, staging_bytes=config.staging_bytes,
         )
         self.book = TransferBook(
             max_rooms=config.max_pending_meta, max_page_ids=config.max_pending_page_ids
@@ -356,6 +361,7 @@ class PrefillAgent:
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Release():
+                    self.runner.staging.release_held(rec.machine)
                     if rec.on_release is not None:
                         try:
                             rec.on_release()
@@ -708,4 +714,5 @@ async def open_prefill(
             await wait_idle(agent.peers.probe_limiter, agent.peers.fence)
             if registered:
                 await trio.to_thread.run_sync(engine.unregister, regions)
+            await agent.runner.close_staging()
             await agent.control.aclose()

@@ -43,6 +43,11 @@ class AgentStatistics:
     #: prefill: chunk writes that rode in another room's engine call to the same decode peer
     #: (a lane joins what is queued; see PrefillConfig.batch_blocks)
     chunks_batched: int = 0
+    #: prefill: chunk writes whose head slices were gathered into the staging area first
+    #: (decode at a larger TP: one block per destination page run, not per token slot)
+    chunks_staged: int = 0
+    #: prefill: chunks written in place, per token slot, because the staging area was full
+    staging_full: int = 0
     engine_errors: int = 0
     bytes_written: int = 0
     send_backpressure: int = 0  # a non-blocking send found the socket full
@@ -101,6 +106,8 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "engine_calls": "prefill",  # the chunk runner (_chunks): only prefill writes
     "chunks_coalesced": "prefill",
     "chunks_batched": "prefill",
+    "chunks_staged": "prefill",
+    "staging_full": "prefill",
     "engine_errors": "prefill",
     "bytes_written": "prefill",
     "send_backpressure": "both",

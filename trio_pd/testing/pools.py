@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from .._memory import PoolSpec
+from .._memory import HOST, PoolSpec
 
 #: poison byte of released source (prefill) pages and of released destination (decode) pages
 SOURCE_POISON = 0x5A
@@ -63,6 +63,7 @@ class HostKVPool:
             aux_base=int(self.aux.ctypes.data),
             aux_item_len=aux_item_len,
             aux_slots=aux_slots,
+            kinds=(HOST,) * (buffers + 1),  # numpy memory: host (staging may read it)
         )
 
     @property
