@@ -47,7 +47,7 @@ async def _rooms_behind_a_stall(
         receivers[room] = pair.decode.receiver(room, bootstrap_url=pair.url)
         receivers[room].init(dst_pages, room)
     with trio.fail_after(BOUND):
-        while any(s.poll() is not KVPoll.WaitingForInput for s in senders.values()):
+        while any(s.poll() is not KVPoll.WaitingForInput for s in senders.values()):  # noqa: ASYNC110
             await trio.sleep(0.005)
     senders[0].send(np.array([0, 1]), last=True)
     with trio.fail_after(BOUND):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import enum
 import importlib.util
 import inspect
@@ -179,6 +180,13 @@ class FakeRuntime:
         return (_Err.cudaSuccess,) if self.allocs.pop(devPtr, None) else (
             _Err.cudaErrorInvalidValue,)
 
+    #: bytes on each "device"; cudaMemGetInfo reports them less what is allocated there
+    memory = 8 << 30
+
+    def cudaMemGetInfo(self) -> tuple[_Err, int, int]:
+        used = sum(buf.nbytes for buf, dev in self.allocs.values() if dev == self.current)
+        return self._ok(), self.memory - used, self.memory
+
     def cudaStreamCreateWithFlags(self, flags: int) -> tuple[_Err, object]:
         assert flags == self.cudaStreamNonBlocking
         return _Err.cudaSuccess, ("stream", self.current)
@@ -224,8 +232,7 @@ class FakeRuntime:
         return (_Err.cudaSuccess,)
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
+def install_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
     """The stand-in as trio_pd's CUDA runtime, with two devices; Mooncake's adapter is told
     it is the CUDA build (its non-CUDA build moves host memory, which this all is)."""
     fake = FakeRuntime()
@@ -233,6 +240,12 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
     monkeypatch.setattr(_cuda, "_streams", {})
     monkeypatch.setattr(mooncake_adapter, "_cuda_build", lambda: True)
     return fake
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
+    """:func:`install_fake_cuda` for one test."""
+    return install_fake_cuda(monkeypatch)
 
 
 @pytest.fixture
@@ -428,8 +441,10 @@ def test_pool_kinds_are_stated_per_region_and_kept_out_of_the_layout() -> None:
     assert [r.kind for r in spec.regions()] == [CUDA0] * 4 + [HOST]
     assert [r.base for r in spec.regions()] == [r.base for r in pool.spec.regions()]
     assert spec == pool.spec  # the same layout: kinds are no part of it
-    assert spec.aux_kind == HOST and pool.spec.aux_kind is None
-    assert [r.kind for r in pool.spec.regions()] == [None] * 5  # unstated, as before kinds
+    assert spec.aux_kind == HOST and pool.spec.aux_kind == HOST  # (numpy memory: host)
+    plain = dataclasses.replace(pool.spec)  # (replace drops the kinds)
+    assert plain == pool.spec and plain.aux_kind is None
+    assert [r.kind for r in plain.regions()] == [None] * 5  # unstated, as before kinds
     # the wire form is the layout's: a peer is not told our kinds
     form = wire.PoolWire.from_spec(spec)
     assert form == wire.PoolWire.from_spec(pool.spec)
