@@ -1,6 +1,8 @@
 """The demo: a bootstrap service, P prefill ranks and D decode ranks on loopback, real engines,
 N concurrent requests of random prompt lengths sent in chunks, every Success verified byte for
 byte, aborts and engine faults at random points, and a lifetime sanitizer on every allocator.
+The pools are host memory or, with ``device="cuda"`` (``--device cuda``), memory of CUDA
+device 0 (:class:`~trio_pd.testing.device.DeviceKVPool`): :func:`_pool` picks them.
 
 The same per-rank drivers run all ranks in one process (default) or one OS process per rank
 (``--processes``). Every process derives the same request plan from the seed, so the only
@@ -21,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -31,22 +33,28 @@ import trio.lowlevel
 from ._bootstrap import open_bootstrap_server
 from ._decode import DecodeConfig, open_decode
 from ._errors import AdmissionClosed
-from ._memory import read_aux_stamp
+from ._memory import PoolSpec, read_aux_stamp
 from ._plan import chunk_ranges
 from ._prefill import PrefillConfig, open_prefill
 from ._security import TOKEN_ENV
 from ._state import KVPoll
 from ._topology import head_range
 from .engines import TransferEngine, make_engine
+from .testing.device import DeviceKVPool
 from .testing.pools import (
     DEST_POISON,
     SOURCE_POISON,
     HostKVPool,
+    HostRows,
     PageAllocator,
+    Rows,
     page_rows,
 )
 
 ABORT_POINTS = ("before_bootstrap", "between_chunks", "mid_chunk", "after_last")
+#: the CUDA device of every pool with ``--device cuda`` (pick another GPU with
+#: ``CUDA_VISIBLE_DEVICES``)
+DEMO_DEVICE = 0
 Side = Literal["prefill", "decode"]
 _T = TypeVar("_T")
 
@@ -66,6 +74,9 @@ class DemoOptions:
     prefill_tp: int = 1
     decode_tp: int = 1
     engine: str = "mooncake"
+    #: where every rank's KV pool and aux buffer live: host memory, or CUDA device 0
+    #: (:class:`~trio_pd.testing.device.DeviceKVPool`; every rank, in every process)
+    device: Literal["host", "cuda"] = "host"
     abort_rate: float = 0.0
     fault_rate: float = 0.0
     #: which faults --fault-rate injects (trio_pd.engines.fault kinds), and their delay
@@ -78,6 +89,10 @@ class DemoOptions:
     #: proofs and identity checks, and a random cluster token for the bootstrap service.
     #: Off, the loopback demo runs open (and says so)
     secure: bool = False
+    #: pages handed out in a random order on each side (a random page layout: a request's
+    #: pages lie scattered over the pool) instead of the allocator's first-free order,
+    #: whose runs the planner merges into a few large blocks
+    random_pages: bool = False
 
     def option_problem(self) -> str | None:
         """What makes these options unusable, in the CLI's option names, or None.
@@ -111,7 +126,25 @@ class DemoOptions:
         if unknown or not self.fault_kinds:
             return (f"--fault-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; "
                     f"choose from {','.join(FAULT_KINDS)}")
-        return self._topology_problem() or self._memory_problem()
+        return self._topology_problem() or self._device_problem() or self._memory_problem()
+
+    def _device_problem(self) -> str | None:
+        """With ``--device cuda``: cuda-python, a CUDA device and an engine build that moves
+        device memory (:func:`trio_pd.testing.device.engine_problem`), or what is missing."""
+        if self.device == "host":
+            return None
+        if self.device != "cuda":
+            return f"--device must be host or cuda, got {self.device!r}"
+        from ._cuda import require_device
+        from ._errors import ConfigurationError
+        from .testing.device import engine_problem
+
+        try:
+            require_device(DEMO_DEVICE, "--device cuda")
+        except ConfigurationError as exc:
+            return str(exc)
+        problem = engine_problem(self.engine)
+        return None if problem is None else f"--device cuda --engine {self.engine}: {problem}"
 
     def _topology_problem(self) -> str | None:
         from ._bootstrap import MAX_TP_SIZE
@@ -157,14 +190,23 @@ class DemoOptions:
         for tp in (self.prefill_tp, self.decode_tp):
             heads = sum(_heads(self, rank, tp)[1] for rank in range(tp))
             total += buffers * self.pool_pages * page * heads
-        try:
-            have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            return None
-        if total > have:
-            return (f"the pools would need {total / 2**30:.1f} GiB of host memory, more than "
-                    f"this machine's {have / 2**30:.1f} GiB (pool pages per rank = "
-                    f"--concurrency x pages of --max-tokens x 2: lower either)")
+        have: int | None
+        if self.device == "cuda":  # every rank's pool is on the one device
+            from .testing.device import device_free_bytes
+
+            have = device_free_bytes(DEMO_DEVICE)
+            where = f"on cuda:{DEMO_DEVICE}, more than the {{}} GiB free there"
+        else:
+            try:
+                have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError):
+                have = None
+            where = "of host memory, more than this machine's {} GiB"
+        if have is not None and total > have:
+            return (f"the pools would need {total / 2**30:.1f} GiB "
+                    + where.format(f"{have / 2**30:.1f}")
+                    + " (pool pages per rank = --concurrency x pages of --max-tokens x 2: "
+                    "lower either)")
         return None
 
     @property
@@ -232,15 +274,86 @@ class RankResult:
     #: decode: ``(start, end)`` of each Successful request, ``time.monotonic()`` seconds
     #: from ``receiver.init`` to its Success (one clock for every process of the host)
     active: list[tuple[float, float]] = field(default_factory=list)
+    #: the rank's process; its CPU seconds (every thread: ``time.process_time()``) while the
+    #: rank ran its requests, and of those the event loop thread's seconds spent filling
+    #: (prefill) or verifying (decode) pages and in the page allocator's sanitizer
+    #: (poisoning, checking poison): the demo's own work. Ranks sharing a process report
+    #: the same process's CPU
+    pid: int = field(default_factory=os.getpid)
+    cpu_seconds: float = 0.0
+    harness_cpu_seconds: float = 0.0
 
 
-def _pool(opts: DemoOptions, rank: int, tp: int) -> HostKVPool:
+class DemoPool(Protocol):
+    """What a rank asks of its pool, wherever the pool lives: :class:`DeviceKVPool` has it,
+    and :class:`_HostPool` gives :class:`HostKVPool` the same reading side."""
+
+    spec: PoolSpec
+
+    def fill(self, pages: npt.NDArray[np.int64], room: int) -> None: ...
+    def fill_aux(self, slot: int, room: int) -> None: ...
+    def expected(self, room: int, npages: int) -> npt.NDArray[np.uint8]: ...
+    def aux_ok(self, slot: int, room: int) -> bool: ...
+
+    def read(self, pages: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
+        """What ``pages`` hold, on the host: shape (buffers, len(pages), item_len)."""
+        ...
+
+    def page_rows(self) -> Rows: ...
+    def aux_rows(self) -> Rows: ...
+
+    def close(self) -> None:
+        """Free the memory; only once no engine has it registered or may write it."""
+        ...
+
+
+class _HostPool(HostKVPool):
+    """A :class:`HostKVPool` read the way a :class:`DeviceKVPool` is (a :class:`DemoPool`)."""
+
+    def read(self, pages: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
+        return self.kv[:, pages, :]
+
+    def page_rows(self) -> Rows:
+        return HostRows(page_rows(self))
+
+    def aux_rows(self) -> Rows:
+        return HostRows(self.aux)
+
+    def close(self) -> None:
+        """Nothing to free: numpy owns the memory, which lives as long as this object."""
+
+
+def _pool(opts: DemoOptions, rank: int, tp: int) -> DemoPool:
+    """Rank ``rank`` of ``tp``'s pool, in host memory or on the device (``opts.device``):
+    the one place the demo picks its pool class."""
     first, heads = _heads(opts, rank, tp)
-    return HostKVPool(
+    make: Callable[..., DemoPool] = (
+        partial(DeviceKVPool, device=DEMO_DEVICE) if opts.device == "cuda" else _HostPool
+    )
+    return make(
         layout=opts.layout, num_pages=opts.pool_pages, num_layers=opts.layers,
         page_size=opts.page_size, head_bytes=opts.head_bytes, heads=heads, first_head=first,
         aux_slots=opts.aux_slots,
     )
+
+
+class _Owned:
+    """The engines and pools of ranks whose caller closes them once no rank is still moving
+    bytes (Mooncake's close() holds the GIL for up to a second): every engine first, then
+    every pool, since a pool is freed only once no engine has it registered (its own) or may
+    still write into it (a peer's)."""
+
+    def __init__(self) -> None:
+        self.engines: list[TransferEngine] = []
+        self.pools: list[DemoPool] = []
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+        # only once every engine closed: one that failed to may still have a pool registered
+        # (its memory then goes with the process)
+        for pool in self.pools:
+            pool.close()
 
 
 def _engine(opts: DemoOptions, role: str, rank: int) -> TransferEngine:
@@ -263,13 +376,6 @@ async def _bounded_wait(wait: Callable[[], Any], bound: float) -> KVPoll | None:
     return None
 
 
-def _hand_over(engine: TransferEngine, engines: list[TransferEngine] | None) -> None:
-    if engines is None:
-        engine.close()
-    else:
-        engines.append(engine)
-
-
 async def _all_returned(allocs: list[PageAllocator], bound: float) -> None:
     """Wait (at most ``bound`` s) until every allocator has every row back: quarantines and
     drain acks included."""
@@ -284,18 +390,21 @@ async def run_prefill_rank(
     rank: int,
     bootstrap_url: str,
     progress: Callable[[], None] = lambda: None,
-    engines: list[TransferEngine] | None = None,
+    *,
+    owned: _Owned,
     token: str | None = None,
     sink: list[RankResult] | None = None,
 ) -> RankResult:
-    """One prefill rank. ``sink`` gets the result object at once, so that a run that is
-    cancelled (Ctrl-C) still has what this rank counted so far."""
+    """One prefill rank. Its pool and engine go to ``owned``, for the caller to close.
+    ``sink`` gets the result object at once, so that a run that is cancelled (Ctrl-C) still
+    has what this rank counted so far."""
     result = RankResult("prefill", rank)
     if sink is not None:
         sink.append(result)
-    pool = _pool(opts, rank, opts.prefill_tp)
-    pages_alloc = PageAllocator(page_rows(pool), SOURCE_POISON)
-    aux_alloc = PageAllocator(pool.aux, SOURCE_POISON)
+    pool = _pool(opts, rank, opts.prefill_tp)  # before the engine: a CUDA context first
+    owned.pools.append(pool)
+    pages_alloc = _page_allocator(opts, pool, SOURCE_POISON, rank)
+    aux_alloc = PageAllocator(pool.aux_rows(), SOURCE_POISON)
     engine = _engine(opts, "prefill", rank)
     rng = random.Random(opts.seed * 7 + rank)
     slots = trio.Semaphore(opts.concurrency)
@@ -311,8 +420,10 @@ async def run_prefill_rank(
                 try:
                     pages = await pages_alloc.alloc(req.num_pages)
                     aux = await aux_alloc.alloc(1)
+                    cpu = time.thread_time()
                     pool.fill(pages, req.room)
                     pool.fill_aux(int(aux[0]), req.room)
+                    result.harness_cpu_seconds += time.thread_time() - cpu
 
                     def release() -> None:
                         pages_alloc.free(pages)
@@ -349,19 +460,20 @@ async def run_prefill_rank(
                     slots.release()
                     progress()
 
+            cpu = time.process_time()
             async with trio.open_nursery() as nursery:
                 for req in plan_requests(opts):
                     await slots.acquire()
                     nursery.start_soon(one, req)
+            result.cpu_seconds = time.process_time() - cpu
+            result.harness_cpu_seconds += pages_alloc.cpu_seconds
             # quarantined leases come back after their fence; wait for them
             await _all_returned([pages_alloc, aux_alloc], agent.peers.fence + 5)
             # counted before the agent closes: closing hands every page back, whatever it held
             result.leaked_pages = pages_alloc.outstanding
             result.stats = asdict(agent.statistics())
     finally:
-        # Mooncake's close() holds the GIL for up to a second: the caller closes every
-        # engine once no rank is still moving bytes.
-        _hand_over(engine, engines)
+        owned.engines.append(engine)  # closed by the caller (_Owned)
     result.late_writes = (
         pages_alloc.late_writes + aux_alloc.late_writes + pages_alloc.late_in_free_rows()
         + aux_alloc.late_in_free_rows()
@@ -374,17 +486,19 @@ async def run_decode_rank(
     rank: int,
     bootstrap_url: str,
     progress: Callable[[], None] = lambda: None,
-    engines: list[TransferEngine] | None = None,
+    *,
+    owned: _Owned,
     token: str | None = None,
     sink: list[RankResult] | None = None,
 ) -> RankResult:
-    """One decode rank; ``sink`` as for :func:`run_prefill_rank`."""
+    """One decode rank; ``owned`` and ``sink`` as for :func:`run_prefill_rank`."""
     result = RankResult("decode", rank)
     if sink is not None:
         sink.append(result)
-    pool = _pool(opts, rank, opts.decode_tp)
-    pages_alloc = PageAllocator(page_rows(pool), DEST_POISON)
-    aux_alloc = PageAllocator(pool.aux, DEST_POISON)
+    pool = _pool(opts, rank, opts.decode_tp)  # before the engine: a CUDA context first
+    owned.pools.append(pool)
+    pages_alloc = _page_allocator(opts, pool, DEST_POISON, rank)
+    aux_alloc = PageAllocator(pool.aux_rows(), DEST_POISON)
     engine = _engine(opts, "decode", rank)
     rng = random.Random(opts.seed * 11 + rank)
     slots = trio.Semaphore(opts.concurrency)
@@ -431,25 +545,28 @@ async def run_decode_rank(
                     result.outcomes[req.index] = int(status)
                     if status is KVPoll.Success:
                         result.active.append((started, time.monotonic()))
+                        cpu = time.thread_time()
                         _verify(result, pool, pages, int(aux[0]), req)
+                        result.harness_cpu_seconds += time.thread_time() - cpu
                         pages_alloc.free(pages)  # the request's KV is ours again: done with it
                         aux_alloc.free(aux)
                 finally:
                     slots.release()
                     progress()
 
+            cpu = time.process_time()
             async with trio.open_nursery() as nursery:
                 for req in plan_requests(opts):
                     await slots.acquire()
                     nursery.start_soon(one, req)
+            result.cpu_seconds = time.process_time() - cpu
+            result.harness_cpu_seconds += pages_alloc.cpu_seconds
             await _all_returned([pages_alloc, aux_alloc], opts.request_bound)
             # counted before the agent closes: closing hands every page back, whatever it held
             result.leaked_pages = pages_alloc.outstanding
             result.stats = asdict(agent.statistics())
     finally:
-        # Mooncake's close() holds the GIL for up to a second: the caller closes every
-        # engine once no rank is still moving bytes.
-        _hand_over(engine, engines)
+        owned.engines.append(engine)  # closed by the caller (_Owned)
     result.late_writes = (
         pages_alloc.late_writes + aux_alloc.late_writes + pages_alloc.late_in_free_rows()
         + aux_alloc.late_in_free_rows()
@@ -457,10 +574,43 @@ async def run_decode_rank(
     return result
 
 
+class _TimedAllocator(PageAllocator):
+    """Adds up the CPU time of the calling thread (the event loop's) in the sanitizer's
+    poison checks (``alloc_nowait``) and poisoning (``free``): the demo's own work."""
+
+    cpu_seconds = 0.0
+
+    def alloc_nowait(self, n: int) -> npt.NDArray[np.int64] | None:
+        start = time.thread_time()
+        try:
+            return super().alloc_nowait(n)
+        finally:
+            self.cpu_seconds += time.thread_time() - start
+
+    def free(self, ids: npt.NDArray[np.int64]) -> None:
+        start = time.thread_time()
+        try:
+            super().free(ids)
+        finally:
+            self.cpu_seconds += time.thread_time() - start
+
+
+def _page_allocator(
+    opts: DemoOptions, pool: DemoPool, poison: int, rank: int
+) -> _TimedAllocator:
+    alloc = _TimedAllocator(pool.page_rows(), poison)
+    if opts.random_pages:  # every page freed in a random order comes back out in that order
+        ids = alloc.alloc_nowait(alloc.capacity)
+        assert ids is not None
+        alloc.free(np.random.default_rng([opts.seed, poison, rank]).permutation(ids))
+        alloc.cpu_seconds = 0.0
+    return alloc
+
+
 def _verify(
-    result: RankResult, pool: HostKVPool, pages: npt.NDArray[np.int64], aux: int, req: Request
+    result: RankResult, pool: DemoPool, pages: npt.NDArray[np.int64], aux: int, req: Request
 ) -> None:
-    got = pool.kv[:, pages, :]
+    got = pool.read(pages)  # a device pool's pages are copied to the host
     want = pool.expected(req.room, len(pages))
     bad = ~(got == want).reshape(got.shape[0], len(pages), -1).all(axis=2).all(axis=0)
     result.corrupt_pages += int(bad.sum())
@@ -511,6 +661,7 @@ def summarize(
         return sum(r.stats.get(name, 0) for r in results)
 
     ms = sorted(m for r in decode for m in r.abort_release_ms)
+    request_ms = [(b - a) * 1e3 for r in decode for a, b in r.active]
     total_bytes = sum(r.bytes for r in decode)
     in_flight = _union_seconds([iv for r in decode for iv in r.active])
     return {
@@ -540,10 +691,21 @@ def summarize(
             "p99": round(_pct(ms, 99), 3) if ms else None,
         },
         "engine": opts.engine,
+        "device": opts.device,
         "layout": opts.layout,
         "prefill_tp": opts.prefill_tp,
         "decode_tp": opts.decode_tp,
         "kv_heads": opts.kv_heads,
+        # decode's Successful requests, receiver.init -> Success
+        "request_ms": {
+            "p50": round(_pct(request_ms, 50), 3) if request_ms else None,
+            "p99": round(_pct(request_ms, 99), 3) if request_ms else None,
+        },
+        "ranks": [
+            {"role": r.role, "rank": r.rank, "pid": r.pid, "cpu_seconds": round(r.cpu_seconds, 4),
+             "harness_cpu_seconds": round(r.harness_cpu_seconds, 4)}
+            for r in results
+        ],
     }
 
 
@@ -600,7 +762,7 @@ async def run_in_process(
     prefill ranks), then prefill, and the summary says what they had done (``interrupted``,
     ``unfinished``)."""
     results: list[RankResult] = []
-    engines: list[TransferEngine] = []
+    owned = _Owned()
     token = secrets.token_urlsafe(24) if opts.secure else None
     start = time.perf_counter()
     prefill_scope, decode_scope = trio.CancelScope(), trio.CancelScope()
@@ -621,13 +783,13 @@ async def run_in_process(
             trio.open_nursery() as nursery,
         ):
             nursery.start_soon(side, prefill_scope, [
-                partial(run_prefill_rank, opts, p, server.url, lambda: None, engines,
+                partial(run_prefill_rank, opts, p, server.url, lambda: None, owned=owned,
                         token=token, sink=results)
                 for p in range(opts.prefill_tp)
             ])
             nursery.start_soon(side, decode_scope, [
                 partial(run_decode_rank, opts, d, server.url,
-                        progress if d == 0 else lambda: None, engines, token=token,
+                        progress if d == 0 else lambda: None, owned=owned, token=token,
                         sink=results)
                 for d in range(opts.decode_tp)
             ], decode_done)
@@ -649,8 +811,7 @@ async def run_in_process(
             nursery.cancel_scope.cancel(reason="the demo finished")
         seconds = time.perf_counter() - start
     finally:
-        for engine in engines:
-            engine.close()
+        owned.close()
     return summarize(opts, results, seconds, interrupted=_is_set(interrupt))
 
 
@@ -671,17 +832,16 @@ async def run_worker(
         print(f"progress {done}", flush=True)
 
     fn = run_prefill_rank if role == "prefill" else run_decode_rank
-    engines: list[TransferEngine] = []
+    owned = _Owned()
     results: list[RankResult] = []
     # from here on an interrupt stops the rank and still gets its report (run_processes
     # sends SIGINT only to ranks that said this; the others it kills)
     print("started", flush=True)
     try:
-        await _until(interrupt, partial(fn, opts, rank, url, tick, engines, sink=results))
+        await _until(interrupt, partial(fn, opts, rank, url, tick, owned=owned, sink=results))
         print("result " + json.dumps(asdict(results[0])), flush=True)
     finally:
-        for engine in engines:
-            engine.close()
+        owned.close()
 
 
 async def run_processes(

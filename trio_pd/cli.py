@@ -120,6 +120,9 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
                    help="decode TP size; the larger TP size must be a multiple of the smaller")
     p.add_argument("--engine", choices=("mooncake", "nixl"), default=d.engine,
                    help="transfer engine")
+    p.add_argument("--device", choices=("host", "cuda"), default=d.device,
+                   help="where the KV pools and aux rows live: host memory, or CUDA device 0 "
+                   "(needs cuda-python, a device, and an engine build that moves device memory)")
     p.add_argument("--abort-rate", type=_number, default=d.abort_rate,
                    help="fraction of requests aborted at a random point on a random side")
     p.add_argument("--fault-rate", type=_number, default=d.fault_rate,
@@ -201,12 +204,15 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
+    from ._demo import DEMO_DEVICE
+
     outcome = f"  succeeded {s['succeeded']}   failed {s['failed']}   aborted {s['aborted']}"
     if s.get("interrupted"):
         outcome += f"   unfinished {s['unfinished']}"
     lines = [
         f"trio_pd demo: {s['requests']} requests, engine {s['engine']}, layout {s['layout']}, "
-        f"prefill TP {s['prefill_tp']} -> decode TP {s['decode_tp']}",
+        + (f"pools on cuda:{DEMO_DEVICE}, " if s.get("device") == "cuda" else "")
+        + f"prefill TP {s['prefill_tp']} -> decode TP {s['decode_tp']}",
         outcome,
         f"  moved {s['bytes'] / 1e6:.1f} MB verified: {s['transfer_gbps']:.2f} GB/s over "
         f"{s['transfer_seconds']:.2f} s with requests in flight (union of request intervals); "
@@ -242,6 +248,10 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     p.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake",
                    help="transfer engine")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds; for tests)")
+    p.add_argument("--preset", choices=("peer",), default=None,
+                   help="peer: instead of the phases above, 200 requests (20 with --quick) of "
+                   "32 pages x 16 buffers of 16 KiB, 8-page chunks, 8 in flight, random page "
+                   "layout, with prefill and decode in separate OS processes (docs/bench.md)")
     p.add_argument("--coalesce-pages", type=_at_least(1), default=None, metavar="N",
                    help="the prefill agent's coalesce_pages (default: its own; 1: one engine "
                    "call per chunk)")
@@ -260,13 +270,22 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         problem = _bench.plot_problem(args.plot)
         if problem is not None:
             parser.error(problem)
-    opts = _bench.BenchOptions.quick(args.engine) if args.quick else _bench.BenchOptions(
-        engine=args.engine
-    )
+    if args.preset == "peer":
+        if args.coalesce_pages is not None:
+            parser.error("--coalesce-pages does not apply to --preset peer (its prefill "
+                         "process runs the agent's defaults)")
+        opts = _bench.BenchOptions.peer(args.engine, quick=args.quick)
+    else:
+        opts = _bench.BenchOptions.quick(args.engine) if args.quick else _bench.BenchOptions(
+            engine=args.engine
+        )
     if args.coalesce_pages is not None:
         opts = replace(opts, coalesce_pages=args.coalesce_pages)
     if args.secure:
         opts = replace(opts, secure=True)
+    problem = opts.option_problem()
+    if problem is not None:
+        parser.error(problem)
     steps = _bench.phases(opts)
     if args.json or not sys.stderr.isatty():
         result = _bench.run(opts)

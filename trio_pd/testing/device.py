@@ -11,6 +11,8 @@ framework import and no device pool of ours.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Literal
 
 import numpy as np
@@ -18,6 +20,7 @@ import numpy.typing as npt
 
 from .. import _cuda
 from .._closing import ClosesOnExit
+from .._errors import EngineError
 from .._memory import (
     AUX_STAMP,
     HOST,
@@ -35,9 +38,61 @@ __all__ = [
     "buffer_region",
     "describe_pool",
     "device_count",
+    "device_free_bytes",
+    "engine_problem",
 ]
 
 device_count = _cuda.device_count
+
+
+def device_free_bytes(device: int = 0) -> int | None:
+    """Bytes free on CUDA device ``device`` (``cudaMemGetInfo``), or None where cuda-python
+    cannot say (no cuda-python, driver or device, or a failing call)."""
+    if _cuda.runtime() is None:
+        return None
+    try:
+        with _cuda._on(device) as (rt, _):
+            err, free, _total = rt.cudaMemGetInfo()
+    except Exception:
+        return None
+    return int(free) if err == rt.cudaError_t.cudaSuccess else None
+
+
+def engine_problem(name: str) -> str | None:
+    """Why transfer engine ``name``, as installed here, cannot move device memory, or None
+    if it can. Mooncake needs its CUDA wheel (``mooncake-transfer-engine``): its adapter
+    refuses device regions on the non-CUDA one. NIXL needs a UCX backend that lists VRAM,
+    which only an agent can say, so this builds one and closes it (once per process: the
+    answer is kept). Asks nothing of a device."""
+    if name == "mooncake":
+        from ..engines import mooncake
+
+        if importlib.util.find_spec("mooncake") is None:
+            return "mooncake is not installed (pip install mooncake-transfer-engine)"
+        if not mooncake._cuda_build():
+            return (f"the installed Mooncake wheel is the non-CUDA build ({mooncake._PIP_NAME}), "
+                    "which moves host memory only (pip install mooncake-transfer-engine in "
+                    "its place)")
+        return None
+    if name == "nixl":
+        return _nixl_problem()
+    return f"unknown engine {name!r}"
+
+
+@functools.cache
+def _nixl_problem() -> str | None:
+    from ..engines import make_engine
+
+    try:
+        with make_engine("nixl") as engine:
+            mems = engine._agent.get_backend_mem_types("UCX")  # type: ignore[attr-defined]
+    except EngineError as exc:  # the wheel is missing, or the agent cannot be built
+        return str(exc)
+    except Exception as exc:
+        return f"NIXL's UCX backend could not say which memory it moves: {exc!r}"
+    if not any("VRAM" in str(m) for m in mems):  # "VRAM_SEG"
+        return f"NIXL's UCX backend cannot move device memory here (it lists {mems})"
+    return None
 
 
 class DeviceRows:
