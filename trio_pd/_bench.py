@@ -29,6 +29,9 @@ Phases, all in one process with one prefill and one decode rank on loopback:
 5. **scale**: N concurrent rooms (tiny pages): bookkeeping memory per room (tracemalloc growth
    from creating N receivers + senders until every room is bootstrapped, over N), then the
    time to move them all.
+
+``--preset peer`` runs none of these but one workload with prefill and decode in separate OS
+processes (:func:`run_peer`, through the demo's ``--processes`` runner).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +65,9 @@ from ._prefill import PrefillAgent, PrefillConfig, open_prefill
 from ._state import KVPoll
 from .engines import Deferred, Pending, TransferEngine, make_engine, start_write
 from .testing.pools import HostKVPool
+
+if TYPE_CHECKING:
+    from ._demo import DemoOptions
 
 Progress = Callable[[str], None]
 
@@ -108,6 +114,8 @@ class BenchOptions:
     seed: int = 0
     #: authentication on (CURVE control plane, a cluster token; docs/security.md)
     secure: bool = False
+    #: "default": the phases above; "peer": only the peer preset (:func:`run_peer`)
+    preset: str = "default"
 
     @classmethod
     def quick(cls, engine: str = "mooncake") -> BenchOptions:
@@ -115,6 +123,24 @@ class BenchOptions:
             engine=engine, total_mib=16, concurrency=8, ceiling_repeats=1, abort_requests=4,
             overhead_samples=60, scale_rooms=(50, 200),
         )
+
+    @classmethod
+    def peer(cls, engine: str = "mooncake", *, quick: bool = False) -> BenchOptions:
+        """``--preset peer``: 200 requests (20 with ``quick``) of 32 pages, 16 KiB per page
+        per buffer (16 tokens x 8 heads x 128 B), 8 layers (K and V: 16 buffers), 8-page
+        chunks, 8 requests in flight, a random page layout on both sides; prefill and decode
+        in separate OS processes (:func:`run_peer`)."""
+        o = cls(engine=engine, preset="peer", head_bytes=128, layers=8, request_pages=32,
+                chunk_pages=8, concurrency=8)
+        return replace(o, total_mib=(20 if quick else 200) * o.request_bytes >> 20)
+
+    def option_problem(self) -> str | None:
+        """What makes these options unusable (the CLI refuses them before anything starts)."""
+        if self.preset == "peer":
+            return peer_demo_options(self).option_problem()
+        if self.preset != "default":
+            return f"--preset must be peer (or left out), got {self.preset!r}"
+        return None
 
     @property
     def num_buffers(self) -> int:
@@ -699,6 +725,92 @@ def _stats(st: Any) -> dict[str, int]:
     return {k: int(getattr(st, k)) for k in keys}
 
 
+# ---------------------------------------------------------------------------- the peer preset
+
+
+def peer_demo_options(opts: BenchOptions) -> DemoOptions:
+    """The peer preset's workload as the demo's options: every request exactly
+    ``request_pages`` pages, pages handed out in a random order on both sides."""
+    from ._demo import DemoOptions
+
+    tokens = opts.request_pages * opts.page_size
+    return DemoOptions(
+        requests=opts.load_requests, concurrency=opts.concurrency, page_size=opts.page_size,
+        layers=opts.layers, kv_heads=opts.kv_heads, head_bytes=opts.head_bytes,
+        min_tokens=tokens, max_tokens=tokens, chunk_pages=opts.chunk_pages, engine=opts.engine,
+        seed=opts.seed, secure=opts.secure, random_pages=True,
+    )
+
+
+def _peer_bound(requests: int) -> float:
+    """Seconds the whole peer run may take (process start-up included) before it is stopped
+    and its processes killed."""
+    return 120.0 + 2.0 * requests
+
+
+def run_peer(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, Any]:
+    """The peer preset: the bootstrap service, one prefill rank and one decode rank as three
+    OS processes (the demo's ``--processes`` runner, :func:`trio_pd._demo.run_processes`),
+    on a real engine over loopback. Decode verifies every Success byte for byte (and its aux
+    row); every allocator is checked for late writes and leaks. Throughput and requests/s
+    over the requests' in-flight time (the union of decode's ``init`` -> Success
+    intervals), request latency over the same intervals, and each rank process's own CPU
+    time (every thread, ``time.process_time()`` while it ran its requests) per request,
+    with the part its event loop spent filling (prefill) or verifying (decode) pages and in
+    the page allocator's sanitizer (poisoning freed pages, checking the poison)."""
+    from ._demo import check, run_processes
+
+    d = peer_demo_options(opts)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        progress(f"peer {done}")
+
+    async def bounded() -> dict[str, Any]:
+        with trio.fail_after(_peer_bound(d.requests)):
+            summary: dict[str, Any] = await run_processes(d, tick)
+            return summary
+
+    summary = trio.run(bounded)
+    n = summary["requests"]
+    seconds = summary["transfer_seconds"]
+    verified, rest = divmod(summary["bytes"], opts.request_bytes)
+    found = check(d, summary)
+    if rest or verified != n:
+        found.append(f"verified {verified} requests ({summary['bytes']} bytes) of {n}")
+
+    def process(role: str) -> dict[str, Any]:
+        (rank,) = [x for x in summary["ranks"] if x["role"] == role]
+        return {
+            "pid": rank["pid"], "cpu_seconds": rank["cpu_seconds"],
+            "cpu_ms_per_request": round(rank["cpu_seconds"] / n * 1e3, 3),
+            "harness_ms_per_request": round(rank["harness_cpu_seconds"] / n * 1e3, 3),
+        }
+
+    peer = {
+        "workload": {
+            "requests": n, "pages": opts.request_pages, "item_bytes": opts.item_len,
+            "buffers": opts.num_buffers, "request_bytes": opts.request_bytes,
+            "chunk_pages": opts.chunk_pages, "concurrency": opts.concurrency,
+            "page_layout": "random, both sides", "engine": opts.engine,
+        },
+        "gbps": summary["transfer_gbps"],
+        "requests_per_s": round(summary["succeeded"] / seconds, 1) if seconds > 0 else 0.0,
+        "seconds": seconds, "wall_seconds": summary["seconds"],
+        "request_ms": summary["request_ms"],
+        "prefill": process("prefill"), "decode": process("decode"), "bench_pid": os.getpid(),
+        "verified_requests": verified, "verified_bytes": summary["bytes"],
+        **{k: summary[k] for k in (
+            "requests", "succeeded", "failed", "corrupt_pages", "source_uaf_pages",
+            "late_writes", "leaked_pages", "hung", "released_by_timeout", "engine_errors",
+        )},
+        "problems": found,
+    }
+    return {"preset": "peer", "peer": peer, "options": asdict(opts)}
+
+
 # ---------------------------------------------------------------------------- the whole bench
 
 
@@ -805,7 +917,9 @@ def run_tp_mismatch(s: _Setup, progress: Progress) -> None:
 
 
 def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, Any]:
-    """Every phase; returns the JSON-able summary."""
+    """Every phase (or the peer preset's one); returns the JSON-able summary."""
+    if opts.preset == "peer":
+        return run_peer(opts, progress)
     s = _setup(opts)
     ceiling = open_ceiling(s, progress)
     try:
@@ -822,6 +936,11 @@ def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, An
 
 
 def phases(opts: BenchOptions) -> list[str]:
+    """The progress bar's steps, each ended by one ``progress`` call of :func:`run` (the
+    peer preset: one per request the decode process finished)."""
+    if opts.preset == "peer":
+        n = opts.load_requests
+        return [f"peer: {i}/{n} requests (prefill, decode in own processes)" for i in range(n)]
     return ["ceiling", "trio_pd", "aborts", "overhead", *(f"scale {n}" for n in opts.scale_rooms),
             "facade", "tp mismatch"]
 
@@ -854,7 +973,9 @@ def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
 def problems(r: dict[str, Any]) -> list[str]:
     """What makes a bench run a failure (the command exits 1): wrong bytes or failed
     requests, never a missed target."""
-    out = []
+    out = [f"peer: {x}" for x in r["peer"]["problems"]] if "peer" in r else []
+    if r.get("preset") == "peer":
+        return out
     if r["corrupt_pages"]:
         out.append(f"corrupt_pages = {r['corrupt_pages']}")
     if r["failed"]:
@@ -874,6 +995,8 @@ def table(r: dict[str, Any]) -> Any:
         v = r["targets"].get(key)
         return "—" if v is None else ("[green]met[/]" if v else "[red]missed[/]")
 
+    if r.get("preset") == "peer":
+        return _peer_table(r["peer"])
     o = r["options"]
     t = Table(title=f"trio-pd bench ({o['engine']}, {r['requests']} requests x "
                     f"{o['request_pages']} pages, chunks of {o['chunk_pages']}, "
@@ -925,6 +1048,34 @@ def table(r: dict[str, Any]) -> Any:
     return t
 
 
+def _peer_table(p: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    w = p["workload"]
+    t = Table(title=f"trio-pd bench --preset peer ({w['engine']}, {w['requests']} requests x "
+                    f"{w['pages']} pages x {w['buffers']} buffers of {w['item_bytes'] >> 10} "
+                    f"KiB, chunks of {w['chunk_pages']}, concurrency {w['concurrency']}, "
+                    "random page layout; prefill and decode in their own processes)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    lat = p["request_ms"]
+    t.add_row("throughput (requests in flight)",
+              f"{p['gbps']:.3f} GB/s, {p['requests_per_s']} requests/s over {p['seconds']} s")
+    t.add_row("request latency (decode init → Success)",
+              f"p50 {lat['p50']} / p99 {lat['p99']} ms")
+    for role, work in (("prefill", "filling pages, sanitizer"),
+                       ("decode", "verifying, sanitizer")):
+        x = p[role]
+        t.add_row(f"{role} process (pid {x['pid']}): CPU per request",
+                  f"{x['cpu_ms_per_request']} ms (of which {work}: "
+                  f"{x['harness_ms_per_request']} ms)")
+    t.add_row("verified", f"{p['verified_requests']} of {p['requests']} requests, "
+              f"{p['verified_bytes'] / 1e6:.1f} MB")
+    t.add_row("corrupt pages / late writes / leaked pages / hung",
+              f"{p['corrupt_pages']} / {p['late_writes']} / {p['leaked_pages']} / {p['hung']}")
+    return t
+
+
 def plot_problem(path: str) -> str | None:
     """Why :func:`plot` could not write ``path`` (checked before the run), or None."""
     try:
@@ -951,6 +1102,9 @@ def plot(r: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if r.get("preset") == "peer":
+        _plot_peer(plt, r["peer"], path)
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [f"ceiling: {m}" for m in r["ceiling_gbps_by_mode"]] + ["trio_pd"]
     vals = [*r["ceiling_gbps_by_mode"].values(), r["trio_pd_gbps"]]
@@ -978,6 +1132,31 @@ def plot(r: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _plot_peer(plt: Any, p: dict[str, Any], path: str) -> None:
+    """The peer preset: request latency, and each process's CPU per request (the part
+    spent filling or verifying pages and in the allocator's sanitizer hatched)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    bars = ax1.bar(["p50", "p99"], [p["request_ms"]["p50"], p["request_ms"]["p99"]])
+    ax1.bar_label(bars, fmt="%.1f")
+    ax1.set_ylabel("ms")
+    ax1.set_title(f"request latency: {p['gbps']:.2f} GB/s, {p['requests_per_s']} requests/s")
+    roles = ["prefill", "decode"]
+    harness = [p[x]["harness_ms_per_request"] for x in roles]
+    rest = [p[x]["cpu_ms_per_request"] - h for x, h in zip(roles, harness, strict=True)]
+    ax2.bar(roles, rest, label="the rest (trio_pd, engine threads)")
+    ax2.bar(roles, harness, bottom=rest, hatch="//", color="#cccccc",
+            label="filling / verifying pages, sanitizer")
+    ax2.set_ylabel("CPU ms per request")
+    ax2.set_title("each process's CPU per request")
+    ax2.legend()
+    fig.suptitle(f"trio-pd bench --preset peer ({p['workload']['engine']}, "
+                 f"{p['workload']['requests']} requests)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 __all__ = [
-    "BenchOptions", "phases", "plot", "plot_problem", "problems", "run", "table", "verify",
+    "BenchOptions", "peer_demo_options", "phases", "plot", "plot_problem", "problems", "run",
+    "run_peer", "table", "verify",
 ]
