@@ -740,7 +740,8 @@ def test_pool_from_spec_copies_every_field() -> None:
     assert msgspec.structs.asdict(wire) == {
         "layout": "mla", "page_size": 64, "num_pages": 1000, "num_layers": 3,
         "head_bytes": 576, "heads": 1, "first_head": 0, "buffer_bases": (10, 20, 30),
-        "aux_base": 4096, "aux_item_len": 32, "aux_slots": 8,
+        "aux_base": 4096, "aux_item_len": 32, "aux_slots": 8, "page_layout": "nhd",
+        "buffer_head_bytes": (), "page_strides": (),
     }  # fmt: skip
     assert wire.to_spec() == spec
 
@@ -773,6 +774,15 @@ def test_pool_from_spec_copies_every_field() -> None:
         ({"buffer_bases": 1234}, "sequence"),
         ({"buffer_bases": (1, 2, 3, 2**64 - 100)}, "buffer 3 .* runs past"),
         ({"aux_base": 2**64 - 64 * 32 + 1}, "aux buffer .* runs past"),
+        ({"page_layout": "thd"}, "page_layout"),
+        ({"buffer_head_bytes": (256, 256, 128)}, "buffer_head_bytes must be empty or one"),
+        ({"buffer_head_bytes": (256, 256, 0, 128)}, r"buffer_head_bytes\[2\]"),
+        ({"page_strides": (1 << 20,) * 3}, "page_strides must be empty or one"),
+        ({"page_strides": (16384, 16384, 16383, 16384)}, r"page_strides\[2\] is 16383"),
+        ({"buffer_head_bytes": (256, 256, 256, 512), "page_strides": (16384,) * 4},
+         r"page_strides\[3\] is 16384, less than the 32768"),
+        ({"page_strides": (16384, 16384, 16384, 1 << 40),
+          "buffer_bases": (1, 2, 3, 2**64 - (1 << 40) * 99 - 100)}, "buffer 3 .* runs past"),
     ],
 )
 def test_pool_to_spec_sanity_errors(changes: dict[str, Any], match: str) -> None:

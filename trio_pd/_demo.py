@@ -45,10 +45,8 @@ from .testing.pools import (
     DEST_POISON,
     SOURCE_POISON,
     HostKVPool,
-    HostRows,
     PageAllocator,
     Rows,
-    page_rows,
 )
 
 ABORT_POINTS = ("before_bootstrap", "between_chunks", "mid_chunk", "after_last")
@@ -93,6 +91,19 @@ class DemoOptions:
     #: pages lie scattered over the pool) instead of the allocator's first-free order,
     #: whose runs the planner merges into a few large blocks
     random_pages: bool = False
+    #: per-buffer geometry (host pools): head-major pages ("hnd") instead of token-major,
+    #: V buffers with their own bytes per head (MHA: K != V), and bytes of padding after
+    #: every page (a page stride longer than the page)
+    page_layout: Literal["nhd", "hnd"] = "nhd"
+    v_head_bytes: int | None = None
+    page_pad: int = 0
+
+    @property
+    def buffer_head_bytes(self) -> tuple[int, ...]:
+        """Bytes per head of each buffer (empty: all ``head_bytes``)."""
+        if self.v_head_bytes is None or self.layout != "mha":
+            return ()
+        return (self.head_bytes,) * self.layers + (self.v_head_bytes,) * self.layers
 
     def option_problem(self) -> str | None:
         """What makes these options unusable, in the CLI's option names, or None.
@@ -113,6 +124,13 @@ class DemoOptions:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 return f"{_flag(name)} must be between 0 and 1, got {value}"
+        if self.page_layout not in ("nhd", "hnd"):
+            return f"--page-layout must be nhd or hnd, got {self.page_layout!r}"
+        if self.v_head_bytes is not None and (self.layout != "mha" or self.v_head_bytes < 1):
+            return ("--v-head-bytes is the V buffers' bytes per head of an mha pool: a "
+                    f"positive int with --layout mha, got {self.v_head_bytes}")
+        if self.page_pad < 0:
+            return f"--page-pad must be at least 0, got {self.page_pad}"
         if not (math.isfinite(self.fault_delay) and self.fault_delay >= 0):
             return f"--fault-delay must be a number of seconds >= 0, got {self.fault_delay}"
         if not (math.isfinite(self.request_bound) and self.request_bound > 0):
@@ -133,6 +151,9 @@ class DemoOptions:
         device memory (:func:`trio_pd.testing.device.engine_problem`), or what is missing."""
         if self.device == "host":
             return None
+        if self.page_layout != "nhd" or self.v_head_bytes is not None or self.page_pad:
+            return ("--page-layout, --v-head-bytes and --page-pad are for host pools: "
+                    "the device pools are token-major and packed")
         if self.device != "cuda":
             return f"--device must be host or cuda, got {self.device!r}"
         from ._cuda import require_device
@@ -185,11 +206,12 @@ class DemoOptions:
 
     def _memory_problem(self) -> str | None:
         buffers = 2 * self.layers if self.layout == "mha" else self.layers
-        page = self.page_size * self.head_bytes
+        head_bytes = self.buffer_head_bytes or (self.head_bytes,) * buffers
         total = 0
         for tp in (self.prefill_tp, self.decode_tp):
             heads = sum(_heads(self, rank, tp)[1] for rank in range(tp))
-            total += buffers * self.pool_pages * page * heads
+            total += sum(self.pool_pages * (self.page_size * heads * hb + self.page_pad)
+                         for hb in head_bytes)
         have: int | None
         if self.device == "cuda":  # every rank's pool is on the one device
             from .testing.device import device_free_bytes
@@ -307,33 +329,20 @@ class DemoPool(Protocol):
         ...
 
 
-class _HostPool(HostKVPool):
-    """A :class:`HostKVPool` read the way a :class:`DeviceKVPool` is (a :class:`DemoPool`)."""
-
-    def read(self, pages: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
-        return self.kv[:, pages, :]
-
-    def page_rows(self) -> Rows:
-        return HostRows(page_rows(self))
-
-    def aux_rows(self) -> Rows:
-        return HostRows(self.aux)
-
-    def close(self) -> None:
-        """Nothing to free: numpy owns the memory, which lives as long as this object."""
-
-
 def _pool(opts: DemoOptions, rank: int, tp: int) -> DemoPool:
     """Rank ``rank`` of ``tp``'s pool, in host memory or on the device (``opts.device``):
     the one place the demo picks its pool class."""
     first, heads = _heads(opts, rank, tp)
-    make: Callable[..., DemoPool] = (
-        partial(DeviceKVPool, device=DEMO_DEVICE) if opts.device == "cuda" else _HostPool
-    )
-    return make(
+    shape: dict[str, Any] = dict(
         layout=opts.layout, num_pages=opts.pool_pages, num_layers=opts.layers,
         page_size=opts.page_size, head_bytes=opts.head_bytes, heads=heads, first_head=first,
         aux_slots=opts.aux_slots,
+    )
+    if opts.device == "cuda":
+        return DeviceKVPool(**shape, device=DEMO_DEVICE)
+    return HostKVPool(
+        **shape, page_layout=opts.page_layout, buffer_head_bytes=opts.buffer_head_bytes,
+        page_pad=opts.page_pad,
     )
 
 

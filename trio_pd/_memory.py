@@ -98,12 +98,21 @@ class PoolSpec(_KindSlot):
     """The layout of one rank's KV pool and aux buffer, as registered with its engine.
 
     Buffers: MHA has one K and one V buffer per layer, ordered K[0..L-1] then V[0..L-1];
-    MLA has one buffer per layer. Every buffer holds ``num_pages`` pages of ``item_len`` bytes;
-    page id ``p`` is at ``buffer_bases[i] + p * item_len`` in every buffer ``i``.
-    Inside a page, token slot ``t`` holds ``heads`` heads of ``head_bytes`` bytes each:
-    byte offset ``t * heads * head_bytes + (h - first_head) * head_bytes`` for global head ``h``.
-    MLA: ``heads == 1`` and ``first_head == 0`` (the latent row is replicated on every rank).
-    The aux buffer holds ``aux_slots`` rows of ``aux_item_len`` bytes at ``aux_base``.
+    MLA has one buffer per layer. Every buffer holds ``num_pages`` pages; a page of buffer
+    ``i`` holds ``page_size`` tokens of ``heads`` heads of ``head_bytes_of(i)`` bytes each
+    (:attr:`item_lens` ``[i]`` bytes in all) and page id ``p`` starts at
+    ``buffer_bases[i] + p * strides[i]``.
+    Inside a page, ``page_layout`` "nhd" (token-major, the default) puts global head ``h`` of
+    token slot ``t`` at byte offset ``(t * heads + (h - first_head)) * hb``; "hnd"
+    (head-major) at ``((h - first_head) * page_size + t) * hb``, so a head's tokens are
+    contiguous. MLA: ``heads == 1`` and ``first_head == 0`` (the latent row is replicated on
+    every rank). The aux buffer holds ``aux_slots`` rows of ``aux_item_len`` bytes at
+    ``aux_base``.
+
+    Per-buffer geometry, for models whose buffers differ: ``buffer_head_bytes`` gives each
+    buffer its own bytes per head (K and V of different head sizes, layers of different
+    widths; empty: every buffer has ``head_bytes``), and ``page_strides`` each buffer's
+    distance between consecutive pages when it is more than a page (empty: pages are packed).
 
     ``kinds`` says where each region of :meth:`regions` lives, in that order: one
     :class:`MemoryKind` per KV buffer, then the aux buffer's (a pool may mix them: KV buffers
@@ -127,9 +136,15 @@ class PoolSpec(_KindSlot):
     aux_base: int
     aux_item_len: int
     aux_slots: int
+    page_layout: Literal["nhd", "hnd"] = "nhd"
+    buffer_head_bytes: tuple[int, ...] = ()
+    page_strides: tuple[int, ...] = ()
     kinds: InitVar[Sequence[MemoryKind] | None] = None
 
     def __post_init__(self, kinds: Sequence[MemoryKind] | None) -> None:
+        problem = _geometry_problem(self)
+        if problem is not None:
+            raise ConfigurationError(problem)
         stated: tuple[MemoryKind, ...] | None = None
         if kinds is not None:
             stated = tuple(kinds)
@@ -162,25 +177,91 @@ class PoolSpec(_KindSlot):
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one token slot in one buffer."""
+        """Bytes of one token slot in one buffer (a pool whose buffers all have
+        ``head_bytes``)."""
         return self.heads * self.head_bytes
 
     @property
     def item_len(self) -> int:
-        """Bytes of one page in one buffer."""
-        return self.page_size * self.slot_bytes
+        """Bytes of one page in one buffer, for a pool whose buffers all have the same;
+        :class:`ValueError` otherwise (use :attr:`item_lens`)."""
+        if self.buffer_head_bytes and len(set(self.buffer_head_bytes)) > 1:
+            raise ValueError("the pool's buffers differ in page size: use item_lens")
+        return self.page_size * self.heads * (
+            self.buffer_head_bytes[0] if self.buffer_head_bytes else self.head_bytes
+        )
 
     @property
     def num_buffers(self) -> int:
         return len(self.buffer_bases)
 
+    def head_bytes_of(self, buffer: int) -> int:
+        """Bytes of one head of one token in buffer ``buffer``."""
+        return self.buffer_head_bytes[buffer] if self.buffer_head_bytes else self.head_bytes
+
+    @property
+    def head_bytes_all(self) -> tuple[int, ...]:
+        """Bytes per head, buffer by buffer."""
+        return self.buffer_head_bytes or (self.head_bytes,) * self.num_buffers
+
+    @property
+    def item_lens(self) -> tuple[int, ...]:
+        """Bytes of one page, buffer by buffer."""
+        per = self.page_size * self.heads
+        return tuple(per * hb for hb in self.head_bytes_all)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Bytes from one page's start to the next's, buffer by buffer."""
+        return self.page_strides or self.item_lens
+
+    @property
+    def packed(self) -> bool:
+        """Token-major pages of one size in every buffer, packed: the layout whose plans
+        take the fast path (``_plan.plan_pages``)."""
+        return (
+            self.page_layout == "nhd"
+            and (not self.buffer_head_bytes or len(set(self.buffer_head_bytes)) == 1)
+            and (not self.page_strides or self.page_strides == self.item_lens)
+        )
+
+    def buffer_length(self, buffer: int) -> int:
+        """Bytes buffer ``buffer`` spans: from its base to the end of its last page."""
+        return (self.num_pages - 1) * self.strides[buffer] + self.item_lens[buffer]
+
     def regions(self) -> list[Region]:
         """Every registered range: the KV buffers, then the aux buffer, each with its stated
         kind (None when the pool's kinds are unstated)."""
         kinds = self._kinds or (None,) * (len(self.buffer_bases) + 1)
-        length = self.num_pages * self.item_len
-        kv = [Region(b, length, kinds[i]) for i, b in enumerate(self.buffer_bases)]
+        kv = [
+            Region(b, self.buffer_length(i), kinds[i]) for i, b in enumerate(self.buffer_bases)
+        ]
         return [*kv, Region(self.aux_base, self.aux_slots * self.aux_item_len, kinds[-1])]
+
+
+def _geometry_problem(spec: PoolSpec) -> str | None:
+    """What is wrong with a pool's per-buffer geometry, or None."""
+    if spec.page_layout not in ("nhd", "hnd"):
+        return f"page_layout must be 'nhd' or 'hnd', not {spec.page_layout!r}"
+    n = len(spec.buffer_bases)
+    for name in ("buffer_head_bytes", "page_strides"):
+        values = getattr(spec, name)
+        if not isinstance(values, tuple):
+            return f"{name} must be a tuple of ints, not {values!r}"
+        if values and len(values) != n:
+            return f"{name}: one per KV buffer ({n}) or none, got {len(values)}"
+        if any(type(v) is not int or v < 1 for v in values):
+            return f"{name} must be positive ints, got {values!r}"
+    if spec.page_strides:
+        per = spec.page_size * spec.heads
+        items = [per * hb for hb in (spec.buffer_head_bytes or (spec.head_bytes,) * n)]
+        short = [i for i, (s, it) in enumerate(zip(spec.page_strides, items, strict=True))
+                 if s < it]
+        if short:
+            i = short[0]
+            return (f"page_strides[{i}] is {spec.page_strides[i]} bytes, less than the "
+                    f"{items[i]}-byte page of buffer {i}")
+    return None
 
 
 _SPEC_FIELDS: Final = tuple(f.name for f in fields(PoolSpec))
@@ -318,6 +399,9 @@ def describe_pool(
     aux_slots: int | None = None,
     kv_kind: MemoryKind | None = None,
     aux_kind: MemoryKind | None = None,
+    page_layout: Literal["nhd", "hnd"] = "nhd",
+    buffer_head_bytes: Sequence[int] = (),
+    page_strides: Sequence[int] = (),
 ) -> PoolSpec:
     """The :class:`PoolSpec` of KV and aux buffers the caller allocated (a serving engine's
     own cache), with every region's :class:`MemoryKind` stated.
@@ -326,7 +410,10 @@ def describe_pool(
     of every layer; MLA: one per layer) and ``aux`` the aux buffer, each anything
     :func:`buffer_region` takes; ``kv_kind`` / ``aux_kind`` override where they are found to
     live. ``num_pages`` defaults to the pages the smallest KV buffer holds, ``aux_slots`` to
-    the rows the aux buffer holds. Raises :class:`~trio_pd.ConfigurationError` when the
+    the rows the aux buffer holds. ``page_layout``, ``buffer_head_bytes`` and
+    ``page_strides`` are :class:`PoolSpec`'s (head-major pages; bytes per head and the
+    distance between pages, buffer by buffer). Raises :class:`~trio_pd.ConfigurationError`
+    when the
     buffers cannot hold that layout: a wrong number of buffers, one too small for
     ``num_pages`` pages, aux rows shorter than trio_pd's 16-byte stamp, or overlapping
     buffers (two writes could land on one byte).
@@ -352,24 +439,37 @@ def describe_pool(
         )
     kv = [buffer_region(b, kv_kind) for b in buffers]
     aux_region = buffer_region(aux, aux_kind)
-    item_len = page_size * heads * head_bytes
-    pages = min(r.length for r in kv) // item_len if num_pages is None else num_pages
+    shape = PoolSpec(  # (the geometry alone, checked: sizes below come from it)
+        layout=layout, page_size=page_size, num_pages=1, num_layers=num_layers,
+        head_bytes=head_bytes, heads=heads, first_head=first_head,
+        buffer_bases=tuple(r.base for r in kv), aux_base=aux_region.base,
+        aux_item_len=aux_item_len, aux_slots=1, page_layout=page_layout,
+        buffer_head_bytes=tuple(buffer_head_bytes), page_strides=tuple(page_strides),
+    )
+    items, strides = shape.item_lens, shape.strides
+    if num_pages is None:
+        pages = min((r.length - it) // st + 1 if r.length >= it else 0
+                    for r, it, st in zip(kv, items, strides, strict=True))
+    else:
+        pages = num_pages
     slots = aux_region.length // aux_item_len if aux_slots is None else aux_slots
     if type(pages) is not int or pages < 1:
-        raise ConfigurationError(f"the KV buffers hold no whole page of {item_len} bytes")
+        raise ConfigurationError(f"the KV buffers hold no whole page of {max(items)} bytes")
     if type(slots) is not int or slots < 1:
         raise ConfigurationError(f"the aux buffer holds no whole row of {aux_item_len} bytes")
+    spans = [(pages - 1) * st + it for it, st in zip(items, strides, strict=True)]
     for i, r in enumerate(kv):
-        if r.length < pages * item_len:
+        if r.length < spans[i]:
             raise ConfigurationError(
-                f"KV buffer {i} has {r.length} bytes, fewer than {pages} pages of {item_len}"
+                f"KV buffer {i} has {r.length} bytes, fewer than {pages} pages of "
+                f"{items[i]} every {strides[i]} bytes"
             )
     if aux_region.length < slots * aux_item_len:
         raise ConfigurationError(
             f"the aux buffer has {aux_region.length} bytes, fewer than {slots} rows of "
             f"{aux_item_len}"
         )
-    used = sorted([(r.base, r.base + pages * item_len) for r in kv]
+    used = sorted([(r.base, r.base + span) for r, span in zip(kv, spans, strict=True)]
                   + [(aux_region.base, aux_region.base + slots * aux_item_len)])
     for (_, end), (start, _) in itertools.pairwise(used):
         if start < end:
@@ -378,7 +478,8 @@ def describe_pool(
         layout=layout, page_size=page_size, num_pages=pages, num_layers=num_layers,
         head_bytes=head_bytes, heads=heads, first_head=first_head,
         buffer_bases=tuple(r.base for r in kv), aux_base=aux_region.base,
-        aux_item_len=aux_item_len, aux_slots=slots,
+        aux_item_len=aux_item_len, aux_slots=slots, page_layout=page_layout,
+        buffer_head_bytes=tuple(buffer_head_bytes), page_strides=tuple(page_strides),
         kinds=(*(r.kind or HOST for r in kv), aux_region.kind or HOST),
     )
 

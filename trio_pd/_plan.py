@@ -178,6 +178,13 @@ def plan_pages(
     Blocks are ordered buffer-major, then by page, then by token slot. Page ids are checked
     against both pools (:class:`~trio_pd.ProtocolError`; repeated destination pages too);
     layouts that cannot be copied between raise :class:`ValueError`.
+
+    Pools with per-buffer geometry (head-major pages, buffers of different sizes, page
+    strides: :attr:`PoolSpec.packed` False on either side) are planned buffer by buffer
+    (:func:`_plan_geometry`): whole pages as above where both sides lay them out alike
+    (runs merge only where both sides' pages are packed); a head slice is one block per page
+    when both sides are head-major, one per token slot when both are token-major, and one per
+    (token, head) when they differ.
     """
     s_pages = _as_pages(src_pages, "source")
     d_pages = _as_pages(dst_pages, "destination")
@@ -192,6 +199,8 @@ def plan_pages(
         validate_pages(d_pages, dst.num_pages)
     if s_pages.size == 0 or src.num_buffers == 0:
         return empty()
+    if not (src.packed and dst.packed):
+        return _plan_geometry(src, dst, s_pages, d_pages, heads)
 
     src_bases = _bases_column(src.buffer_bases)
     dst_bases = _bases_column(dst.buffer_bases)
@@ -252,6 +261,90 @@ def plan_pages(
     return Blocks(src_addr, dst_addr, np.full(src_addr.size, (h1 - h0) * hb, dtype=_U64))
 
 
+def _plan_geometry(
+    src: PoolSpec,
+    dst: PoolSpec,
+    s_pages: npt.NDArray[np.int64],
+    d_pages: npt.NDArray[np.int64],
+    heads: tuple[int, int] | None,
+) -> Blocks:
+    """:func:`plan_pages` for pools with per-buffer geometry (page ids checked already)."""
+    if src.head_bytes_all != dst.head_bytes_all:
+        raise ValueError(
+            f"bytes per head differ buffer by buffer: source {src.head_bytes_all}, "
+            f"destination {dst.head_bytes_all}"
+        )
+    if heads is None:  # (MLA, or the caller's whole pages): both hold the same heads
+        if (src.first_head, src.heads) != (dst.first_head, dst.heads):
+            raise ValueError(
+                f"whole-page copy needs the same heads on both sides: source "
+                f"[{src.first_head}, {src.first_head + src.heads}), destination "
+                f"[{dst.first_head}, {dst.first_head + dst.heads}) (pass heads= to slice)"
+            )
+        heads = (src.first_head, src.first_head + src.heads)
+    h0, h1 = heads
+    for side, pool in (("source", src), ("destination", dst)):
+        if not (pool.first_head <= h0 < h1 <= pool.first_head + pool.heads):
+            raise ValueError(
+                f"heads [{h0}, {h1}) is a slice that does not fit the {side}, which holds "
+                f"heads [{pool.first_head}, {pool.first_head + pool.heads})"
+            )
+    T = src.page_size
+    count = h1 - h0
+
+    def layout_of(pool: PoolSpec) -> str | None:
+        # one head or one token a page: token-major and head-major are the same bytes
+        return None if pool.heads == 1 or T == 1 else pool.page_layout
+
+    s_lay, d_lay = layout_of(src), layout_of(dst)
+    # the layout both sides are read in (None: either); "cells" when they differ
+    common = s_lay or d_lay if s_lay is None or d_lay is None or s_lay == d_lay else "cells"
+    whole = (
+        src.first_head == dst.first_head == h0 and src.heads == dst.heads == count
+        and common != "cells"
+    )
+
+    def atoms(pool: PoolSpec, hb: int) -> tuple[npt.NDArray[np.uint64], int]:
+        """Offsets in a page of the copy's contiguous pieces on ``pool``'s side, and their
+        length: the whole page, the slice (head-major), a token's slice (token-major), or
+        one head of one token (the layouts differ)."""
+        rel = h0 - pool.first_head
+        if whole:
+            return np.zeros(1, dtype=_U64), T * pool.heads * hb
+        t = np.arange(T, dtype=np.int64)
+        if common == "hnd":
+            return np.array([rel * T * hb], dtype=_U64), count * T * hb
+        if common in ("nhd", None):
+            return ((t * pool.heads + rel) * hb).astype(_U64), count * hb
+        h = np.arange(count, dtype=np.int64)[None, :]
+        if (layout_of(pool) or "nhd") == "nhd":
+            off = (t[:, None] * pool.heads + rel + h) * hb
+        else:
+            off = ((rel + h) * T + t[:, None]) * hb
+        return off.ravel().astype(_U64), hb
+
+    src_parts, dst_parts, len_parts = [], [], []
+    for b in range(src.num_buffers):
+        hb = src.head_bytes_of(b)
+        s_off, length = atoms(src, hb)
+        d_off, _ = atoms(dst, hb)
+        s_stride, d_stride = _U64(src.strides[b]), _U64(dst.strides[b])
+        s_p, d_p, lens = s_pages, d_pages, None
+        if whole and src.strides[b] == length and dst.strides[b] == length:
+            s_p, d_p, run = _runs(s_pages, d_pages)  # both packed: runs are one block
+            lens = run.astype(_U64) * _U64(length)
+        s_addr = _U64(src.buffer_bases[b]) + s_p.astype(_U64)[:, None] * s_stride + s_off[None]
+        d_addr = _U64(dst.buffer_bases[b]) + d_p.astype(_U64)[:, None] * d_stride + d_off[None]
+        src_parts.append(s_addr.ravel())
+        dst_parts.append(d_addr.ravel())
+        len_parts.append(
+            lens if lens is not None else np.full(s_addr.size, length, dtype=_U64)
+        )
+    return Blocks(
+        np.concatenate(src_parts), np.concatenate(dst_parts), np.concatenate(len_parts)
+    )
+
+
 def stages_heads(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) -> bool:
     """Whether a head-sliced copy of heads ``[h0, h1)`` can go through a staging area on the
     source side: an MHA copy that slices (not :func:`plan_pages`' whole-page case) and fills
@@ -262,6 +355,8 @@ def stages_heads(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) ->
     strided too, and the copy stays per token slot."""
     if heads is None or src.layout != "mha" or src.head_bytes != dst.head_bytes:
         return False
+    if not (src.packed and dst.packed):
+        return False  # (per-buffer geometry: written in place; head-major slices are whole)
     h0, h1 = heads
     whole = src.first_head == dst.first_head == h0 and src.heads == dst.heads == h1 - h0
     return not whole and dst.first_head == h0 and dst.heads == h1 - h0

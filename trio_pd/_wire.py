@@ -189,6 +189,9 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     aux_base: _Address
     aux_item_len: _Size
     aux_slots: Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL_PAGES)]
+    page_layout: Literal["nhd", "hnd"] = "nhd"
+    buffer_head_bytes: Annotated[tuple[_Size, ...], msgspec.Meta(max_length=MAX_BUFFERS)] = ()
+    page_strides: Annotated[tuple[_Size, ...], msgspec.Meta(max_length=MAX_BUFFERS)] = ()
 
     @classmethod
     def from_spec(cls, spec: PoolSpec) -> PoolWire:
@@ -203,7 +206,9 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         and count is a positive int (``first_head`` non-negative) within the bounds above;
         there are ``2 * num_layers`` buffers for MHA, ``num_layers`` for MLA; MLA has
         ``heads == 1`` and ``first_head == 0``; and every buffer and the aux buffer lie, end
-        included, inside the 64-bit address space.
+        included, inside the 64-bit address space; ``buffer_head_bytes`` and
+        ``page_strides`` are empty or one positive int per buffer, no stride shorter than its
+        buffer's page.
         """
         if self.layout not in ("mha", "mla"):
             raise ProtocolError(f"pool layout must be 'mha' or 'mla', not {self.layout!r}")
@@ -230,9 +235,26 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"mla pool must have heads=1, first_head=0 "
                 f"(got heads={self.heads}, first_head={self.first_head})"
             )
-        buffer_len = self.num_pages * self.page_size * self.heads * self.head_bytes
+        if self.page_layout not in ("nhd", "hnd"):
+            raise ProtocolError(f"page_layout must be 'nhd' or 'hnd', not {self.page_layout!r}")
+        for name in ("buffer_head_bytes", "page_strides"):
+            values = getattr(self, name)
+            if not isinstance(values, (tuple, list)) or (values and len(values) != len(bases)):
+                raise ProtocolError(f"pool {name} must be empty or one int per buffer")
+            for i, v in enumerate(values):
+                _check_int(f"{name}[{i}]", v, 1, _I64_MAX + 1)
+        per_token = self.page_size * self.heads
+        head_bytes = self.buffer_head_bytes or [self.head_bytes] * len(bases)
+        items = [per_token * hb for hb in head_bytes]
+        strides = list(self.page_strides) or items
+        for i, (item, stride) in enumerate(zip(items, strides, strict=True)):
+            if stride < item:
+                raise ProtocolError(
+                    f"pool page_strides[{i}] is {stride}, less than the {item}-byte page"
+                )
         for i, base in enumerate(bases):
             _check_int(f"buffer_bases[{i}]", base, 0, _U64_LIMIT)
+            buffer_len = (self.num_pages - 1) * strides[i] + items[i]
             if base + buffer_len > _U64_LIMIT:
                 raise ProtocolError(
                     f"pool buffer {i} at {base:#x} of {buffer_len} bytes "
@@ -243,7 +265,10 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"pool aux buffer at {self.aux_base:#x} of {self.aux_slots} x "
                 f"{self.aux_item_len} bytes runs past the 64-bit address space"
             )
-        return PoolSpec(**(msgspec.structs.asdict(self) | {"buffer_bases": tuple(bases)}))
+        return PoolSpec(**(msgspec.structs.asdict(self) | {
+            "buffer_bases": tuple(bases), "buffer_head_bytes": tuple(self.buffer_head_bytes),
+            "page_strides": tuple(self.page_strides),
+        }))
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:

@@ -115,6 +115,13 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="longest prompt (tokens)")
     p.add_argument("--chunk-pages", type=int, default=d.chunk_pages,
                    help="pages per prefill chunk (chunked prefill)")
+    p.add_argument("--page-layout", choices=("nhd", "hnd"), default=d.page_layout,
+                   help="inside a page: token-major (nhd) or head-major (hnd)")
+    p.add_argument("--v-head-bytes", type=int, default=None, metavar="N",
+                   help="mha: the V buffers' bytes per head, when V differs from K "
+                   "(default: --head-bytes)")
+    p.add_argument("--page-pad", type=int, default=d.page_pad, metavar="N",
+                   help="bytes between one page's end and the next's start in every buffer")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="prefill TP size")
     p.add_argument("--decode-tp", type=int, default=d.decode_tp,
                    help="decode TP size; the larger TP size must be a multiple of the smaller")

@@ -32,6 +32,14 @@ class HostKVPool:
 
     ``kv`` has shape (buffers, pages, page_size * heads * head_bytes); ``aux`` has shape
     (aux_slots, aux_item_len). Both stay alive as long as this object does.
+
+    Per-buffer geometry (:class:`PoolSpec`'s): ``page_layout="hnd"`` (head-major pages),
+    ``buffer_head_bytes`` (bytes per head buffer by buffer: K and V of different sizes) and
+    ``page_pad`` (bytes between one page's end and the next's start). Such a pool keeps each
+    buffer in an array of its own (``buffers``; ``kv`` is None), and :meth:`read` /
+    :meth:`expected` give a request's bytes in one logical form whatever the layout, shape
+    (1, pages, bytes of a page over every buffer, token-major), so that pools of different
+    layouts verify against each other.
     """
 
     def __init__(
@@ -46,11 +54,28 @@ class HostKVPool:
         first_head: int = 0,
         aux_slots: int = 256,
         aux_item_len: int = AUX_ITEM_LEN,
+        page_layout: Literal["nhd", "hnd"] = "nhd",
+        buffer_head_bytes: tuple[int, ...] = (),
+        page_pad: int = 0,
     ) -> None:
         buffers = 2 * num_layers if layout == "mha" else num_layers
-        item_len = page_size * heads * head_bytes
-        self.kv = np.zeros((buffers, num_pages, item_len), dtype=np.uint8)
+        hbs = buffer_head_bytes or (head_bytes,) * buffers
+        items = [page_size * heads * hb for hb in hbs]
         self.aux = np.zeros((aux_slots, aux_item_len), dtype=np.uint8)
+        geometry = page_layout != "nhd" or len(set(hbs)) > 1 or page_pad > 0
+        self._kv: npt.NDArray[np.uint8] | None = None
+        self.buffers: list[npt.NDArray[np.uint8]]
+        if geometry:
+            strides = tuple(it + page_pad for it in items)
+            self.buffers = [
+                np.zeros((num_pages - 1) * st + it, dtype=np.uint8)
+                for it, st in zip(items, strides, strict=True)
+            ]
+        else:
+            strides = ()
+            kv = np.zeros((buffers, num_pages, items[0]), dtype=np.uint8)
+            self._kv = kv
+            self.buffers = [kv[i].reshape(-1) for i in range(buffers)]
         self.spec = PoolSpec(
             layout=layout,
             page_size=page_size,
@@ -59,24 +84,74 @@ class HostKVPool:
             head_bytes=head_bytes,
             heads=heads,
             first_head=first_head,
-            buffer_bases=tuple(int(self.kv[i].ctypes.data) for i in range(buffers)),
+            buffer_bases=tuple(int(b.ctypes.data) for b in self.buffers),
             aux_base=int(self.aux.ctypes.data),
             aux_item_len=aux_item_len,
             aux_slots=aux_slots,
+            page_layout=page_layout,
+            buffer_head_bytes=tuple(buffer_head_bytes) if geometry else (),
+            page_strides=strides if page_pad else (),
             kinds=(HOST,) * (buffers + 1),  # numpy memory: host (staging may read it)
         )
 
     @property
+    def kv(self) -> npt.NDArray[np.uint8]:
+        """Every page of every buffer, (buffers, pages, item_len): a packed pool's memory.
+        A pool with per-buffer geometry has no such array (:class:`ValueError`)."""
+        if self._kv is None:
+            raise ValueError("a pool with per-buffer geometry has no kv array: use buffers")
+        return self._kv
+
+    @property
     def nbytes(self) -> int:
-        return int(self.kv.nbytes + self.aux.nbytes)
+        return int(sum(b.nbytes for b in self.buffers) + self.aux.nbytes)
+
+    def _pages(self, b: int) -> npt.NDArray[np.uint8]:
+        """Buffer ``b`` as (pages, tokens, heads, head bytes), in logical (token-major)
+        order: a strided view of the memory, whatever the page layout."""
+        spec, buf = self.spec, self.buffers[b]
+        hb = spec.head_bytes_of(b)
+        T, H, stride = spec.page_size, spec.heads, spec.strides[b]
+        if spec.page_layout == "nhd":
+            shape, strides = (spec.num_pages, T, H, hb), (stride, H * hb, hb, 1)
+        else:
+            shape, strides = (spec.num_pages, T, H, hb), (stride, hb, T * hb, 1)
+        return np.lib.stride_tricks.as_strided(buf, shape, strides, writeable=True)
 
     def fill(self, pages: npt.NDArray[np.int64], room: int) -> None:
         """Write the request's deterministic KV bytes (for this rank's heads) into ``pages``;
         page i of the request goes to ``pages[i]``."""
-        self.kv[:, pages, :] = kv_bytes(self.spec, room, len(pages))
+        if self._kv is not None:
+            self.kv[:, pages, :] = kv_bytes(self.spec, room, len(pages))
+            return
+        for b, want in enumerate(_logical_bytes(self.spec, room, len(pages))):
+            self._pages(b)[pages] = want
 
     def expected(self, room: int, npages: int) -> npt.NDArray[np.uint8]:
-        return kv_bytes(self.spec, room, npages)
+        if self._kv is not None:
+            return kv_bytes(self.spec, room, npages)
+        parts = [w.reshape(npages, -1) for w in _logical_bytes(self.spec, room, npages)]
+        return np.concatenate(parts, axis=1)[None]
+
+    def read(self, pages: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
+        """What ``pages`` hold, in :meth:`expected`'s form."""
+        if self._kv is not None:
+            return self.kv[:, pages, :]
+        parts = [self._pages(b)[pages].reshape(len(pages), -1) for b in range(len(self.buffers))]
+        return np.concatenate(parts, axis=1)[None]
+
+    def page_rows(self) -> Rows:
+        """The pool's pages as the rows of a :class:`PageAllocator` (every buffer's bytes of
+        a page are its row)."""
+        if self._kv is not None:
+            return HostRows(page_rows(self))
+        return _BufferRows([self._pages(b) for b in range(len(self.buffers))])
+
+    def aux_rows(self) -> Rows:
+        return HostRows(self.aux)
+
+    def close(self) -> None:
+        """Nothing to free: numpy owns the memory, which lives as long as this object."""
 
     def fill_aux(self, slot: int, room: int) -> None:
         """Bytes 16.. of the row (0..15 are trio_pd's room/epoch stamp)."""
@@ -84,6 +159,28 @@ class HostKVPool:
 
     def aux_ok(self, slot: int, room: int) -> bool:
         return bool((self.aux[slot, 16:] == aux_bytes(room, self.aux.shape[1] - 16)).all())
+
+
+def _logical_bytes(spec: PoolSpec, room: int, npages: int) -> list[npt.NDArray[np.uint8]]:
+    """:func:`kv_bytes` for a pool with per-buffer geometry: buffer by buffer, shape (pages,
+    tokens, heads, head bytes), the same pattern (a function of room, buffer, page index,
+    token, global head and byte) a packed pool holds."""
+    key = np.frombuffer(
+        (room * 0x9E3779B97F4A7C15 % (1 << 64) | 1).to_bytes(8, "little"), dtype=np.uint8
+    )
+    p = np.arange(npages, dtype=np.int64)[:, None, None, None]
+    t = np.arange(spec.page_size, dtype=np.int64)[None, :, None, None]
+    h = np.arange(spec.first_head, spec.first_head + spec.heads, dtype=np.int64)[
+        None, None, :, None
+    ]
+    out = []
+    for b in range(spec.num_buffers):
+        hb = spec.head_bytes_of(b)
+        k = np.arange(hb, dtype=np.int64)[None, None, None, :]
+        v = ((b * 104729 + p * 257 + t * 31 + h * 61 + k * 3) % 251).astype(np.uint8)
+        flat = v.reshape(npages, -1)
+        out.append((flat ^ np.resize(key, flat.shape[1])).reshape(v.shape))
+    return out
 
 
 def kv_bytes(spec: PoolSpec, room: int, npages: int) -> npt.NDArray[np.uint8]:
@@ -162,6 +259,31 @@ class HostRows:
 
     def broken(self, ids: npt.NDArray[np.int64], value: int) -> int:
         intact = (self.rows[ids] == value).reshape(len(ids), -1).all(axis=1)
+        return int(len(ids) - intact.sum())
+
+
+class _BufferRows:
+    """:class:`Rows` whose row ``i`` is page ``i`` of every one of several arrays (the
+    buffers of a pool with per-buffer geometry, as strided views)."""
+
+    def __init__(self, buffers: list[npt.NDArray[np.uint8]]) -> None:
+        self.buffers = buffers
+
+    @property
+    def count(self) -> int:
+        return int(self.buffers[0].shape[0])
+
+    def poison(self, ids: npt.NDArray[np.int64] | None, value: int) -> None:
+        for buf in self.buffers:
+            if ids is None:
+                buf[...] = value
+            else:
+                buf[ids] = value
+
+    def broken(self, ids: npt.NDArray[np.int64], value: int) -> int:
+        intact = np.ones(len(ids), dtype=bool)
+        for buf in self.buffers:
+            intact &= (buf[ids] == value).reshape(len(ids), -1).all(axis=1)
         return int(len(ids) - intact.sum())
 
 
@@ -248,5 +370,6 @@ class PageAllocator:
 
 
 def page_rows(pool: HostKVPool) -> npt.NDArray[np.uint8]:
-    """A view of ``pool.kv`` with pages on axis 0 (shape (pages, buffers, item_len))."""
+    """A view of ``pool.kv`` with pages on axis 0 (shape (pages, buffers, item_len)); a
+    pool with per-buffer geometry has no such array (use :meth:`HostKVPool.page_rows`)."""
     return pool.kv.transpose(1, 0, 2)
