@@ -535,6 +535,33 @@ async def test_register_with_mismatched_pool_shape_fails_rooms_without_writing(
 
 
 
+async def test_register_with_other_bytes_per_head_per_buffer_is_refused(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A decode pool whose V buffers have other bytes per head than prefill's (per-buffer
+    geometry: K != V on one side only) is refused at REGISTER, naming the head bytes; the
+    room fails and nothing is written."""
+    mem = host_pool(num_pages=32, buffer_head_bytes=(16, 16, 8, 8))
+    for buf in mem.buffers:
+        buf[...] = 0xEE
+    async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake, \
+            real_registration(engine_name, mem, 32) as engine:
+        p = pair.prefill
+        async with raw_push(p.endpoint) as sock:
+            await sock.send_multipart(_wire.encode(register(fake.endpoint, engine, mem.spec)))
+            pair.src.fill(np.array([1, 2]), 202)
+            sender = p.sender(202, num_pages=2, aux_slot=0)
+            await sock.send_multipart(
+                _wire.encode(transfer(202, 5, fake.endpoint, 2), np.array([30, 31], np.int32))
+            )
+            await barrier(sock, fake)
+            assert sender.poll() is KVPoll.Failed
+        assert isinstance(sender.failure, IncompatiblePeer), sender.failure
+        assert "head bytes" in str(sender.failure) and "(16, 16, 8, 8)" in str(sender.failure)
+        assert all((buf == 0xEE).all() for buf in mem.buffers)
+        assert p.statistics().engine_calls == 0
+
+
 async def test_forged_abort_and_stray_transfer_cannot_end_a_waiting_room(
     engine_name: str, bootstrap_url: str
 ) -> None:
