@@ -29,6 +29,30 @@ Routes:
     ``tp_size <= N`` (no such rank will ever exist); otherwise ``503`` until every rank
     registered.
 
+``GET /route?dp_rank=K`` (alone, or with ``tp_rank=N``)
+    DP attention: the :class:`Topology` of DP rank K's TP group (or rank N of it); ``503``
+    until every rank of that group registered; ``404`` if the registered ranks say
+    ``dp_size <= K``. Without ``dp_rank`` the answers are DP rank 0's. A registration names
+    its group with ``dp_rank`` and the instance's ``dp_size`` (0 and 1 by default: no DP
+    attention), and ``dp_size`` is one of the fields every rank must agree on.
+
+``POST /register_dp_rank``
+    Body ``{"dp_rank": K, "rooms": [{"room": R, "epoch": E}, ...]}`` (``epoch`` optional):
+    DP rank K holds these rooms (this use of each, when ``epoch`` is given). ``200
+    {"ok": true, "registered": n}``; ``400`` for a malformed body, no rooms, or a ``dp_rank``
+    the instance does not have; ``413`` over :data:`MAX_DP_BATCH` rooms; ``503`` while no rank
+    registered (the DP size is not known). A later record of a room replaces an earlier one.
+    Records are bounded: at most ``max_dp_rooms`` (past it the oldest goes, counted
+    ``dp_rooms_evicted``), each kept ``dp_room_ttl`` seconds after it was registered
+    (counted ``dp_rooms_expired`` when it goes).
+
+``POST /query_dp_ranks``
+    Body ``{"rooms": [{"room": R, "epoch": E}, ...]}``: ``200 {"dp_size": n, "dp_ranks":
+    [K, ...]}``, one DP rank per room asked, in order; :data:`UNKNOWN_DP_RANK` (-1) for a room
+    the service holds no record of, or a record of another epoch of it (counted
+    ``dp_rooms_unknown``); with ``dp_size`` 1 every room is on DP rank 0. ``400`` / ``413`` /
+    ``503`` as for ``/register_dp_rank``.
+
 ``GET /health``
     ``200 OK``.
 
@@ -37,8 +61,9 @@ Routes:
     ``404`` otherwise.
 
 With a cluster token (``token=`` or ``TRIO_PD_TOKEN``; required outside loopback), both
-``/route`` requests need ``Authorization: Bearer <token>``: ``401`` without it (counted
-``unauthorized``). ``certfile``/``keyfile`` serve https. See docs/security.md.
+``/route`` requests and both DP-rank requests need ``Authorization: Bearer <token>``:
+``401`` without it (counted ``unauthorized``; the body is not read).
+``certfile``/``keyfile`` serve https. See docs/security.md.
 
 Any other path is ``404``; a known path with the wrong method is ``405``. Error replies are
 JSON ``{"ok": false, "error": "..."}``. Every answer is counted by (method, route, status) in
@@ -68,13 +93,13 @@ import logging
 import math
 import re
 import socket
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Annotated, Any, Final
 from urllib.parse import parse_qs
 
 import msgspec
@@ -95,7 +120,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ._bootstrap_client import PrefillRankInfo, Topology
+from ._bootstrap_client import (
+    MAX_DP_BATCH,
+    MAX_DP_SIZE,
+    UNKNOWN_DP_RANK,
+    DpRanks,
+    DpRoom,
+    PrefillRankInfo,
+    Topology,
+)
 from ._errors import BootstrapError, ConfigurationError
 from ._probe import port_refuses
 from ._security import resolve
@@ -129,8 +162,14 @@ MAX_CONNECTIONS: Final = 512
 _REPLACE_PROBE_TIMEOUT: Final = 1.0
 
 _LAYOUTS: Final = ("mha", "mla")
-#: Largest tp_size a registration may name: the rank table holds at most this many ranks.
+#: Largest tp_size a registration may name: the rank table holds at most this many ranks
+#: (``tp_size * dp_size`` of them with DP attention).
 MAX_TP_SIZE: Final = 1024
+#: Default ``dp_room_ttl``: seconds a "room R is on DP rank K" record is kept (twice the
+#: agents' default bootstrap timeout, after which neither side waits for the room).
+DP_ROOM_TTL: Final = 60.0
+#: Default ``max_dp_rooms``: records held at once (about 25 MB at most).
+MAX_DP_ROOMS: Final = 100_000
 _RANK_INT: Final = re.compile(r"-?[0-9]{1,9}")
 
 
@@ -138,7 +177,7 @@ _RANK_INT: Final = re.compile(r"-?[0-9]{1,9}")
 # The pure part: validation and the rank table. No I/O.
 
 # Fields every rank of one prefill instance must agree on.
-_SHARED_FIELDS: Final = ("tp_size", "engine", "layout", "kv_heads", "page_size")
+_SHARED_FIELDS: Final = ("tp_size", "engine", "layout", "kv_heads", "page_size", "dp_size")
 
 
 def _invalid_reason(info: PrefillRankInfo) -> str | None:
@@ -151,6 +190,11 @@ def _invalid_reason(info: PrefillRankInfo) -> str | None:
         return f"tp_size {info.tp_size} is over {MAX_TP_SIZE}"
     if not 0 <= info.tp_rank < info.tp_size:
         return f"tp_rank {info.tp_rank} is outside [0, tp_size={info.tp_size})"
+    if info.dp_size > MAX_DP_SIZE or info.dp_size * info.tp_size > MAX_TP_SIZE:
+        return (f"dp_size {info.dp_size} x tp_size {info.tp_size} is over {MAX_TP_SIZE} ranks "
+                f"(or dp_size over {MAX_DP_SIZE})")
+    if not 0 <= info.dp_rank < info.dp_size:
+        return f"dp_rank {info.dp_rank} is outside [0, dp_size={info.dp_size})"
     if info.layout not in _LAYOUTS:
         return f"layout {info.layout!r} is not one of {', '.join(_LAYOUTS)}"
     if info.layout == "mla" and info.kv_heads != 1:
@@ -159,10 +203,11 @@ def _invalid_reason(info: PrefillRankInfo) -> str | None:
 
 
 class _RankTable:
-    """The registered ranks of one prefill instance."""
+    """The registered ranks of one prefill instance, by ``(dp_rank, tp_rank)`` (DP rank 0
+    only, without DP attention)."""
 
     def __init__(self) -> None:
-        self._ranks: dict[int, PrefillRankInfo] = {}
+        self._ranks: dict[tuple[int, int], PrefillRankInfo] = {}
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -174,6 +219,23 @@ class _RankTable:
             return info.tp_size
         return None
 
+    @property
+    def dp_size(self) -> int | None:
+        """The dp_size the registered ranks agree on, or None if none registered."""
+        for info in self._ranks.values():
+            return info.dp_size
+        return None
+
+    @property
+    def complete(self) -> bool:
+        """Every rank of every DP rank registered."""
+        tp_size, dp_size = self.tp_size, self.dp_size
+        return tp_size is not None and dp_size is not None and len(self) == tp_size * dp_size
+
+    def group_size(self, dp_rank: int) -> int:
+        """How many ranks of DP rank ``dp_rank`` registered."""
+        return sum(1 for d, _ in self._ranks if d == dp_rank)
+
     def conflict(self, info: PrefillRankInfo) -> str | None:
         """Why ``info`` disagrees with the other registered ranks, or None.
 
@@ -182,9 +244,9 @@ class _RankTable:
         registered the shape is fixed: a rank replacing itself must keep it too (else one
         PUT could make the instance need 10**9 ranks, and every decode get 503).
         """
-        complete = self.topology() is not None
+        complete = self.complete
         for other in self._ranks.values():
-            if other.tp_rank == info.tp_rank and not complete:
+            if (other.dp_rank, other.tp_rank) == (info.dp_rank, info.tp_rank) and not complete:
                 continue
             for field in _SHARED_FIELDS:
                 mine, theirs = getattr(info, field), getattr(other, field)
@@ -192,26 +254,98 @@ class _RankTable:
                     return (
                         f"{field} {mine!r} disagrees with {theirs!r} of registered "
                         f"tp_rank {other.tp_rank}"
+                        + (f" of dp_rank {other.dp_rank}" if other.dp_size > 1 else "")
                     )
         return None
 
-    def get(self, tp_rank: int) -> PrefillRankInfo | None:
-        """The registration of ``tp_rank``, if any."""
-        return self._ranks.get(tp_rank)
+    def get(self, tp_rank: int, dp_rank: int = 0) -> PrefillRankInfo | None:
+        """The registration of ``tp_rank`` of DP rank ``dp_rank``, if any."""
+        return self._ranks.get((dp_rank, tp_rank))
 
     def register(self, info: PrefillRankInfo) -> None:
-        """Store ``info``, replacing any earlier registration of its ``tp_rank``.
+        """Store ``info``, replacing any earlier registration of its ``(dp_rank, tp_rank)``.
 
         The caller checked :func:`_invalid_reason` and :meth:`conflict` first.
         """
-        self._ranks[info.tp_rank] = info
+        self._ranks[info.dp_rank, info.tp_rank] = info
 
-    def topology(self) -> Topology | None:
-        """The complete topology, or None while some rank is missing."""
-        tp_size = self.tp_size
-        if tp_size is None or len(self._ranks) != tp_size:
+    def topology(self, dp_rank: int = 0) -> Topology | None:
+        """The complete topology of DP rank ``dp_rank``, or None while some rank of it is
+        missing."""
+        tp_size, dp_size = self.tp_size, self.dp_size
+        if tp_size is None or dp_size is None or not 0 <= dp_rank < dp_size:
             return None
-        return Topology(tp_size=tp_size, ranks=[self._ranks[i] for i in range(tp_size)])
+        ranks = [self._ranks.get((dp_rank, t)) for t in range(tp_size)]
+        if any(r is None for r in ranks):
+            return None
+        return Topology(
+            tp_size=tp_size, ranks=[r for r in ranks if r is not None], dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
+
+
+class _DpRooms:
+    """Which DP rank holds each room (DP attention): one record per room id, bounded and
+    expiring. Pure: the caller passes the time (``trio.current_time()``).
+
+    At most ``max_entries`` records: a new one past that replaces the oldest (counted
+    :attr:`evicted`). A record lives ``ttl`` seconds from its last registration (counted
+    :attr:`expired` when it goes; expired records go at the next registration or query).
+    A record made with an epoch answers only for that use of the room id (or a query that
+    names none); one made without answers for any.
+    """
+
+    def __init__(self, *, max_entries: int, ttl: float) -> None:
+        self._max, self._ttl = max_entries, ttl
+        # room -> (dp_rank, epoch or None, expires); oldest (soonest to expire) first
+        self._entries: OrderedDict[int, tuple[int, int | None, float]] = OrderedDict()
+        self.evicted = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def expire(self, now: float) -> None:
+        entries = self._entries
+        while entries:
+            room, (_, _, expires) = next(iter(entries.items()))
+            if expires > now:
+                return
+            del entries[room]
+            self.expired += 1
+
+    def put(self, room: int, epoch: int | None, dp_rank: int, now: float) -> None:
+        self.expire(now)
+        entries = self._entries
+        if room in entries:
+            entries.move_to_end(room)  # its expiry moves too: the order stays by expiry
+        elif len(entries) >= self._max:
+            entries.popitem(last=False)
+            self.evicted += 1
+        entries[room] = (dp_rank, epoch, now + self._ttl)
+
+    def get(self, room: int, epoch: int | None, now: float) -> int:
+        self.expire(now)
+        entry = self._entries.get(room)
+        if entry is None:
+            return UNKNOWN_DP_RANK
+        dp_rank, held, _ = entry
+        if held is not None and epoch is not None and held != epoch:
+            return UNKNOWN_DP_RANK  # a record of another use of the room id
+        return dp_rank
+
+
+class _DpRegistration(msgspec.Struct, frozen=True):
+    """The body of ``POST /register_dp_rank``."""
+
+    dp_rank: Annotated[int, msgspec.Meta(ge=0)]
+    rooms: list[DpRoom]
+
+
+class _DpQuery(msgspec.Struct, frozen=True):
+    """The body of ``POST /query_dp_ranks``."""
+
+    rooms: list[DpRoom]
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,6 +383,18 @@ class BootstrapStatistics:
     shed_connections: int = 0
     #: connections open now
     open_connections: int = 0
+    #: DP attention: the DP size the registered ranks agree on (None: none registered)
+    dp_size: int | None = None
+    #: "room R is on DP rank K" records held now (expired ones go at the next DP request)
+    dp_rooms: int = 0
+    #: records stored by ``POST /register_dp_rank`` (a room registered again counts again)
+    dp_rooms_registered: int = 0
+    #: records dropped to stay under ``max_dp_rooms`` (the oldest first)
+    dp_rooms_evicted: int = 0
+    #: records dropped ``dp_room_ttl`` after their registration
+    dp_rooms_expired: int = 0
+    #: rooms ``POST /query_dp_ranks`` answered unknown (-1): no record of that use
+    dp_rooms_unknown: int = 0
 
     @property
     def total_requests(self) -> int:
@@ -299,6 +445,19 @@ class _MetricsCollector(Collector):
         connections = GaugeMetricFamily(
             "trio_pd_bootstrap_open_connections", "Connections open to the bootstrap service."
         )
+        dp_rooms = GaugeMetricFamily(
+            "trio_pd_bootstrap_dp_rooms",
+            "Room -> DP rank records the bootstrap service holds (DP attention).",
+        )
+        dp_counters = {
+            name: CounterMetricFamily(f"trio_pd_bootstrap_{name}", text)
+            for name, text in (
+                ("dp_rooms_registered", "Room -> DP rank records registered."),
+                ("dp_rooms_evicted", "Room -> DP rank records dropped at the max_dp_rooms cap."),
+                ("dp_rooms_expired", "Room -> DP rank records dropped after dp_room_ttl."),
+                ("dp_rooms_unknown", "Rooms a DP-rank query found no record of."),
+            )
+        }
         if stats is not None:
             for (method, route, status), count in sorted(stats.requests.items()):
                 requests.add_metric([method, route, str(status)], count)
@@ -308,14 +467,25 @@ class _MetricsCollector(Collector):
             timed_out.add_metric([], stats.timed_out_connections)
             shed.add_metric([], stats.shed_connections)
             connections.add_metric([], stats.open_connections)
-        return [requests, malformed, registered, ready, timed_out, shed, connections]
+            dp_rooms.add_metric([], stats.dp_rooms)
+            for name, family in dp_counters.items():
+                family.add_metric([], getattr(stats, name))
+        return [requests, malformed, registered, ready, timed_out, shed, connections, dp_rooms,
+                *dp_counters.values()]
 
 
 # --------------------------------------------------------------------------------------------
 # The server
 
-_ROUTE_METHODS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
-    {"/route": ("GET", "PUT"), "/health": ("GET",), "/metrics": ("GET",)}
+_ROUTE_METHODS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({
+    "/route": ("GET", "PUT"), "/register_dp_rank": ("POST",), "/query_dp_ranks": ("POST",),
+    "/health": ("GET",), "/metrics": ("GET",),
+})
+#: the paths that need the cluster token (when the service has one)
+_AUTHENTICATED: Final = frozenset({"/route", "/register_dp_rank", "/query_dp_ranks"})
+#: the requests whose body is read (bounded: MAX_BODY_BYTES)
+_WITH_BODY: Final = frozenset(
+    {("PUT", "/route"), ("POST", "/register_dp_rank"), ("POST", "/query_dp_ranks")}
 )
 _STANDARD_METHODS: Final = frozenset(
     {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "CONNECT", "TRACE"}
@@ -451,6 +621,8 @@ class BootstrapServer:
         tls: tuple[str, str] | None = None,
         request_timeout: float = REQUEST_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        dp_room_ttl: float = DP_ROOM_TTL,
+        max_dp_rooms: int = MAX_DP_ROOMS,
     ) -> None:
         self.host = host
         self.port = port
@@ -467,6 +639,9 @@ class BootstrapServer:
         self._unauthorized = 0
         self._refused_replacements = 0
         self._table = _RankTable()
+        self._dp_rooms = _DpRooms(max_entries=max_dp_rooms, ttl=dp_room_ttl)
+        self._dp_registered = 0
+        self._dp_unknown = 0
         self._requests: Counter[tuple[str, str, int]] = Counter()
         self._malformed = 0
         self._closing = False
@@ -483,12 +658,18 @@ class BootstrapServer:
             malformed=self._malformed,
             registered_ranks=len(self._table),
             tp_size=self._table.tp_size,
-            ready=self._table.topology() is not None,
+            ready=self._table.complete,
             unauthorized=self._unauthorized,
             refused_replacements=self._refused_replacements,
             timed_out_connections=self._timed_out,
             shed_connections=self._shed,
             open_connections=len(self._connections),
+            dp_size=self._table.dp_size,
+            dp_rooms=len(self._dp_rooms),
+            dp_rooms_registered=self._dp_registered,
+            dp_rooms_evicted=self._dp_rooms.evicted,
+            dp_rooms_expired=self._dp_rooms.expired,
+            dp_rooms_unknown=self._dp_unknown,
         )
 
     def _admit(self, stream: trio.SocketStream) -> _Connection | None:
@@ -568,9 +749,9 @@ class BootstrapServer:
         path = scope["path"]
         method_label = method if method in _STANDARD_METHODS else "<other>"
         route_label = path if path in _ROUTE_METHODS else "<other>"
-        authorized = path != "/route" or self._authorized(scope)
+        authorized = path not in _AUTHENTICATED or self._authorized(scope)
         body: bytes | _Reply | None = None
-        if authorized and method == "PUT" and path == "/route":
+        if authorized and (method, path) in _WITH_BODY:
             body = await self._read_body(scope, receive)  # (under the request deadline)
             if body is None:
                 return  # the client went away before sending its whole request
@@ -578,8 +759,13 @@ class BootstrapServer:
             if not authorized:
                 await trio.lowlevel.checkpoint()
                 reply = _UNAUTHORIZED  # the body, if any, is never read
+            elif isinstance(body, _Reply):
+                reply = body
+            elif body is not None and path == "/route":
+                reply = await self._put_route_guarded(body)
             elif body is not None:
-                reply = await self._put_route_guarded(body) if isinstance(body, bytes) else body
+                await trio.lowlevel.checkpoint()
+                reply = self._dp_request(path, body)
             else:
                 reply = self._dispatch(method, path, scope)
             self._requests[method_label, route_label, reply.status] += 1
@@ -658,12 +844,12 @@ class BootstrapServer:
             info = msgspec.json.decode(body, type=PrefillRankInfo)
         except msgspec.DecodeError:
             return self._put_route(body)  # (answers 400)
-        old = self._table.get(info.tp_rank)
+        old = self._table.get(info.tp_rank, info.dp_rank)
         if old is not None and old.control_key != info.control_key:
             refused = None
             with trio.move_on_after(_REPLACE_PROBE_TIMEOUT):
                 refused = await port_refuses(old.endpoint)
-            old = self._table.get(info.tp_rank)  # (it may have changed meanwhile)
+            old = self._table.get(info.tp_rank, info.dp_rank)  # (it may have changed meanwhile)
             if refused is not True and old is not None and old.control_key != info.control_key:
                 self._refused_replacements += 1
                 logger.warning(
@@ -706,7 +892,7 @@ class BootstrapServer:
             )
         except (UnicodeDecodeError, ValueError):
             return _Reply.error(400, "unparseable query string")
-        unknown = sorted(set(query) - {"tp_rank"})
+        unknown = sorted(set(query) - {"tp_rank", "dp_rank"})
         if unknown:
             return _Reply.error(400, f"unknown query parameter(s): {', '.join(unknown)}")
         tp_rank = -1
@@ -717,17 +903,70 @@ class BootstrapServer:
             tp_rank = int(values[0])
             if tp_rank < -1:
                 return _Reply.error(400, f"tp_rank must be >= -1, not {tp_rank}")
-        tp_size = self._table.tp_size
+        dp_rank = 0
+        if "dp_rank" in query:
+            values = query["dp_rank"]
+            if len(values) != 1 or not _RANK_INT.fullmatch(values[0]) or int(values[0]) < 0:
+                return _Reply.error(400, f"dp_rank must be one integer >= 0, not {values!r}")
+            dp_rank = int(values[0])
+        tp_size, dp_size = self._table.tp_size, self._table.dp_size
+        if dp_size is not None and dp_rank >= dp_size:
+            return _Reply.error(404, f"no dp_rank {dp_rank}: dp_size is {dp_size}")
         if tp_size is not None and tp_rank >= tp_size:
             return _Reply.error(404, f"no tp_rank {tp_rank}: tp_size is {tp_size}")
-        topology = self._table.topology()
+        topology = self._table.topology(dp_rank)
         if topology is None:
+            if dp_size is not None and dp_size > 1:
+                return _Reply.error(
+                    503, f"not ready: {self._table.group_size(dp_rank)} of {tp_size} ranks of "
+                    f"dp_rank {dp_rank} registered"
+                )
             return _Reply.error(
                 503, f"not ready: {len(self._table)} of {tp_size or '?'} ranks registered"
             )
         if tp_rank == -1:
             return _Reply(200, msgspec.json.encode(topology))
         return _Reply(200, msgspec.json.encode(topology.ranks[tp_rank]))
+
+    def _dp_request(self, path: str, body: bytes) -> _Reply:
+        """``POST /register_dp_rank`` or ``POST /query_dp_ranks`` (DP attention; see the
+        module's docstring). Bounded: at most :data:`MAX_DP_BATCH` rooms (else ``413``), and
+        at most ``max_dp_rooms`` records held."""
+        try:
+            request: _DpRegistration | _DpQuery = (
+                msgspec.json.decode(body, type=_DpRegistration)
+                if path == "/register_dp_rank"
+                else msgspec.json.decode(body, type=_DpQuery)
+            )
+        except msgspec.DecodeError as exc:
+            logger.info("bootstrap: refused a malformed %s: %s", path, exc)
+            return _Reply.error(400, f"malformed {path} body: {exc}")
+        rooms = request.rooms
+        if not rooms:
+            return _Reply.error(400, f"{path}: no rooms")
+        if len(rooms) > MAX_DP_BATCH:
+            return _Reply.error(
+                413, f"{path}: {len(rooms)} rooms in one request, over {MAX_DP_BATCH}"
+            )
+        dp_size = self._table.dp_size
+        if dp_size is None:
+            return _Reply.error(503, "not ready: no prefill rank registered (DP size unknown)")
+        now = trio.current_time()
+        if isinstance(request, _DpRegistration):
+            if request.dp_rank >= dp_size:
+                return _Reply.error(
+                    400, f"dp_rank {request.dp_rank} is outside [0, dp_size={dp_size})"
+                )
+            for r in rooms:
+                self._dp_rooms.put(r.room, r.epoch, request.dp_rank, now)
+            self._dp_registered += len(rooms)
+            return _Reply(200, msgspec.json.encode({"ok": True, "registered": len(rooms)}))
+        if dp_size == 1:
+            ranks = [0] * len(rooms)  # one DP rank holds every room
+        else:
+            ranks = [self._dp_rooms.get(r.room, r.epoch, now) for r in rooms]
+            self._dp_unknown += ranks.count(UNKNOWN_DP_RANK)
+        return _Reply(200, msgspec.json.encode(DpRanks(dp_size=dp_size, dp_ranks=ranks)))
 
     def _get_metrics(self) -> _Reply:
         if self._metrics_registry is None:
@@ -851,6 +1090,7 @@ def _new_server(
     tls: tuple[str, str] | None = None,
     request_timeout: float = REQUEST_TIMEOUT,
     max_connections: int = MAX_CONNECTIONS,
+    dp_limits: tuple[float, int] = (DP_ROOM_TTL, MAX_DP_ROOMS),
 ) -> BootstrapServer:
     """The server for ``sock``, its metrics registered with ``metrics_registry``."""
     addr = sock.getsockname()
@@ -861,6 +1101,7 @@ def _new_server(
         host=host, port=port, url=f"{scheme}://{shown}:{port}",
         metrics_registry=metrics_registry, token=token, tls=tls,
         request_timeout=request_timeout, max_connections=max_connections,
+        dp_room_ttl=dp_limits[0], max_dp_rooms=dp_limits[1],
     )
     if metrics_registry is not None:
         try:
@@ -932,8 +1173,22 @@ def _auth(
     return security.token, tls
 
 
-def _check_limits(request_timeout: float, max_connections: int) -> None:
+def _check_limits(
+    request_timeout: float,
+    max_connections: int,
+    dp_limits: tuple[float, int] = (DP_ROOM_TTL, MAX_DP_ROOMS),
+) -> None:
     """:class:`~trio_pd.ConfigurationError` for a deadline or cap that cannot work."""
+    dp_room_ttl, max_dp_rooms = dp_limits
+    if not 0 < dp_room_ttl < math.inf:
+        raise ConfigurationError(
+            f"bootstrap service: dp_room_ttl must be a positive number of seconds, "
+            f"not {dp_room_ttl!r}"
+        )
+    if isinstance(max_dp_rooms, bool) or not isinstance(max_dp_rooms, int) or max_dp_rooms < 1:
+        raise ConfigurationError(
+            f"bootstrap service: max_dp_rooms must be an int >= 1, not {max_dp_rooms!r}"
+        )
     if not 0 < request_timeout < math.inf:
         raise ConfigurationError(
             f"bootstrap service: request_timeout must be a positive number of seconds, "
@@ -955,12 +1210,13 @@ async def _bound_server(
     tls: tuple[str, str] | None = None,
     request_timeout: float = REQUEST_TIMEOUT,
     max_connections: int = MAX_CONNECTIONS,
+    dp_limits: tuple[float, int] = (DP_ROOM_TTL, MAX_DP_ROOMS),
 ) -> tuple[socket.socket, BootstrapServer]:
     """Bind the listening socket and build the server on it; on failure, close the socket."""
     sock = await _bind(host, port)
     try:
         return sock, _new_server(
-            sock, metrics_registry, token, tls, request_timeout, max_connections
+            sock, metrics_registry, token, tls, request_timeout, max_connections, dp_limits
         )
     except BaseException:
         _close_listening(sock)
@@ -978,6 +1234,8 @@ async def serve_bootstrap(
     keyfile: str | None = None,
     request_timeout: float = REQUEST_TIMEOUT,
     max_connections: int = MAX_CONNECTIONS,
+    dp_room_ttl: float = DP_ROOM_TTL,
+    max_dp_rooms: int = MAX_DP_ROOMS,
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the bootstrap service on ``host:port`` until cancelled.
@@ -997,6 +1255,11 @@ async def serve_bootstrap(
     if every open connection is being answered). Both are counted in
     :meth:`BootstrapServer.statistics`.
 
+    DP attention (docs/topologies.md): ``max_dp_rooms`` (default 100,000) caps the "room R is
+    on DP rank K" records held at once (past it the oldest goes, counted
+    ``dp_rooms_evicted``), and ``dp_room_ttl`` (seconds, default 60) is how long each is kept
+    after its registration (counted ``dp_rooms_expired``).
+
     Binds the socket first (port 0 picks a free port; the server's ``port`` is the real
     one), starts hypercorn on it, and calls ``task_status.started(server)`` with the
     :class:`BootstrapServer` once it accepts connections. With ``metrics_registry`` (a
@@ -1006,7 +1269,8 @@ async def serve_bootstrap(
 
     Raises :class:`BootstrapError` if the address cannot be bound, the registry already
     holds bootstrap metrics, or hypercorn fails; :class:`~trio_pd.ConfigurationError` for a
-    ``request_timeout`` or ``max_connections`` that is not positive.
+    ``request_timeout``, ``max_connections``, ``dp_room_ttl`` or ``max_dp_rooms`` that is not
+    positive.
 
     **Cancellation:** cancellation is the normal way to stop. The server stops accepting,
     answers any request still waiting for its body with 503, lets requests in flight finish
@@ -1015,9 +1279,10 @@ async def serve_bootstrap(
     bounded: past one second it is cancelled outright (and a warning is logged).
     """
     token, tls = _auth(host, token, secure, certfile, keyfile)
-    _check_limits(request_timeout, max_connections)
+    dp_limits = (dp_room_ttl, max_dp_rooms)
+    _check_limits(request_timeout, max_connections, dp_limits)
     sock, server = await _bound_server(
-        host, port, metrics_registry, token, tls, request_timeout, max_connections
+        host, port, metrics_registry, token, tls, request_timeout, max_connections, dp_limits
     )
     try:
         await _serve(server, sock, task_status=task_status)
@@ -1037,6 +1302,8 @@ async def open_bootstrap_server(
     keyfile: str | None = None,
     request_timeout: float = REQUEST_TIMEOUT,
     max_connections: int = MAX_CONNECTIONS,
+    dp_room_ttl: float = DP_ROOM_TTL,
+    max_dp_rooms: int = MAX_DP_ROOMS,
 ) -> AsyncIterator[BootstrapServer]:
     """Run the bootstrap service for the duration of an ``async with`` block.
 
@@ -1051,9 +1318,10 @@ async def open_bootstrap_server(
     :func:`serve_bootstrap`).
     """
     token, tls = _auth(host, token, secure, certfile, keyfile)
-    _check_limits(request_timeout, max_connections)
+    dp_limits = (dp_room_ttl, max_dp_rooms)
+    _check_limits(request_timeout, max_connections, dp_limits)
     sock, server = await _bound_server(
-        host, port, metrics_registry, token, tls, request_timeout, max_connections
+        host, port, metrics_registry, token, tls, request_timeout, max_connections, dp_limits
     )
     try:
         async with trio.open_nursery() as nursery:

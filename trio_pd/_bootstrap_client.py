@@ -6,27 +6,104 @@ import only this module, so a rank never imports the HTTP server. Every failure 
 :class:`~trio_pd.BootstrapError`: :class:`~trio_pd._errors.NotReady` for 503,
 :class:`~trio_pd._errors.UnknownRank` for a rank that does not exist,
 :class:`~trio_pd._errors.BootstrapUnreachable` when the connection fails.
+
+DP attention (docs/topologies.md, "DP-attention routing"): one bootstrap service may serve
+several DP ranks of a prefill instance, each a TP group of its own. A URL with
+``?dp_rank=K`` (:func:`dp_url`) names DP rank K's group: a client made with it reads that
+group's topology. :class:`DpAnnouncer` tells the service which DP rank holds each room a
+prefill DP rank creates; :meth:`BootstrapClient.query_dp_ranks` asks it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import ssl
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from http import HTTPStatus
 from types import TracebackType
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Final, TypeVar
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import httpx
 import msgspec
 import trio
 
-from ._errors import BootstrapError, BootstrapUnreachable, NotReady, UnknownRank
+from ._errors import (
+    BootstrapError,
+    BootstrapUnreachable,
+    ConfigurationError,
+    NotReady,
+    UnknownRank,
+)
 
-__all__ = ["BootstrapClient", "PrefillRankInfo", "Topology"]
+__all__ = [
+    "BootstrapClient",
+    "DpAnnouncer",
+    "DpRanks",
+    "DpRoom",
+    "PrefillRankInfo",
+    "Topology",
+    "UnknownRoom",
+    "check_dp",
+    "dp_url",
+    "split_dp_url",
+]
 
 logger = logging.getLogger("trio_pd.bootstrap")
 
 _T = TypeVar("_T")
+
+#: Largest DP size a registration may name (and ``tp_size * dp_size`` is at most
+#: ``MAX_TP_SIZE`` of the service: one bootstrap service holds at most that many ranks).
+MAX_DP_SIZE: Final = 1024
+#: Most rooms one ``/register_dp_rank`` or ``/query_dp_ranks`` request may carry.
+MAX_DP_BATCH: Final = 1024
+#: What ``/query_dp_ranks`` answers for a room it holds no record of (or a record of another
+#: use of the room id, under another epoch).
+UNKNOWN_DP_RANK: Final = -1
+_DP_QUERY: Final = re.compile(r"[0-9]{1,9}")
+
+
+class UnknownRoom(BootstrapError):
+    """The bootstrap service could not say which DP rank of its prefill instance holds a
+    room before the decode rank's ``bootstrap_timeout`` passed: no prefill DP rank announced
+    it (yet), or its record expired."""
+
+
+def check_dp(dp_rank: int, dp_size: int, what: str) -> None:
+    """:class:`~trio_pd.ConfigurationError` unless ``0 <= dp_rank < dp_size <= MAX_DP_SIZE``
+    (ints, not bools)."""
+    for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigurationError(f"{what}: {name} must be an int, not {value!r}")
+    if not 1 <= dp_size <= MAX_DP_SIZE:
+        raise ConfigurationError(f"{what}: dp_size {dp_size} outside [1, {MAX_DP_SIZE}]")
+    if not 0 <= dp_rank < dp_size:
+        raise ConfigurationError(f"{what}: dp_rank {dp_rank} outside [0, dp_size={dp_size})")
+
+
+def dp_url(url: str, dp_rank: int) -> str:
+    """The URL of DP rank ``dp_rank`` of the prefill instance whose bootstrap service is at
+    ``url``: ``url?dp_rank=K``, and ``url`` itself for DP rank 0 (the service's ``/route``
+    without a ``dp_rank`` is DP rank 0's)."""
+    base, _ = split_dp_url(url)
+    return base if dp_rank == 0 else f"{base}?dp_rank={dp_rank}"
+
+
+def split_dp_url(url: str) -> tuple[str, int | None]:
+    """``(base URL, DP rank)`` of a URL made by :func:`dp_url` (the DP rank None when the URL
+    names none). A URL whose query is anything but one ``dp_rank=K`` is returned as it is."""
+    parts = urlsplit(url)
+    if not parts.query:
+        return url.rstrip("/"), None
+    query = parse_qs(parts.query, keep_blank_values=True)
+    values = query.get("dp_rank", [])
+    if set(query) != {"dp_rank"} or len(values) != 1 or not _DP_QUERY.fullmatch(values[0]):
+        return url.rstrip("/"), None
+    base = urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")).rstrip("/")
+    return base, int(values[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,13 +138,40 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     #: connects to ``endpoint`` and ``heartbeat_endpoint`` as a CURVE client of this key, and
     #: takes a STATUS, ABORT_ACK or PONG for this rank only from it (docs/security.md)
     control_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
+    #: DP attention: the DP rank whose TP group this rank belongs to, and how many DP ranks
+    #: the instance has (every rank agrees on it). 0 and 1 without DP attention
+    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    dp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class Topology(msgspec.Struct, frozen=True):
-    """Every rank of a prefill instance: ``ranks[i].tp_rank == i`` for ``i < tp_size``."""
+    """Every rank of a prefill instance (of one of its DP ranks, with DP attention):
+    ``ranks[i].tp_rank == i`` for ``i < tp_size``, all of DP rank ``dp_rank``."""
 
     tp_size: int
     ranks: list[PrefillRankInfo]
+    dp_rank: int = 0
+    dp_size: int = 1
+
+
+_RoomId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class DpRoom(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One room in a DP-rank registration or query: its id and, when the side that sends it
+    knows it, the epoch of this use of the room id (None: any use)."""
+
+    room: _RoomId
+    epoch: _RoomId | None = None
+
+
+class DpRanks(msgspec.Struct, frozen=True):
+    """The answer to ``/query_dp_ranks``: the instance's DP size, and the DP rank holding each
+    room asked about, in the order asked (:data:`UNKNOWN_DP_RANK` where the service holds no
+    record of that use of the room)."""
+
+    dp_size: int
+    dp_ranks: list[int]
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,11 +199,18 @@ class BootstrapClient:
     Every failure is a :class:`BootstrapError`: :class:`NotReady` for 503,
     :class:`UnknownRank` for a rank that does not exist, :class:`BootstrapUnreachable` when
     the connection fails.
+
+    A URL made by :func:`dp_url` (``...?dp_rank=K``) names DP rank K of a prefill instance
+    with DP attention: :meth:`topology` and :meth:`rank` then read that DP rank's TP group
+    (:attr:`dp_rank`; None for a plain URL, which reads DP rank 0's).
     """
 
     def __init__(
         self, url: str, *, token: str | None = None, verify: ssl.SSLContext | str | bool = True
     ) -> None:
+        url, dp_rank = split_dp_url(url)
+        #: the DP rank the URL names (None: the plain URL, DP rank 0)
+        self.dp_rank: int | None = dp_rank
         self.url = url.rstrip("/")
         # Certificate verification only means something for https; skipping it for plain
         # http avoids loading the CA bundle (~80 ms) for every client.
@@ -161,12 +272,13 @@ class BootstrapClient:
 
         **Cancellation:** safe to cancel; nothing changes on the service.
         """
-        response = await self._request("GET", "/route")
+        response = await self._request("GET", "/route", params=self._dp_params())
         topology = self._decode(response, Topology)
         expected = list(range(topology.tp_size))
+        dp_rank = self.dp_rank or 0
         if [r.tp_rank for r in topology.ranks] != expected or any(
-            r.tp_size != topology.tp_size for r in topology.ranks
-        ):
+            r.tp_size != topology.tp_size or r.dp_rank != dp_rank for r in topology.ranks
+        ) or topology.dp_rank != dp_rank:
             raise BootstrapError(f"bootstrap service at {self.url} sent an inconsistent topology")
         return topology
 
@@ -178,14 +290,62 @@ class BootstrapClient:
 
         **Cancellation:** safe to cancel; nothing changes on the service.
         """
-        response = await self._request("GET", "/route", params={"tp_rank": str(tp_rank)})
+        params = {"tp_rank": str(tp_rank), **self._dp_params()}
+        response = await self._request("GET", "/route", params=params)
         info = self._decode(response, PrefillRankInfo)
-        if info.tp_rank != tp_rank:
+        if info.tp_rank != tp_rank or info.dp_rank != (self.dp_rank or 0):
             raise BootstrapError(
                 f"bootstrap service at {self.url} answered tp_rank {info.tp_rank} "
                 f"for tp_rank {tp_rank}"
             )
         return info
+
+    def _dp_params(self) -> dict[str, str]:
+        return {} if self.dp_rank is None else {"dp_rank": str(self.dp_rank)}
+
+    async def register_dp_rooms(self, dp_rank: int, rooms: Sequence[DpRoom]) -> None:
+        """Tell the service that DP rank ``dp_rank`` holds ``rooms`` (at most
+        :data:`MAX_DP_BATCH`; each with the epoch of its use when known). A later record of a
+        room replaces an earlier one; records expire (the service's ``dp_room_ttl``).
+
+        Raises :class:`NotReady` while no prefill rank registered (the service does not know
+        the DP size yet), and :class:`BootstrapError` if it refuses the request (400: a DP
+        rank outside the instance's; 401: no or the wrong token; 413: too many rooms).
+
+        **Cancellation:** safe to cancel; the records may or may not have been stored
+        (registering again is harmless).
+        """
+        body = {"dp_rank": dp_rank, "rooms": list(rooms)}
+        await self._request(
+            "POST", "/register_dp_rank", content=msgspec.json.encode(body),
+            headers={"content-type": "application/json"},
+        )
+
+    async def query_dp_ranks(self, rooms: Sequence[DpRoom]) -> DpRanks:
+        """Which DP rank holds each of ``rooms`` (at most :data:`MAX_DP_BATCH`), and the
+        instance's DP size. A room the service holds no record of (or only one of another
+        epoch) reads :data:`UNKNOWN_DP_RANK`; with DP size 1 every room reads 0.
+
+        Raises :class:`NotReady` while no prefill rank registered, and
+        :class:`BootstrapError` otherwise (including an answer of the wrong length or with a
+        DP rank outside the instance's).
+
+        **Cancellation:** safe to cancel; nothing changes on the service.
+        """
+        body = {"rooms": list(rooms)}
+        response = await self._request(
+            "POST", "/query_dp_ranks", content=msgspec.json.encode(body),
+            headers={"content-type": "application/json"},
+        )
+        answer = self._decode(response, DpRanks)
+        if (
+            not 1 <= answer.dp_size <= MAX_DP_SIZE
+            or len(answer.dp_ranks) != len(rooms)
+            or any(not UNKNOWN_DP_RANK <= k < answer.dp_size for k in answer.dp_ranks)
+        ):
+            raise BootstrapError(f"bootstrap service at {self.url} sent an inconsistent answer "
+                                 "to /query_dp_ranks")
+        return answer
 
     async def wait_topology(self) -> Topology:
         """The complete topology, waiting for it as long as the caller lets it.
@@ -250,3 +410,115 @@ class BootstrapClient:
             raise BootstrapError(
                 f"bootstrap service at {self.url} sent a malformed {type_.__name__}: {exc}"
             ) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# DP attention: the prefill side's announcements
+
+
+class DpAnnouncer:
+    """Tells a bootstrap service, in batches, which DP rank holds each room a prefill DP rank
+    creates (``POST /register_dp_rank``), so that decode ranks can route each room to that DP
+    rank's TP group. The prefill agent makes one on TP rank 0 of each DP rank, when its DP
+    size is over 1 (``open_prefill(dp_rank=, dp_size=)``), and :meth:`announce` is called for
+    every room it creates.
+
+    :meth:`announce` never blocks and never fails: it queues the room (at most
+    ``max_pending``; past it the oldest is dropped, counted :attr:`dropped`), unless the same
+    use of it (room and epoch) was among the last ``max_pending`` announced (an adapter may
+    announce a request before the room exists, as SGLang's sender does). :meth:`run`, one
+    task, posts what is queued, up to :data:`MAX_DP_BATCH` rooms a request, each request
+    bounded by ``request_timeout``; a request that fails is retried with a backoff from 20 ms
+    to 500 ms, and a room still not posted ``give_up_after`` seconds after it was queued is
+    dropped (counted :attr:`dropped`): its decode rank fails it with :class:`UnknownRoom` at
+    its own bootstrap deadline, as this side fails it at its own. Counters:
+    :attr:`announced` (rooms stored by the service), :attr:`failed_posts`.
+    """
+
+    def __init__(
+        self,
+        client: BootstrapClient,
+        dp_rank: int,
+        *,
+        give_up_after: float = 30.0,
+        max_pending: int = 65_536,
+        request_timeout: float = 5.0,
+    ) -> None:
+        self._client = client
+        self.dp_rank = dp_rank
+        self._give_up_after = give_up_after
+        self._max_pending = max_pending
+        self._request_timeout = request_timeout
+        self._pending: deque[tuple[DpRoom, float]] = deque()
+        #: the last ``max_pending`` uses announced: one is not queued twice
+        self._recent: OrderedDict[tuple[int, int | None], None] = OrderedDict()
+        self._wake = trio.Event()
+        #: rooms the service stored
+        self.announced = 0
+        #: rooms given up: over ``max_pending``, or not posted within ``give_up_after``
+        self.dropped = 0
+        #: requests that failed (each is retried)
+        self.failed_posts = 0
+
+    @property
+    def pending(self) -> int:
+        """Rooms queued, not yet stored by the service."""
+        return len(self._pending)
+
+    def announce(self, room: int, epoch: int | None = None) -> None:
+        """Queue "DP rank ``dp_rank`` holds ``room``" (this use of it: ``epoch``, when
+        known). Synchronous; never blocks."""
+        key = (room, epoch)
+        if key in self._recent:
+            return
+        self._recent[key] = None
+        if len(self._recent) > self._max_pending:
+            self._recent.popitem(last=False)
+        if len(self._pending) >= self._max_pending:
+            self._pending.popleft()
+            self.dropped += 1
+        self._pending.append((DpRoom(room, epoch), trio.current_time()))
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Post what :meth:`announce` queues, until cancelled.
+
+        **Cancellation:** the normal way to stop it; a batch being posted may or may not
+        have been stored.
+        """
+        delay = 0.02
+        warned = False
+        while True:
+            while not self._pending:
+                await self._wake.wait()
+                self._wake = trio.Event()
+            now = trio.current_time()
+            while self._pending and now - self._pending[0][1] > self._give_up_after:
+                self._pending.popleft()
+                self.dropped += 1
+            batch = [self._pending.popleft() for _ in range(min(MAX_DP_BATCH, len(self._pending)))]
+            if not batch:
+                continue
+            error: BaseException | None = None
+            try:
+                with trio.fail_after(self._request_timeout):
+                    await self._client.register_dp_rooms(self.dp_rank, [r for r, _ in batch])
+            except (BootstrapError, trio.TooSlowError) as exc:
+                error = exc
+            if error is None:
+                self.announced += len(batch)
+                delay, warned = 0.02, False
+                continue
+            self.failed_posts += 1
+            (logger.debug if warned else logger.warning)(
+                "bootstrap: could not tell %s that DP rank %d holds %d room(s), retrying: %s",
+                self._client.url, self.dp_rank, len(batch), error,
+            )
+            warned = True
+            # back at the front, in order; what no longer fits is the oldest: dropped
+            room_left = self._max_pending - len(self._pending)
+            keep = batch[len(batch) - room_left:] if room_left < len(batch) else batch
+            self.dropped += len(batch) - len(keep)
+            self._pending.extendleft(reversed(keep))
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.5)

@@ -9,6 +9,13 @@
 * :class:`~trio_pd._outbox.Outbox` carries the ABORTs: one retry policy, one pending ABORT per
   (rank, room, epoch) however often it is re-sent.
 
+DP attention (docs/topologies.md, "DP-attention routing"): a bootstrap service may serve
+several DP ranks of one prefill instance, each its own TP group. A room is then routed to the
+prefill ranks of the DP rank that holds it: the one ``receiver(dp_rank=)`` names, or the one
+the bootstrap service says (``POST /query_dp_ranks``, asked in batches per service, retried
+until ``bootstrap_timeout``; then the room fails with :class:`~trio_pd._bootstrap_client.
+UnknownRoom`). A DP rank is then resolved like any prefill instance, at ``url?dp_rank=K``.
+
 Closing the agent fails its rooms the normal way (ABORT to every prefill rank contacted) and
 keeps serving, with its memory registered, until their drain acks come or the writers are
 proven gone, for at most ``DecodeConfig.close_timeout``. Rooms still unproven then are
@@ -19,6 +26,7 @@ write may still land in those pages. Deadlines report; they do not free.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import ssl
 import time
@@ -35,11 +43,25 @@ import trio.lowlevel
 import trio_util
 
 from . import _wire
+from ._bootstrap_client import (
+    MAX_DP_BATCH,
+    MAX_DP_SIZE,
+    UNKNOWN_DP_RANK,
+    BootstrapClient,
+    DpRoom,
+    UnknownRoom,
+    check_dp,
+    dp_url,
+    split_dp_url,
+)
 from ._closing import AbortsOnExit
 from ._control import ControlPlane, sweep_idle_sockets
 from ._errors import (
     AuthenticationError,
+    BootstrapError,
+    BootstrapUnreachable,
     ConfigurationError,
+    NotReady,
     PeerLost,
     ProtocolError,
     TransferAborted,
@@ -76,12 +98,21 @@ log = logging.getLogger("trio_pd.decode")
 
 CLOSING = "decode agent closing"
 
+# DP attention: how often a bootstrap service is asked again for rooms it does not know yet
+# (from the first to the last, doubling while nothing new is learnt), the bound of one ask,
+# and how many bootstrap URLs the agent keeps DP-routing state for.
+_DP_ASK_MIN = 0.005
+_DP_ASK_MAX = 0.1
+_DP_ASK_TIMEOUT = 5.0
+_MAX_DP_ROUTES = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """Knobs of a decode agent. Deadlines are in seconds."""
 
-    #: resolving a prefill instance through its bootstrap service
+    #: resolving a prefill instance through its bootstrap service; with DP attention, also
+    #: how long a room waits to learn which DP rank holds it (then it fails: UnknownRoom)
     bootstrap_timeout: float = 30.0
     #: a room not terminal this long after ``init`` fails (and waits for its drain acks)
     waiting_timeout: float = 120.0
@@ -120,6 +151,32 @@ class _Room:
     #: metrics attached only: the ``time.perf_counter()`` the room's transfer latency runs
     #: from, its creation until ``init`` moves it there
     started: float | None = None
+    #: DP attention: the DP rank of the prefill instance the room goes to (0 without DP
+    #: attention); None while it asks the bootstrap service (``instance`` is then a
+    #: stand-in, known to no one), or if it failed before it learnt it
+    dp_rank: int | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _DpRoute:
+    """DP attention: the rooms of one bootstrap URL waiting to learn their DP rank, and what
+    the service said of its DP size."""
+
+    url: str
+    #: the instance's DP size, once the service said (None: not known, or to learn again)
+    dp_size: int | None = None
+    #: rooms still asking, oldest first, and whether an ask included them yet (their
+    #: deadline runs from the first)
+    pending: dict[_Room, bool] = field(default_factory=dict)
+    #: a task is asking for them (:meth:`DecodeAgent._route_loop`)
+    running: bool = False
+    #: set when a room joins ``pending``: ask again sooner
+    wake: trio.Event = field(default_factory=trio.Event)
+    client: BootstrapClient | None = None
+    #: why the last ask routed nothing (for the error of a room whose deadline passes)
+    last_error: str = "no answer yet"
+    #: when a room's deadline was last logged (one warning a second per service)
+    warned_at: float = -math.inf
 
 
 class DecodeReceiver(AbortsOnExit):
@@ -141,6 +198,13 @@ class DecodeReceiver(AbortsOnExit):
     @property
     def epoch(self) -> int:
         return self._room.machine.epoch
+
+    @property
+    def prefill_dp_rank(self) -> int | None:
+        """DP attention: the DP rank of the prefill instance the room was routed to (0
+        without DP attention); None while the bootstrap service is still being asked (or if
+        the room failed before it said)."""
+        return self._room.dp_rank
 
     def init(
         self,
@@ -233,6 +297,8 @@ class DecodeAgent:
         )
         self.sources.token = self.security.token
         self._rooms: dict[int, _Room] = {}
+        #: DP attention: per bootstrap URL, the rooms asking for their DP rank (bounded)
+        self._dp_routes: dict[str, _DpRoute] = {}
         #: rooms whose pages are held for a drain (failed, named to a prefill rank)
         self.held = trio_util.AsyncValue(0)
         self._token = trio.lowlevel.current_trio_token()
@@ -246,22 +312,48 @@ class DecodeAgent:
         return self.control.endpoint
 
     def receiver(
-        self, room: int, *, bootstrap_url: str, epoch: int | None = None
+        self,
+        room: int,
+        *,
+        bootstrap_url: str,
+        epoch: int | None = None,
+        dp_rank: int | None = None,
     ) -> DecodeReceiver:
         """Create the handle for ``room`` served by the prefill instance at ``bootstrap_url``.
         ``epoch`` tells this use of the room from earlier ones; every decode rank of one
-        request must pass the same one (default: a fresh random nonce)."""
+        request must pass the same one (default: a fresh random nonce).
+
+        DP attention (docs/topologies.md): ``dp_rank``, when the router knows it, is the DP
+        rank of the prefill instance that holds the room; the room goes to that DP rank's TP
+        group. Left out, the room goes to DP rank 0 if the instance has one DP rank, and
+        otherwise to the DP rank the bootstrap service says holds it (asked in the
+        background; the receiver stays Bootstrapping meanwhile, for at most
+        ``DecodeConfig.bootstrap_timeout``, then fails with
+        :class:`~trio_pd._bootstrap_client.UnknownRoom`). The agent learns an instance's DP
+        size from its first such answer. :class:`~trio_pd.ConfigurationError` for a
+        ``dp_rank`` that is not an int in ``[0, 1024)``; a DP rank the instance does not have
+        fails the room (:class:`~trio_pd.BootstrapError`, the service's 404)."""
         if room in self._rooms:
             raise TransferError(f"room {room} is still in use on decode rank {self.tp_rank}")
+        if "?" in bootstrap_url:
+            base, named = split_dp_url(bootstrap_url)
+            if named is not None:  # a URL of one DP rank (dp_url): the same as naming it
+                bootstrap_url, dp_rank = base, named if dp_rank is None else dp_rank
+        if dp_rank is not None:
+            check_dp(dp_rank, MAX_DP_SIZE, f"decode rank {self.tp_rank}: room {room}")
         if epoch is None:
             epoch = secrets.randbits(62)
-        inst = self.sources.instance(bootstrap_url)
-        rec = _Room(DecodeRoom(room, epoch), inst)
+        url = self._dp_target(bootstrap_url, dp_rank)
+        # (a stand-in Instance while the room asks for its DP rank: nobody resolves it)
+        inst = Instance(bootstrap_url) if url is None else self.sources.instance(url)
+        rec = _Room(DecodeRoom(room, epoch), inst, dp_rank=None if url is None else dp_rank or 0)
         if self.metrics is not None:
             rec.started = time.perf_counter()
         self._rooms[room] = rec
         self.timers.after(self.config.waiting_timeout, partial(self._init_due, rec))
-        if inst.ready:
+        if url is None:
+            self._route(rec, bootstrap_url)
+        elif inst.ready:
             self._bind(rec)
         else:
             inst.waiting.append(rec)
@@ -314,10 +406,169 @@ class DecodeAgent:
             self._carry(rec, rec.machine.fail(error))  # no rank was told: freed at once
 
     def _lost(self, rank: PrefillRank) -> None:
+        for route in self._dp_routes.values():
+            route.dp_size = None  # (a restarted instance may have another DP size)
         for room_id in list(rank.rooms):
             rec = self._rooms.get(room_id)
             if rec is not None:
                 self._carry(rec, rec.machine.peer_lost(rank.tp_rank))
+
+    # ------------------------------------------------------------------ DP attention
+
+    def _dp_target(self, base: str, dp_rank: int | None) -> str | None:
+        """The instance URL a new room of the service at ``base`` goes to: the DP rank it
+        names, DP rank 0 when the service has one DP rank, else None (ask the service)."""
+        route = self._dp_routes.get(base)
+        if dp_rank is not None:
+            self._route_for(base)  # rooms that name no DP rank will ask (mixed routing)
+            return _dp_instance(base, dp_rank)
+        if route is None:
+            inst = self.sources.instances.get(base)
+            if inst is not None and inst.ready:
+                return base  # resolved outside DP routing (set up by hand): as before
+            return None
+        return base if route.dp_size == 1 else None
+
+    def _route_for(self, base: str) -> _DpRoute:
+        route = self._dp_routes.get(base)
+        if route is None:
+            if len(self._dp_routes) >= _MAX_DP_ROUTES:
+                self._evict_route()
+            route = self._dp_routes[base] = _DpRoute(base)
+        return route
+
+    def _evict_route(self) -> None:
+        """Drop the oldest idle route (none idle: keep them all; each holds waiting rooms)."""
+        for url, route in self._dp_routes.items():
+            if route.pending or route.running:
+                continue
+            del self._dp_routes[url]
+            if route.dp_size != 1:
+                # its DP rank 0 must not be taken for the whole instance by a later room
+                self.sources.instances.pop(url, None)
+            if route.client is not None and self.sources.nursery is not None:
+                self.sources.nursery.start_soon(route.client.aclose)
+            return
+
+    def _route(self, rec: _Room, base: str) -> None:
+        """Ask the service at ``base`` which DP rank holds the room (batched per service),
+        for at most ``bootstrap_timeout`` from the first ask that includes it. While the DP
+        size is not known, DP rank 0 (the whole instance, with one DP rank) is resolved
+        meanwhile, so that learning it costs no extra round trip."""
+        route = self._route_for(base)
+        route.pending[rec] = False
+        if route.dp_size is None:
+            self.sources.instance(base)
+        route.wake.set()
+        if not route.running:
+            assert self.sources.nursery is not None, "the decode agent is closed"
+            route.running = True
+            self.sources.nursery.start_soon(self._route_loop, route)
+
+    async def _route_loop(self, route: _DpRoute) -> None:
+        """Ask until no room of ``route`` is waiting: at once, then again after 5 ms,
+        doubling up to 100 ms while nothing new is learnt (sooner when a room joins).
+        Bounded: every waiting room leaves at its deadline (``_route_due``).
+
+        **Cancellation:** safe at any point (the agent is closing).
+        """
+        delay = _DP_ASK_MIN
+        try:
+            if route.client is None:
+                route.client = BootstrapClient(
+                    route.url, token=self.security.token, verify=self.sources.verify
+                )
+            while route.pending:
+                route.wake = trio.Event()
+                learnt = await self._ask_dp(route, route.client)
+                if not route.pending:
+                    break
+                delay = _DP_ASK_MIN if learnt else min(2 * delay, _DP_ASK_MAX)
+                with trio.move_on_after(delay):
+                    await route.wake.wait()
+                await trio.sleep(_DP_ASK_MIN)
+        finally:
+            route.running = False
+
+    async def _ask_dp(self, route: _DpRoute, client: BootstrapClient) -> bool:
+        """One round: ask for every waiting room (:data:`MAX_DP_BATCH` a request) and route
+        those the service knows. True if any room left ``pending``."""
+        learnt = False
+        waiting = list(route.pending)
+        for start in range(0, len(waiting), MAX_DP_BATCH):
+            batch = [r for r in waiting[start:start + MAX_DP_BATCH] if r in route.pending]
+            if not batch:
+                continue
+            for rec in batch:
+                if not route.pending[rec]:  # its first ask: its deadline starts
+                    route.pending[rec] = True
+                    due = partial(self._route_due, route, rec)
+                    self.timers.after(self.config.bootstrap_timeout, due)
+            rooms = [DpRoom(r.machine.room, r.machine.epoch) for r in batch]
+            try:
+                with trio.fail_after(_DP_ASK_TIMEOUT):
+                    answer = await client.query_dp_ranks(rooms)
+            except (NotReady, BootstrapUnreachable, trio.TooSlowError) as exc:
+                route.last_error = f"{type(exc).__name__}: {exc}"
+                return learnt  # (the service may not be up yet: ask again later)
+            except BootstrapError as exc:  # a definite refusal (401, 400...): fail them now
+                error = BootstrapError(f"prefill instance {route.url}: {exc}")
+                log.warning("%s", error)
+                for rec in list(route.pending):
+                    del route.pending[rec]
+                    self._carry(rec, rec.machine.fail(error))
+                return True
+            route.dp_size = answer.dp_size
+            for rec, k in zip(batch, answer.dp_ranks, strict=True):
+                if k == UNKNOWN_DP_RANK or rec not in route.pending:
+                    continue
+                del route.pending[rec]
+                self._routed(rec, route.url, k)
+                learnt = True
+            if UNKNOWN_DP_RANK in answer.dp_ranks:
+                route.last_error = (
+                    f"DP size {answer.dp_size}; no prefill DP rank announced the room"
+                )
+        return learnt
+
+    def _routed(self, rec: _Room, base: str, dp_rank: int) -> None:
+        """The room's DP rank is known: it joins that DP rank's instance. (A room that
+        failed meanwhile joins too: its prefill ranks must hear the ABORT.)"""
+        inst = self.sources.instance(_dp_instance(base, dp_rank))
+        rec.instance, rec.dp_rank = inst, dp_rank
+        if inst.ready:
+            self._bind(rec)
+        else:
+            inst.waiting.append(rec)
+
+    def _route_due(self, route: _DpRoute, rec: _Room) -> None:
+        """``bootstrap_timeout`` after the first ask for the room: if it still waits, it
+        fails (counted ``timeouts``; nobody was told of it) with :class:`UnknownRoom`, or,
+        if the service never answered, with a :class:`BootstrapError` as an instance that
+        does not resolve."""
+        if rec not in route.pending:
+            return
+        del route.pending[rec]
+        if rec.machine.status is KVPoll.Failed:
+            return  # failed meanwhile (aborted): there is nobody to tell
+        self.counters.bump("timeouts")
+        timeout = self.config.bootstrap_timeout
+        error: BootstrapError
+        if route.dp_size is None:  # it never answered: as an instance that does not resolve
+            error = BootstrapError(
+                f"prefill instance {route.url}: no answer within {timeout:g} s "
+                f"({route.last_error})"
+            )
+        else:
+            error = UnknownRoom(
+                f"room {rec.machine.room}: the bootstrap service at {route.url} did not say "
+                f"which DP rank holds it within {timeout:g} s ({route.last_error})"
+            )
+        now = trio.current_time()
+        if now - route.warned_at >= 1.0:
+            route.warned_at = now
+            log.warning("%s", error)
+        self._carry(rec, rec.machine.fail(error))
 
     # ------------------------------------------------------------------ doing what is due
 
@@ -521,6 +772,12 @@ class DecodeAgent:
             rec.terminal.set()
 
 
+def _dp_instance(base: str, dp_rank: int) -> str:
+    """The URL DP rank ``dp_rank`` of the service at ``base`` is resolved at (``base`` itself
+    for DP rank 0, as a room without DP attention)."""
+    return base if dp_rank == 0 else dp_url(base, dp_rank)
+
+
 async def _service(scope: trio.CancelScope, run: Callable[[], Awaitable[object]]) -> None:
     with scope:
         await run()
@@ -604,4 +861,7 @@ async def open_decode(
             await wait_idle(agent.sources.probe_limiter, config.ack_timeout)
             if registered:
                 await trio.to_thread.run_sync(engine.unregister, regions)
+            for route in agent._dp_routes.values():
+                if route.client is not None:
+                    await route.client.aclose()
             await agent.control.aclose()

@@ -32,7 +32,7 @@ import trio
 import trio.lowlevel
 
 from . import _wire
-from ._bootstrap_client import BootstrapClient, PrefillRankInfo
+from ._bootstrap_client import BootstrapClient, DpAnnouncer, PrefillRankInfo, check_dp
 from ._chunks import ChunkRunner
 from ._closing import AbortsOnExit
 from ._control import ControlPlane, sweep_idle_sockets
@@ -229,6 +229,14 @@ class PrefillSender(AbortsOnExit):
 class PrefillAgent:
     """One prefill rank. Make one with :func:`open_prefill`."""
 
+    #: DP attention (``open_prefill(dp_rank=, dp_size=)``): the DP rank this rank's TP group
+    #: is, and how many the instance has
+    dp_rank: int = 0
+    dp_size: int = 1
+    #: with ``dp_size > 1``, on TP rank 0 of the DP rank: tells the bootstrap service that
+    #: this DP rank holds each room :meth:`sender` creates (None otherwise)
+    dp_announcer: DpAnnouncer | None = None
+
     def __init__(
         self,
         *,
@@ -321,6 +329,8 @@ class PrefillAgent:
         if self.metrics is not None:
             rec.started = time.perf_counter()
         self._rooms[room] = rec
+        if self.dp_announcer is not None:  # DP attention: decode routes the room by this
+            self.dp_announcer.announce(room, epoch)
         self.timers.after(self.config.bootstrap_timeout, partial(self._bootstrap_due, rec))
         aborted = self.book.take_aborted(room)  # a parked TRANSFER of this use was aborted
         if (aborted is not None and epoch in (None, aborted)) or (
@@ -629,6 +639,8 @@ async def open_prefill(
     kv_heads: int | None = None,
     host: str = "127.0.0.1",
     config: PrefillConfig | None = None,
+    dp_rank: int = 0,
+    dp_size: int = 1,
     metrics: AgentMetrics | None = None,
     token: str | None = None,
     secure: bool | None = None,
@@ -649,12 +661,22 @@ async def open_prefill(
     Either way it must fit the pool: the heads this TP rank holds are the pool's heads, or
     :class:`~trio_pd.ConfigurationError` is raised before anything starts.
 
+    DP attention: ``dp_rank`` and ``dp_size`` (default 0 and 1) say which DP rank's TP group
+    this rank is in (``tp_rank`` and ``tp_size`` are then the attention TP rank and size), and
+    are registered with the bootstrap service, which may serve every DP rank of the instance.
+    With ``dp_size > 1`` TP rank 0 of each DP rank tells the service, for every room
+    :meth:`~PrefillAgent.sender` creates, that this DP rank holds it (its
+    :attr:`~PrefillAgent.dp_announcer`, in the background, never blocking ``sender``), so
+    decode ranks route the room here (docs/topologies.md, "DP-attention routing").
+    :class:`~trio_pd.ConfigurationError` unless ``0 <= dp_rank < dp_size``.
+
     On exit every task is cancelled; engine calls already running finish first (the nursery
     waits for them), then rooms still open are failed and their pages handed back.
 
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or PrefillConfig()
+    check_dp(dp_rank, dp_size, f"prefill rank {tp_rank}")
     _wire.check_advertised_host(host, f"prefill rank {tp_rank}")
     security = resolve(
         what=f"prefill rank {tp_rank}", hosts=[host], token=token, secure=secure
@@ -700,8 +722,16 @@ async def open_prefill(
                     num_layers=pool.num_layers,
                     aux_item_len=pool.aux_item_len,
                     control_key=agent.control.public_key,
+                    dp_rank=dp_rank,
+                    dp_size=dp_size,
                 )
             )
+            agent.dp_rank, agent.dp_size = dp_rank, dp_size
+            if dp_size > 1 and tp_rank == 0:  # one announcer per DP rank (docs/topologies.md)
+                agent.dp_announcer = DpAnnouncer(
+                    client, dp_rank, give_up_after=config.bootstrap_timeout
+                )
+                nursery.start_soon(agent.dp_announcer.run)
             try:
                 yield agent
             finally:

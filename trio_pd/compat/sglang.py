@@ -31,10 +31,18 @@ Three things differ between the two APIs, and the adapter bridges each:
   adapter derives the epoch from the room id (:func:`room_epoch`), so every rank agrees with
   no router involved.
 
+DP attention maps onto trio_pd's DP-attention routing (docs/topologies.md): a prefill
+manager with ``server_args.dp_size > 1`` runs its agent as DP rank ``engine_rank //
+attn_tp_size`` (``enable_dp_attention``; ``engine_rank`` is SGLang's TP rank across the DP
+ranks, and ``engine_rank % attn_tp_size`` the attention TP rank) or ``KVArgs.system_dp_rank``
+(DP without DP attention), and announces the DP rank of every room it creates to the
+bootstrap service; a decode receiver learns it from there by itself.
+
 What trio_pd does not do raises :class:`~trio_pd.ConfigurationError` naming the knob:
 pipeline parallelism, state buffers of hybrid models (``state_indices``), a decode prefix
-(``decode_prefix_len``), data-parallel ranks other than 0, and device memory for the
-metadata buffers.
+(``decode_prefix_len``), a DP rank other than 0 named on the decode side
+(``init(prefill_dp_rank)``, ``KVArgs.system_dp_rank`` of a decode manager), and device
+memory for the metadata buffers.
 """
 
 from __future__ import annotations
@@ -121,7 +129,9 @@ class KVArgs:
     item in each); host memory only.
     """
 
-    #: this rank's TP rank within its prefill (or decode) attention TP group
+    #: this rank's TP rank within its prefill (or decode) attention TP group; with DP
+    #: attention, SGLang's TP rank across the DP ranks, whose attention TP rank is it modulo
+    #: the attention TP size (and, on prefill, whose DP rank is the quotient)
     engine_rank: int = 0
     kv_data_ptrs: list[int] = field(default_factory=list)
     kv_data_lens: list[int] = field(default_factory=list)
@@ -143,7 +153,8 @@ class KVArgs:
     page_size: int = 1
     #: informational: trio_pd learns the decode side's TP size from its registrations
     decode_tp_size: int = 1
-    #: must be 0: data-parallel ranks other than 0 are not supported
+    #: prefill, with DP but no DP attention (``server_args.dp_size > 1``): this rank's DP
+    #: rank; must be 0 otherwise
     system_dp_rank: int = 0
     #: must be 0: pipeline parallelism is not supported
     pp_rank: int = 0
@@ -187,16 +198,22 @@ def _unsupported(knob: str, value: object, why: str) -> ConfigurationError:
     return ConfigurationError(f"{knob}={value!r} is not supported by trio_pd: {why}")
 
 
-def check_kvargs(args: object) -> None:
+def check_kvargs(args: object, *, system_dp: bool = False) -> None:
     """Refuse the KVArgs fields trio_pd has no equivalent for, naming the field:
     ``pp_rank`` / ``prefill_start_layer`` other than 0 (pipeline parallelism),
-    ``system_dp_rank`` other than 0, and ``state_data_ptrs`` (state buffers of hybrid
-    models). Raises :class:`~trio_pd.ConfigurationError`."""
-    for knob, why in (
+    ``system_dp_rank`` other than 0 (unless ``system_dp``: a prefill rank of an instance
+    with DP and no DP attention, whose DP rank it is), and ``state_data_ptrs`` (state buffers
+    of hybrid models). Raises :class:`~trio_pd.ConfigurationError`."""
+    knobs = [
         ("pp_rank", "pipeline parallelism (each PP stage would be a pool of its own)"),
         ("prefill_start_layer", "pipeline parallelism (every rank holds all layers)"),
-        ("system_dp_rank", "data-parallel ranks other than 0"),
-    ):
+    ]
+    if not system_dp:
+        knobs.append((
+            "system_dp_rank", "data-parallel ranks other than 0 (only a prefill manager with "
+            "server_args.dp_size > 1 has one)",
+        ))
+    for knob, why in knobs:
         value = _int(args, knob, 0)
         if value != 0:
             raise _unsupported(f"KVArgs.{knob}", value, why)
@@ -322,6 +339,7 @@ def pool_from_kvargs(
     aux: AuxRows,
     num_pages: int | None = None,
     tp_size: int | None = None,
+    tp_rank: int | None = None,
 ) -> PoolSpec:
     """The :class:`~trio_pd.PoolSpec` of the KV buffers SGLang describes in ``args`` (a
     :class:`KVArgs` or any object with its attributes), with ``aux`` as its aux buffer.
@@ -329,7 +347,8 @@ def pool_from_kvargs(
     * layout ``"mla"`` if ``is_mla`` (one buffer per layer, one replicated latent "head"),
       else ``"mha"``: K of every layer then V of every layer, so ``num_layers`` is half the
       buffers;
-    * ``heads`` is ``kv_head_num``; ``first_head`` the first global head this rank holds:
+    * ``heads`` is ``kv_head_num``; ``first_head`` the first global head this rank holds
+      (``tp_rank``, when given, in place of ``engine_rank``: the attention TP rank):
       ``head_range(engine_rank, tp_size, total_kv_head_num)`` when ``tp_size`` (the
       attention TP size) is given, which also covers GQA replication, else
       ``engine_rank * kv_head_num`` when ``total_kv_head_num > kv_head_num`` (0 otherwise);
@@ -356,7 +375,7 @@ def pool_from_kvargs(
     page_size = _int(args, "page_size", 1)
     if page_size < 1:
         raise ConfigurationError(f"KVArgs.page_size must be >= 1, got {page_size}")
-    rank = _int(args, "engine_rank", 0)
+    rank = _int(args, "engine_rank", 0) if tp_rank is None else tp_rank
     layout: Literal["mha", "mla"]
     if is_mla:
         layout, num_layers, heads, first_head = "mla", len(ptrs), 1, 0
@@ -489,7 +508,8 @@ class KVManager(ClosesOnExit):
     From ``server_args`` (any object; missing attributes read as SGLang's defaults):
     ``disaggregation_transfer_backend`` ("mooncake" or "nixl"), ``host`` and
     ``disaggregation_bootstrap_port`` (where a prefill rank's bootstrap service is),
-    ``tp_size`` / ``dp_size`` / ``enable_dp_attention`` (the attention TP size) and
+    ``tp_size`` / ``dp_size`` / ``enable_dp_attention`` (the attention TP size; on prefill
+    with ``dp_size > 1`` also the agent's DP rank, see the module's docstring) and
     ``pp_size`` (must be 1). ``disaggregation_mode`` is "prefill" or "decode", a str or an
     enum with that ``.value``.
 
@@ -531,17 +551,32 @@ class KVManager(ClosesOnExit):
         self.mode: Literal["prefill", "decode"] = _mode(disaggregation_mode)
         self.disaggregation_mode = disaggregation_mode
         self.free_on_terminal = free_on_terminal
-        check_kvargs(args)
+        dp_size = max(1, int(getattr(server_args, "dp_size", 1) or 1))
+        dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
+        check_kvargs(args, system_dp=self.mode == "prefill" and dp_size > 1 and not dp_attention)
         _check_server_args(server_args)
         tp = int(getattr(server_args, "tp_size", 1) or 1)
-        if getattr(server_args, "enable_dp_attention", False):
-            tp //= max(1, int(getattr(server_args, "dp_size", 1) or 1))
+        if dp_attention:
+            tp //= dp_size
         self.tp_size = max(1, tp)
-        self.tp_rank = _int(args, "engine_rank", 0)
+        engine_rank = _int(args, "engine_rank", 0)
+        #: the attention TP rank (``engine_rank``, modulo the attention TP size with DP
+        #: attention) and, on prefill, the DP rank and size the agent registers
+        self.tp_rank = engine_rank % self.tp_size if dp_attention else engine_rank
+        self.dp_rank, self.dp_size = 0, 1
+        if self.mode == "prefill" and dp_size > 1:
+            self.dp_size = dp_size
+            self.dp_rank = (engine_rank // self.tp_size if dp_attention
+                            else _int(args, "system_dp_rank", 0))
+            if not 0 <= self.dp_rank < dp_size:
+                raise ConfigurationError(
+                    f"DP rank {self.dp_rank} (from KVArgs.engine_rank {engine_rank} or "
+                    f"system_dp_rank) is outside [0, server_args.dp_size={dp_size})"
+                )
         self.aux = AuxRows(args)
         self.pool: PoolSpec = pool_from_kvargs(
             args, is_mla=self.is_mla_backend, aux=self.aux, num_pages=num_pages,
-            tp_size=self.tp_size,
+            tp_size=self.tp_size, tp_rank=self.tp_rank,
         )
         total = 1 if self.is_mla_backend else (_int(args, "total_kv_head_num", 0)
                                                or self.pool.heads)
@@ -602,10 +637,12 @@ class KVManager(ClosesOnExit):
         ``start_timeout``."""
         if self.mode != "prefill" or self._facade is not None:
             return
+        dp = {"dp_rank": self.dp_rank, "dp_size": self.dp_size} if self.dp_size > 1 else {}
         self._facade = sync.open_prefill(
             engine=self.engine, pool=self.pool, bootstrap_url=self.bootstrap_url,
             tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self._kv_heads,
-            host=self.host, config=self.config, thread=self._thread, **self._facade_kw,
+            host=self.host, config=self.config, thread=self._thread,
+            **{**dp, **self._facade_kw},
         )
 
     @property
@@ -767,6 +804,8 @@ class KVSender(_Handle):
         facade = mgr.facade
         assert isinstance(facade, sync.SyncPrefill)
         self._h = self._sender = facade.sender(self.room, epoch=room_epoch(self.room))
+        if mgr.dp_size > 1:  # as SGLang's sender: the decode side routes by it from now
+            facade.thread.post(_announce, facade, self.room, room_epoch(self.room))
         self._num: int | None = None
         self._sent = 0
         self._aux_index = 0
@@ -858,6 +897,16 @@ class KVSender(_Handle):
         return self._gated(self._sender.poll())
 
 
+def _announce(facade: sync.SyncPrefill, room: int, epoch: int) -> None:
+    """On the trio thread: tell the bootstrap service now that this DP rank holds ``room``
+    (SGLang's prefill side does when it makes the sender; the agent's own announcement at
+    ``init`` is then not sent again). Only TP rank 0 of a DP rank has an announcer."""
+    agent = facade.agent
+    assert isinstance(agent, PrefillAgent)
+    if agent.dp_announcer is not None:
+        agent.dp_announcer.announce(room, epoch)
+
+
 def _fail_early(facade: sync.SyncPrefill | sync.SyncDecode, room: int, epoch: int,
                 reason: str) -> None:
     """On the trio thread: create ``room`` with no pages on the prefill agent and abort it,
@@ -904,9 +953,12 @@ class KVReceiver(_Handle):
         kv_indices: npt.ArrayLike | None = None,
     ) -> None:
         """Both of SGLang's forms. ``init(prefill_dp_rank)``: pick the prefill DP rank; only
-        0 (or None) is supported, and nothing else happens (the receiver resolved its prefill
-        instance when it was made). ``init(kv_indices, aux_index)`` (older SGLang): the same
-        as :meth:`send_metadata`."""
+        0 (or None) is supported, and nothing else happens: the receiver began to resolve its
+        prefill instance when it was made, and with DP attention the decode agent routes the
+        room by itself, to the DP rank the prefill side announced to the bootstrap service
+        (SGLang's scheduler need not resolve it: pass None). A DP rank named here cannot be
+        pinned any more. ``init(kv_indices, aux_index)`` (older SGLang): the same as
+        :meth:`send_metadata`."""
         if kv_indices is None and (
             prefill_dp_rank is None or isinstance(prefill_dp_rank, int | np.integer)
         ):
@@ -914,7 +966,8 @@ class KVReceiver(_Handle):
                 raise ProtocolError("init(prefill_dp_rank): aux_index goes to send_metadata")
             if prefill_dp_rank not in (None, 0):
                 raise _unsupported("prefill_dp_rank", prefill_dp_rank,
-                                   "data-parallel ranks other than 0")
+                                   "naming a prefill DP rank other than 0 on decode (the "
+                                   "receiver routes itself by the bootstrap service: pass None)")
             return
         pages = prefill_dp_rank if kv_indices is None else kv_indices
         assert pages is not None
