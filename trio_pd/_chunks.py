@@ -292,8 +292,13 @@ class ChunkRunner:
         (when they are staged: the reservation is then ``call.staged``)."""
         parts: list[Blocks] = []
         prepare = None
-        if peer.heads is not None and len(chunk.pages):
-            dst = target.dst_pages[chunk.start : chunk.start + len(chunk.pages)]
+        src_pages = chunk.pages
+        skip = target.prefix - chunk.start  # pages of the chunk decode holds already
+        if skip > 0:
+            src_pages = src_pages[skip:]
+        if peer.heads is not None and len(src_pages):
+            first = chunk.start + len(chunk.pages) - len(src_pages) - target.prefix
+            dst = target.dst_pages[first : first + len(src_pages)]
             mha_heads = peer.heads if self.pool.layout == "mha" else None
             r = None
             if staging and self.staging.registered:
@@ -305,13 +310,13 @@ class ChunkRunner:
                 assert mha_heads is not None
                 parts.append(plan_staged(self.pool, peer.pool, dst, r.addr))
                 prepare = self.staging.gatherer(
-                    self.pool, chunk.pages, mha_heads, r, peer.pool.item_len
+                    self.pool, src_pages, mha_heads, r, peer.pool.item_len
                 )
             else:
                 # both page lists were validated when they arrived (admit, add_target)
                 parts.append(
                     plan_pages(
-                        self.pool, peer.pool, chunk.pages, dst, heads=mha_heads,
+                        self.pool, peer.pool, src_pages, dst, heads=mha_heads,
                         pages_checked=True,
                     )
                 )

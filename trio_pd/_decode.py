@@ -212,9 +212,17 @@ class DecodeReceiver(AbortsOnExit):
         aux_slot: int,
         *,
         on_release: Callable[[], None] | None = None,
+        prefix_pages: int = 0,
     ) -> None:
-        """Ask the prefill ranks for the room's KV into ``pages`` and aux row ``aux_slot``."""
-        self._agent._init(self._room, np.asarray(pages).reshape(-1), aux_slot, on_release)
+        """Ask the prefill ranks for the room's KV into ``pages`` and aux row ``aux_slot``.
+
+        ``prefix_pages``: this rank holds the request's first ``prefix_pages`` pages already
+        (its own prefix cache hit); ``pages`` are for the request's pages after them, and the
+        prefill ranks write only those (and the aux row). Status and release rules are the
+        same; ``on_release`` concerns ``pages`` only."""
+        self._agent._init(
+            self._room, np.asarray(pages).reshape(-1), aux_slot, on_release, prefix_pages
+        )
 
     def poll(self) -> KVPoll:
         """The room's status now. Never blocks; a terminal status never changes again."""
@@ -375,16 +383,19 @@ class DecodeAgent:
         pages: npt.NDArray[np.generic],
         aux_slot: int,
         on_release: Callable[[], None] | None,
+        prefix_pages: int = 0,
     ) -> None:
         if rec.machine.pages is not None:
             raise ProtocolError(f"room {rec.machine.room}: init called twice")
+        if type(prefix_pages) is not int or not 0 <= prefix_pages <= _wire.MAX_POOL_PAGES:
+            raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
         validate_pages(pages, self.pool.num_pages)
         if not 0 <= aux_slot < self.pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
         rec.on_release = on_release
         if self.metrics is not None:
             rec.started = time.perf_counter()
-        self._carry(rec, rec.machine.init(pages.astype(np.int32), aux_slot))
+        self._carry(rec, rec.machine.init(pages.astype(np.int32), aux_slot, prefix_pages))
 
     def _bind(self, rec: _Room) -> None:
         """The instance is resolved: the room knows its source ranks."""
@@ -641,6 +652,7 @@ class DecodeAgent:
                 aux_slot=machine.aux_slot,
                 required=len(rec.sources),
                 num_pages=len(machine.pages),
+                prefix_pages=machine.prefix_pages,
             )
             machine.contacted(rank.tp_rank)
             if not self.control.send_nowait(rank.endpoint, msg, machine.pages):

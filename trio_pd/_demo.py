@@ -97,6 +97,13 @@ class DemoOptions:
     page_layout: Literal["nhd", "hnd"] = "nhd"
     v_head_bytes: int | None = None
     page_pad: int = 0
+    #: decode holds every request's first tokens already (its own prefix cache): that many
+    #: (a multiple of ``page_size``) are not sent, and each decode rank asks for the rest
+    prefix_tokens: int = 0
+
+    @property
+    def prefix_pages(self) -> int:
+        return self.prefix_tokens // self.page_size
 
     @property
     def buffer_head_bytes(self) -> tuple[int, ...]:
@@ -131,6 +138,9 @@ class DemoOptions:
                     f"positive int with --layout mha, got {self.v_head_bytes}")
         if self.page_pad < 0:
             return f"--page-pad must be at least 0, got {self.page_pad}"
+        if self.prefix_tokens < 0 or self.prefix_tokens % self.page_size:
+            return (f"--prefix-tokens must be a multiple of --page-size ({self.page_size}) and "
+                    f"at least 0, got {self.prefix_tokens}")
         if not (math.isfinite(self.fault_delay) and self.fault_delay >= 0):
             return f"--fault-delay must be a number of seconds >= 0, got {self.fault_delay}"
         if not (math.isfinite(self.request_bound) and self.request_bound > 0):
@@ -520,7 +530,9 @@ async def run_decode_rank(
 
             async def one(req: Request) -> None:
                 try:
-                    pages = await pages_alloc.alloc(req.num_pages)
+                    # the first pages come from this rank's "prefix cache" (not sent)
+                    prefix = min(opts.prefix_pages, req.num_pages)
+                    pages = await pages_alloc.alloc(req.num_pages - prefix)
                     aux = await aux_alloc.alloc(1)
                     aborted_at: list[float] = []
 
@@ -542,7 +554,7 @@ async def run_decode_rank(
                     if point == "before_bootstrap":
                         abort("demo: abort before bootstrap")
                     started = time.monotonic()
-                    receiver.init(pages, int(aux[0]), on_release=release)
+                    receiver.init(pages, int(aux[0]), on_release=release, prefix_pages=prefix)
                     if point in ("between_chunks", "mid_chunk", "after_last"):
                         await trio.sleep(rng.random() * 0.01)
                         if receiver.poll() is not KVPoll.Success:
@@ -555,7 +567,7 @@ async def run_decode_rank(
                     if status is KVPoll.Success:
                         result.active.append((started, time.monotonic()))
                         cpu = time.thread_time()
-                        _verify(result, pool, pages, int(aux[0]), req)
+                        _verify(result, pool, pages, int(aux[0]), req, prefix)
                         result.harness_cpu_seconds += time.thread_time() - cpu
                         pages_alloc.free(pages)  # the request's KV is ours again: done with it
                         aux_alloc.free(aux)
@@ -617,11 +629,14 @@ def _page_allocator(
 
 
 def _verify(
-    result: RankResult, pool: DemoPool, pages: npt.NDArray[np.int64], aux: int, req: Request
+    result: RankResult, pool: DemoPool, pages: npt.NDArray[np.int64], aux: int, req: Request,
+    prefix: int = 0,
 ) -> None:
+    """``pages`` hold the request's pages from ``prefix`` on (the first are decode's own)."""
     got = pool.read(pages)  # a device pool's pages are copied to the host
-    want = pool.expected(req.room, len(pages))
-    bad = ~(got == want).reshape(got.shape[0], len(pages), -1).all(axis=2).all(axis=0)
+    want = pool.expected(req.room, prefix + len(pages))[:, prefix:]
+    bad = ~(got == want).reshape(got.shape[0], len(pages), -1).all(axis=2).all(axis=0) if len(
+        pages) else np.zeros(0, dtype=bool)
     result.corrupt_pages += int(bad.sum())
     if bad.any():
         source_poison = (got[:, bad, :] == SOURCE_POISON).any(axis=(0, 2))

@@ -343,7 +343,7 @@ class PrefillAgent:
             peer = self.peers.get(parked.endpoint)
             if peer is not None and peer.session == parked.session:  # else decode restarted
                 self._add_target(rec, peer, parked.decode_rank, parked.epoch, parked.aux_slot,
-                                 parked.num_pages, parked.dst_pages)
+                                 parked.num_pages, parked.dst_pages, parked.prefix_pages)
         return PrefillSender(self, rec)
 
     def statistics(self) -> AgentStatistics:
@@ -574,23 +574,27 @@ class PrefillAgent:
                 msg.room, endpoint=msg.endpoint, session=peer.session,
                 decode_rank=msg.decode_rank, epoch=msg.epoch,
                 aux_slot=msg.aux_slot, num_pages=msg.num_pages, required=msg.required,
-                dst_pages=pages,
+                dst_pages=pages, prefix_pages=msg.prefix_pages,
             )
             if parked.expire is not None:
                 expire = partial(self.book.expire, parked.expire)
                 self.timers.after(self.config.bootstrap_timeout, expire)
             return
-        self._add_target(rec, peer, msg.decode_rank, msg.epoch, msg.aux_slot, msg.num_pages, pages)
+        self._add_target(
+            rec, peer, msg.decode_rank, msg.epoch, msg.aux_slot, msg.num_pages, pages,
+            msg.prefix_pages,
+        )
 
     def _add_target(
         self, rec: _Room, peer: DecodePeer, decode_rank: int, epoch: int, aux_slot: int,
-        num_pages: int, pages: npt.NDArray[np.integer[Any]],
+        num_pages: int, pages: npt.NDArray[np.integer[Any]], prefix_pages: int = 0,
     ) -> None:
         self._carry(rec, rec.machine.add_target(
             endpoint=peer.endpoint, session=peer.session, decode_rank=decode_rank, epoch=epoch,
             aux_slot=aux_slot, num_pages=num_pages, dst_pages=pages,
             peer=PeerPool(peer.pool.num_pages, peer.pool.aux_slots),
             expected=len(served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp)),
+            prefix_pages=prefix_pages,
         ))
 
     def _on_abort(self, msg: _wire.Abort) -> None:

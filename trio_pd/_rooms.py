@@ -217,6 +217,9 @@ class Target:
     epoch: int
     aux_slot: int
     dst_pages: Pages
+    #: the room's first pages this rank holds already (its prefix cache): request page
+    #: ``i >= prefix`` goes to ``dst_pages[i - prefix]``, the pages before it nowhere
+    prefix: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -388,6 +391,7 @@ class PrefillRoom:
         dst_pages: npt.NDArray[np.integer[Any]],
         peer: PeerPool,
         expected: int,
+        prefix_pages: int = 0,
     ) -> Due:
         """A decode rank's TRANSFER for this room, from a registered peer. Validated here:
         a bad one fails the room and that rank is told at once (it must not wait for its
@@ -400,9 +404,10 @@ class PrefillRoom:
         try:
             if self.epoch is not None and epoch != self.epoch:
                 raise ProtocolError(f"room {self.room}: epoch {epoch} disagrees with {self.epoch}")
-            if num_pages != self.num_pages:
+            if prefix_pages + num_pages != self.num_pages:
+                held = f" after a prefix of {prefix_pages}" if prefix_pages else ""
                 raise ProtocolError(
-                    f"room {self.room}: decode sent {num_pages} pages, prefill has "
+                    f"room {self.room}: decode sent {num_pages} pages{held}, prefill has "
                     f"{self.num_pages}"
                 )
             validate_pages(dst_pages, peer.num_pages)
@@ -412,7 +417,8 @@ class PrefillRoom:
             return [Refused(exc), *self.close(exc), SendFailed(endpoint, epoch, reason_of(exc))]
         self.epoch = epoch
         self.targets[decode_rank] = Target(
-            endpoint, session, decode_rank, epoch, aux_slot, dst_pages.astype(np.int64)
+            endpoint, session, decode_rank, epoch, aux_slot, dst_pages.astype(np.int64),
+            prefix_pages,
         )
         self.expected_targets = expected
         if not self.ready:
@@ -562,6 +568,7 @@ class _Parked:
     required: int
     #: as decode sent them (int32): a parked TRANSFER costs 4 bytes per page id
     dst_pages: npt.NDArray[np.integer[Any]]
+    prefix_pages: int = 0
 
 
 @dataclass(slots=True)
@@ -647,6 +654,7 @@ class TransferBook:
         num_pages: int,
         required: int,
         dst_pages: npt.NDArray[np.integer[Any]],
+        prefix_pages: int = 0,
     ) -> Verdict:
         """Keep a TRANSFER for a room the scheduler has not created yet. Raises
         :class:`ProtocolError` for a duplicate or past the bounds."""
@@ -657,7 +665,8 @@ class TransferBook:
             pending = self.parked[room_id] = {}
             verdict.expire = self._arm("parked", room_id)
         pending[decode_rank] = _Parked(
-            endpoint, session, decode_rank, epoch, aux_slot, num_pages, required, dst_pages
+            endpoint, session, decode_rank, epoch, aux_slot, num_pages, required, dst_pages,
+            prefix_pages,
         )
         self.parked_page_ids += len(dst_pages)
         return verdict
@@ -760,6 +769,8 @@ class DecodeRoom:
     epoch: int
     book: DecodeBook | None = None
     pages: npt.NDArray[np.int32] | None = None
+    #: the request's first pages this rank holds already (``init``): not asked for
+    prefix_pages: int = 0
     aux_slot: int = -1
     early_failure: TransferError | None = None
     released: bool = False
@@ -800,12 +811,14 @@ class DecodeRoom:
         self.book.cell.advance(KVPoll.WaitingForInput)
         return self._ask()
 
-    def init(self, pages: npt.NDArray[np.int32], aux_slot: int) -> Due:
-        """The scheduler gives the destination pages and aux row (validated by the caller)."""
+    def init(self, pages: npt.NDArray[np.int32], aux_slot: int, prefix_pages: int = 0) -> Due:
+        """The scheduler gives the destination pages and aux row (validated by the caller),
+        for the request's pages after the first ``prefix_pages`` (held already)."""
         if self.pages is not None:
             raise ProtocolError(f"room {self.room}: init called twice")
         self.pages = pages
         self.aux_slot = aux_slot
+        self.prefix_pages = prefix_pages
         if self.book is None:
             if self.early_failure is not None:
                 return self._release("unsent")  # no prefill rank was ever told of them

@@ -308,11 +308,13 @@ class Register(_Header, frozen=True, tag="register", omit_defaults=True):
     auth: Annotated[bytes, msgspec.Meta(max_length=MAX_AUTH_BYTES)] = b""
 
 
-class Transfer(_Header, frozen=True, tag="transfer"):
+class Transfer(_Header, frozen=True, tag="transfer", omit_defaults=True):
     """decode → prefill: write one chunk of room ``room`` (attempt ``epoch``) into my pages.
 
     The page ids travel in frame 1. ``aux_slot`` is the destination aux row; ``required`` is
     how many prefill ranks must report Success before the room is complete.
+    ``prefix_pages``: the request's first pages decode holds already (a prefix cache hit);
+    the ``num_pages`` page ids are for the request's pages after them.
     """
 
     v: _Version
@@ -323,6 +325,7 @@ class Transfer(_Header, frozen=True, tag="transfer"):
     aux_slot: _Id
     required: _Count
     num_pages: _NumPages
+    prefix_pages: Annotated[int, msgspec.Meta(ge=0, le=MAX_POOL_PAGES)] = 0
 
 
 class Status(_Header, frozen=True, tag="status"):

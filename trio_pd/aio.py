@@ -488,7 +488,8 @@ class AioReceiver(_AioRoom[DecodeReceiver]):
         return self.handle.propagated
 
     async def init(
-        self, pages: npt.ArrayLike, aux_slot: int, *, on_release: Callable[[], None] | None = None
+        self, pages: npt.ArrayLike, aux_slot: int, *,
+        on_release: Callable[[], None] | None = None, prefix_pages: int = 0,
     ) -> None:
         """Ask for the room's KV (see :meth:`DecodeReceiver.init
         <trio_pd.DecodeReceiver.init>`). ``on_release`` runs inside trio, on the loop's
@@ -497,7 +498,9 @@ class AioReceiver(_AioRoom[DecodeReceiver]):
 
         **Cancellation:** ``init`` either did not happen or happened whole.
         """
-        await self.host.call(partial(self.handle.init, pages, aux_slot, on_release=on_release))
+        await self.host.call(partial(
+            self.handle.init, pages, aux_slot, on_release=on_release, prefix_pages=prefix_pages
+        ))
 
 
 async def _new_room(host: TrioHost, make: Callable[[], H]) -> H:

@@ -122,6 +122,9 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
                    "(default: --head-bytes)")
     p.add_argument("--page-pad", type=int, default=d.page_pad, metavar="N",
                    help="bytes between one page's end and the next's start in every buffer")
+    p.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens, metavar="N",
+                   help="decode holds every request's first N tokens already (a prefix cache "
+                   "hit; a multiple of --page-size): only the rest is sent")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="prefill TP size")
     p.add_argument("--decode-tp", type=int, default=d.decode_tp,
                    help="decode TP size; the larger TP size must be a multiple of the smaller")

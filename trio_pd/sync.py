@@ -589,10 +589,12 @@ class SyncReceiver(_Handle):
         assert isinstance(inner, DecodeReceiver)
         return inner.epoch
 
-    def init(self, pages: npt.ArrayLike, aux_slot: int) -> None:
+    def init(self, pages: npt.ArrayLike, aux_slot: int, *, prefix_pages: int = 0) -> None:
         """Ask the prefill ranks for the room's KV into ``pages`` (destination page ids) and
         aux row ``aux_slot``. From here the pages are trio_pd's until Success, or until the
         room comes out of :meth:`SyncDecode.pop_released`. The ids are copied.
+        ``prefix_pages``: this rank holds the request's first pages already; ``pages`` are
+        for the ones after them (:meth:`DecodeReceiver.init <trio_pd.DecodeReceiver.init>`).
 
         The scheduler's thread (the trio thread works too). Never blocks: posted to the
         trio thread. Raises :class:`~trio_pd.ProtocolError`, checked here, for page ids
@@ -608,7 +610,11 @@ class SyncReceiver(_Handle):
             if self._inited:
                 raise ProtocolError(f"room {self.room}: init called twice")
             self._inited = True
-        if not self._decode._thread.post(self._decode._init, self, ids, int(aux_slot)):
+        if type(prefix_pages) is not int or prefix_pages < 0:
+            raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
+        if not self._decode._thread.post(
+            self._decode._init, self, ids, int(aux_slot), prefix_pages
+        ):
             self._decode._released.append(self.room)  # never reached trio_pd: free already
 
     send_metadata = init
@@ -881,12 +887,17 @@ class SyncDecode(_Agent[DecodeAgent]):
         self._track(h)
         return h
 
-    def _init(self, h: SyncReceiver, pages: npt.NDArray[np.int64], aux_slot: int) -> None:
+    def _init(
+        self, h: SyncReceiver, pages: npt.NDArray[np.int64], aux_slot: int, prefix_pages: int
+    ) -> None:
         inner = h._inner
         assert isinstance(inner, DecodeReceiver)
         h._given = True
         try:
-            inner.init(pages, aux_slot, on_release=partial(self._on_release, h))
+            inner.init(
+                pages, aux_slot, on_release=partial(self._on_release, h),
+                prefix_pages=prefix_pages,
+            )
         except TransferError as exc:  # (checked on the scheduler's side: not expected)
             inner.abort(f"trio_pd.sync: init was refused: {exc}")
             if h._final is None:

@@ -130,14 +130,18 @@ class HostKVPool:
     def expected(self, room: int, npages: int) -> npt.NDArray[np.uint8]:
         if self._kv is not None:
             return kv_bytes(self.spec, room, npages)
-        parts = [w.reshape(npages, -1) for w in _logical_bytes(self.spec, room, npages)]
+        items = self.spec.item_lens
+        parts = [w.reshape(npages, items[b])
+                 for b, w in enumerate(_logical_bytes(self.spec, room, npages))]
         return np.concatenate(parts, axis=1)[None]
 
     def read(self, pages: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
         """What ``pages`` hold, in :meth:`expected`'s form."""
         if self._kv is not None:
             return self.kv[:, pages, :]
-        parts = [self._pages(b)[pages].reshape(len(pages), -1) for b in range(len(self.buffers))]
+        items = self.spec.item_lens
+        parts = [self._pages(b)[pages].reshape(len(pages), items[b])
+                 for b in range(len(self.buffers))]
         return np.concatenate(parts, axis=1)[None]
 
     def page_rows(self) -> Rows:
@@ -178,7 +182,7 @@ def _logical_bytes(spec: PoolSpec, room: int, npages: int) -> list[npt.NDArray[n
         hb = spec.head_bytes_of(b)
         k = np.arange(hb, dtype=np.int64)[None, None, None, :]
         v = ((b * 104729 + p * 257 + t * 31 + h * 61 + k * 3) % 251).astype(np.uint8)
-        flat = v.reshape(npages, -1)
+        flat = v.reshape(npages, spec.page_size * spec.heads * hb)
         out.append((flat ^ np.resize(key, flat.shape[1])).reshape(v.shape))
     return out
 
