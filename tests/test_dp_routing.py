@@ -32,6 +32,7 @@ from trio_pd import (
     PrefillAgent,
     PrefillConfig,
     TransferAborted,
+    UnknownRoom,
     open_bootstrap_server,
     open_decode,
     open_prefill,
@@ -43,7 +44,6 @@ from trio_pd._bootstrap_client import (
     BootstrapClient,
     DpRoom,
     PrefillRankInfo,
-    UnknownRoom,
     dp_url,
 )
 from trio_pd._decode import DecodeReceiver
@@ -606,3 +606,24 @@ def test_sglang_system_dp_prefill_manager_registers_its_dp_rank() -> None:
         for mode, kw in (("prefill", {}), ("decode", {"dp_size": 2})):
             with pytest.raises(ConfigurationError, match="system_dp_rank=1"):
                 KVManager(args, mode, server_args(disaggregation_bootstrap_port=boot.port, **kw))
+
+
+@pytest.mark.parametrize("engine", ["mooncake"])
+async def test_the_demo_routes_two_prefill_dp_ranks(engine: str) -> None:
+    """`trio-pd demo --prefill-dp 2`: two DP ranks of two prefill ranks each behind one
+    bootstrap service, each serving every other request; decode finds the right one for every
+    room by asking the service (a room sent to the other DP rank would never be served, and
+    fail at its deadline). Aborts and faults included: nothing late, corrupt or leaked."""
+    from trio_pd._demo import DemoOptions, check, run_in_process
+
+    opts = DemoOptions(requests=24, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,
+                       chunk_pages=3, layers=1, head_bytes=16, kv_heads=4, prefill_tp=2,
+                       prefill_dp=2, abort_rate=0.2, fault_rate=0.1, engine=engine, seed=2,
+                       request_bound=20.0)
+    assert opts.option_problem() is None
+    with trio.fail_after(90):
+        summary = await run_in_process(opts)
+    assert summary["succeeded"] >= 12, summary
+    for key in ("corrupt_pages", "late_writes", "leaked_pages", "hung", "released_by_timeout"):
+        assert summary[key] == 0, (key, summary)
+    assert check(opts, summary) == []

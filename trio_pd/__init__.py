@@ -22,6 +22,7 @@ from ._errors import RemoteFailure as RemoteFailure
 from ._errors import TransferAborted as TransferAborted
 from ._errors import TransferError as TransferError
 from ._errors import TransferTimeout as TransferTimeout
+from ._errors import UnknownRoom as UnknownRoom
 from ._memory import MemoryKind as MemoryKind
 from ._memory import PoolSpec as PoolSpec
 from ._memory import buffer_region as buffer_region

@@ -45,7 +45,6 @@ __all__ = [
     "DpRoom",
     "PrefillRankInfo",
     "Topology",
-    "UnknownRoom",
     "check_dp",
     "dp_url",
     "split_dp_url",
@@ -64,12 +63,6 @@ MAX_DP_BATCH: Final = 1024
 #: use of the room id, under another epoch).
 UNKNOWN_DP_RANK: Final = -1
 _DP_QUERY: Final = re.compile(r"[0-9]{1,9}")
-
-
-class UnknownRoom(BootstrapError):
-    """The bootstrap service could not say which DP rank of its prefill instance holds a
-    room before the decode rank's ``bootstrap_timeout`` passed: no prefill DP rank announced
-    it (yet), or its record expired."""
 
 
 def check_dp(dp_rank: int, dp_size: int, what: str) -> None:

@@ -49,7 +49,6 @@ from ._bootstrap_client import (
     UNKNOWN_DP_RANK,
     BootstrapClient,
     DpRoom,
-    UnknownRoom,
     check_dp,
     dp_url,
     split_dp_url,
@@ -66,6 +65,7 @@ from ._errors import (
     ProtocolError,
     TransferAborted,
     TransferError,
+    UnknownRoom,
 )
 from ._lazy import LazyEvent
 from ._memory import PoolSpec, read_aux_stamp, validate_pages
@@ -337,7 +337,7 @@ class DecodeAgent:
         otherwise to the DP rank the bootstrap service says holds it (asked in the
         background; the receiver stays Bootstrapping meanwhile, for at most
         ``DecodeConfig.bootstrap_timeout``, then fails with
-        :class:`~trio_pd._bootstrap_client.UnknownRoom`). The agent learns an instance's DP
+        :class:`~trio_pd.UnknownRoom`). The agent learns an instance's DP
         size from its first such answer. :class:`~trio_pd.ConfigurationError` for a
         ``dp_rank`` that is not an int in ``[0, 1024)``; a DP rank the instance does not have
         fails the room (:class:`~trio_pd.BootstrapError`, the service's 404)."""

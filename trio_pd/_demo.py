@@ -100,6 +100,10 @@ class DemoOptions:
     #: decode holds every request's first tokens already (its own prefix cache): that many
     #: (a multiple of ``page_size``) are not sent, and each decode rank asks for the rest
     prefix_tokens: int = 0
+    #: DP attention: this many prefill DP ranks (each ``prefill_tp`` ranks) behind the one
+    #: bootstrap service, each serving every ``prefill_dp``-th request; decode learns which
+    #: DP rank holds a room from the bootstrap service
+    prefill_dp: int = 1
 
     @property
     def prefix_pages(self) -> int:
@@ -123,7 +127,7 @@ class DemoOptions:
         """
         for name in ("requests", "concurrency", "page_size", "layers", "kv_heads",
                      "head_bytes", "min_tokens", "max_tokens", "chunk_pages", "prefill_tp",
-                     "decode_tp"):
+                     "decode_tp", "prefill_dp"):
             value = getattr(self, name)
             if value < 1:
                 return f"{_flag(name)} must be at least 1, got {value}"
@@ -218,8 +222,8 @@ class DemoOptions:
         buffers = 2 * self.layers if self.layout == "mha" else self.layers
         head_bytes = self.buffer_head_bytes or (self.head_bytes,) * buffers
         total = 0
-        for tp in (self.prefill_tp, self.decode_tp):
-            heads = sum(_heads(self, rank, tp)[1] for rank in range(tp))
+        for tp, copies in ((self.prefill_tp, self.prefill_dp), (self.decode_tp, 1)):
+            heads = copies * sum(_heads(self, rank, tp)[1] for rank in range(tp))
             total += sum(self.pool_pages * (self.page_size * heads * hb + self.page_pad)
                          for hb in head_bytes)
         have: int | None
@@ -416,11 +420,15 @@ async def run_prefill_rank(
 ) -> RankResult:
     """One prefill rank. Its pool and engine go to ``owned``, for the caller to close.
     ``sink`` gets the result object at once, so that a run that is cancelled (Ctrl-C) still
-    has what this rank counted so far."""
+    has what this rank counted so far. With ``prefill_dp`` DP ranks, ``rank`` counts the
+    prefill ranks of every DP rank: TP rank ``rank % prefill_tp`` of DP rank ``rank //
+    prefill_tp``, which serves the requests whose index is its DP rank modulo
+    ``prefill_dp``."""
     result = RankResult("prefill", rank)
     if sink is not None:
         sink.append(result)
-    pool = _pool(opts, rank, opts.prefill_tp)  # before the engine: a CUDA context first
+    dp, tp_rank = divmod(rank, opts.prefill_tp)
+    pool = _pool(opts, tp_rank, opts.prefill_tp)  # before the engine: a CUDA context first
     owned.pools.append(pool)
     pages_alloc = _page_allocator(opts, pool, SOURCE_POISON, rank)
     aux_alloc = PageAllocator(pool.aux_rows(), SOURCE_POISON)
@@ -429,10 +437,11 @@ async def run_prefill_rank(
     slots = trio.Semaphore(opts.concurrency)
     try:
         async with open_prefill(
-            engine=engine, pool=pool.spec, bootstrap_url=bootstrap_url, tp_rank=rank,
+            engine=engine, pool=pool.spec, bootstrap_url=bootstrap_url, tp_rank=tp_rank,
             tp_size=opts.prefill_tp, kv_heads=opts.kv_heads if opts.layout == "mha" else 1,
             config=PrefillConfig(bootstrap_timeout=opts.request_bound),
             token=token, secure=True if opts.secure else None,
+            dp_rank=dp, dp_size=opts.prefill_dp,
         ) as agent:
 
             async def one(req: Request) -> None:
@@ -482,6 +491,8 @@ async def run_prefill_rank(
             cpu = time.process_time()
             async with trio.open_nursery() as nursery:
                 for req in plan_requests(opts):
+                    if req.index % opts.prefill_dp != dp:
+                        continue  # another DP rank's request (decode finds out which)
                     await slots.acquire()
                     nursery.start_soon(one, req)
             result.cpu_seconds = time.process_time() - cpu
@@ -809,7 +820,7 @@ async def run_in_process(
             nursery.start_soon(side, prefill_scope, [
                 partial(run_prefill_rank, opts, p, server.url, lambda: None, owned=owned,
                         token=token, sink=results)
-                for p in range(opts.prefill_tp)
+                for p in range(opts.prefill_tp * opts.prefill_dp)
             ])
             nursery.start_soon(side, decode_scope, [
                 partial(run_decode_rank, opts, d, server.url,
@@ -897,7 +908,7 @@ async def run_processes(
     try:
         assert boot.stdout is not None
         url = (await _read_line(boot.stdout)).strip()
-        workers = [("prefill", p) for p in range(opts.prefill_tp)] + [
+        workers = [("prefill", p) for p in range(opts.prefill_tp * opts.prefill_dp)] + [
             ("decode", d) for d in range(opts.decode_tp)
         ]
         async with trio.open_nursery() as outer:

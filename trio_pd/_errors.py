@@ -80,5 +80,11 @@ class UnknownRank(BootstrapError):
     """The service answered 404 for a rank: the registered ranks say it does not exist."""
 
 
+class UnknownRoom(BootstrapError):
+    """The bootstrap service could not say which DP rank of its prefill instance holds a
+    room before the decode rank's ``bootstrap_timeout`` passed: no prefill DP rank announced
+    it (yet), or its record expired."""
+
+
 class BootstrapUnreachable(BootstrapError):
     """The service could not be reached, or the connection broke before it answered."""

@@ -564,12 +564,15 @@ class AioDecode(_AioAgent[DecodeAgent]):
     :meth:`TrioHost.open_decode`."""
 
     async def receiver(
-        self, room: int, *, bootstrap_url: str, epoch: int | None = None
+        self, room: int, *, bootstrap_url: str, epoch: int | None = None,
+        dp_rank: int | None = None,
     ) -> AioReceiver:
         """Create the room's receiver (see :meth:`DecodeAgent.receiver
         <trio_pd.DecodeAgent.receiver>`).
 
         **Cancellation:** the receiver was not created, or it was and is aborted at once.
         """
-        make = partial(self.agent.receiver, room, bootstrap_url=bootstrap_url, epoch=epoch)
+        make = partial(
+            self.agent.receiver, room, bootstrap_url=bootstrap_url, epoch=epoch, dp_rank=dp_rank
+        )
         return AioReceiver(self.host, await _new_room(self.host, make))

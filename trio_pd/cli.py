@@ -126,6 +126,9 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
                    help="decode holds every request's first N tokens already (a prefix cache "
                    "hit; a multiple of --page-size): only the rest is sent")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="prefill TP size")
+    p.add_argument("--prefill-dp", type=int, default=d.prefill_dp, metavar="N",
+                   help="prefill DP ranks (DP attention) behind one bootstrap service, each of "
+                   "--prefill-tp ranks; decode routes each request to the one that holds it")
     p.add_argument("--decode-tp", type=int, default=d.decode_tp,
                    help="decode TP size; the larger TP size must be a multiple of the smaller")
     p.add_argument("--engine", choices=("mooncake", "nixl"), default=d.engine,

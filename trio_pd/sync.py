@@ -867,10 +867,12 @@ class SyncDecode(_Agent[DecodeAgent]):
         return self.agent.endpoint
 
     def receiver(
-        self, room: int, *, bootstrap_url: str, epoch: int | None = None
+        self, room: int, *, bootstrap_url: str, epoch: int | None = None,
+        dp_rank: int | None = None,
     ) -> SyncReceiver:
         """Create the handle for ``room``, served by the prefill instance at
-        ``bootstrap_url`` (as :meth:`trio_pd.DecodeAgent.receiver`).
+        ``bootstrap_url`` (as :meth:`trio_pd.DecodeAgent.receiver`; ``dp_rank``: the prefill
+        DP rank that holds the room, when the router knows it).
 
         Any thread but the trio thread (RuntimeError there). Blocks for one hop, at most
         the facade's ``call_timeout`` (then :class:`~trio_pd.TransferTimeout`, and nothing
@@ -878,12 +880,16 @@ class SyncDecode(_Agent[DecodeAgent]):
         use on this rank (or if the agent stopped on an error), RuntimeError once the
         facade is closed.
         """
-        return self._call(self._receiver, room, bootstrap_url, epoch)
+        return self._call(self._receiver, room, bootstrap_url, epoch, dp_rank)
 
-    def _receiver(self, room: int, bootstrap_url: str, epoch: int | None) -> SyncReceiver:
+    def _receiver(
+        self, room: int, bootstrap_url: str, epoch: int | None, dp_rank: int | None
+    ) -> SyncReceiver:
         self._admit()
         h = SyncReceiver(self, room)
-        h._inner = self.agent.receiver(room, bootstrap_url=bootstrap_url, epoch=epoch)
+        h._inner = self.agent.receiver(
+            room, bootstrap_url=bootstrap_url, epoch=epoch, dp_rank=dp_rank
+        )
         self._track(h)
         return h
 
