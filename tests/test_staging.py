@@ -40,15 +40,23 @@ def _copy(blocks: Blocks) -> None:
 
 
 def _pools(total: int, d: int, rank: int, page_size: int, head_bytes: int,
-           layers: int) -> tuple[HostKVPool, HostKVPool]:
-    """A prefill pool of TP 1 (every head, random bytes) and decode rank ``rank`` of TP ``d``."""
+           layers: int, v_head_bytes: int | None = None, pads: tuple[int, int] = (0, 0),
+           ) -> tuple[HostKVPool, HostKVPool]:
+    """A prefill pool of TP 1 (every head, random bytes) and decode rank ``rank`` of TP ``d``;
+    V buffers of ``v_head_bytes`` per head if given, and ``pads`` bytes between pages on
+    each side (per-buffer geometry)."""
+    hbs = () if v_head_bytes is None else (head_bytes,) * layers + (v_head_bytes,) * layers
     src = HostKVPool(layout="mha", num_pages=12, num_layers=layers, page_size=page_size,
-                     head_bytes=head_bytes, heads=total)
-    src.kv[:] = np.random.default_rng(total * 31 + d).integers(0, 256, src.kv.shape, np.uint8)
+                     head_bytes=head_bytes, heads=total, buffer_head_bytes=hbs,
+                     page_pad=pads[0])
+    rng = np.random.default_rng(total * 31 + d)
+    for buf in src.buffers:
+        buf[:] = rng.integers(0, 256, buf.shape, np.uint8)
     per = max(1, total // d)
     first = rank * total // d if d > total else rank * per
     dst = HostKVPool(layout="mha", num_pages=10, num_layers=layers, page_size=page_size,
-                     head_bytes=head_bytes, heads=per, first_head=first)
+                     head_bytes=head_bytes, heads=per, first_head=first,
+                     buffer_head_bytes=hbs, page_pad=pads[1])
     return src, dst
 
 
@@ -58,19 +66,22 @@ def _pools(total: int, d: int, rank: int, page_size: int, head_bytes: int,
     page_size=st.integers(1, 5),
     head_bytes=st.integers(1, 9),
     layers=st.integers(1, 2),
+    v_head_bytes=st.sampled_from([None, None, 1, 5]),
+    pads=st.sampled_from([(0, 0), (0, 0), (3, 0), (0, 7), (2, 5)]),
     data=st.data(),
 )
 def test_staged_copy_equals_the_per_slot_copy(
     heads_d: tuple[int, int], page_size: int, head_bytes: int, layers: int,
-    data: st.DataObject,
+    v_head_bytes: int | None, pads: tuple[int, int], data: st.DataObject,
 ) -> None:
     """For TP 1 -> D (GQA replication included: D > heads), gathering into staging and
     writing plan_staged's blocks leaves every destination byte as the per-token-slot plan
     does, touches nothing else, and costs one block per run of consecutive destination pages
-    per buffer."""
+    per buffer (per page where the destination leaves room between pages). Pools with K != V
+    and page strides too."""
     total, d = heads_d
     rank = data.draw(st.integers(0, d - 1))
-    src, dst = _pools(total, d, rank, page_size, head_bytes, layers)
+    src, dst = _pools(total, d, rank, page_size, head_bytes, layers, v_head_bytes, pads)
     heads = write_heads(0, rank, 1, d, total, "mha")
     assert heads is not None
     assert stages_heads(src.spec, dst.spec, heads)
@@ -82,20 +93,23 @@ def test_staged_copy_equals_the_per_slot_copy(
 
     want = HostKVPool(layout="mha", num_pages=10, num_layers=layers, page_size=page_size,
                       head_bytes=head_bytes, heads=dst.spec.heads,
-                      first_head=dst.spec.first_head)
+                      first_head=dst.spec.first_head, buffer_head_bytes=dst.spec.buffer_head_bytes,
+                      page_pad=pads[1])
     _copy(plan_pages(src.spec, want.spec, src_pages, dst_pages, heads=heads))
 
     area = StagingArea(4 * UNIT, unit=256)
     r = area.reserve(staged_bytes(src.spec, dst.spec, n))
     assert r is not None
-    area.gatherer(src.spec, src_pages, heads, r, dst.spec.item_len)()
+    area.gatherer(src.spec, src_pages, heads, r, dst.spec.item_lens)()
     blocks = plan_staged(src.spec, dst.spec, dst_pages, r.addr)
     _copy(blocks)
 
-    np.testing.assert_array_equal(dst.kv, want.kv)  # (zeros where nothing was written)
+    for got, expected in zip(dst.buffers, want.buffers, strict=True):
+        np.testing.assert_array_equal(got, expected)  # (zeros where nothing was written)
     breaks = int(np.count_nonzero(np.diff(dst_pages) != 1))
-    assert blocks.num_blocks == (breaks + 1) * src.spec.num_buffers
-    assert blocks.nbytes == n * dst.spec.item_len * src.spec.num_buffers
+    runs = (breaks + 1) if not pads[1] else n
+    assert blocks.num_blocks == runs * src.spec.num_buffers
+    assert blocks.nbytes == n * sum(dst.spec.item_lens)
     for s, ln in zip(blocks.src.tolist(), blocks.lens.tolist(), strict=True):
         assert r.addr <= s and s + ln <= r.addr + r.nbytes  # reads only its own range
 

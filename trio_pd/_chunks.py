@@ -310,7 +310,7 @@ class ChunkRunner:
                 assert mha_heads is not None
                 parts.append(plan_staged(self.pool, peer.pool, dst, r.addr))
                 prepare = self.staging.gatherer(
-                    self.pool, src_pages, mha_heads, r, peer.pool.item_len
+                    self.pool, src_pages, mha_heads, r, peer.pool.item_lens
                 )
             else:
                 # both page lists were validated when they arrived (admit, add_target)

@@ -353,10 +353,10 @@ def stages_heads(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) ->
     page, gathered into staging, go as one block (:func:`plan_staged`). Where the
     destination holds more heads than the slice (prefill TP above decode TP) its side is
     strided too, and the copy stays per token slot."""
-    if heads is None or src.layout != "mha" or src.head_bytes != dst.head_bytes:
+    if heads is None or src.layout != "mha" or src.head_bytes_all != dst.head_bytes_all:
         return False
-    if not (src.packed and dst.packed):
-        return False  # (per-buffer geometry: written in place; head-major slices are whole)
+    if src.page_layout != "nhd" or dst.page_layout != "nhd":
+        return False  # (a head-major slice is one block per page already)
     h0, h1 = heads
     whole = src.first_head == dst.first_head == h0 and src.heads == dst.heads == h1 - h0
     return not whole and dst.first_head == h0 and dst.heads == h1 - h0
@@ -364,17 +364,19 @@ def stages_heads(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) ->
 
 def staged_bytes(src: PoolSpec, dst: PoolSpec, num_pages: int) -> int:
     """Bytes of staging one chunk of ``num_pages`` pages takes (see :func:`plan_staged`)."""
-    return src.num_buffers * num_pages * dst.item_len
+    return num_pages * sum(dst.item_lens)
 
 
 def plan_staged(src: PoolSpec, dst: PoolSpec, dst_pages: npt.ArrayLike, base: int) -> Blocks:
     """The blocks that copy a gathered chunk from staging memory at ``base`` into the
     destination pages ``dst_pages`` (checked already: the caller ran :func:`validate_pages`).
 
-    The staging layout is buffer-major, then page: the slice of chunk page ``k`` of buffer
-    ``b`` is the ``dst.item_len`` bytes at ``base + (b * n + k) * dst.item_len``, laid out as
-    the destination page is (:func:`stages_heads` holds). One block per run of destination
-    pages consecutive in a buffer: a consecutive chunk costs ``num_buffers`` blocks."""
+    The staging layout is buffer-major, then page: buffer ``b``'s slices start at ``base``
+    plus ``n`` pages of every buffer before it, and the slice of chunk page ``k`` is the
+    ``dst.item_lens[b]`` bytes ``k`` pages further, laid out as the destination page is
+    (:func:`stages_heads` holds). One block per run of destination pages consecutive in a
+    buffer whose pages are packed (a consecutive chunk costs ``num_buffers`` blocks); one per
+    page where the destination leaves room between pages."""
     if src.num_buffers != dst.num_buffers:
         raise ValueError(f"source has {src.num_buffers} buffers, destination {dst.num_buffers}")
     num_buffers = src.num_buffers
@@ -382,6 +384,8 @@ def plan_staged(src: PoolSpec, dst: PoolSpec, dst_pages: npt.ArrayLike, base: in
     n = d.size
     if n == 0 or num_buffers == 0:
         return empty()
+    if not dst.packed:
+        return _plan_staged_geometry(dst, d, base)
     item = _U64(dst.item_len)
     _, d0, run = _runs(np.arange(n, dtype=np.int64), d)
     k0 = np.concatenate(([0], np.cumsum(run)[:-1])).astype(_U64)  # first chunk page of a run
@@ -393,6 +397,26 @@ def plan_staged(src: PoolSpec, dst: PoolSpec, dst_pages: npt.ArrayLike, base: in
         (_U64(base) + (rows + k0[None, :]) * item).ravel(),
         (dst_bases + d0.astype(_U64) * item).ravel(),
         lens.ravel(),
+    )
+
+
+def _plan_staged_geometry(dst: PoolSpec, d: npt.NDArray[np.int64], base: int) -> Blocks:
+    """:func:`plan_staged` for a destination with per-buffer geometry, buffer by buffer."""
+    n = d.size
+    src_parts, dst_parts, len_parts = [], [], []
+    start = base
+    for b, (item, stride) in enumerate(zip(dst.item_lens, dst.strides, strict=True)):
+        if stride == item:
+            _, d0, run = _runs(np.arange(n, dtype=np.int64), d)
+            k0 = np.concatenate(([0], np.cumsum(run)[:-1]))
+        else:
+            d0, run, k0 = d, np.ones(n, dtype=np.int64), np.arange(n, dtype=np.int64)
+        src_parts.append(_U64(start) + k0.astype(_U64) * _U64(item))
+        dst_parts.append(_U64(dst.buffer_bases[b]) + d0.astype(_U64) * _U64(stride))
+        len_parts.append(run.astype(_U64) * _U64(item))
+        start += n * item
+    return Blocks(
+        np.concatenate(src_parts), np.concatenate(dst_parts), np.concatenate(len_parts)
     )
 
 

@@ -136,45 +136,53 @@ class StagingArea:
 
     def gatherer(
         self, pool: PoolSpec, pages: npt.NDArray[np.int64], heads: tuple[int, int],
-        r: Reservation, dst_item_len: int,
+        r: Reservation, dst_item_lens: tuple[int, ...],
     ) -> Callable[[], None]:
         """The copy that fills ``r`` with heads ``[h0, h1)`` of ``pages`` of every buffer of
         ``pool``, in :func:`~trio_pd._plan.plan_staged`'s layout; run by the lane's thread
         right before the engine call (:meth:`gather`)."""
         assert self._mem is not None
         n = int(pages.size)
-        width = (heads[1] - heads[0]) * pool.head_bytes
-        offset = (heads[0] - pool.first_head) * pool.head_bytes
         start = r.addr - self._base
-        out = self._mem[start : start + pool.num_buffers * n * dst_item_len].reshape(
-            pool.num_buffers, n, pool.page_size, width
-        )
-        views = self._views(pool)
-        return lambda: self.gather(views, pages, offset, width, out)
+        parts = []
+        for b, view in enumerate(self._views(pool)):
+            hb = pool.head_bytes_of(b)
+            width = (heads[1] - heads[0]) * hb
+            offset = (heads[0] - pool.first_head) * hb
+            out = self._mem[start : start + n * dst_item_lens[b]].reshape(
+                n, pool.page_size, width
+            )
+            parts.append((view[:, :, offset : offset + width], out))
+            start += n * dst_item_lens[b]
+        return lambda: self.gather(parts, pages)
 
     def _views(self, pool: PoolSpec) -> list[npt.NDArray[np.uint8]]:
-        """numpy views ``(num_pages, page_size, slot_bytes)`` of the host pool's KV buffers
-        (made once: an agent has one pool)."""
+        """numpy views ``(num_pages, page_size, slot bytes)`` of the host pool's KV buffers,
+        with each buffer's page stride (made once: an agent has one pool)."""
         if self._source is None or self._source[0] is not pool:
-            size = pool.num_pages * pool.item_len
-            self._source = (pool, [
-                np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base)).reshape(
-                    pool.num_pages, pool.page_size, pool.slot_bytes
-                )
-                for base in pool.buffer_bases
-            ])
+            views = []
+            for b, base in enumerate(pool.buffer_bases):
+                size = pool.buffer_length(b)
+                raw = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base))
+                slot = pool.heads * pool.head_bytes_of(b)
+                views.append(np.lib.stride_tricks.as_strided(
+                    raw, (pool.num_pages, pool.page_size, slot), (pool.strides[b], slot, 1),
+                    writeable=False,
+                ))
+            self._source = (pool, views)
         return self._source[1]
 
     @staticmethod
     def gather(
-        views: list[npt.NDArray[np.uint8]], pages: npt.NDArray[np.int64], offset: int,
-        width: int, out: npt.NDArray[np.uint8],
+        parts: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
+        pages: npt.NDArray[np.int64],
     ) -> None:
-        """Copy bytes ``[offset, offset + width)`` of every token slot of ``pages`` of each
-        buffer into ``out[buffer]``: the one place source pages are read for staging (a
-        device pool would issue a strided device copy here)."""
-        for b, view in enumerate(views):
+        """For each buffer, copy its slice of every token slot of ``pages`` (``source``, a
+        view of the slice's bytes of every page) into its range of the reservation
+        (``out``): the one place source pages are read for staging (a device pool would
+        issue a strided device copy here)."""
+        for source, out in parts:
             # (pages were checked against the pool when they were admitted.) Indexing, not
             # np.take: take copies a strided source whole first (the pool's every page:
             # measured 30x slower for a 64-page chunk of a 1,024-page pool)
-            out[b] = view[pages, :, offset : offset + width]
+            out[...] = source[pages]
