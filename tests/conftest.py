@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import AsyncIterator, Callable
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,17 @@ ENGINES = [
 def engine_name(request: pytest.FixtureRequest) -> str:
     """Every integration test that takes this runs once per real engine."""
     return str(request.param)
+
+
+@pytest.fixture
+def keep_environ() -> Iterator[None]:
+    """Restore ``os.environ`` after the test (for code that sets process-wide variables)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture

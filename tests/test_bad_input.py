@@ -503,6 +503,24 @@ async def test_hostile_register_cannot_make_prefill_write_outside(
             assert isinstance(status, _wire.Status) and not status.ok and status.reason
 
 
+async def _room_after_register(
+    pair: Pair, fake: Any, engine: TransferEngine, pool: Any, room: int
+) -> Any:
+    """The fake decode REGISTERs ``pool`` with ``engine``'s session, then names two of its
+    pages for a new room of two pages in a TRANSFER; returns the room's sender, once the
+    REGISTER and the TRANSFER were handled (the room Failed)."""
+    async with raw_push(pair.prefill.endpoint) as sock:
+        await sock.send_multipart(_wire.encode(register(fake.endpoint, engine, pool)))
+        pair.src.fill(np.array([1, 2]), room)
+        sender = pair.prefill.sender(room, num_pages=2, aux_slot=0)
+        await sock.send_multipart(
+            _wire.encode(transfer(room, 5, fake.endpoint, 2), np.array([30, 31], np.int32))
+        )
+        await barrier(sock, fake)
+        assert sender.poll() is KVPoll.Failed
+    return sender
+
+
 async def test_register_with_mismatched_pool_shape_fails_rooms_without_writing(
     engine_name: str, bootstrap_url: str
 ) -> None:
@@ -514,18 +532,10 @@ async def test_register_with_mismatched_pool_shape_fails_rooms_without_writing(
     async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake, \
             real_registration(engine_name, mem, 32) as engine:
         p = pair.prefill
-        async with raw_push(p.endpoint) as sock:
-            await sock.send_multipart(_wire.encode(register(fake.endpoint, engine, mem.spec)))
-            pair.src.fill(np.array([1, 2]), 201)
-            sender = p.sender(201, num_pages=2, aux_slot=0)
-            await sock.send_multipart(
-                _wire.encode(transfer(201, 5, fake.endpoint, 2), np.array([30, 31], np.int32))
-            )
-            await barrier(sock, fake)
-            # the REGISTER was refused up front; the room its TRANSFER names fails with why
-            assert sender.poll() is KVPoll.Failed
-            with pytest.raises(AdmissionClosed):
-                sender.send(np.array([1, 2]), last=True)
+        sender = await _room_after_register(pair, fake, engine, mem.spec, 201)
+        # the REGISTER was refused up front; the room its TRANSFER names fails with why
+        with pytest.raises(AdmissionClosed):
+            sender.send(np.array([1, 2]), last=True)
         assert isinstance(sender.failure, IncompatiblePeer), sender.failure
         assert "head" in str(sender.failure)
         assert not isinstance(sender.failure, TransferAborted)
@@ -547,15 +557,7 @@ async def test_register_with_other_bytes_per_head_per_buffer_is_refused(
     async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake, \
             real_registration(engine_name, mem, 32) as engine:
         p = pair.prefill
-        async with raw_push(p.endpoint) as sock:
-            await sock.send_multipart(_wire.encode(register(fake.endpoint, engine, mem.spec)))
-            pair.src.fill(np.array([1, 2]), 202)
-            sender = p.sender(202, num_pages=2, aux_slot=0)
-            await sock.send_multipart(
-                _wire.encode(transfer(202, 5, fake.endpoint, 2), np.array([30, 31], np.int32))
-            )
-            await barrier(sock, fake)
-            assert sender.poll() is KVPoll.Failed
+        sender = await _room_after_register(pair, fake, engine, mem.spec, 202)
         assert isinstance(sender.failure, IncompatiblePeer), sender.failure
         assert "head bytes" in str(sender.failure) and "(16, 16, 8, 8)" in str(sender.failure)
         assert all((buf == 0xEE).all() for buf in mem.buffers)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
-import os
 import re
 import signal
 import subprocess
@@ -20,7 +19,6 @@ import sys
 import time
 import tomllib
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # ------------------------------------------------------------------ helpers
 
 
-@pytest.fixture(autouse=True)
-def _keep_environ() -> Iterator[None]:
-    """main() sets engine log variables (GLOG_minloglevel); keep them out of other tests."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+#: cli.main sets engine log variables (GLOG_minloglevel): keep them out of other tests
+pytestmark = pytest.mark.usefixtures("keep_environ")
 
 
 @pytest.fixture

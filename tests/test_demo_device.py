@@ -9,11 +9,9 @@ memory. The real device run is tests/test_gpu.py's ``test_demo_on_device_pools``
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -50,15 +48,8 @@ def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     return calls
 
 
-@pytest.fixture(autouse=True)
-def _keep_environ() -> Iterator[None]:
-    """cli.main sets GLOG_minloglevel; keep it out of other tests."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+#: cli.main sets engine log variables (GLOG_minloglevel): keep them out of other tests
+pytestmark = pytest.mark.usefixtures("keep_environ")
 
 
 # ------------------------------------------------------------------ refused up front

@@ -174,6 +174,21 @@ async def _room(c, room: int, n: int, on_released: dict[str, trio.Event]):  # ty
     return sender, receivers, dsts
 
 
+async def _verified_room(c, room: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    """One room of ``n`` pages to both decode ranks: Success everywhere, each rank's bytes
+    right, and prefill's pages released."""
+    ev = {k: trio.Event() for k in ("p", "d0", "d1")}
+    sender, receivers, dsts = await _room(c, room, n, ev)
+    with trio.fail_after(15):
+        assert await sender.wait() is KVPoll.Success
+        for r in receivers:
+            assert await r.wait() is KVPoll.Success
+        await ev["p"].wait()  # (decode's pages are the scheduler's after a Success)
+    for pool, dst in zip(c.decode_pools, dsts, strict=True):
+        assert (pool.kv[:, dst, :] == pool.expected(room, len(dst))).all()
+        assert pool.aux_ok(2, room)
+
+
 async def test_decode_at_a_larger_tp_gets_staged_writes(
     engine_name: str, bootstrap_url: str
 ) -> None:
@@ -181,16 +196,7 @@ async def test_decode_at_a_larger_tp_gets_staged_writes(
     and the area is empty again after."""
     async with open_cluster(engine_name, bootstrap_url, _opts(engine_name)) as c:
         for room in (5, 6):
-            ev = {k: trio.Event() for k in ("p", "d0", "d1")}
-            sender, receivers, dsts = await _room(c, room, 8, ev)
-            with trio.fail_after(15):
-                assert await sender.wait() is KVPoll.Success
-                for r in receivers:
-                    assert await r.wait() is KVPoll.Success
-                await ev["p"].wait()  # (decode's pages are the scheduler's after a Success)
-            for pool, dst in zip(c.decode_pools, dsts, strict=True):
-                assert (pool.kv[:, dst, :] == pool.expected(room, len(dst))).all()
-                assert pool.aux_ok(2, room)
+            await _verified_room(c, room, 8)
         stats = c.prefill[0].agent.statistics()
         # every write staged (the two chunks of a room may have coalesced into one)
         assert stats.chunks_staged == stats.engine_calls + stats.chunks_batched >= 2 * 2
@@ -204,16 +210,9 @@ async def test_a_full_area_writes_in_place(engine_name: str, bootstrap_url: str)
         engine_name, bootstrap_url, _opts(engine_name),
         prefill_config=PrefillConfig(staging_bytes=UNIT),
     ) as c:
-        ev = {k: trio.Event() for k in ("p", "d0", "d1")}
         # 2 layers K+V = 4 buffers x 40 pages x 128 B = 20 KiB per chunk: fits one unit
         # while the other decode rank's chunk holds it, then not
-        sender, receivers, dsts = await _room(c, 7, 80, ev)
-        with trio.fail_after(15):
-            assert await sender.wait() is KVPoll.Success
-            for r in receivers:
-                assert await r.wait() is KVPoll.Success
-        for pool, dst in zip(c.decode_pools, dsts, strict=True):
-            assert (pool.kv[:, dst, :] == pool.expected(7, len(dst))).all()
+        await _verified_room(c, 7, 80)
         stats = c.prefill[0].agent.statistics()
         assert stats.staging_full >= 1 and stats.chunks_staged >= 1, stats
 
@@ -260,14 +259,7 @@ async def test_a_failed_staged_write_keeps_its_range_until_the_room_is_released(
         with trio.fail_after(15):
             await poll_until(lambda: not any(p.failed for p in agent.peers.all()))
         assert area.held == 1
-        ev2 = {k: trio.Event() for k in ("p", "d0", "d1")}
-        sender2, receivers2, dsts2 = await _room(c, 9, 4, ev2)
-        with trio.fail_after(15):
-            assert await sender2.wait() is KVPoll.Success
-            for r in receivers2:
-                assert await r.wait() is KVPoll.Success
-        for pool, dst in zip(c.decode_pools, dsts2, strict=True):
-            assert (pool.kv[:, dst, :] == pool.expected(9, len(dst))).all()
+        await _verified_room(c, 9, 4)
         assert area.held == 1  # still: the first room is quarantined
         with trio.fail_after(15):
             await ev["p"].wait()  # the fence passed, the peers answered: released
@@ -283,12 +275,5 @@ async def test_staging_off_writes_per_slot(size: int, bootstrap_url: str) -> Non
         "mooncake", bootstrap_url, _opts("mooncake"),
         prefill_config=PrefillConfig(staging_bytes=size),
     ) as c:
-        ev = {k: trio.Event() for k in ("p", "d0", "d1")}
-        sender, receivers, dsts = await _room(c, 3, 6, ev)
-        with trio.fail_after(15):
-            assert await sender.wait() is KVPoll.Success
-            for r in receivers:
-                assert await r.wait() is KVPoll.Success
-        for pool, dst in zip(c.decode_pools, dsts, strict=True):
-            assert (pool.kv[:, dst, :] == pool.expected(3, len(dst))).all()
+        await _verified_room(c, 3, 6)
         assert c.prefill[0].agent.statistics().chunks_staged == 0

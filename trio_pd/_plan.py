@@ -154,6 +154,16 @@ def _bases_column(bases: tuple[int, ...]) -> npt.NDArray[np.uint64]:
     return col
 
 
+def _check_slice(src: PoolSpec, dst: PoolSpec, h0: int, h1: int) -> None:
+    """:class:`ValueError` unless both sides hold every head of ``[h0, h1)``."""
+    for side, pool in (("source", src), ("destination", dst)):
+        if not (pool.first_head <= h0 < h1 <= pool.first_head + pool.heads):
+            raise ValueError(
+                f"heads [{h0}, {h1}) is a slice that does not fit the {side}, which holds "
+                f"heads [{pool.first_head}, {pool.first_head + pool.heads})"
+            )
+
+
 def plan_pages(
     src: PoolSpec,
     dst: PoolSpec,
@@ -239,12 +249,7 @@ def plan_pages(
             f"head slicing needs equal bytes per head: source {src.head_bytes}, "
             f"destination {dst.head_bytes}"
         )
-    for side, pool in (("source", src), ("destination", dst)):
-        if not (pool.first_head <= h0 < h1 <= pool.first_head + pool.heads):
-            raise ValueError(
-                f"heads [{h0}, {h1}) is a slice that does not fit the {side}, which holds "
-                f"heads [{pool.first_head}, {pool.first_head + pool.heads})"
-            )
+    _check_slice(src, dst, h0, h1)
     hb = src.head_bytes
     tokens = np.arange(src.page_size, dtype=_U64)[None, None, :]
 
@@ -283,12 +288,7 @@ def _plan_geometry(
             )
         heads = (src.first_head, src.first_head + src.heads)
     h0, h1 = heads
-    for side, pool in (("source", src), ("destination", dst)):
-        if not (pool.first_head <= h0 < h1 <= pool.first_head + pool.heads):
-            raise ValueError(
-                f"heads [{h0}, {h1}) is a slice that does not fit the {side}, which holds "
-                f"heads [{pool.first_head}, {pool.first_head + pool.heads})"
-            )
+    _check_slice(src, dst, h0, h1)
     T = src.page_size
     count = h1 - h0
 
