@@ -411,10 +411,28 @@ class DecodeAgent:
             # also rooms already failed and forgotten here: their prefill ranks must hear the
             # ABORT, or their senders would wait for the bootstrap deadline
             self._bind(rec)
+        route = self._dp_routes.get(inst.url)
+        if route is not None:
+            self._learn_dp_size(route, inst)
+
+    def _learn_dp_size(self, route: _DpRoute, inst: Instance) -> None:
+        """The topology of the instance at ``route``'s URL says its DP size: with one DP
+        rank, every room asking goes to it, unasked."""
+        if route.dp_size is not None or inst.dp_size is None:
+            return
+        route.dp_size = inst.dp_size
+        if inst.dp_size == 1:
+            for rec in list(route.pending):
+                del route.pending[rec]
+                self._routed(rec, route.url, 0)
+        route.wake.set()
 
     def _resolve_failed(self, inst: Instance, error: TransferError) -> None:
         for rec in [r for r in self._rooms.values() if r.instance is inst]:
             self._carry(rec, rec.machine.fail(error))  # no rank was told: freed at once
+        route = self._dp_routes.get(inst.url)
+        if route is not None:
+            route.wake.set()  # (its rooms ask the service; they fail at their deadline)
 
     def _lost(self, rank: PrefillRank) -> None:
         for route in self._dp_routes.values():
@@ -462,14 +480,19 @@ class DecodeAgent:
             return
 
     def _route(self, rec: _Room, base: str) -> None:
-        """Ask the service at ``base`` which DP rank holds the room (batched per service),
-        for at most ``bootstrap_timeout`` from the first ask that includes it. While the DP
-        size is not known, DP rank 0 (the whole instance, with one DP rank) is resolved
-        meanwhile, so that learning it costs no extra round trip."""
+        """Find the DP rank that holds the room. While the DP size of the service at ``base``
+        is not known, its DP rank 0 (the whole instance, with one DP rank) is resolved first:
+        its topology says the DP size, and with one DP rank the room goes there unasked.
+        Otherwise the service is asked (batched per service), for at most
+        ``bootstrap_timeout`` from the first ask that includes the room."""
         route = self._route_for(base)
         route.pending[rec] = False
         if route.dp_size is None:
-            self.sources.instance(base)
+            inst = self.sources.instance(base)
+            if inst.ready:
+                self._learn_dp_size(route, inst)
+                if rec not in route.pending:
+                    return
         route.wake.set()
         if not route.running:
             assert self.sources.nursery is not None, "the decode agent is closed"
@@ -489,6 +512,11 @@ class DecodeAgent:
                 route.client = BootstrapClient(
                     route.url, token=self.security.token, verify=self.sources.verify
                 )
+            while route.pending and route.dp_size is None and not self._resolving_ended(route):
+                # first learn the DP size from the topology being resolved: with one DP
+                # rank (the common case) no room is ever asked for
+                route.wake = trio.Event()
+                await route.wake.wait()
             while route.pending:
                 route.wake = trio.Event()
                 learnt = await self._ask_dp(route, route.client)
@@ -500,6 +528,11 @@ class DecodeAgent:
                 await trio.sleep(_DP_ASK_MIN)
         finally:
             route.running = False
+
+    def _resolving_ended(self, route: _DpRoute) -> bool:
+        """Whether the instance at ``route``'s URL (DP rank 0's group) resolved or failed."""
+        inst = self.sources.instances.get(route.url)
+        return inst is None or inst.ready or inst.failed
 
     async def _ask_dp(self, route: _DpRoute, client: BootstrapClient) -> bool:
         """One round: ask for every waiting room (:data:`MAX_DP_BATCH` a request) and route

@@ -72,6 +72,10 @@ class Instance:
     ready: bool = False
     #: rooms created before the instance was resolved (the agent's records)
     waiting: list[Any] = field(default_factory=list)
+    #: the instance's DP size, as its topology says once resolved (DP attention)
+    dp_size: int | None = None
+    #: resolving it failed (the agent's DP routing then asks the service directly)
+    failed: bool = False
 
 
 class Sources:
@@ -144,12 +148,14 @@ class Sources:
                 metrics.observe_resolve(time.perf_counter() - t0, ok=False)
             if self.instances.get(inst.url) is inst:
                 del self.instances[inst.url]
+            inst.failed = True
             self._on_failed(inst, error)
             await trio.lowlevel.checkpoint()
             return
         if (metrics := self._metrics()) is not None:
             metrics.observe_resolve(time.perf_counter() - t0, ok=True)
         inst.ready = True
+        inst.dp_size = topo.dp_size
         self._on_resolved(inst)
 
     def _source_ranks(self, topo: Topology) -> range:
