@@ -573,15 +573,19 @@ def test_decode_failure_waits_for_the_drain(engine_name: str, on_terminal: bool)
 
 
 def test_success_shows_only_with_the_metadata_in_place(engine_name: str) -> None:
-    """The first poll() that says Success has scattered the metadata row into every metadata
-    buffer at the receiver's slot; the adapter's row layout is stamp + each buffer's item."""
+    """The first poll() that says Success finds the metadata in every metadata buffer at the
+    receiver's slot; natively (the default) the adapter's row is the stamp alone and the
+    metadata buffers are the pool's further aux buffers, written in place."""
     with pair(engine_name) as s:
         _sender, receiver = _one_room(s, 79)
         poll_until(lambda: receiver.poll() == KVPoll.Success)
         assert s.dst.holds(79, np.arange(4, 8), 2)
         aux = s.decode.aux
-        assert aux.offsets == (16, 80, 144) and aux.row_len == 224 == 16 + aux.bytes_per_request
-        assert bytes(aux.rows[2, 16:80]) == bytes(meta_pattern(79, 0, 64))
+        assert aux.native and aux.offsets == () and aux.row_len == 16
+        assert aux.bytes_per_request == 0  # nothing copied
+        assert s.decode.pool.extra_aux == tuple(
+            (int(m.ctypes.data), int(r.shape[1]))
+            for m, r in zip(s.dst.meta, s.dst.slots, strict=True))
 
 
 def test_an_abort_in_the_bootstrap_queue_fails_decode_at_once(engine_name: str) -> None:
@@ -864,3 +868,69 @@ def test_bootstrap_server_shape() -> None:
     finally:
         server.close()
     server.close()  # idempotent
+
+
+# ------------------------------------------------------------------ metadata buffers, natively
+
+
+def test_native_aux_maps_each_metadata_buffer_to_an_aux_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Natively the adapter's row is the 16-byte stamp and each metadata buffer is an aux
+    buffer of its own, in the order of aux_data_ptrs, with its own row size; nothing is
+    copied, and a metadata buffer may live on a device (its kind is CUDA's answer, which is
+    stood in for here)."""
+    meta = [np.zeros((12, 16), np.int32), np.zeros((12, 5), np.float64)]
+    device_ptr = int(meta[1].ctypes.data)
+    monkeypatch.setattr(trio_pd._cuda, "classify", lambda address: MemoryKind(
+        0 if address == device_ptr else None))
+    args = _args(_raw(2, 1024), 256, meta)
+    aux = AuxRows(args, native=True)
+    pool = pool_from_kvargs(args, is_mla=False, aux=aux)
+    assert (pool.aux_base, pool.aux_item_len, pool.aux_slots) == (
+        int(aux.rows.ctypes.data), 16, 12)
+    assert pool.extra_aux == ((int(meta[0].ctypes.data), 64), (device_ptr, 40))
+    assert pool.region_kinds is not None
+    assert [str(k) for k in pool.region_kinds[2:]] == ["host", "host", "cuda:0"]
+    meta[0][3] = 7
+    aux.gather(3)
+    aux.scatter(3)  # no copies either way
+    assert not aux.rows.any() and (meta[0][3] == 7).all()
+    with pytest.raises(ProtocolError, match="aux slot 12"):
+        aux.gather(12)
+
+
+def test_copying_aux_rows_still_work_and_do_not_pair_with_native(engine_name: str) -> None:
+    """``native_aux=False`` on both sides: the older mapping (the adapter's rows carry the
+    metadata), end to end. A native decode manager does not pair with a copying prefill one
+    (their first aux buffers' rows differ): refused at once, nothing written."""
+    src = Memory(num_pages=16, heads=2, aux_slots=4)
+    dsts = [Memory(num_pages=16, heads=2, aux_slots=4) for _ in range(2)]
+    with ExitStack() as stack:
+        engines = [stack.enter_context(make_engine(engine_name)) for _ in range(3)]
+        boot = stack.enter_context(KVBootstrapServer("127.0.0.1", 0))
+        addr = f"127.0.0.1:{boot.port}"
+        prefill = stack.enter_context(KVManager(
+            src.kvargs(), Mode.PREFILL, server_args(), False, engine=engines[0],
+            bootstrap_url=boot.url, native_aux=False))
+        copying, native = (stack.enter_context(KVManager(
+            dst.kvargs(), "decode", server_args(), False, engine=engine, native_aux=flag))
+            for dst, engine, flag in ((dsts[0], engines[1], False), (dsts[1], engines[2], True)))
+        assert prefill.pool.extra_aux == () and prefill.aux.row_len == 16 + 64 + 64 + 80
+        for room, decode in ((91, copying), (92, native)):
+            src.fill(room, np.arange(4), 1)
+            sender = KVSender(prefill, addr, room, [0], 0)
+            sender.init(4, 1)
+            receiver = KVReceiver(decode, addr, room)
+            if decode is native:
+                poll_until(lambda r=receiver: r.poll() == KVPoll.Failed, bound=5)
+                with pytest.raises(TransferError, match="aux row bytes"):
+                    receiver.failure_exception()
+                sender.abort()
+                continue
+            poll_until(lambda r=receiver: r.poll() == KVPoll.WaitingForInput)
+            receiver.send_metadata(np.arange(4, 8), 2)
+            sender.send(np.arange(4))
+            poll_until(lambda r=receiver: r.poll() == KVPoll.Success)
+            assert dsts[0].holds(room, np.arange(4, 8), 2)
+        assert not any(m.any() for m in dsts[1].meta)

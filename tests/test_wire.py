@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from trio_pd._errors import ProtocolError
 from trio_pd._memory import PoolSpec
 from trio_pd._wire import (
+    MAX_AUX_BUFFERS,
     MAX_BUFFERS,
     MAX_ENDPOINT_CHARS,
     MAX_ENGINE_META_BYTES,
@@ -742,6 +743,7 @@ def test_pool_from_spec_copies_every_field() -> None:
         "head_bytes": 576, "heads": 1, "first_head": 0, "buffer_bases": (10, 20, 30),
         "aux_base": 4096, "aux_item_len": 32, "aux_slots": 8, "page_layout": "nhd",
         "buffer_head_bytes": (), "page_strides": (),
+        "extra_aux": msgspec.UNSET,  # one aux buffer: left off the wire
     }  # fmt: skip
     assert wire.to_spec() == spec
 
@@ -795,3 +797,86 @@ def test_pool_to_spec_edges_are_valid() -> None:
     end = pool(buffer_bases=(0, 1, 2, 2**64 - 100 * item), aux_base=2**64 - 64 * 32)
     assert end.to_spec().buffer_bases[3] == 2**64 - 100 * item
     assert pool(buffer_bases=[1, 2, 3, 4]).to_spec().buffer_bases == (1, 2, 3, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# Several aux buffers (PoolWire.extra_aux).
+
+EXTRA = ((0xA000_0000, 24), (0xB000_0000, 41))
+
+
+@st.composite
+def pools_with_extra_aux(draw: st.DrawFn) -> PoolWire:
+    base = draw(pools())
+    slots = base.aux_slots
+    rows = draw(st.lists(small_pos, min_size=1, max_size=8))
+    extra = tuple((draw(st.integers(0, 2**64 - slots * n)), n) for n in rows)
+    return msgspec.structs.replace(base, extra_aux=extra)
+
+
+@given(wire=pools_with_extra_aux())
+def test_pool_with_extra_aux_round_trips(wire: PoolWire) -> None:
+    spec = wire.to_spec()
+    assert spec.extra_aux == wire.extra_aux and spec.num_aux == 1 + len(wire.extra_aux)
+    assert PoolWire.from_spec(spec) == wire
+    msg = register(pool=wire)
+    assert decode(encode(msg)) == (msg, None)
+
+
+def test_pool_without_extra_aux_is_on_the_wire_as_before() -> None:
+    """No extra aux buffers: the field is left off the header, byte for byte as before."""
+    plain = header_dict(register(pool=PoolWire.from_spec(pool().to_spec())))
+    assert "extra_aux" not in plain["pool"]
+    spec = pool(extra_aux=EXTRA).to_spec()
+    assert header_dict(register(pool=PoolWire.from_spec(spec)))["pool"]["extra_aux"] == [
+        list(p) for p in EXTRA
+    ]
+    assert decode([pack(plain)])[0] == register()
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (tuple((0xA000_0000 + 4096 * i, 8) for i in range(MAX_AUX_BUFFERS)), "at most 63"),
+        (((0xA000_0000, 0),), r"extra_aux\[0\] row bytes"),
+        (((0xA000_0000, 24), (0xB000_0000, -8)), r"extra_aux\[1\] row bytes"),
+        (((0xA000_0000, True),), r"extra_aux\[0\] row bytes"),
+        (((-1, 24),), r"extra_aux\[0\] base"),
+        (((2**64, 24),), r"extra_aux\[0\] base"),
+        (((2**64 - 32 * 24 + 1, 24),), "aux buffer 1 .* runs past"),
+        (((0xA000_0000, 24, 1),), r"extra_aux\[0\] must be a \(base, row bytes\) pair"),
+        (5, "extra_aux must be a sequence"),
+    ],
+)
+def test_pool_extra_aux_errors(extra: Any, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        pool(extra_aux=extra).to_spec()
+    if not isinstance(extra, int):
+        with pytest.raises(ProtocolError):  # encode() is the gate on the way out
+            encode(register(pool=pool(extra_aux=extra)))
+
+
+def test_pool_extra_aux_edges_are_valid() -> None:
+    limit = tuple((0xA000_0000 + 4096 * i, 8) for i in range(MAX_AUX_BUFFERS - 1))
+    assert pool(extra_aux=limit).to_spec().num_aux == MAX_AUX_BUFFERS
+    assert pool(extra_aux=((2**64 - 32 * 24, 24),)).to_spec().aux_bases[1] == 2**64 - 32 * 24
+    assert pool(extra_aux=[[1, 2]]).to_spec().extra_aux == ((1, 2),)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ([[0xA000_0000 + 4096 * i, 8] for i in range(MAX_AUX_BUFFERS)], "extra_aux"),
+        ([[0xA000_0000, 0]], "extra_aux"),
+        ([[-1, 24]], "extra_aux"),
+        ([[0xA000_0000, 24, 1]], "extra_aux"),
+        ([[0xA000_0000]], "extra_aux"),
+        ([[U64_MAX - 100, 24]], "aux buffer 1 .* runs past"),
+        ([["a", 24]], "extra_aux"),
+        ({"base": 1}, "extra_aux"),
+    ],
+)
+def test_register_with_bad_extra_aux_is_refused(extra: Any, match: str) -> None:
+    d = header_dict(register())
+    d["pool"]["extra_aux"] = extra
+    assert_refused([pack(d)], match)

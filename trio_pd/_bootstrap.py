@@ -36,6 +36,14 @@ Routes:
     its group with ``dp_rank`` and the instance's ``dp_size`` (0 and 1 by default: no DP
     attention), and ``dp_size`` is one of the fields every rank must agree on.
 
+Pipeline parallelism (``pp_rank``, ``pp_size``, ``first_layer`` in a registration; 0, 1, 0
+by default): a DP rank's topology holds every TP rank of every PP stage, stage by stage, and is
+complete only once all of them registered. ``pp_size`` is a shared field (``409``). Stage 0
+starts at layer 0 and a stage with ``pp_size > 1`` publishes ``num_layers >= 1`` (``400``
+otherwise); the ranks of one stage hold the same layers, stage ``s + 1`` starts right after
+stage ``s``'s last layer, and no two stages overlap (``409`` naming both stages otherwise).
+``GET /route?tp_rank=N&pp_rank=S`` is TP rank N of stage S (``404`` if ``pp_size <= S``).
+
 ``POST /register_dp_rank``
     Body ``{"dp_rank": K, "rooms": [{"room": R, "epoch": E}, ...]}`` (``epoch`` optional):
     DP rank K holds these rooms (this use of each, when ``epoch`` is given). ``200
@@ -123,6 +131,8 @@ from prometheus_client.registry import Collector
 from ._bootstrap_client import (
     MAX_DP_BATCH,
     MAX_DP_SIZE,
+    MAX_LAYERS,
+    MAX_PP_SIZE,
     UNKNOWN_DP_RANK,
     DpRanks,
     DpRoom,
@@ -177,7 +187,9 @@ _RANK_INT: Final = re.compile(r"-?[0-9]{1,9}")
 # The pure part: validation and the rank table. No I/O.
 
 # Fields every rank of one prefill instance must agree on.
-_SHARED_FIELDS: Final = ("tp_size", "engine", "layout", "kv_heads", "page_size", "dp_size")
+_SHARED_FIELDS: Final = (
+    "tp_size", "engine", "layout", "kv_heads", "page_size", "dp_size", "pp_size",
+)
 
 
 def _invalid_reason(info: PrefillRankInfo) -> str | None:
@@ -195,6 +207,18 @@ def _invalid_reason(info: PrefillRankInfo) -> str | None:
                 f"(or dp_size over {MAX_DP_SIZE})")
     if not 0 <= info.dp_rank < info.dp_size:
         return f"dp_rank {info.dp_rank} is outside [0, dp_size={info.dp_size})"
+    if info.pp_size > MAX_PP_SIZE or info.pp_size * info.dp_size * info.tp_size > MAX_TP_SIZE:
+        return (f"pp_size {info.pp_size} x dp_size {info.dp_size} x tp_size {info.tp_size} is "
+                f"over {MAX_TP_SIZE} ranks (or pp_size over {MAX_PP_SIZE})")
+    if not 0 <= info.pp_rank < info.pp_size:
+        return f"pp_rank {info.pp_rank} is outside [0, pp_size={info.pp_size})"
+    if info.pp_rank == 0 and info.first_layer != 0:
+        return f"PP stage 0 starts at layer 0, not {info.first_layer}"
+    if info.pp_size > 1 and info.num_layers < 1:
+        return f"PP stage {info.pp_rank} must publish its num_layers (at least 1)"
+    if info.first_layer + info.num_layers > MAX_LAYERS:
+        return (f"layers {info.first_layer}..{info.first_layer + info.num_layers - 1} end past "
+                f"{MAX_LAYERS}")
     if info.layout not in _LAYOUTS:
         return f"layout {info.layout!r} is not one of {', '.join(_LAYOUTS)}"
     if info.layout == "mla" and info.kv_heads != 1:
@@ -203,11 +227,11 @@ def _invalid_reason(info: PrefillRankInfo) -> str | None:
 
 
 class _RankTable:
-    """The registered ranks of one prefill instance, by ``(dp_rank, tp_rank)`` (DP rank 0
-    only, without DP attention)."""
+    """The registered ranks of one prefill instance, by ``(dp_rank, pp_rank, tp_rank)`` (DP
+    rank 0 only, without DP attention; PP stage 0 only, without pipeline parallelism)."""
 
     def __init__(self) -> None:
-        self._ranks: dict[tuple[int, int], PrefillRankInfo] = {}
+        self._ranks: dict[tuple[int, int, int], PrefillRankInfo] = {}
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -227,14 +251,22 @@ class _RankTable:
         return None
 
     @property
+    def pp_size(self) -> int | None:
+        """The pp_size the registered ranks agree on, or None if none registered."""
+        for info in self._ranks.values():
+            return info.pp_size
+        return None
+
+    @property
     def complete(self) -> bool:
-        """Every rank of every DP rank registered."""
-        tp_size, dp_size = self.tp_size, self.dp_size
-        return tp_size is not None and dp_size is not None and len(self) == tp_size * dp_size
+        """Every TP rank of every PP stage of every DP rank registered."""
+        tp_size, dp_size, pp_size = self.tp_size, self.dp_size, self.pp_size
+        return (tp_size is not None and dp_size is not None and pp_size is not None
+                and len(self) == tp_size * dp_size * pp_size)
 
     def group_size(self, dp_rank: int) -> int:
-        """How many ranks of DP rank ``dp_rank`` registered."""
-        return sum(1 for d, _ in self._ranks if d == dp_rank)
+        """How many ranks of DP rank ``dp_rank`` (all its PP stages) registered."""
+        return sum(1 for d, _, _ in self._ranks if d == dp_rank)
 
     def conflict(self, info: PrefillRankInfo) -> str | None:
         """Why ``info`` disagrees with the other registered ranks, or None.
@@ -246,42 +278,85 @@ class _RankTable:
         """
         complete = self.complete
         for other in self._ranks.values():
-            if (other.dp_rank, other.tp_rank) == (info.dp_rank, info.tp_rank) and not complete:
+            if _key(other) == _key(info) and not complete:
                 continue
             for field in _SHARED_FIELDS:
                 mine, theirs = getattr(info, field), getattr(other, field)
                 if mine != theirs:
-                    return (
-                        f"{field} {mine!r} disagrees with {theirs!r} of registered "
-                        f"tp_rank {other.tp_rank}"
-                        + (f" of dp_rank {other.dp_rank}" if other.dp_size > 1 else "")
+                    return f"{field} {mine!r} disagrees with {theirs!r} of registered " + (
+                        _named(other)
                     )
+            if info.pp_size > 1:
+                problem = _stage_conflict(info, other)
+                if problem is not None:
+                    return problem
         return None
 
-    def get(self, tp_rank: int, dp_rank: int = 0) -> PrefillRankInfo | None:
-        """The registration of ``tp_rank`` of DP rank ``dp_rank``, if any."""
-        return self._ranks.get((dp_rank, tp_rank))
+    def get(self, tp_rank: int, dp_rank: int = 0, pp_rank: int = 0) -> PrefillRankInfo | None:
+        """The registration of ``tp_rank`` of PP stage ``pp_rank`` of DP rank ``dp_rank``,
+        if any."""
+        return self._ranks.get((dp_rank, pp_rank, tp_rank))
 
     def register(self, info: PrefillRankInfo) -> None:
-        """Store ``info``, replacing any earlier registration of its ``(dp_rank, tp_rank)``.
+        """Store ``info``, replacing any earlier registration of its ``(dp_rank, pp_rank,
+        tp_rank)``.
 
         The caller checked :func:`_invalid_reason` and :meth:`conflict` first.
         """
-        self._ranks[info.dp_rank, info.tp_rank] = info
+        self._ranks[_key(info)] = info
 
     def topology(self, dp_rank: int = 0) -> Topology | None:
-        """The complete topology of DP rank ``dp_rank``, or None while some rank of it is
-        missing."""
-        tp_size, dp_size = self.tp_size, self.dp_size
-        if tp_size is None or dp_size is None or not 0 <= dp_rank < dp_size:
+        """The complete topology of DP rank ``dp_rank`` (every TP rank of every PP stage of
+        it, stage by stage), or None while some rank of it is missing."""
+        tp_size, dp_size, pp_size = self.tp_size, self.dp_size, self.pp_size
+        if tp_size is None or dp_size is None or pp_size is None or not 0 <= dp_rank < dp_size:
             return None
-        ranks = [self._ranks.get((dp_rank, t)) for t in range(tp_size)]
+        ranks = [self._ranks.get((dp_rank, s, t)) for s in range(pp_size) for t in range(tp_size)]
         if any(r is None for r in ranks):
             return None
         return Topology(
             tp_size=tp_size, ranks=[r for r in ranks if r is not None], dp_rank=dp_rank,
-            dp_size=dp_size,
+            dp_size=dp_size, pp_size=pp_size,
         )
+
+
+def _key(info: PrefillRankInfo) -> tuple[int, int, int]:
+    return info.dp_rank, info.pp_rank, info.tp_rank
+
+
+def _named(info: PrefillRankInfo) -> str:
+    """``tp_rank T`` (``of pp_rank S``, ``of dp_rank K`` where the instance has them)."""
+    return (
+        f"tp_rank {info.tp_rank}"
+        + (f" of pp_rank {info.pp_rank}" if info.pp_size > 1 else "")
+        + (f" of dp_rank {info.dp_rank}" if info.dp_size > 1 else "")
+    )
+
+
+def _stage_conflict(info: PrefillRankInfo, other: PrefillRankInfo) -> str | None:
+    """Why PP stage ``info.pp_rank``'s layers do not fit with those of the registered
+    ``other`` (same pp_size), or None. The stages tile the model's layers in order: the
+    ranks of one stage (in every DP rank) hold the same layers; stage ``s + 1`` starts where
+    stage ``s`` ends; a lower stage holds only lower layers (no overlap)."""
+    lo, n = info.first_layer, info.num_layers
+    olo, on = other.first_layer, other.num_layers
+    mine = f"PP stage {info.pp_rank} (layers {lo}..{lo + n - 1})"
+    theirs = f"PP stage {other.pp_rank} (layers {olo}..{olo + on - 1}) of registered " + (
+        _named(other)
+    )
+    if other.pp_rank == info.pp_rank:
+        if (olo, on) != (lo, n):
+            return f"{mine} disagrees with {theirs}: one stage holds one range of layers"
+        return None
+    if lo < olo + on and olo < lo + n:
+        return f"{mine} overlaps {theirs}"
+    below, above = (other, info) if other.pp_rank < info.pp_rank else (info, other)
+    if (below.first_layer >= above.first_layer
+            or (above.pp_rank == below.pp_rank + 1
+                and below.first_layer + below.num_layers != above.first_layer)):
+        return (f"{mine} does not follow on from {theirs}: stage s + 1 starts at the layer "
+                "after stage s's last")
+    return None
 
 
 class _DpRooms:
@@ -844,12 +919,13 @@ class BootstrapServer:
             info = msgspec.json.decode(body, type=PrefillRankInfo)
         except msgspec.DecodeError:
             return self._put_route(body)  # (answers 400)
-        old = self._table.get(info.tp_rank, info.dp_rank)
+        old = self._table.get(info.tp_rank, info.dp_rank, info.pp_rank)
         if old is not None and old.control_key != info.control_key:
             refused = None
             with trio.move_on_after(_REPLACE_PROBE_TIMEOUT):
                 refused = await port_refuses(old.endpoint)
-            old = self._table.get(info.tp_rank, info.dp_rank)  # (it may have changed meanwhile)
+            # (it may have changed meanwhile)
+            old = self._table.get(info.tp_rank, info.dp_rank, info.pp_rank)
             if refused is not True and old is not None and old.control_key != info.control_key:
                 self._refused_replacements += 1
                 logger.warning(
@@ -892,7 +968,7 @@ class BootstrapServer:
             )
         except (UnicodeDecodeError, ValueError):
             return _Reply.error(400, "unparseable query string")
-        unknown = sorted(set(query) - {"tp_rank", "dp_rank"})
+        unknown = sorted(set(query) - {"tp_rank", "dp_rank", "pp_rank"})
         if unknown:
             return _Reply.error(400, f"unknown query parameter(s): {', '.join(unknown)}")
         tp_rank = -1
@@ -909,24 +985,38 @@ class BootstrapServer:
             if len(values) != 1 or not _RANK_INT.fullmatch(values[0]) or int(values[0]) < 0:
                 return _Reply.error(400, f"dp_rank must be one integer >= 0, not {values!r}")
             dp_rank = int(values[0])
+        pp_rank = 0
+        if "pp_rank" in query:
+            values = query["pp_rank"]
+            if len(values) != 1 or not _RANK_INT.fullmatch(values[0]) or int(values[0]) < 0:
+                return _Reply.error(400, f"pp_rank must be one integer >= 0, not {values!r}")
+            pp_rank = int(values[0])
         tp_size, dp_size = self._table.tp_size, self._table.dp_size
+        pp_size = self._table.pp_size
         if dp_size is not None and dp_rank >= dp_size:
             return _Reply.error(404, f"no dp_rank {dp_rank}: dp_size is {dp_size}")
+        if pp_size is not None and pp_rank >= pp_size:
+            return _Reply.error(404, f"no pp_rank {pp_rank}: pp_size is {pp_size}")
         if tp_size is not None and tp_rank >= tp_size:
             return _Reply.error(404, f"no tp_rank {tp_rank}: tp_size is {tp_size}")
         topology = self._table.topology(dp_rank)
         if topology is None:
             if dp_size is not None and dp_size > 1:
                 return _Reply.error(
-                    503, f"not ready: {self._table.group_size(dp_rank)} of {tp_size} ranks of "
-                    f"dp_rank {dp_rank} registered"
+                    503, f"not ready: {self._table.group_size(dp_rank)} of "
+                    f"{(tp_size or 0) * (pp_size or 1)} ranks of dp_rank {dp_rank} registered"
+                )
+            if pp_size is not None and pp_size > 1:
+                return _Reply.error(
+                    503, f"not ready: {len(self._table)} of {tp_size} x {pp_size} ranks "
+                    f"(TP x PP) registered"
                 )
             return _Reply.error(
                 503, f"not ready: {len(self._table)} of {tp_size or '?'} ranks registered"
             )
         if tp_rank == -1:
             return _Reply(200, msgspec.json.encode(topology))
-        return _Reply(200, msgspec.json.encode(topology.ranks[tp_rank]))
+        return _Reply(200, msgspec.json.encode(topology.stage(pp_rank)[tp_rank]))
 
     def _dp_request(self, path: str, body: bytes) -> _Reply:
         """``POST /register_dp_rank`` or ``POST /query_dp_ranks`` (DP attention; see the

@@ -46,6 +46,7 @@ __all__ = [
     "PrefillRankInfo",
     "Topology",
     "check_dp",
+    "check_pp",
     "dp_url",
     "split_dp_url",
 ]
@@ -57,6 +58,11 @@ _T = TypeVar("_T")
 #: Largest DP size a registration may name (and ``tp_size * dp_size`` is at most
 #: ``MAX_TP_SIZE`` of the service: one bootstrap service holds at most that many ranks).
 MAX_DP_SIZE: Final = 1024
+#: Largest PP size a registration may name (``tp_size * dp_size * pp_size`` is at most the
+#: service's ``MAX_TP_SIZE`` too).
+MAX_PP_SIZE: Final = 256
+#: Bound of ``first_layer + num_layers`` in a registration (a model's layer count).
+MAX_LAYERS: Final = 1 << 16
 #: Most rooms one ``/register_dp_rank`` or ``/query_dp_ranks`` request may carry.
 MAX_DP_BATCH: Final = 1024
 #: What ``/query_dp_ranks`` answers for a room it holds no record of (or a record of another
@@ -75,6 +81,30 @@ def check_dp(dp_rank: int, dp_size: int, what: str) -> None:
         raise ConfigurationError(f"{what}: dp_size {dp_size} outside [1, {MAX_DP_SIZE}]")
     if not 0 <= dp_rank < dp_size:
         raise ConfigurationError(f"{what}: dp_rank {dp_rank} outside [0, dp_size={dp_size})")
+
+
+def check_pp(pp_rank: int, pp_size: int, first_layer: int, num_layers: int, what: str) -> None:
+    """:class:`~trio_pd.ConfigurationError` unless ``0 <= pp_rank < pp_size <=
+    MAX_PP_SIZE``, ``first_layer >= 0`` (0 for stage 0), ``num_layers >= 1`` and
+    ``first_layer + num_layers <= MAX_LAYERS`` (ints, not bools)."""
+    for name, value in (("pp_rank", pp_rank), ("pp_size", pp_size),
+                        ("first_layer", first_layer)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigurationError(f"{what}: {name} must be an int, not {value!r}")
+    if not 1 <= pp_size <= MAX_PP_SIZE:
+        raise ConfigurationError(f"{what}: pp_size {pp_size} outside [1, {MAX_PP_SIZE}]")
+    if not 0 <= pp_rank < pp_size:
+        raise ConfigurationError(f"{what}: pp_rank {pp_rank} outside [0, pp_size={pp_size})")
+    if first_layer < 0 or (pp_rank == 0 and first_layer != 0):
+        raise ConfigurationError(
+            f"{what}: first_layer {first_layer}: PP stage 0 starts at layer 0, and no stage "
+            "starts below it"
+        )
+    if num_layers < 1 or first_layer + num_layers > MAX_LAYERS:
+        raise ConfigurationError(
+            f"{what}: layers {first_layer}..{first_layer + num_layers - 1} (the pool's "
+            f"{num_layers}) must be at least one and end below {MAX_LAYERS}"
+        )
 
 
 def dp_url(url: str, dp_rank: int) -> str:
@@ -135,16 +165,34 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     #: the instance has (every rank agrees on it). 0 and 1 without DP attention
     dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     dp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    #: pipeline parallelism: the PP stage this rank's TP group is, how many stages the
+    #: instance has (every rank agrees on it), and the model layer its pool's first layer is
+    #: (it holds ``num_layers`` layers from there). 0, 1 and 0 without pipeline parallelism
+    pp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    first_layer: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    @property
+    def rank_id(self) -> int:
+        """The rank's id in STATUS and ABORT_ACK: ``pp_rank * tp_size + tp_rank`` (its TP
+        rank, without pipeline parallelism)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
 
 class Topology(msgspec.Struct, frozen=True):
-    """Every rank of a prefill instance (of one of its DP ranks, with DP attention):
-    ``ranks[i].tp_rank == i`` for ``i < tp_size``, all of DP rank ``dp_rank``."""
+    """Every rank of a prefill instance (of one of its DP ranks, with DP attention), stage
+    by stage: ``ranks[s * tp_size + t]`` is TP rank ``t`` of PP stage ``s`` (``ranks[i].tp_rank
+    == i`` without pipeline parallelism), all of DP rank ``dp_rank``."""
 
     tp_size: int
     ranks: list[PrefillRankInfo]
     dp_rank: int = 0
     dp_size: int = 1
+    pp_size: int = 1
+
+    def stage(self, pp_rank: int) -> list[PrefillRankInfo]:
+        """The TP ranks of PP stage ``pp_rank``, in TP order."""
+        return self.ranks[pp_rank * self.tp_size : (pp_rank + 1) * self.tp_size]
 
 
 _RoomId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -267,16 +315,18 @@ class BootstrapClient:
         """
         response = await self._request("GET", "/route", params=self._dp_params())
         topology = self._decode(response, Topology)
-        expected = list(range(topology.tp_size))
+        tp_size, pp_size = topology.tp_size, topology.pp_size
+        expected = [(s, t) for s in range(pp_size) for t in range(tp_size)]
         dp_rank = self.dp_rank or 0
-        if [r.tp_rank for r in topology.ranks] != expected or any(
-            r.tp_size != topology.tp_size or r.dp_rank != dp_rank for r in topology.ranks
+        if [(r.pp_rank, r.tp_rank) for r in topology.ranks] != expected or any(
+            r.tp_size != tp_size or r.dp_rank != dp_rank or r.pp_size != pp_size
+            for r in topology.ranks
         ) or topology.dp_rank != dp_rank:
             raise BootstrapError(f"bootstrap service at {self.url} sent an inconsistent topology")
         return topology
 
-    async def rank(self, tp_rank: int) -> PrefillRankInfo:
-        """One prefill rank's information.
+    async def rank(self, tp_rank: int, pp_rank: int = 0) -> PrefillRankInfo:
+        """One prefill rank's information: TP rank ``tp_rank`` of PP stage ``pp_rank``.
 
         Raises :class:`NotReady` while some rank has not registered, :class:`UnknownRank`
         if the instance has no such rank, and :class:`BootstrapError` otherwise.
@@ -284,9 +334,13 @@ class BootstrapClient:
         **Cancellation:** safe to cancel; nothing changes on the service.
         """
         params = {"tp_rank": str(tp_rank), **self._dp_params()}
+        if pp_rank:
+            params["pp_rank"] = str(pp_rank)
         response = await self._request("GET", "/route", params=params)
         info = self._decode(response, PrefillRankInfo)
-        if info.tp_rank != tp_rank or info.dp_rank != (self.dp_rank or 0):
+        if info.tp_rank != tp_rank or info.dp_rank != (self.dp_rank or 0) or (
+            info.pp_rank != pp_rank
+        ):
             raise BootstrapError(
                 f"bootstrap service at {self.url} answered tp_rank {info.tp_rank} "
                 f"for tp_rank {tp_rank}"

@@ -403,7 +403,8 @@ class DecodeAgent:
         if self._rooms.get(rec.machine.room) is rec:
             for rank in rec.sources:
                 rank.rooms.add(rec.machine.room)
-        self._carry(rec, rec.machine.bind([r.tp_rank for r in rec.sources]))
+        # (each (PP stage, TP rank) is a rank of its own: counted by rank_id)
+        self._carry(rec, rec.machine.bind([r.rank_id for r in rec.sources]))
 
     def _resolved(self, inst: Instance) -> None:
         waiting, inst.waiting = inst.waiting, []
@@ -440,7 +441,7 @@ class DecodeAgent:
         for room_id in list(rank.rooms):
             rec = self._rooms.get(room_id)
             if rec is not None:
-                self._carry(rec, rec.machine.peer_lost(rank.tp_rank))
+                self._carry(rec, rec.machine.peer_lost(rank.rank_id))
 
     # ------------------------------------------------------------------ DP attention
 
@@ -662,7 +663,7 @@ class DecodeAgent:
                             log.exception("room %d: on_release raised", machine.room)
                 case ProbeWriters(ranks=ranks):
                     for rank in rec.sources:
-                        if rank.tp_rank in ranks and self.sources.nursery is not None:
+                        if rank.rank_id in ranks and self.sources.nursery is not None:
                             self.sources.nursery.start_soon(self._probe_writer, rec, rank)
                 case _:
                     raise AssertionError(f"decode cannot do {effect!r}")
@@ -673,7 +674,7 @@ class DecodeAgent:
         self.timers.after(self.config.waiting_timeout, partial(self._waiting_due, rec))
         for rank in rec.sources:
             if rank.lost:
-                error = PeerLost(f"prefill rank {rank.tp_rank} is lost")
+                error = PeerLost(f"prefill rank {rank.rank_id} is lost")
                 self._carry(rec, machine.fail(error))
                 return
             msg = _wire.Transfer(
@@ -687,9 +688,9 @@ class DecodeAgent:
                 num_pages=len(machine.pages),
                 prefix_pages=machine.prefix_pages,
             )
-            machine.contacted(rank.tp_rank)
+            machine.contacted(rank.rank_id)
             if not self.control.send_nowait(rank.endpoint, msg, machine.pages):
-                error = PeerLost(f"prefill rank {rank.tp_rank} is not reading (socket full)")
+                error = PeerLost(f"prefill rank {rank.rank_id} is not reading (socket full)")
                 self._carry(rec, machine.fail(error))
                 return
 
@@ -699,7 +700,7 @@ class DecodeAgent:
             v=_wire.WIRE_VERSION, room=machine.room, epoch=machine.epoch, endpoint=self.endpoint
         )
         for rank in rec.sources:
-            if rank.tp_rank in ranks:
+            if rank.rank_id in ranks:
                 self.outbox.send(rank.endpoint, ("abort", machine.room, machine.epoch), abort)
 
     def _aux_matches(self, rec: _Room) -> bool:
@@ -734,7 +735,7 @@ class DecodeAgent:
     async def _probe_writer(self, rec: _Room, rank: PrefillRank) -> None:
         """If the writer is proven gone, its writes are over: it counts as drained."""
         if await self.sources.liveness(rank) is Liveness.GONE:
-            self._carry(rec, rec.machine.writer_gone(rank.tp_rank))
+            self._carry(rec, rec.machine.writer_gone(rank.rank_id))
 
     # ------------------------------------------------------------------ control messages
 
@@ -762,7 +763,7 @@ class DecodeAgent:
         whoever sent it: it is counted ``late_messages`` before this check.)"""
         if sender is None:
             return
-        if not any(r.tp_rank == msg.rank and r.key == sender for r in rec.sources):
+        if not any(r.rank_id == msg.rank and r.key == sender for r in rec.sources):
             raise AuthenticationError(
                 f"{type(msg).__name__.upper()} for room {msg.room} as prefill rank {msg.rank} "
                 f"from {sender}: not that rank's key"

@@ -39,6 +39,7 @@ from ._prefill import PrefillConfig, open_prefill
 from ._security import TOKEN_ENV
 from ._state import KVPoll
 from ._topology import head_range
+from ._wire import MAX_AUX_BUFFERS
 from .engines import TransferEngine, make_engine
 from .testing.device import DeviceKVPool
 from .testing.pools import (
@@ -47,6 +48,7 @@ from .testing.pools import (
     HostKVPool,
     PageAllocator,
     Rows,
+    extra_aux_lens,
 )
 
 ABORT_POINTS = ("before_bootstrap", "between_chunks", "mid_chunk", "after_last")
@@ -91,6 +93,10 @@ class DemoOptions:
     #: pages lie scattered over the pool) instead of the allocator's first-free order,
     #: whose runs the planner merges into a few large blocks
     random_pages: bool = False
+    #: aux buffers after the first (a serving engine's metadata buffers), of
+    #: :func:`~trio_pd.testing.pools.extra_aux_lens` bytes a row: every slot's row in each is
+    #: filled, moved with the last chunk, verified and sanitized like the first aux buffer's
+    aux_buffers: int = 0
     #: per-buffer geometry (host pools): head-major pages ("hnd") instead of token-major,
     #: V buffers with their own bytes per head (MHA: K != V), and bytes of padding after
     #: every page (a page stride longer than the page)
@@ -104,6 +110,20 @@ class DemoOptions:
     #: bootstrap service, each serving every ``prefill_dp``-th request; decode learns which
     #: DP rank holds a room from the bootstrap service
     prefill_dp: int = 1
+    #: pipeline parallelism: this many prefill PP stages (each ``prefill_tp`` ranks, in every
+    #: DP rank), stage ``s`` holding layers ``[s * layers / S, (s + 1) * layers / S)``;
+    #: decode holds every layer and gathers each range from its stage
+    prefill_pp: int = 1
+
+    @property
+    def stage_layers(self) -> int:
+        """Layers of one prefill PP stage."""
+        return self.layers // self.prefill_pp
+
+    @property
+    def prefill_ranks(self) -> int:
+        """Prefill ranks in all: TP x PP x DP."""
+        return self.prefill_tp * self.prefill_pp * self.prefill_dp
 
     @property
     def prefix_pages(self) -> int:
@@ -127,7 +147,7 @@ class DemoOptions:
         """
         for name in ("requests", "concurrency", "page_size", "layers", "kv_heads",
                      "head_bytes", "min_tokens", "max_tokens", "chunk_pages", "prefill_tp",
-                     "decode_tp", "prefill_dp"):
+                     "decode_tp", "prefill_dp", "prefill_pp"):
             value = getattr(self, name)
             if value < 1:
                 return f"{_flag(name)} must be at least 1, got {value}"
@@ -135,6 +155,9 @@ class DemoOptions:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 return f"{_flag(name)} must be between 0 and 1, got {value}"
+        if not 0 <= self.aux_buffers < MAX_AUX_BUFFERS:
+            return (f"--aux-buffers must be between 0 and {MAX_AUX_BUFFERS - 1}, got "
+                    f"{self.aux_buffers}")
         if self.page_layout not in ("nhd", "hnd"):
             return f"--page-layout must be nhd or hnd, got {self.page_layout!r}"
         if self.v_head_bytes is not None and (self.layout != "mha" or self.v_head_bytes < 1):
@@ -142,6 +165,11 @@ class DemoOptions:
                     f"positive int with --layout mha, got {self.v_head_bytes}")
         if self.page_pad < 0:
             return f"--page-pad must be at least 0, got {self.page_pad}"
+        if self.layers % self.prefill_pp:
+            return (f"--layers ({self.layers}) must be a multiple of --prefill-pp "
+                    f"({self.prefill_pp}): the stages hold the layers evenly")
+        if self.prefill_pp > 1 and (self.v_head_bytes is not None or self.device != "host"):
+            return "--prefill-pp runs with host pools of one head size (no --v-head-bytes)"
         if self.prefix_tokens < 0 or self.prefix_tokens % self.page_size:
             return (f"--prefix-tokens must be a multiple of --page-size ({self.page_size}) and "
                     f"at least 0, got {self.prefix_tokens}")
@@ -168,6 +196,8 @@ class DemoOptions:
         if self.page_layout != "nhd" or self.v_head_bytes is not None or self.page_pad:
             return ("--page-layout, --v-head-bytes and --page-pad are for host pools: "
                     "the device pools are token-major and packed")
+        if self.aux_buffers:
+            return "--aux-buffers is for host pools: a device pool has one aux buffer"
         if self.device != "cuda":
             return f"--device must be host or cuda, got {self.device!r}"
         from ._cuda import require_device
@@ -343,12 +373,17 @@ class DemoPool(Protocol):
         ...
 
 
-def _pool(opts: DemoOptions, rank: int, tp: int) -> DemoPool:
+def _pool(opts: DemoOptions, rank: int, tp: int, pp_rank: int | None = None) -> DemoPool:
     """Rank ``rank`` of ``tp``'s pool, in host memory or on the device (``opts.device``):
-    the one place the demo picks its pool class."""
+    the one place the demo picks its pool class. ``pp_rank``: a prefill pool of that PP
+    stage (its layers only; their bytes those of the model's layers); None: every layer."""
     first, heads = _heads(opts, rank, tp)
+    stage: dict[str, Any] = {}
+    if pp_rank is not None and opts.prefill_pp > 1:
+        stage = dict(first_layer=pp_rank * opts.stage_layers, model_layers=opts.layers)
     shape: dict[str, Any] = dict(
-        layout=opts.layout, num_pages=opts.pool_pages, num_layers=opts.layers,
+        layout=opts.layout, num_pages=opts.pool_pages,
+        num_layers=opts.stage_layers if stage else opts.layers,
         page_size=opts.page_size, head_bytes=opts.head_bytes, heads=heads, first_head=first,
         aux_slots=opts.aux_slots,
     )
@@ -356,7 +391,7 @@ def _pool(opts: DemoOptions, rank: int, tp: int) -> DemoPool:
         return DeviceKVPool(**shape, device=DEMO_DEVICE)
     return HostKVPool(
         **shape, page_layout=opts.page_layout, buffer_head_bytes=opts.buffer_head_bytes,
-        page_pad=opts.page_pad,
+        page_pad=opts.page_pad, extra_aux_lens=extra_aux_lens(opts.aux_buffers), **stage,
     )
 
 
@@ -427,8 +462,11 @@ async def run_prefill_rank(
     result = RankResult("prefill", rank)
     if sink is not None:
         sink.append(result)
-    dp, tp_rank = divmod(rank, opts.prefill_tp)
-    pool = _pool(opts, tp_rank, opts.prefill_tp)  # before the engine: a CUDA context first
+    group, tp_rank = divmod(rank, opts.prefill_tp)
+    dp, pp = divmod(group, opts.prefill_pp)  # (rank = (dp * PP + pp) * TP + tp)
+    first_layer = pp * opts.stage_layers
+    # before the engine: a CUDA context first
+    pool = _pool(opts, tp_rank, opts.prefill_tp, pp_rank=pp)
     owned.pools.append(pool)
     pages_alloc = _page_allocator(opts, pool, SOURCE_POISON, rank)
     aux_alloc = PageAllocator(pool.aux_rows(), SOURCE_POISON)
@@ -442,6 +480,7 @@ async def run_prefill_rank(
             config=PrefillConfig(bootstrap_timeout=opts.request_bound),
             token=token, secure=True if opts.secure else None,
             dp_rank=dp, dp_size=opts.prefill_dp,
+            pp_rank=pp, pp_size=opts.prefill_pp, first_layer=first_layer,
         ) as agent:
 
             async def one(req: Request) -> None:
@@ -729,6 +768,7 @@ def summarize(
         "device": opts.device,
         "layout": opts.layout,
         "prefill_tp": opts.prefill_tp,
+        "prefill_pp": opts.prefill_pp,
         "decode_tp": opts.decode_tp,
         "kv_heads": opts.kv_heads,
         # decode's Successful requests, receiver.init -> Success
@@ -820,7 +860,7 @@ async def run_in_process(
             nursery.start_soon(side, prefill_scope, [
                 partial(run_prefill_rank, opts, p, server.url, lambda: None, owned=owned,
                         token=token, sink=results)
-                for p in range(opts.prefill_tp * opts.prefill_dp)
+                for p in range(opts.prefill_ranks)
             ])
             nursery.start_soon(side, decode_scope, [
                 partial(run_decode_rank, opts, d, server.url,
@@ -908,7 +948,7 @@ async def run_processes(
     try:
         assert boot.stdout is not None
         url = (await _read_line(boot.stdout)).strip()
-        workers = [("prefill", p) for p in range(opts.prefill_tp * opts.prefill_dp)] + [
+        workers = [("prefill", p) for p in range(opts.prefill_ranks)] + [
             ("decode", d) for d in range(opts.decode_tp)
         ]
         async with trio.open_nursery() as outer:

@@ -107,7 +107,15 @@ class PoolSpec(_KindSlot):
     (head-major) at ``((h - first_head) * page_size + t) * hb``, so a head's tokens are
     contiguous. MLA: ``heads == 1`` and ``first_head == 0`` (the latent row is replicated on
     every rank). The aux buffer holds ``aux_slots`` rows of ``aux_item_len`` bytes at
-    ``aux_base``.
+    ``aux_base``; the first :data:`AUX_STAMP` bytes of each row are trio_pd's stamp.
+
+    Several aux buffers (a serving engine's metadata buffers: output ids, logprobs, hidden
+    states...): ``extra_aux`` lists the buffers after the first as ``(base, row bytes)``
+    pairs, each with ``aux_slots`` rows, all indexed by the same aux slot. Aux slot ``s`` is
+    row ``s`` of every aux buffer, and the last chunk of a request carries all of them. The
+    stamp stays in the first buffer's row; the others are the caller's bytes alone (empty,
+    the default: one aux buffer, as before). :attr:`aux_bases` and :attr:`aux_item_lens`
+    give every aux buffer, the first included.
 
     Per-buffer geometry, for models whose buffers differ: ``buffer_head_bytes`` gives each
     buffer its own bytes per head (K and V of different head sizes, layers of different
@@ -115,8 +123,9 @@ class PoolSpec(_KindSlot):
     distance between consecutive pages when it is more than a page (empty: pages are packed).
 
     ``kinds`` says where each region of :meth:`regions` lives, in that order: one
-    :class:`MemoryKind` per KV buffer, then the aux buffer's (a pool may mix them: KV buffers
-    on a device, the aux buffer on the host or on the device). None (the default) leaves
+    :class:`MemoryKind` per KV buffer, then one per aux buffer (the first, then each of
+    ``extra_aux``; a pool may mix them: KV buffers on a device, the aux buffers on the host
+    or on the device). None (the default) leaves
     them unstated: the regions go to the engine without a kind and the aux row is read and
     written as host memory, as for every pool before kinds existed.
     :func:`describe_pool` states them for the buffers it is given. Kinds are facts about this
@@ -139,19 +148,20 @@ class PoolSpec(_KindSlot):
     page_layout: Literal["nhd", "hnd"] = "nhd"
     buffer_head_bytes: tuple[int, ...] = ()
     page_strides: tuple[int, ...] = ()
+    extra_aux: tuple[tuple[int, int], ...] = ()
     kinds: InitVar[Sequence[MemoryKind] | None] = None
 
     def __post_init__(self, kinds: Sequence[MemoryKind] | None) -> None:
-        problem = _geometry_problem(self)
+        problem = _geometry_problem(self) or _extra_aux_problem(self.extra_aux)
         if problem is not None:
             raise ConfigurationError(problem)
         stated: tuple[MemoryKind, ...] | None = None
         if kinds is not None:
             stated = tuple(kinds)
-            if len(stated) != len(self.buffer_bases) + 1:
+            if len(stated) != len(self.buffer_bases) + 1 + len(self.extra_aux):
                 raise ConfigurationError(
-                    f"kinds: one per KV buffer ({len(self.buffer_bases)}) and one for the aux "
-                    f"buffer, got {len(stated)}"
+                    f"kinds: one per KV buffer ({len(self.buffer_bases)}) and one per aux "
+                    f"buffer ({1 + len(self.extra_aux)}), got {len(stated)}"
                 )
             if not all(isinstance(k, MemoryKind) for k in stated):
                 raise ConfigurationError(f"kinds must be MemoryKind values, got {stated!r}")
@@ -167,13 +177,29 @@ class PoolSpec(_KindSlot):
 
     @property
     def region_kinds(self) -> tuple[MemoryKind, ...] | None:
-        """The stated kind of each region of :meth:`regions` (KV buffers, then aux), or None."""
+        """The stated kind of each region of :meth:`regions` (KV buffers, then the aux
+        buffers), or None."""
         return self._kinds
 
     @property
     def aux_kind(self) -> MemoryKind | None:
-        """Where the aux buffer lives, if stated."""
-        return None if self._kinds is None else self._kinds[-1]
+        """Where the (first) aux buffer, the one with the stamp, lives, if stated."""
+        return None if self._kinds is None else self._kinds[len(self.buffer_bases)]
+
+    @property
+    def num_aux(self) -> int:
+        """How many aux buffers the pool has: the first and each of ``extra_aux``."""
+        return 1 + len(self.extra_aux)
+
+    @property
+    def aux_bases(self) -> tuple[int, ...]:
+        """Where each aux buffer starts, the first (``aux_base``) first."""
+        return (self.aux_base, *(base for base, _ in self.extra_aux))
+
+    @property
+    def aux_item_lens(self) -> tuple[int, ...]:
+        """Bytes of one row of each aux buffer, the first (``aux_item_len``) first."""
+        return (self.aux_item_len, *(n for _, n in self.extra_aux))
 
     @property
     def slot_bytes(self) -> int:
@@ -230,13 +256,19 @@ class PoolSpec(_KindSlot):
         return (self.num_pages - 1) * self.strides[buffer] + self.item_lens[buffer]
 
     def regions(self) -> list[Region]:
-        """Every registered range: the KV buffers, then the aux buffer, each with its stated
-        kind (None when the pool's kinds are unstated)."""
-        kinds = self._kinds or (None,) * (len(self.buffer_bases) + 1)
+        """Every registered range: the KV buffers, then the aux buffers (the first, then each
+        of ``extra_aux``), each with its stated kind (None when the pool's kinds are
+        unstated)."""
+        n = len(self.buffer_bases)
+        kinds = self._kinds or (None,) * (n + self.num_aux)
         kv = [
             Region(b, self.buffer_length(i), kinds[i]) for i, b in enumerate(self.buffer_bases)
         ]
-        return [*kv, Region(self.aux_base, self.aux_slots * self.aux_item_len, kinds[-1])]
+        aux = [
+            Region(base, self.aux_slots * row, kinds[n + j])
+            for j, (base, row) in enumerate(zip(self.aux_bases, self.aux_item_lens, strict=True))
+        ]
+        return [*kv, *aux]
 
 
 def _geometry_problem(spec: PoolSpec) -> str | None:
@@ -264,7 +296,65 @@ def _geometry_problem(spec: PoolSpec) -> str | None:
     return None
 
 
+def _extra_aux_problem(extra: object) -> str | None:
+    """What is wrong with a pool's ``extra_aux`` (``(base, row bytes)`` pairs), or None."""
+    if not isinstance(extra, tuple):
+        return f"extra_aux must be a tuple of (base, row bytes) pairs, not {extra!r}"
+    for i, pair in enumerate(extra):
+        if (
+            not isinstance(pair, tuple) or len(pair) != 2
+            or any(type(v) is not int for v in pair) or pair[0] < 0 or pair[1] < 1
+        ):
+            return (f"extra_aux[{i}] must be (base, row bytes): ints, the base >= 0 and the "
+                    f"row bytes >= 1; got {pair!r}")
+    return None
+
+
 _SPEC_FIELDS: Final = tuple(f.name for f in fields(PoolSpec))
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline parallelism: a pool's buffers of a range of layers
+# --------------------------------------------------------------------------------------------
+
+
+def layer_buffers(layout: str, num_layers: int, first: int, count: int) -> list[int]:
+    """The buffer indices, in buffer order, of layers ``[first, first + count)`` of a pool of
+    ``num_layers`` layers: MHA K[first..] then V[first..] (its buffers are K[0..L-1] then
+    V[0..L-1]); MLA one per layer. :class:`ValueError` if the range is not inside."""
+    if not (first >= 0 and count >= 1 and first + count <= num_layers):
+        raise ValueError(
+            f"layers {first}..{first + count - 1} are not inside a pool of {num_layers} layers"
+        )
+    ks = list(range(first, first + count))
+    return ks + [num_layers + k for k in ks] if layout == "mha" else ks
+
+
+def layer_view(spec: PoolSpec, first: int, count: int) -> PoolSpec:
+    """``spec`` restricted to layers ``[first, first + count)``: the same pool (pages, heads,
+    aux buffers), holding only those layers' buffers, in the order a pool of ``count`` layers
+    keeps them (:func:`layer_buffers`). A prefill PP stage plans its writes against such a
+    view of decode's pool, so that its layer ``i`` lands in decode's layer ``first + i``
+    (docs/topologies.md, "Pipeline parallelism"); what it writes is still checked against
+    decode's *full* registered regions. ``spec`` itself when the range is all its layers.
+    The view's memory kinds are ``spec``'s, buffer by buffer."""
+    if first == 0 and count == spec.num_layers:
+        return spec
+    picks = layer_buffers(spec.layout, spec.num_layers, first, count)
+    values = {f: getattr(spec, f) for f in _SPEC_FIELDS}
+    values.update(
+        num_layers=count,
+        buffer_bases=tuple(spec.buffer_bases[b] for b in picks),
+        buffer_head_bytes=tuple(spec.buffer_head_bytes[b] for b in picks)
+        if spec.buffer_head_bytes else (),
+        page_strides=tuple(spec.page_strides[b] for b in picks) if spec.page_strides else (),
+    )
+    kinds = spec.region_kinds
+    view_kinds = None
+    if kinds is not None:
+        n = spec.num_buffers
+        view_kinds = [kinds[b] for b in picks] + list(kinds[n:])
+    return PoolSpec(**values, kinds=view_kinds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,6 +492,7 @@ def describe_pool(
     page_layout: Literal["nhd", "hnd"] = "nhd",
     buffer_head_bytes: Sequence[int] = (),
     page_strides: Sequence[int] = (),
+    extra_aux: Sequence[tuple[object, int]] = (),
 ) -> PoolSpec:
     """The :class:`PoolSpec` of KV and aux buffers the caller allocated (a serving engine's
     own cache), with every region's :class:`MemoryKind` stated.
@@ -409,8 +500,11 @@ def describe_pool(
     ``buffers`` are the KV buffers in :class:`PoolSpec`'s order (MHA: K of every layer, then V
     of every layer; MLA: one per layer) and ``aux`` the aux buffer, each anything
     :func:`buffer_region` takes; ``kv_kind`` / ``aux_kind`` override where they are found to
-    live. ``num_pages`` defaults to the pages the smallest KV buffer holds, ``aux_slots`` to
-    the rows the aux buffer holds. ``page_layout``, ``buffer_head_bytes`` and
+    live (``aux_kind`` for every aux buffer). ``extra_aux`` are more aux buffers, each
+    ``(buffer, row bytes)`` (:attr:`PoolSpec.extra_aux`: a serving engine's other metadata
+    buffers, indexed by the same aux slot; no stamp in their rows). ``num_pages`` defaults to
+    the pages the smallest KV buffer holds, ``aux_slots`` to the rows the smallest aux buffer
+    holds. ``page_layout``, ``buffer_head_bytes`` and
     ``page_strides`` are :class:`PoolSpec`'s (head-major pages; bytes per head and the
     distance between pages, buffer by buffer). Raises :class:`~trio_pd.ConfigurationError`
     when the
@@ -437,8 +531,15 @@ def describe_pool(
         raise ConfigurationError(
             f"aux rows of {aux_item_len} bytes cannot hold trio_pd's {AUX_STAMP.size}-byte stamp"
         )
+    for j, pair in enumerate(extra_aux, start=1):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ConfigurationError(f"aux buffer {j}: give (buffer, row bytes), not {pair!r}")
+        if type(pair[1]) is not int or pair[1] < 1:
+            raise ConfigurationError(f"aux buffer {j}: row bytes must be a positive int, "
+                                     f"not {pair[1]!r}")
     kv = [buffer_region(b, kv_kind) for b in buffers]
     aux_region = buffer_region(aux, aux_kind)
+    extras = [(buffer_region(b, aux_kind), n) for b, n in extra_aux]
     shape = PoolSpec(  # (the geometry alone, checked: sizes below come from it)
         layout=layout, page_size=page_size, num_pages=1, num_layers=num_layers,
         head_bytes=head_bytes, heads=heads, first_head=first_head,
@@ -452,7 +553,9 @@ def describe_pool(
                     for r, it, st in zip(kv, items, strides, strict=True))
     else:
         pages = num_pages
-    slots = aux_region.length // aux_item_len if aux_slots is None else aux_slots
+    slots = aux_slots
+    if slots is None:
+        slots = min([aux_region.length // aux_item_len, *(r.length // n for r, n in extras)])
     if type(pages) is not int or pages < 1:
         raise ConfigurationError(f"the KV buffers hold no whole page of {max(items)} bytes")
     if type(slots) is not int or slots < 1:
@@ -469,8 +572,14 @@ def describe_pool(
             f"the aux buffer has {aux_region.length} bytes, fewer than {slots} rows of "
             f"{aux_item_len}"
         )
+    for j, (r, n) in enumerate(extras, start=1):
+        if r.length < slots * n:
+            raise ConfigurationError(
+                f"aux buffer {j} has {r.length} bytes, fewer than {slots} rows of {n}"
+            )
     used = sorted([(r.base, r.base + span) for r, span in zip(kv, spans, strict=True)]
-                  + [(aux_region.base, aux_region.base + slots * aux_item_len)])
+                  + [(aux_region.base, aux_region.base + slots * aux_item_len)]
+                  + [(r.base, r.base + slots * n) for r, n in extras])
     for (_, end), (start, _) in itertools.pairwise(used):
         if start < end:
             raise ConfigurationError(f"pool buffers overlap at {start:#x}")
@@ -480,7 +589,9 @@ def describe_pool(
         buffer_bases=tuple(r.base for r in kv), aux_base=aux_region.base,
         aux_item_len=aux_item_len, aux_slots=slots, page_layout=page_layout,
         buffer_head_bytes=tuple(buffer_head_bytes), page_strides=tuple(page_strides),
-        kinds=(*(r.kind or HOST for r in kv), aux_region.kind or HOST),
+        extra_aux=tuple((r.base, n) for r, n in extras),
+        kinds=(*(r.kind or HOST for r in kv), aux_region.kind or HOST,
+               *(r.kind or HOST for r, _ in extras)),
     )
 
 
@@ -493,10 +604,14 @@ def describe_pool(
 AUX_STAMP: Final = struct.Struct("<qq")
 
 
-def aux_row_address(pool: PoolSpec, slot: int) -> int:
-    """The address of aux row ``slot`` of ``pool``. The slot is not checked: callers use slots
-    they allocated, or checked (:func:`~trio_pd._plan.plan_aux`)."""
-    return pool.aux_base + slot * pool.aux_item_len
+def aux_row_address(pool: PoolSpec, slot: int, buffer: int = 0) -> int:
+    """The address of aux row ``slot`` of ``pool``'s aux buffer ``buffer`` (0: the first, the
+    one with the stamp; ``i >= 1``: ``extra_aux[i - 1]``). The slot is not checked: callers
+    use slots they allocated, or checked (:func:`~trio_pd._plan.plan_aux`)."""
+    if buffer == 0:
+        return pool.aux_base + slot * pool.aux_item_len
+    base, row = pool.extra_aux[buffer - 1]
+    return base + slot * row
 
 
 def stamp_aux_row(pool: PoolSpec, slot: int, room: int, epoch: int) -> None:

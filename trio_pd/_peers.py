@@ -24,11 +24,11 @@ import trio
 from . import _probe, _sendq, _wire
 from ._errors import IncompatiblePeer
 from ._lane import Lane
-from ._memory import PoolSpec, RegionTable
+from ._memory import PoolSpec, RegionTable, layer_view
 from ._state import Lease, Liveness
 from ._stats import Counters
 from ._timers import Timers
-from ._topology import aux_writer, pairing_problem, write_heads
+from ._topology import pairing_problem, write_heads, writes_aux
 from .engines import TransferEngine
 
 log = logging.getLogger("trio_pd.prefill")
@@ -56,7 +56,10 @@ class DecodePeer:
     decode_rank: int
     decode_tp: int
     session: str
+    #: the decode rank's pool as this rank plans against it: with pipeline parallelism, a
+    #: view of its buffers of this stage's layers only (``_memory.layer_view``)
     pool: PoolSpec
+    #: every region the decode rank registered (all its layers): writes are checked here
     regions: RegionTable
     #: the thread that makes every engine call to this peer, in order
     lane: Lane
@@ -106,6 +109,9 @@ class PeerRegistry:
         peer_idle: float = 300.0,
         batch_blocks: int = 0,
         batch_bytes: int = 1 << 20,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        first_layer: int = 0,
     ) -> None:
         if max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, not {max_peers!r}")
@@ -114,6 +120,8 @@ class PeerRegistry:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.kv_heads = kv_heads
+        #: pipeline parallelism: this rank's stage, and the model layer its pool's layer 0 is
+        self.pp_rank, self.pp_size, self.first_layer = pp_rank, pp_size, first_layer
         self.inflight_per_peer = inflight_per_peer
         self.lane_nice = lane_nice
         #: each lane joins queued chunk writes up to this many blocks (see _lane, "Joining")
@@ -182,18 +190,21 @@ class PeerRegistry:
             page_size=self.pool.page_size,
             head_bytes=self.pool.head_bytes_all,
             num_layers=self.pool.num_layers,
-            aux_item_len=self.pool.aux_item_len,
+            aux_item_len=self.pool.aux_item_lens,  # every aux buffer's, buffer by buffer
             kv_heads=self.kv_heads,
             prefill_tp=self.tp_size,
             peer_layout=pool.layout,
             peer_page_size=pool.page_size,
             peer_head_bytes=pool.head_bytes_all,
             peer_num_layers=pool.num_layers,
-            peer_aux_item_len=pool.aux_item_len,
+            peer_aux_item_len=pool.aux_item_lens,
             peer_rank=msg.decode_rank,
             peer_tp=msg.decode_tp,
             peer_heads=pool.heads,
             peer_first_head=pool.first_head,
+            first_layer=self.first_layer,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
         )
         old = self._peers.get(msg.endpoint)
         full = problem is None and old is None and len(self._peers) >= self.max_peers
@@ -225,14 +236,16 @@ class PeerRegistry:
             msg.decode_rank,
             msg.decode_tp,
             msg.session,
-            pool,
+            # pairing by layer id: our layer i is decode's layer first_layer + i
+            layer_view(pool, self.first_layer, self.pool.num_layers),
             RegionTable(pool.regions()),
             lane,
             write_heads(
                 self.tp_rank, msg.decode_rank, self.tp_size, msg.decode_tp, self.kv_heads,
                 self.pool.layout,
             ),
-            aux_writer(msg.decode_rank, self.tp_size, msg.decode_tp) == self.tp_rank,
+            writes_aux(self.tp_rank, msg.decode_rank, self.tp_size, msg.decode_tp,
+                       self.pp_rank, self.pp_size),
         )
         peer.last_used = trio.current_time()
         peer.key = key

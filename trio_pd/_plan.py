@@ -421,23 +421,39 @@ def _plan_staged_geometry(dst: PoolSpec, d: npt.NDArray[np.int64], base: int) ->
 
 
 def plan_aux(src: PoolSpec, dst: PoolSpec, src_slot: int, dst_slot: int) -> Blocks:
-    """The one block that copies aux row ``src_slot`` to the destination's row ``dst_slot``.
+    """The blocks that copy aux slot ``src_slot`` to the destination's slot ``dst_slot``: one
+    block per aux buffer (:attr:`~trio_pd.PoolSpec.num_aux`), in order, the first (the
+    stamped row) first.
 
-    Both sides must use the same row size. A destination slot out of range is a
-    :class:`~trio_pd.ProtocolError` (it came from the peer); a bad source slot is a
-    :class:`ValueError` (a local bug).
+    Both sides must have the same aux buffers with the same row sizes, buffer by buffer, or
+    it raises :class:`ValueError` (the pairing check refuses such a peer at REGISTER). A
+    destination slot out of range is a :class:`~trio_pd.ProtocolError` (it came from the
+    peer); a bad source slot is a :class:`ValueError` (a local bug).
     """
-    if src.aux_item_len != dst.aux_item_len:
-        raise ValueError(
-            f"aux row size differs: source {src.aux_item_len}, destination {dst.aux_item_len}"
-        )
+    rows_src, rows_dst = src.aux_item_lens, dst.aux_item_lens
+    if rows_src != rows_dst:
+        if len(rows_src) != len(rows_dst):
+            raise ValueError(
+                f"aux buffers differ: the source has {len(rows_src)}, the destination "
+                f"{len(rows_dst)}"
+            )
+        i = next(i for i, (a, b) in enumerate(zip(rows_src, rows_dst, strict=True)) if a != b)
+        which = "aux row size" if i == 0 else f"aux buffer {i}'s row size"
+        raise ValueError(f"{which} differs: source {rows_src[i]}, destination {rows_dst[i]}")
     if not 0 <= src_slot < src.aux_slots:
         raise ValueError(f"source aux slot {src_slot} out of range [0, {src.aux_slots})")
     if not 0 <= dst_slot < dst.aux_slots:
         raise ProtocolError(f"destination aux slot {dst_slot} out of range [0, {dst.aux_slots})")
-    n = min(src.aux_item_len, dst.aux_item_len)
-    rows = _u64([aux_row_address(src, src_slot), aux_row_address(dst, dst_slot), n])
-    return Blocks(rows[0:1], rows[1:2], rows[2:3])
+    if not src.extra_aux:
+        rows = _u64([aux_row_address(src, src_slot), aux_row_address(dst, dst_slot),
+                     src.aux_item_len])
+        return Blocks(rows[0:1], rows[1:2], rows[2:3])
+    k = src.num_aux
+    return Blocks(
+        _u64([aux_row_address(src, src_slot, i) for i in range(k)]),
+        _u64([aux_row_address(dst, dst_slot, i) for i in range(k)]),
+        _u64(rows_src),
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,7 +32,13 @@ import trio
 import trio.lowlevel
 
 from . import _wire
-from ._bootstrap_client import BootstrapClient, DpAnnouncer, PrefillRankInfo, check_dp
+from ._bootstrap_client import (
+    BootstrapClient,
+    DpAnnouncer,
+    PrefillRankInfo,
+    check_dp,
+    check_pp,
+)
 from ._chunks import ChunkRunner
 from ._closing import AbortsOnExit
 from ._control import ControlPlane, sweep_idle_sockets
@@ -236,6 +242,11 @@ class PrefillAgent:
     #: with ``dp_size > 1``, on TP rank 0 of the DP rank: tells the bootstrap service that
     #: this DP rank holds each room :meth:`sender` creates (None otherwise)
     dp_announcer: DpAnnouncer | None = None
+    #: pipeline parallelism (``open_prefill(pp_rank=, pp_size=, first_layer=)``): this rank's
+    #: PP stage, how many the instance has, and the model layer its pool's layer 0 is
+    pp_rank: int = 0
+    pp_size: int = 1
+    first_layer: int = 0
 
     def __init__(
         self,
@@ -250,10 +261,14 @@ class PrefillAgent:
         control: ControlPlane | None = None,
         metrics: AgentMetrics | None = None,
         security: Security | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        first_layer: int = 0,
     ) -> None:
         self.metrics = metrics  # prometheus hooks (trio_pd.metrics), optional
         self.engine, self.pool, self.config = engine, pool, config
         self.tp_rank, self.tp_size, self.kv_heads = tp_rank, tp_size, kv_heads
+        self.pp_rank, self.pp_size, self.first_layer = pp_rank, pp_size, first_layer
         self.counters = Counters()
         self.timers = Timers()
         #: authentication (docs/security.md); off unless open_prefill turned it on
@@ -279,6 +294,7 @@ class PrefillAgent:
             batch_blocks=config.batch_blocks, batch_bytes=config.batch_bytes,
             forget_endpoint=self._forget_endpoint,
             max_peers=config.max_decode_peers, peer_idle=config.peer_idle_timeout,
+            pp_rank=pp_rank, pp_size=pp_size, first_layer=first_layer,
         )
         self.runner = ChunkRunner(
             engine=engine, pool=pool, peers=self.peers, counters=self.counters,
@@ -297,6 +313,12 @@ class PrefillAgent:
     def endpoint(self) -> str:
         """This rank's control endpoint (ZeroMQ)."""
         return self.control.endpoint
+
+    @property
+    def rank_id(self) -> int:
+        """This rank's id in STATUS, ABORT_ACK and PONG: ``pp_rank * tp_size + tp_rank``
+        (the TP rank, without pipeline parallelism: the single-stage wire is unchanged)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     def sender(
         self,
@@ -404,7 +426,7 @@ class PrefillAgent:
                     raise AssertionError(f"prefill cannot do {effect!r}")
 
     def _send_ack(self, room: int, epoch: int, endpoint: str) -> None:
-        ack = _wire.AbortAck(v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.tp_rank)
+        ack = _wire.AbortAck(v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.rank_id)
         self.outbox.send(endpoint, ("ack", room, epoch), ack)
         self.counters.bump("acks_sent")
 
@@ -418,7 +440,8 @@ class PrefillAgent:
 
     def _status(self, room: int, epoch: int, ok: bool, reason: str) -> _wire.Status:
         return _wire.Status(
-            v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.tp_rank, ok=ok, reason=reason
+            v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.rank_id, ok=ok,
+            reason=reason,
         )
 
     def _quarantine(self, rec: _Room, lease: Lease) -> None:
@@ -491,7 +514,7 @@ class PrefillAgent:
         elif isinstance(msg, _wire.Ping):
             if sender is not None:  # decode's heartbeat socket serves with the same key
                 self.control.authorize(msg.endpoint, sender, reply=True)
-            pong = _wire.Pong(v=_wire.WIRE_VERSION, nonce=msg.nonce, rank=self.tp_rank)
+            pong = _wire.Pong(v=_wire.WIRE_VERSION, nonce=msg.nonce, rank=self.rank_id)
             self.control.send_nowait(msg.endpoint, pong)
         else:
             raise ProtocolError(f"prefill does not take {type(msg).__name__}")
@@ -645,6 +668,9 @@ async def open_prefill(
     config: PrefillConfig | None = None,
     dp_rank: int = 0,
     dp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    first_layer: int = 0,
     metrics: AgentMetrics | None = None,
     token: str | None = None,
     secure: bool | None = None,
@@ -674,6 +700,15 @@ async def open_prefill(
     decode ranks route the room here (docs/topologies.md, "DP-attention routing").
     :class:`~trio_pd.ConfigurationError` unless ``0 <= dp_rank < dp_size``.
 
+    Pipeline parallelism (docs/topologies.md, "Pipeline parallelism"): ``pp_rank`` and
+    ``pp_size`` (default 0 and 1) say which PP stage's TP group this rank is in, and
+    ``first_layer`` (default 0) which model layer its pool's first layer is: the pool holds
+    the stage's ``pool.num_layers`` layers from there, and its layer ``i`` is written into
+    decode's layer ``first_layer + i``. Only the last stage writes the aux rows. Each (stage,
+    TP rank) is a prefill rank of its own for status and acks (:attr:`PrefillAgent.rank_id`).
+    :class:`~trio_pd.ConfigurationError` unless ``0 <= pp_rank < pp_size`` and stage 0 starts
+    at layer 0; the bootstrap service refuses stages that overlap or leave a gap (409).
+
     On exit every task is cancelled; engine calls already running finish first (the nursery
     waits for them), then rooms still open are failed and their pages handed back.
 
@@ -681,6 +716,7 @@ async def open_prefill(
     """
     config = config or PrefillConfig()
     check_dp(dp_rank, dp_size, f"prefill rank {tp_rank}")
+    check_pp(pp_rank, pp_size, first_layer, pool.num_layers, f"prefill rank {tp_rank}")
     _wire.check_advertised_host(host, f"prefill rank {tp_rank}")
     security = resolve(
         what=f"prefill rank {tp_rank}", hosts=[host], token=token, secure=secure
@@ -693,7 +729,8 @@ async def open_prefill(
         raise ConfigurationError(f"prefill rank {tp_rank}: {exc}") from None
     agent = PrefillAgent(
         engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, kv_heads=kv_heads,
-        host=host, config=config, security=security,
+        host=host, config=config, security=security, pp_rank=pp_rank, pp_size=pp_size,
+        first_layer=first_layer,
     )
     if metrics is not None:
         metrics.attach(agent)  # sets agent.metrics; exports statistics() at scrape time
@@ -728,10 +765,14 @@ async def open_prefill(
                     control_key=agent.control.public_key,
                     dp_rank=dp_rank,
                     dp_size=dp_size,
+                    pp_rank=pp_rank,
+                    pp_size=pp_size,
+                    first_layer=first_layer,
                 )
             )
             agent.dp_rank, agent.dp_size = dp_rank, dp_size
-            if dp_size > 1 and tp_rank == 0:  # one announcer per DP rank (docs/topologies.md)
+            # one announcer per DP rank (docs/topologies.md): TP rank 0 of its first PP stage
+            if dp_size > 1 and tp_rank == 0 and pp_rank == 0:
                 agent.dp_announcer = DpAnnouncer(
                     client, dp_rank, give_up_after=config.bootstrap_timeout
                 )

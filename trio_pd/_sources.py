@@ -23,7 +23,7 @@ import trio
 import trio_util
 
 from . import _probe, _wire
-from ._bootstrap_client import BootstrapClient, Topology
+from ._bootstrap_client import BootstrapClient, PrefillRankInfo, Topology
 from ._control import ControlPlane
 from ._errors import (
     AuthenticationError,
@@ -61,6 +61,11 @@ class PrefillRank:
     #: its CURVE public key (z85) as the bootstrap service published it ("" with
     #: authentication off): the only key a STATUS, ABORT_ACK or PONG for it is taken from
     key: str = ""
+    #: pipeline parallelism: its PP stage, and its id in STATUS and ABORT_ACK (``pp_rank *
+    #: tp_size + tp_rank``; its TP rank without pipeline parallelism). The rooms' books count
+    #: statuses and acks by this id: each (stage, TP rank) is a rank of its own
+    pp_rank: int = 0
+    rank_id: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -135,8 +140,8 @@ class Sources:
             async with BootstrapClient(inst.url, token=self.token, verify=self.verify) as client:
                 with trio.fail_after(self.bootstrap_timeout):
                     topo = await client.wait_topology()
-            ranks = self._source_ranks(topo)
-            inst.sources = [self._register_with(topo, p) for p in ranks]
+            infos = self._source_infos(topo)
+            inst.sources = [self._register_with(info) for info in infos]
         except (BootstrapError, trio.TooSlowError, ProtocolError, OSError) as exc:
             error: TransferError
             if isinstance(exc, IncompatiblePeer):
@@ -158,42 +163,70 @@ class Sources:
         inst.dp_size = topo.dp_size
         self._on_resolved(inst)
 
-    def _source_ranks(self, topo: Topology) -> range:
+    def _source_infos(self, topo: Topology) -> list[PrefillRankInfo]:
+        """The prefill ranks this decode rank reads from: its TP source ranks in every PP
+        stage (stage by stage), once every stage is checked to pair with our pool (each
+        stage's layers inside ours, and the stages together holding exactly our layers)."""
         first = topo.ranks[0]
         if first.engine != self.engine.name:
             raise IncompatiblePeer(
                 f"prefill uses engine {first.engine!r}, this decode rank {self.engine.name!r}"
             )
         pool = self.pool
-        problem = pairing_problem(
-            layout=first.layout,  # type: ignore[arg-type]
-            page_size=first.page_size,
-            head_bytes=first.head_bytes or pool.head_bytes,
-            num_layers=first.num_layers or pool.num_layers,
-            aux_item_len=first.aux_item_len or pool.aux_item_len,
-            kv_heads=first.kv_heads,
-            prefill_tp=topo.tp_size,
-            peer_layout=pool.layout,
-            peer_page_size=pool.page_size,
-            peer_head_bytes=pool.head_bytes,
-            peer_num_layers=pool.num_layers,
-            peer_aux_item_len=pool.aux_item_len,
-            peer_rank=self.tp_rank,
-            peer_tp=self.tp_size,
-            peer_heads=pool.heads,
-            peer_first_head=pool.first_head,
-        )
-        if problem is not None:
+        problems: list[str] = []
+        next_layer = 0  # pipeline parallelism: where the next stage must start
+        for s in range(topo.pp_size):
+            head = topo.stage(s)[0]
+            layers = head.num_layers or (pool.num_layers if topo.pp_size == 1 else 0)
+            problem = pairing_problem(
+                layout=head.layout,  # type: ignore[arg-type]
+                page_size=head.page_size,
+                head_bytes=head.head_bytes or pool.head_bytes,
+                num_layers=layers,
+                aux_item_len=head.aux_item_len or pool.aux_item_len,
+                kv_heads=head.kv_heads,
+                prefill_tp=topo.tp_size,
+                peer_layout=pool.layout,
+                peer_page_size=pool.page_size,
+                peer_head_bytes=pool.head_bytes,
+                peer_num_layers=pool.num_layers,
+                # the first aux buffer's row bytes alone: that is all the bootstrap record says;
+                # the prefill ranks compare every aux buffer's at REGISTER and refuse a mismatch
+                peer_aux_item_len=pool.aux_item_len,
+                peer_rank=self.tp_rank,
+                peer_tp=self.tp_size,
+                peer_heads=pool.heads,
+                peer_first_head=pool.first_head,
+                first_layer=head.first_layer,
+                pp_rank=s,
+                pp_size=topo.pp_size,
+            )
+            if problem is not None and problem not in problems:
+                problems.append(problem)
+            if topo.pp_size > 1 and head.first_layer != next_layer:
+                problems.append(f"PP stage {s} starts at layer {head.first_layer}, not at "
+                                f"{next_layer} (the stages must hold every layer once, in order)")
+            next_layer = head.first_layer + layers
+        if not problems and topo.pp_size > 1 and next_layer != pool.num_layers:
+            problems.append(f"layers: the {topo.pp_size} PP stages hold layers 0.."
+                            f"{next_layer - 1}, decode holds {pool.num_layers}")
+        infos: list[PrefillRankInfo] = []
+        if _pairs_tp(topo.tp_size, self.tp_size, self.tp_rank):  # (else: problems says why)
+            tp_sources = source_ranks(self.tp_rank, topo.tp_size, self.tp_size)
+            infos = [topo.stage(s)[p] for s in range(topo.pp_size) for p in tp_sources]
+        if problems:
             # Register anyway (best effort): the prefill ranks refuse it with their own
             # reason and count it, so the operator sees the mismatch on both sides.
             with contextlib.suppress(ValueError, ProtocolError):
-                for p in source_ranks(self.tp_rank, topo.tp_size, self.tp_size):
-                    self._register_with(topo, p)
-            raise IncompatiblePeer(f"prefill instance does not pair with this pool: {problem}")
-        return source_ranks(self.tp_rank, topo.tp_size, self.tp_size)
+                for info in infos:
+                    self._register_with(info)
+            raise IncompatiblePeer(
+                f"prefill instance does not pair with this pool: {'; '.join(problems)}"
+            )
+        return infos
 
-    def _register_with(self, topo: Topology, p: int) -> PrefillRank:
-        info = topo.ranks[p]
+    def _register_with(self, info: PrefillRankInfo) -> PrefillRank:
+        p = info.rank_id
         rank = self.ranks.get(info.endpoint)
         if (
             rank is not None and rank.session == info.engine_session and not rank.lost
@@ -214,6 +247,8 @@ class Sources:
             next(self._ping_ids),
             info.heartbeat_endpoint or info.endpoint,
             key=info.control_key,
+            pp_rank=info.pp_rank,
+            rank_id=info.rank_id,
         )
         control_key, auth = "", b""
         if curve:
@@ -297,3 +332,12 @@ class Sources:
             timeout=self.probe_timeout,
             limiter=self.probe_limiter,
         )
+
+
+def _pairs_tp(prefill_tp: int, decode_tp: int, decode_rank: int) -> bool:
+    """Whether the two TP sizes pair at all (else there are no source ranks to name)."""
+    try:
+        source_ranks(decode_rank, prefill_tp, decode_tp)
+    except ValueError:
+        return False
+    return True

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from ._memory import layer_buffers
+
 
 def _check_tp(prefill_tp: int, decode_tp: int) -> None:
     if prefill_tp < 1 or decode_tp < 1:
@@ -81,6 +83,25 @@ def aux_writer(decode_rank: int, prefill_tp: int, decode_tp: int) -> int:
     """The one prefill rank that writes decode rank ``decode_rank``'s aux row: the lowest of
     its source ranks."""
     return source_ranks(decode_rank, prefill_tp, decode_tp)[0]
+
+
+def writes_aux(
+    prefill_rank: int,
+    decode_rank: int,
+    prefill_tp: int,
+    decode_tp: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> bool:
+    """Whether TP rank ``prefill_rank`` of PP stage ``pp_rank`` (of ``pp_size``) writes
+    decode rank ``decode_rank``'s aux row: the :func:`aux_writer` of the *last* stage only
+    (its output is the request's: SGLang's last PP stage makes the output ids, logprobs and
+    hidden states the aux rows carry). Exactly one (stage, TP rank) per decode rank."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"PP rank {pp_rank} is out of range for PP size {pp_size}")
+    return pp_rank == pp_size - 1 and aux_writer(decode_rank, prefill_tp, decode_tp) == (
+        prefill_rank
+    )
 
 
 def write_heads(
@@ -180,35 +201,70 @@ def pairing_problem(
     page_size: int,
     head_bytes: int | tuple[int, ...],
     num_layers: int,
-    aux_item_len: int,
+    aux_item_len: int | tuple[int, ...],
     kv_heads: int,
     prefill_tp: int,
     peer_layout: str,
     peer_page_size: int,
     peer_head_bytes: int | tuple[int, ...],
     peer_num_layers: int,
-    peer_aux_item_len: int,
+    peer_aux_item_len: int | tuple[int, ...],
     peer_rank: int,
     peer_tp: int,
     peer_heads: int,
     peer_first_head: int,
+    first_layer: int = 0,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> str | None:
     """Why a decode rank's pool cannot take this prefill instance's KV, or None if it can.
 
     Both sides run it: decode on the topology the bootstrap service gives, prefill on each
     REGISTER, so a mismatch is refused once, up front, with this reason, instead of being
-    found (or missed) per request."""
+    found (or missed) per request.
+
+    ``aux_item_len`` / ``peer_aux_item_len``: the row bytes of each aux buffer
+    (:attr:`~trio_pd.PoolSpec.aux_item_lens`), compared buffer by buffer, or of the first
+    alone (an int: all a side knows of the other from the bootstrap service).
+
+    Pipeline parallelism: a prefill PP stage (``pp_rank`` of ``pp_size``) holds
+    ``num_layers`` layers from model layer ``first_layer``; decode holds every layer. With
+    ``pp_size == 1`` and ``first_layer == 0`` (the whole model) the layer counts must be
+    equal, as always; otherwise the stage's layers must lie inside decode's, and per-buffer
+    ``head_bytes`` tuples are compared with decode's buffers of those layers
+    (:func:`~trio_pd._memory.layer_buffers`): pairing is by layer id, not position."""
+    whole_model = pp_size == 1 and first_layer == 0
+    if not whole_model and isinstance(peer_head_bytes, tuple) and (
+        first_layer + num_layers <= peer_num_layers
+    ):
+        picks = layer_buffers(peer_layout, peer_num_layers, first_layer, num_layers)
+        if len(peer_head_bytes) == (2 if peer_layout == "mha" else 1) * peer_num_layers:
+            peer_head_bytes = tuple(peer_head_bytes[b] for b in picks)
+    aux_rows = aux_item_len if isinstance(aux_item_len, tuple) else (aux_item_len,)
+    peer_aux_rows = (peer_aux_item_len if isinstance(peer_aux_item_len, tuple)
+                     else (peer_aux_item_len,))
     mismatches = [
         (what, ours, theirs)
         for what, ours, theirs in (
             ("layout", layout, peer_layout),
             ("page size", page_size, peer_page_size),
             ("head bytes", head_bytes, peer_head_bytes),
-            ("layer count", num_layers, peer_num_layers),
-            ("aux row bytes", aux_item_len, peer_aux_item_len),
+            *((("layer count", num_layers, peer_num_layers),) if whole_model else ()),
         )
         if ours != theirs
     ]
+    if not whole_model and not (first_layer >= 0 and first_layer + num_layers <= peer_num_layers):
+        mismatches.append((
+            "layers",
+            f"PP stage {pp_rank} of {pp_size} holds layers {first_layer}.."
+            f"{first_layer + num_layers - 1}",
+            f"holds {peer_num_layers} (0..{peer_num_layers - 1})",
+        ))
+    if aux_rows != peer_aux_rows:  # (one buffer each: shown as ints, as before)
+        if len(aux_rows) == len(peer_aux_rows) == 1:
+            mismatches.append(("aux row bytes", aux_rows[0], peer_aux_rows[0]))
+        else:
+            mismatches.append(("aux row bytes per aux buffer", aux_rows, peer_aux_rows))
     if mismatches:
         return "; ".join(f"{w}: prefill {a}, decode {b}" for w, a, b in mismatches)
     try:

@@ -58,6 +58,9 @@ MAX_SESSION_CHARS: Final = 256
 MAX_ENGINE_META_BYTES: Final = 1 << 20
 MAX_BUFFERS: Final = 4096
 """Most KV buffers one pool may register (MHA: two per layer)."""
+MAX_AUX_BUFFERS: Final = 64
+"""Most aux buffers one pool may register, the first included (:attr:`PoolWire.extra_aux`
+holds at most one fewer)."""
 MAX_TRANSFER_PAGES: Final = 1 << 22
 """Most page ids one :class:`Transfer` may carry."""
 MAX_POOL_PAGES: Final = 1 << 30  # a power of two: see _check_page_ids
@@ -192,12 +195,21 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     page_layout: Literal["nhd", "hnd"] = "nhd"
     buffer_head_bytes: Annotated[tuple[_Size, ...], msgspec.Meta(max_length=MAX_BUFFERS)] = ()
     page_strides: Annotated[tuple[_Size, ...], msgspec.Meta(max_length=MAX_BUFFERS)] = ()
+    #: the aux buffers after the first, ``(base, row bytes)`` each; UNSET (a pool with one aux
+    #: buffer) leaves the field off the wire, so such a pool's REGISTER is what it always was
+    extra_aux: (
+        Annotated[tuple[tuple[_Address, _Size], ...],
+                  msgspec.Meta(max_length=MAX_AUX_BUFFERS - 1)]
+        | msgspec.UnsetType
+    ) = msgspec.UNSET
 
     @classmethod
     def from_spec(cls, spec: PoolSpec) -> PoolWire:
-        """Copy ``spec`` field by field (the two classes have the same fields). Checking
-        happens in :meth:`to_spec` / :func:`encode`."""
-        return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+        """Copy ``spec`` field by field (the two classes have the same fields; an empty
+        ``extra_aux`` becomes UNSET). Checking happens in :meth:`to_spec` / :func:`encode`."""
+        values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        values["extra_aux"] = spec.extra_aux or msgspec.UNSET
+        return cls(**values)
 
     def to_spec(self) -> PoolSpec:
         """Check that the layout makes sense and return it as a :class:`PoolSpec`.
@@ -208,7 +220,9 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``heads == 1`` and ``first_head == 0``; and every buffer and the aux buffer lie, end
         included, inside the 64-bit address space; ``buffer_head_bytes`` and
         ``page_strides`` are empty or one positive int per buffer, no stride shorter than its
-        buffer's page.
+        buffer's page; ``extra_aux`` is at most ``MAX_AUX_BUFFERS - 1`` pairs of a base and
+        a positive row size, each buffer (``aux_slots`` rows) inside the 64-bit address
+        space too.
         """
         if self.layout not in ("mha", "mla"):
             raise ProtocolError(f"pool layout must be 'mha' or 'mla', not {self.layout!r}")
@@ -265,10 +279,40 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"pool aux buffer at {self.aux_base:#x} of {self.aux_slots} x "
                 f"{self.aux_item_len} bytes runs past the 64-bit address space"
             )
+        extra = self._extra_aux()
         return PoolSpec(**(msgspec.structs.asdict(self) | {
             "buffer_bases": tuple(bases), "buffer_head_bytes": tuple(self.buffer_head_bytes),
-            "page_strides": tuple(self.page_strides),
+            "page_strides": tuple(self.page_strides), "extra_aux": extra,
         }))
+
+    def _extra_aux(self) -> tuple[tuple[int, int], ...]:
+        """:attr:`extra_aux`, checked (see :meth:`to_spec`), as a tuple of pairs."""
+        extra = self.extra_aux
+        if extra is msgspec.UNSET:
+            return ()
+        limit = MAX_AUX_BUFFERS - 1
+        if not isinstance(extra, (tuple, list)):
+            raise ProtocolError(
+                f"pool extra_aux must be a sequence of (base, row bytes) pairs, not {extra!r}"
+            )
+        if len(extra) > limit:
+            raise ProtocolError(
+                f"pool extra_aux: at most {limit} aux buffers after the first, got {len(extra)}"
+            )
+        out = []
+        for i, pair in enumerate(extra):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ProtocolError(f"pool extra_aux[{i}] must be a (base, row bytes) pair")
+            base, row = pair
+            _check_int(f"extra_aux[{i}] base", base, 0, _U64_LIMIT)
+            _check_int(f"extra_aux[{i}] row bytes", row, 1, _I64_MAX + 1)
+            if base + self.aux_slots * row > _U64_LIMIT:
+                raise ProtocolError(
+                    f"pool aux buffer {i + 1} at {base:#x} of {self.aux_slots} x {row} bytes "
+                    "runs past the 64-bit address space"
+                )
+            out.append((base, row))
+        return tuple(out)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:

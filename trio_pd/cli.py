@@ -125,10 +125,16 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens, metavar="N",
                    help="decode holds every request's first N tokens already (a prefix cache "
                    "hit; a multiple of --page-size): only the rest is sent")
+    p.add_argument("--aux-buffers", type=int, default=d.aux_buffers, metavar="N",
+                   help="aux buffers after the first (metadata buffers: rows of 24, 41, 58... "
+                   "bytes), moved with every request's last chunk and verified")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="prefill TP size")
     p.add_argument("--prefill-dp", type=int, default=d.prefill_dp, metavar="N",
                    help="prefill DP ranks (DP attention) behind one bootstrap service, each of "
                    "--prefill-tp ranks; decode routes each request to the one that holds it")
+    p.add_argument("--prefill-pp", type=int, default=d.prefill_pp, metavar="S",
+                   help="prefill PP stages (pipeline parallelism), each of --prefill-tp ranks "
+                   "holding --layers / S layers; decode gathers every layer from its stage")
     p.add_argument("--decode-tp", type=int, default=d.decode_tp,
                    help="decode TP size; the larger TP size must be a multiple of the smaller")
     p.add_argument("--engine", choices=("mooncake", "nixl"), default=d.engine,

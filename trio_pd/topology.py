@@ -6,7 +6,9 @@ holds; ``source_ranks(decode_rank, prefill_tp, decode_tp)`` the prefill ranks th
 decode rank; ``served_decode_ranks(prefill_rank, prefill_tp, decode_tp)`` the reverse;
 ``write_heads(prefill_rank, decode_rank, prefill_tp, decode_tp, total_heads, layout)`` the heads
 one prefill rank writes to one decode rank (None: none, a dummy pairing); ``aux_writer(
-decode_rank, prefill_tp, decode_tp)`` the one prefill rank that writes a decode rank's aux row.
+decode_rank, prefill_tp, decode_tp)`` the one prefill rank that writes a decode rank's aux row;
+``writes_aux(prefill_rank, decode_rank, prefill_tp, decode_tp, pp_rank, pp_size)`` whether a
+rank of a PP stage writes it (the last stage's aux writer only).
 Each raises ``ValueError`` for TP sizes that cannot pair.
 """
 
@@ -15,5 +17,9 @@ from ._topology import head_range as head_range
 from ._topology import served_decode_ranks as served_decode_ranks
 from ._topology import source_ranks as source_ranks
 from ._topology import write_heads as write_heads
+from ._topology import writes_aux as writes_aux
 
-__all__ = ["aux_writer", "head_range", "served_decode_ranks", "source_ranks", "write_heads"]
+__all__ = [
+    "aux_writer", "head_range", "served_decode_ranks", "source_ranks", "write_heads",
+    "writes_aux",
+]

@@ -17,15 +17,15 @@ Three things differ between the two APIs, and the adapter bridges each:
   ``poll()`` says is then safe to act on exactly as SGLang's loop does. With
   ``free_on_terminal=False`` ``poll()`` reports at once and the scheduler frees pages when
   :meth:`KVManager.pop_released` returns the room, the trio_pd way.
-* **The aux row.** trio_pd moves one aux row per request, whose first 16 bytes are its own
+* **The aux rows.** trio_pd's first aux buffer's row starts with its own 16-byte
   ``(room, epoch)`` stamp; SGLang has several metadata buffers (output ids, logprobs, hidden
-  states...), each indexed by the request's aux slot. The adapter registers a host buffer of
-  its own (:class:`AuxRows`) as the pool's aux buffer, with one row per slot: the stamp, then
-  each metadata buffer's item, in order. Prefill gathers the metadata rows into it at the
-  last ``send()``; decode scatters the row back into the metadata buffers when ``poll()``
-  first sees Success, before it returns Success. The cost is two host copies of the
-  metadata items per request (see :class:`AuxRows`); a native multi-buffer aux in trio_pd is
-  what would remove them.
+  states...), each indexed by the request's aux slot, with no room for a stamp. The adapter
+  registers a host buffer of its own (:class:`AuxRows`, a 16-byte stamp row per slot) as the
+  pool's first aux buffer and SGLang's metadata buffers, in order, as the further aux
+  buffers (:attr:`~trio_pd.PoolSpec.extra_aux`): the engine moves each request's metadata
+  items in place, with its last chunk, and nothing is copied. (``native_aux=False``: the
+  older mapping, the stamp and every metadata item in one row of the adapter's, gathered at
+  the last ``send()`` and scattered at the first Success ``poll()``.)
 * **Epochs.** trio_pd tells uses of a room id apart by an epoch that every rank of a request
   must agree on; SGLang has none, and draws a fresh random 63-bit room id per request. The
   adapter derives the epoch from the room id (:func:`room_epoch`), so every rank agrees with
@@ -38,11 +38,19 @@ ranks, and ``engine_rank % attn_tp_size`` the attention TP rank) or ``KVArgs.sys
 (DP without DP attention), and announces the DP rank of every room it creates to the
 bootstrap service; a decode receiver learns it from there by itself.
 
+Pipeline parallelism maps directly: a prefill manager runs its agent as PP stage
+``KVArgs.pp_rank`` of ``server_args.pp_size``, its KV buffers (the stage's layers) starting
+at model layer ``KVArgs.prefill_start_layer`` (``open_prefill(pp_rank=, pp_size=,
+first_layer=)``); a ``KVSender``'s ``pp_rank`` must be its manager's. Only the last stage
+writes the metadata (aux) rows, as SGLang's last PP rank makes the output. A decode manager
+reads the stages from the bootstrap service (``disaggregation_prefill_pp`` is not needed).
+
 What trio_pd does not do raises :class:`~trio_pd.ConfigurationError` naming the knob:
-pipeline parallelism, state buffers of hybrid models (``state_indices``), a decode prefix
+pipeline parallelism on decode (``pp_size``, ``KVArgs.pp_rank`` / ``prefill_start_layer``
+of a decode manager), state buffers of hybrid models (``state_indices``), a decode prefix
 (``decode_prefix_len``), a DP rank other than 0 named on the decode side
-(``init(prefill_dp_rank)``, ``KVArgs.system_dp_rank`` of a decode manager), and device
-memory for the metadata buffers.
+(``init(prefill_dp_rank)``, ``KVArgs.system_dp_rank`` of a decode manager), and (with
+``native_aux=False`` only) device memory for the metadata buffers.
 """
 
 from __future__ import annotations
@@ -126,7 +134,8 @@ class KVArgs:
     one per layer): ``kv_data_ptrs`` (addresses), ``kv_data_lens`` (bytes of each buffer),
     ``kv_item_lens`` (bytes of one page in each). Metadata buffers, all indexed by the same
     aux slot: ``aux_data_ptrs``, ``aux_data_lens``, ``aux_item_lens`` (bytes of one slot's
-    item in each); host memory only.
+    item in each): the pool's aux buffers after the adapter's stamp rows (host memory only
+    with ``KVManager(native_aux=False)``, which copies them).
     """
 
     #: this rank's TP rank within its prefill (or decode) attention TP group; with DP
@@ -156,9 +165,10 @@ class KVArgs:
     #: prefill, with DP but no DP attention (``server_args.dp_size > 1``): this rank's DP
     #: rank; must be 0 otherwise
     system_dp_rank: int = 0
-    #: must be 0: pipeline parallelism is not supported
+    #: prefill: this rank's PP stage (``server_args.pp_size`` stages); must be 0 on decode
     pp_rank: int = 0
-    #: must be 0 (pipeline parallelism)
+    #: prefill: the model layer the stage's first KV buffer is (``open_prefill``'s
+    #: ``first_layer``); must be 0 on decode
     prefill_start_layer: int = 0
 
 
@@ -198,15 +208,17 @@ def _unsupported(knob: str, value: object, why: str) -> ConfigurationError:
     return ConfigurationError(f"{knob}={value!r} is not supported by trio_pd: {why}")
 
 
-def check_kvargs(args: object, *, system_dp: bool = False) -> None:
+def check_kvargs(args: object, *, system_dp: bool = False, pipeline: bool = False) -> None:
     """Refuse the KVArgs fields trio_pd has no equivalent for, naming the field:
-    ``pp_rank`` / ``prefill_start_layer`` other than 0 (pipeline parallelism),
+    ``pp_rank`` / ``prefill_start_layer`` other than 0 (unless ``pipeline``: a prefill rank,
+    whose PP stage they are; decode has no PP stages),
     ``system_dp_rank`` other than 0 (unless ``system_dp``: a prefill rank of an instance
     with DP and no DP attention, whose DP rank it is), and ``state_data_ptrs`` (state buffers
     of hybrid models). Raises :class:`~trio_pd.ConfigurationError`."""
-    knobs = [
-        ("pp_rank", "pipeline parallelism (each PP stage would be a pool of its own)"),
-        ("prefill_start_layer", "pipeline parallelism (every rank holds all layers)"),
+    knobs = [] if pipeline else [
+        ("pp_rank", "pipeline parallelism on decode (a decode rank holds every layer)"),
+        ("prefill_start_layer", "pipeline parallelism on decode (a decode rank holds every "
+         "layer)"),
     ]
     if not system_dp:
         knobs.append((
@@ -224,34 +236,48 @@ def check_kvargs(args: object, *, system_dp: bool = False) -> None:
         )
 
 
-def _check_server_args(server_args: object) -> None:
-    """Refuse the server arguments trio_pd has no equivalent for (pipeline parallelism)."""
-    for knob in ("pp_size", "disaggregation_prefill_pp"):
-        value = getattr(server_args, knob, None)
-        if value not in (None, 1):
-            raise _unsupported(f"server_args.{knob}", value, "pipeline parallelism")
+def _check_server_args(server_args: object, mode: str = "decode") -> None:
+    """Refuse the server arguments trio_pd has no equivalent for: ``pp_size`` other than 1
+    on decode (pipeline parallelism on decode). A prefill manager's ``pp_size`` is its PP
+    size; decode's ``disaggregation_prefill_pp`` (the prefill side's PP size) is not needed:
+    a decode rank reads the stages from the bootstrap service."""
+    value = getattr(server_args, "pp_size", None)
+    if mode != "prefill" and value not in (None, 1):
+        raise _unsupported("server_args.pp_size", value,
+                           "pipeline parallelism on decode (a decode rank holds every layer)")
 
 
 # ---------------------------------------------------------------------------------- aux rows
 
 
 class AuxRows:
-    """The adapter's own aux buffer, registered as the pool's aux: one host row per aux slot,
-    laid out as trio_pd's 16-byte stamp followed by each SGLang metadata buffer's item for
-    that slot, in the order of ``aux_data_ptrs``.
+    """The adapter's own aux buffer, registered as the pool's first aux buffer: one host row
+    per aux slot, starting with trio_pd's 16-byte stamp.
 
-    Prefill fills a row with :meth:`gather` before the request's last chunk goes to trio_pd;
-    decode empties one with :meth:`scatter` once the request succeeded. Each is one
-    ``ctypes.memmove`` per metadata buffer, :attr:`bytes_per_request` bytes in all, on the
-    scheduler's thread: the price of keeping trio_pd's single aux row. The metadata buffers
-    must be host memory (memmove cannot reach a device); a pointer CUDA reports as device
-    memory is refused. trio_pd moves :attr:`row_len` bytes per request over the engine.
+    ``native=True`` (what :class:`KVManager` uses unless told otherwise): a row is the stamp
+    alone, and SGLang's metadata buffers are the pool's further aux buffers
+    (:attr:`~trio_pd.PoolSpec.extra_aux`, :attr:`extra_aux`), each indexed by the same aux
+    slot: the engine reads a request's metadata items from prefill's buffers and writes them
+    into decode's in place, with the last chunk. Nothing is copied (:meth:`gather` and
+    :meth:`scatter` only check the slot), and the metadata buffers may live anywhere an
+    engine reaches (CUDA is asked where each lives).
+
+    ``native=False`` (the class's default; a pool an older trio_pd pairs with, whose pools
+    have one aux buffer): a row is the stamp followed by each SGLang metadata buffer's item
+    for that slot, in the order of ``aux_data_ptrs``. Prefill fills a row with
+    :meth:`gather` before the request's last chunk goes to trio_pd; decode empties one with
+    :meth:`scatter` once the request succeeded. Each is one ``ctypes.memmove`` per metadata
+    buffer, :attr:`bytes_per_request` bytes in all, on the scheduler's thread. The metadata
+    buffers must then be host memory (memmove cannot reach a device); a pointer CUDA reports
+    as device memory is refused. trio_pd moves :attr:`row_len` bytes per request over the
+    engine (native: the stamp and every metadata item, in one block per buffer).
 
     ``rows`` (a ``(slots, row_len)`` uint8 array) lives as long as this object: keep it (the
     :class:`KVManager` does) while the pool is registered.
     """
 
-    def __init__(self, args: object) -> None:
+    def __init__(self, args: object, *, native: bool = False) -> None:
+        self.native = native
         ptrs = _ints(args, "aux_data_ptrs")
         lens = _ints(args, "aux_data_lens")
         items = _ints(args, "aux_item_lens")
@@ -279,16 +305,24 @@ class AuxRows:
                     f"{slots}: every metadata buffer is indexed by the same aux slot"
                 )
             slots = n
-            _require_host(ptr, f"KVArgs.aux_data_ptrs[{i}]")
+            if not native:  # (native: the engine reaches them wherever they live)
+                _require_host(ptr, f"KVArgs.aux_data_ptrs[{i}]")
         assert slots is not None
         self.ptrs: tuple[int, ...] = tuple(ptrs)
         self.item_lens: tuple[int, ...] = tuple(items)
-        #: where each metadata buffer's item starts inside a row
-        self.offsets: tuple[int, ...] = tuple(
+        #: native: the metadata buffers as :func:`~trio_pd.describe_pool`'s ``extra_aux``,
+        #: ``((address, bytes), item bytes)`` each, in the order of ``aux_data_ptrs``;
+        #: empty otherwise
+        self.extra_aux: tuple[tuple[tuple[int, int], int], ...] = (
+            tuple(((p, n), it) for p, n, it in zip(ptrs, lens, items, strict=True))
+            if native else ()
+        )
+        #: where each metadata buffer's item starts inside a row (none when native)
+        self.offsets: tuple[int, ...] = () if native else tuple(
             AUX_STAMP.size + sum(items[:i]) for i in range(len(items))
         )
         self.slots = slots
-        self.row_len = AUX_STAMP.size + sum(items)
+        self.row_len = AUX_STAMP.size + (0 if native else sum(items))
         self.rows: npt.NDArray[np.uint8] = np.zeros((slots, self.row_len), dtype=np.uint8)
         self._base = int(self.rows.ctypes.data)
 
@@ -302,15 +336,21 @@ class AuxRows:
             raise ProtocolError(f"aux slot {slot} outside [0, {self.slots})")
 
     def gather(self, slot: int) -> None:
-        """Copy slot ``slot`` of every metadata buffer into row ``slot`` (after the stamp)."""
+        """Copy slot ``slot`` of every metadata buffer into row ``slot`` (after the stamp);
+        native: only check the slot (the engine reads the metadata buffers)."""
         self._check(slot)
+        if self.native:
+            return
         row = self._base + slot * self.row_len
         for ptr, item, off in zip(self.ptrs, self.item_lens, self.offsets, strict=True):
             ctypes.memmove(row + off, ptr + slot * item, item)
 
     def scatter(self, slot: int) -> None:
-        """Copy row ``slot`` (after the stamp) into slot ``slot`` of every metadata buffer."""
+        """Copy row ``slot`` (after the stamp) into slot ``slot`` of every metadata buffer;
+        native: only check the slot (the engine wrote the metadata buffers)."""
         self._check(slot)
+        if self.native:
+            return
         row = self._base + slot * self.row_len
         for ptr, item, off in zip(self.ptrs, self.item_lens, self.offsets, strict=True):
             ctypes.memmove(ptr + slot * item, row + off, item)
@@ -342,7 +382,9 @@ def pool_from_kvargs(
     tp_rank: int | None = None,
 ) -> PoolSpec:
     """The :class:`~trio_pd.PoolSpec` of the KV buffers SGLang describes in ``args`` (a
-    :class:`KVArgs` or any object with its attributes), with ``aux`` as its aux buffer.
+    :class:`KVArgs` or any object with its attributes), with ``aux`` as its (first) aux
+    buffer and, when ``aux`` is native, SGLang's metadata buffers as the further aux
+    buffers (:attr:`AuxRows.extra_aux`).
 
     * layout ``"mla"`` if ``is_mla`` (one buffer per layer, one replicated latent "head"),
       else ``"mha"``: K of every layer then V of every layer, so ``num_layers`` is half the
@@ -440,7 +482,7 @@ def pool_from_kvargs(
         layout=layout, page_size=page_size, num_layers=num_layers, head_bytes=head_bytes,
         buffers=[(p, n) for p, n in zip(ptrs, lens, strict=True)], aux=aux.rows,
         aux_item_len=aux.row_len, heads=heads, first_head=first_head, num_pages=num_pages,
-        aux_slots=aux.slots,
+        aux_slots=aux.slots, extra_aux=aux.extra_aux,
     )
 
 
@@ -519,9 +561,12 @@ class KVManager(ClosesOnExit):
     ``http://{server_args.host}:{disaggregation_bootstrap_port}``), ``config`` (a
     :class:`~trio_pd.PrefillConfig` / :class:`~trio_pd.DecodeConfig`; default: the SGLang
     environment variables, :func:`config_from_env`), ``num_pages``, ``thread``,
-    ``free_on_terminal`` (see :meth:`KVSender.poll`), and ``facade_kw`` (more keywords for
+    ``free_on_terminal`` (see :meth:`KVSender.poll`), ``facade_kw`` (more keywords for
     :func:`trio_pd.sync.open_prefill` / :func:`~trio_pd.sync.open_decode`: ``token``,
-    ``call_timeout``...).
+    ``call_timeout``...), and ``native_aux`` (default True: the metadata buffers are the
+    pool's further aux buffers, moved in place; False: the adapter copies them through its
+    own aux rows, for peers on a trio_pd with one aux buffer; see :class:`AuxRows`; both
+    sides of a pair must agree).
 
     Any thread but a trio thread. Blocks until the agent serves (prefill: registered);
     raises :class:`~trio_pd.ConfigurationError` for what cannot work, and what the facade
@@ -544,6 +589,7 @@ class KVManager(ClosesOnExit):
         thread: sync.TrioThread | None = None,
         free_on_terminal: bool = True,
         facade_kw: Mapping[str, Any] | None = None,
+        native_aux: bool = True,
     ) -> None:
         self.kv_args = args
         self.server_args = server_args
@@ -553,8 +599,17 @@ class KVManager(ClosesOnExit):
         self.free_on_terminal = free_on_terminal
         dp_size = max(1, int(getattr(server_args, "dp_size", 1) or 1))
         dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
-        check_kvargs(args, system_dp=self.mode == "prefill" and dp_size > 1 and not dp_attention)
-        _check_server_args(server_args)
+        check_kvargs(args, system_dp=self.mode == "prefill" and dp_size > 1 and not dp_attention,
+                     pipeline=self.mode == "prefill")
+        _check_server_args(server_args, self.mode)
+        #: prefill, pipeline parallelism: the PP stage (``KVArgs.pp_rank``), the PP size
+        #: (``server_args.pp_size``) and the stage's first model layer
+        #: (``KVArgs.prefill_start_layer``) the agent registers; 0, 1, 0 on decode
+        self.pp_rank, self.pp_size, self.first_layer = 0, 1, 0
+        if self.mode == "prefill":
+            self.pp_size = max(1, int(getattr(server_args, "pp_size", 1) or 1))
+            self.pp_rank = _int(args, "pp_rank", 0)
+            self.first_layer = _int(args, "prefill_start_layer", 0)
         tp = int(getattr(server_args, "tp_size", 1) or 1)
         if dp_attention:
             tp //= dp_size
@@ -573,7 +628,7 @@ class KVManager(ClosesOnExit):
                     f"DP rank {self.dp_rank} (from KVArgs.engine_rank {engine_rank} or "
                     f"system_dp_rank) is outside [0, server_args.dp_size={dp_size})"
                 )
-        self.aux = AuxRows(args)
+        self.aux = AuxRows(args, native=native_aux)
         self.pool: PoolSpec = pool_from_kvargs(
             args, is_mla=self.is_mla_backend, aux=self.aux, num_pages=num_pages,
             tp_size=self.tp_size, tp_rank=self.tp_rank,
@@ -638,6 +693,9 @@ class KVManager(ClosesOnExit):
         if self.mode != "prefill" or self._facade is not None:
             return
         dp = {"dp_rank": self.dp_rank, "dp_size": self.dp_size} if self.dp_size > 1 else {}
+        if self.pp_size > 1 or self.pp_rank or self.first_layer:
+            dp |= {"pp_rank": self.pp_rank, "pp_size": self.pp_size,
+                   "first_layer": self.first_layer}
         self._facade = sync.open_prefill(
             engine=self.engine, pool=self.pool, bootstrap_url=self.bootstrap_url,
             tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self._kv_heads,
@@ -783,10 +841,10 @@ class KVSender(_Handle):
     the prefill scheduler's handle for one request. Nothing reaches trio_pd before
     :meth:`init`. ``bootstrap_addr`` and ``dest_tp_ranks`` are not needed (the rank's
     bootstrap service is the manager's, and decode ranks announce themselves); ``pp_rank``
-    must be 0.
+    must be the manager's (``KVArgs.pp_rank``; None: the manager's).
 
     Any thread; never blocks. Raises :class:`~trio_pd.ConfigurationError` for ``pp_rank``
-    other than 0, a ``bootstrap_room`` of None, or a decode manager.
+    other than the manager's, a ``bootstrap_room`` of None, or a decode manager.
     """
 
     def __init__(
@@ -798,8 +856,9 @@ class KVSender(_Handle):
         pp_rank: int | None = 0,
     ) -> None:
         mgr._require("prefill", "KVSender")
-        if pp_rank not in (0, None):
-            raise _unsupported("pp_rank", pp_rank, "pipeline parallelism")
+        if pp_rank not in (mgr.pp_rank, None):
+            raise _unsupported("pp_rank", pp_rank,
+                               f"a sender of another PP stage than its manager's ({mgr.pp_rank})")
         super().__init__(mgr, _room(bootstrap_room))
         facade = mgr.facade
         assert isinstance(facade, sync.SyncPrefill)
@@ -860,9 +919,11 @@ class KVSender(_Handle):
 
     def send(self, kv_indices: npt.ArrayLike, state_indices: Sequence[int] | None = None) -> None:
         """Hand the next chunk of source page ids over; the chunk that brings the total to
-        ``num_kv_indices`` is the last. Before the last chunk goes, the request's metadata
-        rows are gathered into the adapter's aux row (:meth:`AuxRows.gather`): the scheduler
-        must have written them by then, as SGLang's does. The page ids are copied.
+        ``num_kv_indices`` is the last, and carries the request's metadata rows (read in
+        place by the engine; with ``native_aux=False`` gathered into the adapter's aux row
+        first, :meth:`AuxRows.gather`): the scheduler must have written them by then, as
+        SGLang's does, and leave them until the request's pages are free. The page ids are
+        copied.
 
         The scheduler's thread; never blocks. Raises :class:`~trio_pd.ProtocolError` as
         :meth:`trio_pd.sync.SyncSender.send` (before init, bad ids, past the total), and
@@ -1019,7 +1080,8 @@ class KVReceiver(_Handle):
         Failed shows only once no prefill rank can still write the pages (until then it
         reads Transferring), so the scheduler may free them on Failed as SGLang's loop does.
 
-        Any thread; never blocks on the trio thread (the first Success copies the row).
+        Any thread; never blocks on the trio thread (with ``native_aux=False`` the first
+        Success copies the row).
         """
         status = self._receiver.poll()
         if status is KVPoll.Success:

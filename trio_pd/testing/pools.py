@@ -40,6 +40,11 @@ class HostKVPool:
     :meth:`expected` give a request's bytes in one logical form whatever the layout, shape
     (1, pages, bytes of a page over every buffer, token-major), so that pools of different
     layouts verify against each other.
+
+    Several aux buffers: ``extra_aux_lens`` gives the row bytes of each aux buffer after the
+    first (:attr:`PoolSpec.extra_aux`), kept in ``extra_aux``, one (aux_slots, row bytes)
+    array each. :meth:`fill_aux` and :meth:`aux_ok` cover every aux buffer's row of a slot,
+    and :meth:`aux_rows` makes a slot's row in every aux buffer one sanitizer row.
     """
 
     def __init__(
@@ -57,11 +62,24 @@ class HostKVPool:
         page_layout: Literal["nhd", "hnd"] = "nhd",
         buffer_head_bytes: tuple[int, ...] = (),
         page_pad: int = 0,
+        extra_aux_lens: tuple[int, ...] = (),
+        first_layer: int = 0,
+        model_layers: int | None = None,
     ) -> None:
         buffers = 2 * num_layers if layout == "mha" else num_layers
+        #: pipeline parallelism: the pool of a PP stage holds ``num_layers`` layers of a model
+        #: of ``model_layers`` from ``first_layer``; its bytes are those of the model's buffers
+        #: (None: the pool's own buffer ids, a pool of every layer)
+        self.buffer_ids: tuple[int, ...] | None = None
+        if first_layer or (model_layers is not None and model_layers != num_layers):
+            total = num_layers if model_layers is None else model_layers
+            ks = [first_layer + i for i in range(num_layers)]
+            self.buffer_ids = tuple(ks + [total + k for k in ks] if layout == "mha" else ks)
         hbs = buffer_head_bytes or (head_bytes,) * buffers
         items = [page_size * heads * hb for hb in hbs]
         self.aux = np.zeros((aux_slots, aux_item_len), dtype=np.uint8)
+        #: the aux buffers after the first, (aux_slots, row bytes) each
+        self.extra_aux = [np.zeros((aux_slots, n), dtype=np.uint8) for n in extra_aux_lens]
         geometry = page_layout != "nhd" or len(set(hbs)) > 1 or page_pad > 0
         self._kv: npt.NDArray[np.uint8] | None = None
         self.buffers: list[npt.NDArray[np.uint8]]
@@ -91,7 +109,9 @@ class HostKVPool:
             page_layout=page_layout,
             buffer_head_bytes=tuple(buffer_head_bytes) if geometry else (),
             page_strides=strides if page_pad else (),
-            kinds=(HOST,) * (buffers + 1),  # numpy memory: host (staging may read it)
+            extra_aux=tuple((int(a.ctypes.data), int(a.shape[1])) for a in self.extra_aux),
+            # numpy memory: host (staging may read it)
+            kinds=(HOST,) * (buffers + 1 + len(self.extra_aux)),
         )
 
     @property
@@ -104,7 +124,8 @@ class HostKVPool:
 
     @property
     def nbytes(self) -> int:
-        return int(sum(b.nbytes for b in self.buffers) + self.aux.nbytes)
+        return int(sum(b.nbytes for b in self.buffers) + self.aux.nbytes
+                   + sum(a.nbytes for a in self.extra_aux))
 
     def _pages(self, b: int) -> npt.NDArray[np.uint8]:
         """Buffer ``b`` as (pages, tokens, heads, head bytes), in logical (token-major)
@@ -122,17 +143,17 @@ class HostKVPool:
         """Write the request's deterministic KV bytes (for this rank's heads) into ``pages``;
         page i of the request goes to ``pages[i]``."""
         if self._kv is not None:
-            self.kv[:, pages, :] = kv_bytes(self.spec, room, len(pages))
+            self.kv[:, pages, :] = kv_bytes(self.spec, room, len(pages), self.buffer_ids)
             return
-        for b, want in enumerate(_logical_bytes(self.spec, room, len(pages))):
+        for b, want in enumerate(_logical_bytes(self.spec, room, len(pages), self.buffer_ids)):
             self._pages(b)[pages] = want
 
     def expected(self, room: int, npages: int) -> npt.NDArray[np.uint8]:
         if self._kv is not None:
-            return kv_bytes(self.spec, room, npages)
+            return kv_bytes(self.spec, room, npages, self.buffer_ids)
         items = self.spec.item_lens
         parts = [w.reshape(npages, items[b])
-                 for b, w in enumerate(_logical_bytes(self.spec, room, npages))]
+                 for b, w in enumerate(_logical_bytes(self.spec, room, npages, self.buffer_ids))]
         return np.concatenate(parts, axis=1)[None]
 
     def read(self, pages: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
@@ -152,20 +173,34 @@ class HostKVPool:
         return _BufferRows([self._pages(b) for b in range(len(self.buffers))])
 
     def aux_rows(self) -> Rows:
-        return HostRows(self.aux)
+        """The aux slots as the rows of a :class:`PageAllocator`: row ``s`` is slot ``s`` of
+        every aux buffer (poisoned, and checked, in all of them)."""
+        if not self.extra_aux:
+            return HostRows(self.aux)
+        return _BufferRows([self.aux, *self.extra_aux])
 
     def close(self) -> None:
         """Nothing to free: numpy owns the memory, which lives as long as this object."""
 
     def fill_aux(self, slot: int, room: int) -> None:
-        """Bytes 16.. of the row (0..15 are trio_pd's room/epoch stamp)."""
+        """Bytes 16.. of the row (0..15 are trio_pd's room/epoch stamp), and every byte of
+        the slot's row in each further aux buffer."""
         self.aux[slot, 16:] = aux_bytes(room, self.aux.shape[1] - 16)
+        for i, rows in enumerate(self.extra_aux, start=1):
+            rows[slot] = aux_bytes(room, rows.shape[1], buffer=i)
 
     def aux_ok(self, slot: int, room: int) -> bool:
-        return bool((self.aux[slot, 16:] == aux_bytes(room, self.aux.shape[1] - 16)).all())
+        """Whether slot ``slot`` holds what :meth:`fill_aux` writes for ``room``, in every
+        aux buffer (the stamp aside)."""
+        if not (self.aux[slot, 16:] == aux_bytes(room, self.aux.shape[1] - 16)).all():
+            return False
+        return all(bool((rows[slot] == aux_bytes(room, rows.shape[1], buffer=i)).all())
+                   for i, rows in enumerate(self.extra_aux, start=1))
 
 
-def _logical_bytes(spec: PoolSpec, room: int, npages: int) -> list[npt.NDArray[np.uint8]]:
+def _logical_bytes(
+    spec: PoolSpec, room: int, npages: int, buffer_ids: tuple[int, ...] | None = None
+) -> list[npt.NDArray[np.uint8]]:
     """:func:`kv_bytes` for a pool with per-buffer geometry: buffer by buffer, shape (pages,
     tokens, heads, head bytes), the same pattern (a function of room, buffer, page index,
     token, global head and byte) a packed pool holds."""
@@ -181,36 +216,45 @@ def _logical_bytes(spec: PoolSpec, room: int, npages: int) -> list[npt.NDArray[n
     for b in range(spec.num_buffers):
         hb = spec.head_bytes_of(b)
         k = np.arange(hb, dtype=np.int64)[None, None, None, :]
-        v = ((b * 104729 + p * 257 + t * 31 + h * 61 + k * 3) % 251).astype(np.uint8)
+        model_b = b if buffer_ids is None else buffer_ids[b]
+        v = ((model_b * 104729 + p * 257 + t * 31 + h * 61 + k * 3) % 251).astype(np.uint8)
         flat = v.reshape(npages, spec.page_size * spec.heads * hb)
         out.append((flat ^ np.resize(key, flat.shape[1])).reshape(v.shape))
     return out
 
 
-def kv_bytes(spec: PoolSpec, room: int, npages: int) -> npt.NDArray[np.uint8]:
+def kv_bytes(
+    spec: PoolSpec, room: int, npages: int, buffer_ids: tuple[int, ...] | None = None
+) -> npt.NDArray[np.uint8]:
     """The bytes of a request's first ``npages`` pages as held by a rank with ``spec``'s
     heads: a function of (room, buffer, page index in the request, token, global head, byte).
     Shape (buffers, npages, item_len).
 
     A per-position pattern XOR an 8-byte key of the room: a page of another room, another
-    page of this room, another buffer, token or head all differ.
+    page of this room, another buffer, token or head all differ. ``buffer_ids``: the model's
+    buffer id of each of the pool's buffers (a PP stage's pool: its layers' ids in a pool of
+    every layer), so that a stage's bytes of layer l are decode's bytes of layer l.
     """
-    base = _position_pattern(spec, npages)
+    base = _position_pattern(spec, npages, buffer_ids)
     key = np.frombuffer(
         (room * 0x9E3779B97F4A7C15 % (1 << 64) | 1).to_bytes(8, "little"), dtype=np.uint8
     )
     return base ^ np.resize(key, spec.item_len)
 
 
-_PATTERNS: dict[tuple[int, ...], npt.NDArray[np.uint8]] = {}
+_PATTERNS: dict[tuple[object, ...], npt.NDArray[np.uint8]] = {}
 
 
-def _position_pattern(spec: PoolSpec, npages: int) -> npt.NDArray[np.uint8]:
-    key = (spec.num_buffers, spec.page_size, spec.first_head, spec.heads, spec.head_bytes)
+def _position_pattern(
+    spec: PoolSpec, npages: int, buffer_ids: tuple[int, ...] | None = None
+) -> npt.NDArray[np.uint8]:
+    key = (spec.num_buffers, spec.page_size, spec.first_head, spec.heads, spec.head_bytes,
+           buffer_ids)
     cached = _PATTERNS.get(key)
     if cached is None or cached.shape[1] < npages:
         n = max(npages, 64 if cached is None else 2 * cached.shape[1])
-        b = np.arange(spec.num_buffers, dtype=np.int64)[:, None, None, None, None]
+        ids = range(spec.num_buffers) if buffer_ids is None else buffer_ids
+        b = np.array(ids, dtype=np.int64)[:, None, None, None, None]
         p = np.arange(n, dtype=np.int64)[None, :, None, None, None]
         t = np.arange(spec.page_size, dtype=np.int64)[None, None, :, None, None]
         h = np.arange(spec.first_head, spec.first_head + spec.heads, dtype=np.int64)[
@@ -223,8 +267,17 @@ def _position_pattern(spec: PoolSpec, npages: int) -> npt.NDArray[np.uint8]:
     return cached[:, :npages]
 
 
-def aux_bytes(room: int, n: int) -> npt.NDArray[np.uint8]:
-    return ((np.arange(n, dtype=np.int64) * 13 + room * 101) % 251).astype(np.uint8)
+def aux_bytes(room: int, n: int, buffer: int = 0) -> npt.NDArray[np.uint8]:
+    """A request's ``n`` aux bytes for aux buffer ``buffer``: a function of (room, buffer,
+    byte), so another room's row, or another buffer's, differs."""
+    i = np.arange(n, dtype=np.int64)
+    return ((i * 13 + room * 101 + buffer * 59) % 251).astype(np.uint8)
+
+
+def extra_aux_lens(n: int) -> tuple[int, ...]:
+    """Row bytes of ``n`` aux buffers after the first, as the demo's ``--aux-buffers`` makes
+    them: 24, 41, 58... (all different, odd ones among them)."""
+    return tuple(24 + 17 * i for i in range(n))
 
 
 class Rows(Protocol):
