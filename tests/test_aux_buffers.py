@@ -315,9 +315,9 @@ async def test_register_with_other_aux_rows_per_buffer_is_refused(
 ) -> None:
     """A decode pool whose further aux buffers differ from prefill's (a row size, or how many)
     is refused at REGISTER, naming the aux rows buffer by buffer: the prefill room fails at
-    once and nothing is written. The bootstrap record names the first aux buffer's row alone,
-    which agrees, so decode cannot tell by itself: its room fails at its waiting deadline
-    (a refused endpoint's TRANSFER is not answered)."""
+    once and nothing is written. The bootstrap record names every aux buffer's row bytes, so
+    decode tells by itself, before it registers: its room fails at once too, with the same
+    reason (not at its waiting deadline)."""
     async with aux_pair(engine_name, bootstrap_url, dst_lens=other,
                         decode_config=DecodeConfig(waiting_timeout=1.0)) as (prefill, decode,
                                                                              src, dst):
@@ -328,12 +328,12 @@ async def test_register_with_other_aux_rows_per_buffer_is_refused(
         receiver.init(np.arange(10, 14), 3)
         sender.send(np.arange(4), last=True)
         with trio.fail_after(BOUND):
-            assert await sender.wait() is KVPoll.Failed
             assert await receiver.wait() is KVPoll.Failed
         want = f"aux row bytes per aux buffer: prefill (64, 24, 41), decode {(64, *other)}"
-        assert isinstance(sender.failure, IncompatiblePeer), sender.failure
-        assert want in str(sender.failure)
-        assert isinstance(receiver.failure, TransferTimeout), receiver.failure
+        assert isinstance(receiver.failure, IncompatiblePeer), receiver.failure
+        assert want in str(receiver.failure)
+        assert decode.statistics().timeouts == 0  # (failed up front, not at its deadline)
+        sender.abort()  # (decode never registered with it: its room waits for no TRANSFER)
         assert prefill.statistics().engine_calls == 0
         assert poisoned(dst, list(range(32)))
 

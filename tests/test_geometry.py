@@ -210,3 +210,32 @@ async def test_geometry_with_aborts_and_faults_leaves_no_trace() -> None:
     for key in ("corrupt_pages", "late_writes", "leaked_pages", "hung", "source_uaf_pages"):
         assert summary[key] == 0, (key, summary)
     assert check(opts, summary) == []
+
+
+async def test_decode_refuses_an_instance_whose_bytes_per_head_differ_buffer_by_buffer(
+    bootstrap_url: str,
+) -> None:
+    """The bootstrap record names every buffer's bytes per head, so a decode rank whose V
+    buffers are smaller than prefill's fails its room at once, naming them, before it
+    registers anywhere (not at its waiting deadline)."""
+    from trio_pd import DecodeConfig, IncompatiblePeer, KVPoll, open_decode, open_prefill
+    from trio_pd.engines import make_engine
+    from trio_pd.testing.pools import HostKVPool
+
+    src = HostKVPool(layout="mha", num_pages=8, num_layers=1, page_size=4, head_bytes=16,
+                     heads=2)
+    dst = HostKVPool(layout="mha", num_pages=8, num_layers=1, page_size=4, head_bytes=16,
+                     heads=2, buffer_head_bytes=(16, 8))
+    with make_engine("mooncake") as pe, make_engine("mooncake") as de:
+        async with (
+            open_prefill(engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=2),
+            open_decode(engine=de, pool=dst.spec,
+                        config=DecodeConfig(waiting_timeout=30.0)) as decode,
+        ):
+            receiver = decode.receiver(3, bootstrap_url=bootstrap_url)
+            receiver.init(np.arange(2), 0)
+            with trio.fail_after(10):
+                assert await receiver.wait() is KVPoll.Failed
+            assert isinstance(receiver.failure, IncompatiblePeer), receiver.failure
+            assert "head bytes: prefill (16, 16), decode (16, 8)" in str(receiver.failure)
+            assert decode.statistics().timeouts == 0

@@ -171,6 +171,15 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     pp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     pp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
     first_layer: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: per-buffer geometry and several aux buffers: the bytes per head of each of the rank's
+    #: KV buffers, and the row bytes of each aux buffer, so that a decode rank can check them
+    #: before it registers (empty: not published, by an older prefill)
+    buffer_head_bytes: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=1)], ...], msgspec.Meta(max_length=4096)
+    ] = ()
+    aux_item_lens: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=1)], ...], msgspec.Meta(max_length=64)
+    ] = ()
 
     @property
     def rank_id(self) -> int:

@@ -768,6 +768,8 @@ async def open_prefill(
                     pp_rank=pp_rank,
                     pp_size=pp_size,
                     first_layer=first_layer,
+                    buffer_head_bytes=pool.head_bytes_all,
+                    aux_item_lens=pool.aux_item_lens,
                 )
             )
             agent.dp_rank, agent.dp_size = dp_rank, dp_size

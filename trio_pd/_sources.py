@@ -32,7 +32,7 @@ from ._errors import (
     ProtocolError,
     TransferError,
 )
-from ._memory import PoolSpec
+from ._memory import PoolSpec, layer_view
 from ._security import register_mac
 from ._state import Liveness
 from ._stats import Counters
@@ -178,21 +178,25 @@ class Sources:
         for s in range(topo.pp_size):
             head = topo.stage(s)[0]
             layers = head.num_layers or (pool.num_layers if topo.pp_size == 1 else 0)
+            # bytes per head buffer by buffer, against our buffers of the stage's layers, and
+            # every aux buffer's row bytes, when the prefill rank published them
+            ours = _stage_head_bytes(pool, head.first_layer, layers)
+            by_buffer = bool(head.buffer_head_bytes) and ours is not None
             problem = pairing_problem(
                 layout=head.layout,  # type: ignore[arg-type]
                 page_size=head.page_size,
-                head_bytes=head.head_bytes or pool.head_bytes,
+                head_bytes=(head.buffer_head_bytes if by_buffer
+                            else head.head_bytes or pool.head_bytes),
                 num_layers=layers,
-                aux_item_len=head.aux_item_len or pool.aux_item_len,
+                aux_item_len=head.aux_item_lens or head.aux_item_len or pool.aux_item_len,
                 kv_heads=head.kv_heads,
                 prefill_tp=topo.tp_size,
                 peer_layout=pool.layout,
                 peer_page_size=pool.page_size,
-                peer_head_bytes=pool.head_bytes,
+                peer_head_bytes=ours if by_buffer and ours is not None else pool.head_bytes,
                 peer_num_layers=pool.num_layers,
-                # the first aux buffer's row bytes alone: that is all the bootstrap record says;
-                # the prefill ranks compare every aux buffer's at REGISTER and refuse a mismatch
-                peer_aux_item_len=pool.aux_item_len,
+                # (an older prefill publishes the first aux buffer's row bytes alone)
+                peer_aux_item_len=pool.aux_item_lens if head.aux_item_lens else pool.aux_item_len,
                 peer_rank=self.tp_rank,
                 peer_tp=self.tp_size,
                 peer_heads=pool.heads,
@@ -341,3 +345,13 @@ def _pairs_tp(prefill_tp: int, decode_tp: int, decode_rank: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _stage_head_bytes(pool: PoolSpec, first_layer: int, layers: int) -> tuple[int, ...] | None:
+    """Bytes per head of our buffers of layers ``[first_layer, first_layer + layers)``, in
+    buffer order (what a prefill stage holding those layers must publish), or None when the
+    range is not inside our pool (the pairing check says so on its own)."""
+    try:
+        return layer_view(pool, first_layer, layers).head_bytes_all
+    except ValueError:
+        return None
