@@ -30,7 +30,6 @@ from trio_pd import (
     IncompatiblePeer,
     KVPoll,
     PrefillAgent,
-    TransferTimeout,
     _prefill,
     cli,
     open_decode,
