@@ -30,13 +30,11 @@ from trio_pd import (
     IncompatiblePeer,
     KVPoll,
     PrefillAgent,
-    _prefill,
     cli,
     open_decode,
     open_prefill,
 )
 from trio_pd._demo import DemoOptions, run_in_process
-from trio_pd._lane import run_to_end
 from trio_pd._memory import (
     AUX_STAMP,
     HOST,
@@ -59,6 +57,7 @@ from trio_pd.testing.pools import (
 )
 
 from .conftest import host_pool
+from .test_sanitizer import break_the_drain
 
 BOUND = 15.0
 QUIET = 0.3
@@ -349,15 +348,7 @@ async def test_abort_during_a_write_leaves_no_late_write_in_any_aux_buffer(
     tests/test_sanitizer.py), the write lands after the release, and the sanitizer sees it
     in every aux buffer."""
     if drain == "broken":
-        real_init = _prefill.PrefillAgent.__init__
-
-        def abandoning_init(self: _prefill.PrefillAgent, *args: Any, **kw: Any) -> None:
-            real_init(self, *args, **kw)
-            self.peers.run_engine_call = lambda _lane, fn: trio.to_thread.run_sync(
-                run_to_end, fn, abandon_on_cancel=True
-            )
-
-        monkeypatch.setattr(_prefill.PrefillAgent, "__init__", abandoning_init)
+        break_the_drain(monkeypatch)
     faults: list[FaultEngine] = []
 
     def wrap(engine: TransferEngine) -> TransferEngine:

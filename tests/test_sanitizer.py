@@ -30,7 +30,9 @@ async def test_real_drain_has_no_late_writes() -> None:
     assert summary["corrupt_pages"] == 0
 
 
-async def test_sanitizer_catches_a_broken_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+def break_the_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every prefill agent made from now on abandon an engine call that already reached
+    its thread when its room is aborted (the bug the sanitizer exists to catch)."""
     real_init = _prefill.PrefillAgent.__init__
 
     def abandoning_init(self: _prefill.PrefillAgent, *args: Any, **kw: Any) -> None:
@@ -41,6 +43,10 @@ async def test_sanitizer_catches_a_broken_drain(monkeypatch: pytest.MonkeyPatch)
         )
 
     monkeypatch.setattr(_prefill.PrefillAgent, "__init__", abandoning_init)
+
+
+async def test_sanitizer_catches_a_broken_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    break_the_drain(monkeypatch)
     summary = await run_in_process(OPTS)
     assert summary["late_writes"] + summary["corrupt_pages"] > 0, summary
 
