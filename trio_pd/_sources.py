@@ -65,7 +65,12 @@ class PrefillRank:
     #: tp_size + tp_rank``; its TP rank without pipeline parallelism). The rooms' books count
     #: statuses and acks by this id: each (stage, TP rank) is a rank of its own
     pp_rank: int = 0
-    rank_id: int = 0
+    #: (left out: its TP rank, the id of a rank of the only stage)
+    rank_id: int = -1
+
+    def __post_init__(self) -> None:
+        if self.rank_id < 0:
+            self.rank_id = self.tp_rank
 
 
 @dataclass(eq=False, slots=True)
