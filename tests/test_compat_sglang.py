@@ -277,6 +277,18 @@ class Books:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+def take(slots: PageAllocator, pages: PageAllocator, n: int) -> tuple[Any, Any] | None:
+    """A metadata slot and ``n`` pages, as the loops' allocators hand them out, or None (and
+    nothing held) when either is short now."""
+    slot = slots.alloc_nowait(1)
+    ids = pages.alloc_nowait(n) if slot is not None else None
+    if ids is None or slot is None:
+        if slot is not None:
+            slots.free(slot)
+        return None
+    return ids, slot
+
+
 @dataclass
 class _P:
     req: Request
@@ -310,13 +322,10 @@ def prefill_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], bo
                 books.prefill_outcome[room] = status
                 del queued[room]
             elif status == KVPoll.WaitingForInput:
-                slot = slots.alloc_nowait(1)
-                ids = pages.alloc_nowait(st.req.npages) if slot is not None else None
-                if ids is None or slot is None:
-                    if slot is not None:
-                        slots.free(slot)
+                taken = take(slots, pages, st.req.npages)
+                if taken is None:
                     continue
-                st.pages, st.slot = ids, slot
+                st.pages, st.slot = ids, slot = taken
                 mem.fill(room, ids, int(slot[0]))
                 st.sender.init(st.req.npages, aux_index=int(slot[0]))
                 books.prefill_inited.add(room)
@@ -379,13 +388,10 @@ def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], boo
                 books.decode_outcome[room] = status
                 del queued[room]
             elif status == KVPoll.WaitingForInput:
-                slot = slots.alloc_nowait(1)
-                ids = pages.alloc_nowait(d.req.npages) if slot is not None else None
-                if ids is None or slot is None:
-                    if slot is not None:
-                        slots.free(slot)
+                taken = take(slots, pages, d.req.npages)
+                if taken is None:
                     continue
-                d.pages, d.slot = ids, slot
+                d.pages, d.slot = ids, slot = taken
                 if d.req.index % 2:
                     d.receiver.send_metadata(ids.astype(np.int32), int(slot[0]))
                 else:

@@ -335,25 +335,27 @@ class AuxRows:
         if not 0 <= slot < self.slots:
             raise ProtocolError(f"aux slot {slot} outside [0, {self.slots})")
 
+    def _copies(self, slot: int) -> list[tuple[int, int, int]]:
+        """``(row part, metadata item, bytes)`` of slot ``slot`` for each metadata buffer,
+        after checking the slot; none when native (the engine moves the buffers in place)."""
+        self._check(slot)
+        if self.native:
+            return []
+        row = self._base + slot * self.row_len
+        return [(row + off, ptr + slot * item, item)
+                for ptr, item, off in zip(self.ptrs, self.item_lens, self.offsets, strict=True)]
+
     def gather(self, slot: int) -> None:
         """Copy slot ``slot`` of every metadata buffer into row ``slot`` (after the stamp);
         native: only check the slot (the engine reads the metadata buffers)."""
-        self._check(slot)
-        if self.native:
-            return
-        row = self._base + slot * self.row_len
-        for ptr, item, off in zip(self.ptrs, self.item_lens, self.offsets, strict=True):
-            ctypes.memmove(row + off, ptr + slot * item, item)
+        for part, item, n in self._copies(slot):
+            ctypes.memmove(part, item, n)
 
     def scatter(self, slot: int) -> None:
         """Copy row ``slot`` (after the stamp) into slot ``slot`` of every metadata buffer;
         native: only check the slot (the engine wrote the metadata buffers)."""
-        self._check(slot)
-        if self.native:
-            return
-        row = self._base + slot * self.row_len
-        for ptr, item, off in zip(self.ptrs, self.item_lens, self.offsets, strict=True):
-            ctypes.memmove(ptr + slot * item, row + off, item)
+        for part, item, n in self._copies(slot):
+            ctypes.memmove(item, part, n)
 
 
 def _require_host(ptr: int, what: str) -> None:
