@@ -112,7 +112,9 @@ def guarded_pool(num_pages: int = 256, aux_slots: int = 32) -> Guarded:
     whole.kv[...] = POISON
     whole.aux[...] = POISON
     inner = copy.copy(whole)
-    inner.kv = whole.kv[:, GUARD : GUARD + num_pages, :]
+    # (a window of the whole pool's memory: HostKVPool keeps its pages in _kv / buffers)
+    inner._kv = whole.kv[:, GUARD : GUARD + num_pages, :]
+    inner.buffers = [inner.kv[i].reshape(-1) for i in range(inner.kv.shape[0])]
     inner.aux = whole.aux[GUARD : GUARD + aux_slots]
     inner.spec = dataclasses.replace(
         whole.spec,
