@@ -32,6 +32,12 @@ Phases, all in one process with one prefill and one decode rank on loopback:
 
 ``--preset peer`` runs none of these but one workload with prefill and decode in separate OS
 processes (:func:`run_peer`, through the demo's ``--processes`` runner).
+
+``device="cuda"`` (``--device cuda``) puts every pool of every phase, KV buffers and aux
+buffer, on CUDA device 0, built by the demo's :func:`~trio_pd._demo.make_pool` (the TP and
+peer phases through the demo's own runners, with the same option): the ceiling's bare
+engines then move device memory too, and the verification reads the pages back from the
+device. The demo's check refuses it, saying why, where that cannot run.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -64,10 +70,9 @@ from ._plan import Blocks, chunk_ranges, concat, plan_aux, plan_pages, total_byt
 from ._prefill import PrefillAgent, PrefillConfig, open_prefill
 from ._state import KVPoll
 from .engines import Deferred, Pending, TransferEngine, make_engine, start_write
-from .testing.pools import HostKVPool
 
 if TYPE_CHECKING:
-    from ._demo import DemoOptions
+    from ._demo import DemoOptions, DemoPool
 
 Progress = Callable[[str], None]
 
@@ -116,6 +121,9 @@ class BenchOptions:
     secure: bool = False
     #: "default": the phases above; "peer": only the peer preset (:func:`run_peer`)
     preset: str = "default"
+    #: where every phase's KV pools and aux buffers live: host memory, or CUDA device 0
+    #: (:func:`trio_pd._demo.make_pool`, as the demo's ``--device``)
+    device: Literal["host", "cuda"] = "host"
 
     @classmethod
     def quick(cls, engine: str = "mooncake") -> BenchOptions:
@@ -140,7 +148,10 @@ class BenchOptions:
             return peer_demo_options(self).option_problem()
         if self.preset != "default":
             return f"--preset must be peer (or left out), got {self.preset!r}"
-        return None
+        from ._demo import DemoOptions
+
+        # the demo's own refusal: cuda-python, the device, an engine build for device memory
+        return DemoOptions(engine=self.engine, device=self.device)._device_problem()
 
     @property
     def num_buffers(self) -> int:
@@ -186,10 +197,10 @@ class _Req:
 @dataclass
 class _Setup:
     opts: BenchOptions
-    src: HostKVPool
-    dst: HostKVPool
-    small_src: HostKVPool
-    small_dst: HostKVPool
+    src: DemoPool
+    dst: DemoPool
+    small_src: DemoPool
+    small_dst: DemoPool
     load: list[_Req]
     aborts: list[_Req]
     warm: _Req
@@ -207,21 +218,49 @@ def _p(values: list[float], scale: float = 1.0, nd: int = 3) -> dict[str, float 
     return {"p50": round(_pct(values, 50) * scale, nd), "p99": round(_pct(values, 99) * scale, nd)}
 
 
-def _pool(opts: BenchOptions, pages: int, aux_slots: int, **kw: int) -> HostKVPool:
+def _pool(opts: BenchOptions, pages: int, aux_slots: int, **kw: int) -> DemoPool:
+    """A pool of the bench, in host memory or on the device (``opts.device``), by the
+    demo's :func:`~trio_pd._demo.make_pool`."""
+    from ._demo import make_pool
+
     o = replace(opts, **kw)  # type: ignore[arg-type]
-    return HostKVPool(
-        layout="mha", num_pages=pages, num_layers=o.layers, page_size=o.page_size,
-        head_bytes=o.head_bytes, heads=o.kv_heads, first_head=0, aux_slots=aux_slots,
+    return make_pool(
+        opts.device, layout="mha", num_pages=pages, num_layers=o.layers,
+        page_size=o.page_size, head_bytes=o.head_bytes, heads=o.kv_heads, first_head=0,
+        aux_slots=aux_slots,
     )
 
 
+def _wipe(pool: DemoPool) -> None:
+    """Every KV byte and aux row of ``pool`` to zero (one fill each, on the device too)."""
+    pool.page_rows().poison(None, 0)
+    pool.aux_rows().poison(None, 0)
+
+
+def _close_pools(pools: list[DemoPool]) -> None:
+    """Free the pools (a device pool's memory), once no engine has them registered."""
+    for pool in pools:
+        pool.close()
+
+
 def _setup(opts: BenchOptions) -> _Setup:
+    pools: list[DemoPool] = []
+    try:
+        return _setup_in(opts, pools)
+    except BaseException:
+        _close_pools(pools)
+        raise
+
+
+def _setup_in(opts: BenchOptions, pools: list[DemoPool]) -> _Setup:
     rng = random.Random(opts.seed)
     n_load, n_abort = opts.load_requests, opts.abort_requests
     slots = n_load + n_abort + 1
     p = opts.request_pages
     src = _pool(opts, slots * p, slots)
+    pools.append(src)
     dst = _pool(opts, slots * p, slots)
+    pools.append(dst)
     # destination slots in another order than the source ones: addresses differ on each side
     order = list(range(slots))
     rng.shuffle(order)
@@ -239,7 +278,9 @@ def _setup(opts: BenchOptions) -> _Setup:
         src.fill_aux(r.src_aux, r.room)
     small_pages = max(opts.scale_max * opts.scale_pages, 64)
     small_src = _pool(opts, small_pages, opts.scale_max + 1, **SMALL)
+    pools.append(small_src)
     small_dst = _pool(opts, small_pages, opts.scale_max + 1, **SMALL)
+    pools.append(small_dst)
     return _Setup(
         opts, src, dst, small_src, small_dst, reqs[:n_load], reqs[n_load:-1], reqs[-1], rng
     )
@@ -339,7 +380,7 @@ def open_ceiling(s: _Setup, progress: Progress) -> _Ceiling:
     except BaseException:
         c.close()
         raise
-    s.small_dst.kv[...] = 0
+    _wipe(s.small_dst)
     s.results.update(
         ceiling_calls={k: len(v) for k, v in c.calls.items()},
         ceiling_blocks={k: sum(b.num_blocks for b in v) for k, v in c.calls.items()},
@@ -430,7 +471,7 @@ class _Pair:
 
 
 async def _open_pair(
-    stack: AsyncExitStack, opts: BenchOptions, src: HostKVPool, dst: HostKVPool, *,
+    stack: AsyncExitStack, opts: BenchOptions, src: DemoPool, dst: DemoPool, *,
     timed: bool = False,
 ) -> _Pair:
     token = secrets.token_urlsafe(24) if opts.secure else None
@@ -529,7 +570,7 @@ def verify(s: _Setup, run: list[_Req] | None = None) -> tuple[int, int]:
     ids, whose stamps the aux rows carry); the page contents follow ``s.load``'s rooms."""
     corrupt = verified = 0
     for r, sent in zip(s.load, run or s.load, strict=True):
-        got = s.dst.kv[:, r.dst_pages, :]
+        got = s.dst.read(r.dst_pages)  # (a device pool's are copied to the host)
         want = s.src.expected(r.room, len(r.dst_pages))
         bad = ~(got == want).reshape(got.shape[0], len(r.dst_pages), -1).all(axis=(0, 2))
         corrupt += int(bad.sum())
@@ -561,8 +602,7 @@ async def run_trio_pd(s: _Setup, ceiling: _Ceiling, progress: Progress) -> None:
         for rep in range(opts.ceiling_repeats):
             await trio.to_thread.run_sync(ceiling.run_all)
             reqs = s.load if rep == 0 else _fresh(s.load, s.rng)
-            s.dst.kv[...] = 0
-            s.dst.aux[...] = 0
+            _wipe(s.dst)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_lateness_probe, late)
                 cpu = time.thread_time()  # (this task runs on the loop's thread)
@@ -738,7 +778,7 @@ def peer_demo_options(opts: BenchOptions) -> DemoOptions:
         requests=opts.load_requests, concurrency=opts.concurrency, page_size=opts.page_size,
         layers=opts.layers, kv_heads=opts.kv_heads, head_bytes=opts.head_bytes,
         min_tokens=tokens, max_tokens=tokens, chunk_pages=opts.chunk_pages, engine=opts.engine,
-        seed=opts.seed, secure=opts.secure, random_pages=True,
+        seed=opts.seed, secure=opts.secure, random_pages=True, device=opts.device,
     )
 
 
@@ -899,9 +939,12 @@ def run_tp_mismatch(s: _Setup, progress: Progress) -> None:
         requests=8 if quick else 64, concurrency=opts.concurrency, page_size=opts.page_size,
         layers=opts.layers, kv_heads=opts.kv_heads, head_bytes=opts.head_bytes,
         min_tokens=128 if quick else 512, max_tokens=128 if quick else 512,
-        chunk_pages=opts.chunk_pages, engine=opts.engine, seed=opts.seed,
+        chunk_pages=opts.chunk_pages, engine=opts.engine, seed=opts.seed, device=opts.device,
     )
     out: dict[str, Any] = {"requests": base.requests, "tokens": base.max_tokens}
+    if opts.device != "host":
+        out["note"] = ("device pools: TP 1->4 writes every head slice in place, one block per "
+                       "token slot (staged head slices gather host pools only)")
     for decode_tp in (1, 4):
         run = trio.run(run_in_process, replace(base, decode_tp=decode_tp))
         bad = [k for k in ("failed", "corrupt_pages", "late_writes", "leaked_pages", "hung")
@@ -918,21 +961,52 @@ def run_tp_mismatch(s: _Setup, progress: Progress) -> None:
 
 def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, Any]:
     """Every phase (or the peer preset's one); returns the JSON-able summary."""
-    if opts.preset == "peer":
-        return run_peer(opts, progress)
+    r = run_peer(opts, progress) if opts.preset == "peer" else _run_phases(opts, progress)
+    r["device"] = opts.device
+    if opts.device == "cuda":
+        from ._demo import DEMO_DEVICE
+
+        r["device_index"] = DEMO_DEVICE
+        r["device_name"] = device_name(DEMO_DEVICE)
+    return r
+
+
+def _run_phases(opts: BenchOptions, progress: Progress) -> dict[str, Any]:
     s = _setup(opts)
-    ceiling = open_ceiling(s, progress)
     try:
-        trio.run(run_trio_pd, s, ceiling, progress)
-    finally:
-        ceiling.close()
-    run_facade(s, progress)
-    run_tp_mismatch(s, progress)
+        ceiling = open_ceiling(s, progress)
+        try:
+            trio.run(run_trio_pd, s, ceiling, progress)
+        finally:
+            ceiling.close()
+        run_facade(s, progress)
+        run_tp_mismatch(s, progress)
+    finally:  # every engine that had them registered is closed by now
+        _close_pools([s.src, s.dst, s.small_src, s.small_dst])
     r = s.results
     r["options"] = asdict(opts)
     r["verified"] = "every destination page and aux row of the load, after the timed region"
     r["targets"] = targets_met(r)
     return r
+
+
+def device_name(device: int) -> str | None:
+    """CUDA device ``device``'s name (``cudaGetDeviceProperties``), or None where cuda-python
+    cannot say."""
+    from . import _cuda
+
+    rt = _cuda.runtime()
+    if rt is None:
+        return None
+    try:
+        err, props = rt.cudaGetDeviceProperties(device)
+        if err != rt.cudaError_t.cudaSuccess:
+            return None
+        name = props.name
+        raw = name.encode() if isinstance(name, str) else bytes(name)
+        return raw.split(b"\0")[0].decode(errors="replace")
+    except Exception:
+        return None
 
 
 def phases(opts: BenchOptions) -> list[str]:
@@ -996,7 +1070,7 @@ def table(r: dict[str, Any]) -> Any:
         return "—" if v is None else ("[green]met[/]" if v else "[red]missed[/]")
 
     if r.get("preset") == "peer":
-        return _peer_table(r["peer"])
+        return _peer_table(r["peer"], _pools_text(r))
     o = r["options"]
     t = Table(title=f"trio-pd bench ({o['engine']}, {r['requests']} requests x "
                     f"{o['request_pages']} pages, chunks of {o['chunk_pages']}, "
@@ -1005,6 +1079,7 @@ def table(r: dict[str, Any]) -> Any:
     t.add_column("value", justify="right")
     t.add_column("target")
     t.add_column("")
+    t.add_row("pools (KV and aux, every phase)", _pools_text(r), "", "")
     t.add_row("ceiling (direct engine calls)",
               f"{r['ceiling_gbps']:.3f} GB/s ({r['ceiling_mode']})", "", "")
     t.add_row("trio_pd (end to end, verified)",
@@ -1048,7 +1123,15 @@ def table(r: dict[str, Any]) -> Any:
     return t
 
 
-def _peer_table(p: dict[str, Any]) -> Any:
+def _pools_text(r: dict[str, Any]) -> str:
+    """Where the run's pools were, for the table."""
+    if r.get("device", "host") == "host":
+        return "host memory"
+    name = r.get("device_name")
+    return f"cuda:{r.get('device_index', 0)}" + (f" ({name})" if name else "")
+
+
+def _peer_table(p: dict[str, Any], pools: str) -> Any:
     from rich.table import Table
 
     w = p["workload"]
@@ -1058,6 +1141,7 @@ def _peer_table(p: dict[str, Any]) -> Any:
                     "random page layout; prefill and decode in their own processes)")
     t.add_column("metric")
     t.add_column("value", justify="right")
+    t.add_row("pools (KV and aux, both processes)", pools)
     lat = p["request_ms"]
     t.add_row("throughput (requests in flight)",
               f"{p['gbps']:.3f} GB/s, {p['requests_per_s']} requests/s over {p['seconds']} s")
@@ -1113,7 +1197,8 @@ def plot(r: dict[str, Any], path: str) -> None:
     ax1.bar_label(bars, fmt="%.2f")
     ax1.invert_yaxis()
     ax1.set_xlabel("GB/s")
-    ax1.set_title(f"throughput ({r['options']['engine']}), ratio {r['ratio']:.2f}")
+    where = "" if r.get("device", "host") == "host" else f", pools on {_pools_text(r)}"
+    ax1.set_title(f"throughput ({r['options']['engine']}{where}), ratio {r['ratio']:.2f}")
     rooms = [x["rooms"] for x in r["scale"]]
     ax2.plot(rooms, [x["bytes_per_room"] for x in r["scale"]], "o-", label="bytes / room")
     ax2.axhline(TARGETS["bytes_per_room_10k"], color="red", ls="--", lw=1, label="4 KiB target")
@@ -1157,6 +1242,6 @@ def _plot_peer(plt: Any, p: dict[str, Any], path: str) -> None:
 
 
 __all__ = [
-    "BenchOptions", "peer_demo_options", "phases", "plot", "plot_problem", "problems", "run",
-    "run_peer", "table", "verify",
+    "BenchOptions", "device_name", "peer_demo_options", "phases", "plot", "plot_problem",
+    "problems", "run", "run_peer", "table", "verify",
 ]

@@ -2,7 +2,8 @@
 N concurrent requests of random prompt lengths sent in chunks, every Success verified byte for
 byte, aborts and engine faults at random points, and a lifetime sanitizer on every allocator.
 The pools are host memory or, with ``device="cuda"`` (``--device cuda``), memory of CUDA
-device 0 (:class:`~trio_pd.testing.device.DeviceKVPool`): :func:`_pool` picks them.
+device 0 (:class:`~trio_pd.testing.device.DeviceKVPool`): :func:`make_pool` picks them
+(``trio-pd bench --device`` too).
 
 The same per-rank drivers run all ranks in one process (default) or one OS process per rank
 (``--processes``). Every process derives the same request plan from the seed, so the only
@@ -387,12 +388,21 @@ def _pool(opts: DemoOptions, rank: int, tp: int, pp_rank: int | None = None) -> 
         page_size=opts.page_size, head_bytes=opts.head_bytes, heads=heads, first_head=first,
         aux_slots=opts.aux_slots,
     )
-    if opts.device == "cuda":
-        return DeviceKVPool(**shape, device=DEMO_DEVICE)
-    return HostKVPool(
-        **shape, page_layout=opts.page_layout, buffer_head_bytes=opts.buffer_head_bytes,
+    return make_pool(opts.device, host=dict(
+        page_layout=opts.page_layout, buffer_head_bytes=opts.buffer_head_bytes,
         page_pad=opts.page_pad, extra_aux_lens=extra_aux_lens(opts.aux_buffers), **stage,
-    )
+    ), **shape)
+
+
+def make_pool(device: str, host: dict[str, Any] | None = None, **shape: Any) -> DemoPool:
+    """A pool of ``shape`` (the keywords :class:`HostKVPool` and :class:`DeviceKVPool`
+    share) on CUDA device :data:`DEMO_DEVICE` for ``device="cuda"``, in host memory
+    otherwise: the one place the demo (:func:`_pool`) and ``trio-pd bench`` pick a pool
+    class. ``host``: keywords only a host pool takes (per-buffer geometry, more aux buffers,
+    a PP stage's layers)."""
+    if device == "cuda":
+        return DeviceKVPool(**shape, device=DEMO_DEVICE)
+    return HostKVPool(**shape, **(host or {}))
 
 
 class _Owned:

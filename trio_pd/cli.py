@@ -266,6 +266,10 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     )
     p.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake",
                    help="transfer engine")
+    p.add_argument("--device", choices=("host", "cuda"), default="host",
+                   help="where every phase's KV pools and aux rows live: host memory, or CUDA "
+                   "device 0 (the bare-engine ceiling then moves device memory too; needs "
+                   "cuda-python, a device, and an engine build that moves device memory)")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds; for tests)")
     p.add_argument("--preset", choices=("peer",), default=None,
                    help="peer: instead of the phases above, 200 requests (20 with --quick) of "
@@ -302,6 +306,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         opts = replace(opts, coalesce_pages=args.coalesce_pages)
     if args.secure:
         opts = replace(opts, secure=True)
+    opts = replace(opts, device=args.device)
     problem = opts.option_problem()
     if problem is not None:
         parser.error(problem)
