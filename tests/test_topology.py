@@ -39,6 +39,9 @@ MHA = [(1, 1, 8), (2, 1, 8), (1, 2, 8), (4, 2, 8), (2, 4, 8), (8, 2, 4), (2, 8, 
 MLA = [(4, 1), (1, 4), (2, 2)]
 #: pipeline parallelism: (PP stages, P, D, heads, layout), one layer per stage
 PP = [(2, 2, 1, 8, "mha"), (2, 1, 2, 1, "mla")]
+#: state components (Mamba, sliding window, NSA index pages) on shapes whose slots split
+#: differently on the two sides: (P, D, heads, layout)
+STATES = [(4, 2, 8, "mha"), (1, 4, 1, "mla")]
 
 
 def _engines() -> list[tuple[str, list[pytest.MarkDecorator]]]:
@@ -58,25 +61,33 @@ def _matrix() -> list[object]:
         cases = [(p, d, h, "mha") for p, d, h in MHA] + [(p, d, 1, "mla") for p, d in MLA]
         for p, d, h, layout in cases:
             name = f"{engine}-{layout}-P{p}-D{d}" + (f"-H{h}" if layout == "mha" else "")
-            out.append(pytest.param(p, d, h, layout, engine, 1, marks=engine_marks, id=name))
+            out.append(pytest.param(p, d, h, layout, engine, 1, (), marks=engine_marks,
+                                    id=name))
         for pp, p, d, h, layout in PP:
             name = f"{engine}-{layout}-PP{pp}-P{p}-D{d}" + (f"-H{h}" if layout == "mha" else "")
-            out.append(pytest.param(p, d, h, layout, engine, pp, marks=engine_marks, id=name))
+            out.append(pytest.param(p, d, h, layout, engine, pp, (), marks=engine_marks,
+                                    id=name))
+        for p, d, h, layout in STATES:
+            name = f"{engine}-{layout}-P{p}-D{d}-states"
+            out.append(pytest.param(p, d, h, layout, engine, 1, ("mamba", "swa", "nsa"),
+                                    marks=engine_marks, id=name))
     return out
 
 
-@pytest.mark.parametrize(("p", "d", "heads", "layout", "engine", "pp"), _matrix())
+@pytest.mark.parametrize(("p", "d", "heads", "layout", "engine", "pp", "states"), _matrix())
 async def test_topology_matrix(
-    p: int, d: int, heads: int, layout: str, engine: str, pp: int
+    p: int, d: int, heads: int, layout: str, engine: str, pp: int, states: tuple[str, ...]
 ) -> None:
     """Every request succeeds and every destination byte is the right head's byte (the demo
     verifies each decode rank's pages against the bytes its heads must hold). MLA passes
     ``kv_heads=1`` (an MLA rank holds one replicated latent). With ``pp`` PP stages each
-    stage holds one layer, and decode's bytes of each layer must be that layer's."""
+    stage holds one layer, and decode's bytes of each layer must be that layer's. With
+    ``states``, every slot of every state component is verified too (the demo counts a bad
+    one as a corrupt page)."""
     opts = DemoOptions(
         prefill_tp=p, decode_tp=d, kv_heads=heads, layout=layout,  # type: ignore[arg-type]
         requests=6, concurrency=3, min_tokens=1, max_tokens=64, page_size=4, chunk_pages=4,
-        layers=pp, head_bytes=16, engine=engine, prefill_pp=pp,
+        layers=pp, head_bytes=16, engine=engine, prefill_pp=pp, states=states,
     )
     with trio.fail_after(40):
         summary = await run_in_process(opts)

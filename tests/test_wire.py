@@ -744,6 +744,7 @@ def test_pool_from_spec_copies_every_field() -> None:
         "aux_base": 4096, "aux_item_len": 32, "aux_slots": 8, "page_layout": "nhd",
         "buffer_head_bytes": (), "page_strides": (),
         "extra_aux": msgspec.UNSET,  # one aux buffer: left off the wire
+        "states": msgspec.UNSET,  # no state components: left off the wire
     }  # fmt: skip
     assert wire.to_spec() == spec
 

@@ -25,6 +25,7 @@ from ._errors import TransferTimeout as TransferTimeout
 from ._errors import UnknownRoom as UnknownRoom
 from ._memory import MemoryKind as MemoryKind
 from ._memory import PoolSpec as PoolSpec
+from ._memory import StateSpec as StateSpec
 from ._memory import buffer_region as buffer_region
 from ._memory import describe_pool as describe_pool
 from ._prefill import PrefillAgent as PrefillAgent

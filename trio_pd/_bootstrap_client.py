@@ -37,6 +37,7 @@ from ._errors import (
     NotReady,
     UnknownRank,
 )
+from ._wire import MAX_STATES, StateWire
 
 __all__ = [
     "BootstrapClient",
@@ -180,6 +181,9 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     aux_item_lens: Annotated[
         tuple[Annotated[int, msgspec.Meta(ge=1)], ...], msgspec.Meta(max_length=64)
     ] = ()
+    #: the pool's state components, so that a decode rank can check that its own pair with
+    #: them before it registers (empty: none, or an older prefill that does not say)
+    states: Annotated[tuple[StateWire, ...], msgspec.Meta(max_length=MAX_STATES)] = ()
 
     @property
     def rank_id(self) -> int:

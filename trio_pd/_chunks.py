@@ -45,6 +45,7 @@ from ._plan import (
     plan_aux,
     plan_pages,
     plan_staged,
+    plan_states,
     staged_bytes,
     stages_heads,
     validate_blocks,
@@ -324,6 +325,9 @@ class ChunkRunner:
             if chunk.last and peer.writes_aux:
                 stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
                 parts.append(plan_aux(self.pool, peer.pool, room.aux_slot, target.aux_slot))
+            if chunk.last and self.pool.states:  # (the slots' lengths checked on every rank)
+                parts.append(plan_states(self.pool, peer.pool, peer.state_cuts,
+                                         room.state_slots, target.state_slots))
             blocks = parts[0] if len(parts) == 1 else concat(parts)
             validate_blocks(blocks, peer.regions)  # I8: nothing lands outside decode's memory
         except BaseException:

@@ -30,12 +30,13 @@ import math
 import secrets
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Literal
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import trio
@@ -68,7 +69,7 @@ from ._errors import (
     UnknownRoom,
 )
 from ._lazy import LazyEvent
-from ._memory import PoolSpec, read_aux_stamp, validate_pages
+from ._memory import PoolSpec, check_state_slots, read_aux_stamp, validate_pages
 from ._outbox import Outbox
 from ._probe import wait_idle
 from ._rooms import (
@@ -213,15 +214,24 @@ class DecodeReceiver(AbortsOnExit):
         *,
         on_release: Callable[[], None] | None = None,
         prefix_pages: int = 0,
+        state_slots: Sequence[npt.ArrayLike] = (),
     ) -> None:
         """Ask the prefill ranks for the room's KV into ``pages`` and aux row ``aux_slot``.
 
         ``prefix_pages``: this rank holds the request's first ``prefix_pages`` pages already
         (its own prefix cache hit); ``pages`` are for the request's pages after them, and the
         prefill ranks write only those (and the aux row). Status and release rules are the
-        same; ``on_release`` concerns ``pages`` only."""
+        same; ``on_release`` concerns ``pages`` only.
+
+        ``state_slots``: with a pool that has state components (:class:`~trio_pd.StateSpec`),
+        this rank's slots of each component for the request, one list per component (a
+        Mamba state: one slot; a sliding window: its pages), where the prefill ranks write
+        their slots, ``i`` to ``i``. They are held with ``pages`` and come back with them
+        (``on_release``). Left out: no slot of any component. :class:`ProtocolError` for
+        slots outside a component or repeated, or not one list per component."""
         self._agent._init(
-            self._room, np.asarray(pages).reshape(-1), aux_slot, on_release, prefix_pages
+            self._room, np.asarray(pages).reshape(-1), aux_slot, on_release, prefix_pages,
+            state_slots,
         )
 
     def poll(self) -> KVPoll:
@@ -384,6 +394,7 @@ class DecodeAgent:
         aux_slot: int,
         on_release: Callable[[], None] | None,
         prefix_pages: int = 0,
+        state_slots: Sequence[npt.ArrayLike] = (),
     ) -> None:
         if rec.machine.pages is not None:
             raise ProtocolError(f"room {rec.machine.room}: init called twice")
@@ -392,10 +403,17 @@ class DecodeAgent:
         validate_pages(pages, self.pool.num_pages)
         if not 0 <= aux_slot < self.pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
+        slots = check_state_slots(
+            [st.slots for st in self.pool.states],
+            state_slots if state_slots or not self.pool.states
+            else [() for _ in self.pool.states], "destination",
+        )
         rec.on_release = on_release
         if self.metrics is not None:
             rec.started = time.perf_counter()
-        self._carry(rec, rec.machine.init(pages.astype(np.int32), aux_slot, prefix_pages))
+        self._carry(
+            rec, rec.machine.init(pages.astype(np.int32), aux_slot, prefix_pages, slots)
+        )
 
     def _bind(self, rec: _Room) -> None:
         """The instance is resolved: the room knows its source ranks."""
@@ -687,6 +705,8 @@ class DecodeAgent:
                 required=len(rec.sources),
                 num_pages=len(machine.pages),
                 prefix_pages=machine.prefix_pages,
+                state_slots=tuple(tuple(s.tolist()) for s in machine.state_slots)
+                if self.pool.states else msgspec.UNSET,
             )
             machine.contacted(rank.rank_id)
             if not self.control.send_nowait(rank.endpoint, msg, machine.pages):

@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -49,6 +49,7 @@ from .testing.pools import (
     HostKVPool,
     PageAllocator,
     Rows,
+    StateShape,
     extra_aux_lens,
 )
 
@@ -115,6 +116,13 @@ class DemoOptions:
     #: DP rank), stage ``s`` holding layers ``[s * layers / S, (s + 1) * layers / S)``;
     #: decode holds every layer and gathers each range from its stage
     prefill_pp: int = 1
+    #: state components every pool has (:data:`STATE_KINDS`): "mamba" (per layer a conv
+    #: state of x, B and C rows and an SSM state of heads, one slot a request, split over
+    #: TP by their units), "swa" (a sliding-window pool: a request's last
+    #: :data:`SWA_WINDOW` pages, K and V per layer, token-major, split by heads) and "nsa"
+    #: (an index page per KV page, per layer, the same on every TP rank). Filled, moved with
+    #: the last chunk, verified and sanitized like the pages
+    states: tuple[str, ...] = ()
 
     @property
     def stage_layers(self) -> int:
@@ -171,6 +179,18 @@ class DemoOptions:
                     f"({self.prefill_pp}): the stages hold the layers evenly")
         if self.prefill_pp > 1 and (self.v_head_bytes is not None or self.device != "host"):
             return "--prefill-pp runs with host pools of one head size (no --v-head-bytes)"
+        unknown_states = [k for k in self.states if k not in STATE_KINDS]
+        if unknown_states or len(set(self.states)) != len(self.states):
+            return (f"--state: unknown or repeated component(s) "
+                    f"{', '.join(unknown_states) or ','.join(self.states)}; choose from "
+                    f"{','.join(STATE_KINDS)}")
+        if self.states and (self.device != "host" or self.prefill_pp > 1):
+            return "--state runs with host pools and one prefill PP stage"
+        split = [k for k in self.states if k != "nsa"]
+        bad_tp = [tp for tp in (self.prefill_tp, self.decode_tp) if STATE_UNITS % tp]
+        if split and bad_tp:
+            return (f"--state {split[0]} splits {STATE_UNITS} units over TP: TP "
+                    f"{bad_tp[0]} does not divide them")
         if self.prefix_tokens < 0 or self.prefix_tokens % self.page_size:
             return (f"--prefix-tokens must be a multiple of --page-size ({self.page_size}) and "
                     f"at least 0, got {self.prefix_tokens}")
@@ -290,6 +310,49 @@ class DemoOptions:
         return self.concurrency * 4
 
 
+#: the state components ``--state`` offers, and the units (heads, rows) a split one has
+STATE_KINDS: Final = ("mamba", "swa", "nsa")
+STATE_UNITS: Final = 8
+#: pages a sliding-window request keeps (its last ones)
+SWA_WINDOW: Final = 4
+
+
+def state_shapes(opts: DemoOptions, tp: int) -> tuple[StateShape, ...]:
+    """The state components of a TP rank of ``tp``, in ``opts.states``' order."""
+    u, layers = STATE_UNITS // tp, opts.layers
+    out = []
+    segs: tuple[tuple[tuple[int, int], ...], ...]
+    for kind in opts.states:
+        if kind == "mamba":
+            conv = ((32, u), (16, u), (16, u))  # x, B and C rows of a conv state
+            ssm = ((64, u),)  # SSM heads
+            segs = (conv,) * layers + (ssm,) * layers
+            out.append(StateShape(kind, tuple(sum(a * b for a, b in g) for g in segs),
+                                  segments=segs))
+        elif kind == "swa":  # a token-major page: one segment of heads per token slot
+            page = ((opts.head_bytes, u),) * opts.page_size
+            segs = (page,) * (2 * layers)
+            out.append(StateShape(kind, tuple(sum(a * b for a, b in g) for g in segs),
+                                  segments=segs))
+        else:  # nsa: an index page of 16 bytes a token, replicated
+            out.append(StateShape(kind, (opts.page_size * 16,) * layers, replicated=True))
+    return tuple(out)
+
+
+def state_slot_counts(opts: DemoOptions) -> tuple[int, ...]:
+    """Slots of each state component of a pool (room for every request in flight, and
+    those held for drains and quarantines)."""
+    per = {"mamba": opts.aux_slots, "swa": opts.aux_slots * SWA_WINDOW,
+           "nsa": opts.pool_pages}
+    return tuple(per[k] for k in opts.states)
+
+
+def request_state_slots(opts: DemoOptions, num_pages: int) -> tuple[int, ...]:
+    """How many slots of each component a request of ``num_pages`` pages has."""
+    per = {"mamba": 1, "swa": min(SWA_WINDOW, num_pages), "nsa": num_pages}
+    return tuple(per[k] for k in opts.states)
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -382,6 +445,9 @@ def _pool(opts: DemoOptions, rank: int, tp: int, pp_rank: int | None = None) -> 
     stage: dict[str, Any] = {}
     if pp_rank is not None and opts.prefill_pp > 1:
         stage = dict(first_layer=pp_rank * opts.stage_layers, model_layers=opts.layers)
+    if opts.states:
+        stage.update(states=state_shapes(opts, tp), state_slots=state_slot_counts(opts),
+                     tp_rank=rank)
     shape: dict[str, Any] = dict(
         layout=opts.layout, num_pages=opts.pool_pages,
         num_layers=opts.stage_layers if stage else opts.layers,
@@ -480,6 +546,7 @@ async def run_prefill_rank(
     owned.pools.append(pool)
     pages_alloc = _page_allocator(opts, pool, SOURCE_POISON, rank)
     aux_alloc = PageAllocator(pool.aux_rows(), SOURCE_POISON)
+    states = _StateSlots(opts, pool, SOURCE_POISON)
     engine = _engine(opts, "prefill", rank)
     rng = random.Random(opts.seed * 7 + rank)
     slots = trio.Semaphore(opts.concurrency)
@@ -497,14 +564,17 @@ async def run_prefill_rank(
                 try:
                     pages = await pages_alloc.alloc(req.num_pages)
                     aux = await aux_alloc.alloc(1)
+                    state_slots = await states.alloc(req.num_pages)
                     cpu = time.thread_time()
                     pool.fill(pages, req.room)
                     pool.fill_aux(int(aux[0]), req.room)
+                    states.fill(state_slots, req.room)
                     result.harness_cpu_seconds += time.thread_time() - cpu
 
                     def release() -> None:
                         pages_alloc.free(pages)
                         aux_alloc.free(aux)
+                        states.free(state_slots)
 
                     sender = agent.sender(
                         req.room, num_pages=req.num_pages, aux_slot=int(aux[0]),
@@ -518,7 +588,8 @@ async def run_prefill_rank(
                         last = i == len(ranges) - 1
                         await trio.sleep(rng.random() * 0.002)  # the scheduler computes
                         try:
-                            sender.send(pages[a:b], last=last)
+                            sender.send(pages[a:b], last=last,
+                                        state_slots=state_slots if last else None)
                         except AdmissionClosed:
                             break
                         if point == "mid_chunk" and i == 0:
@@ -547,15 +618,17 @@ async def run_prefill_rank(
             result.cpu_seconds = time.process_time() - cpu
             result.harness_cpu_seconds += pages_alloc.cpu_seconds
             # quarantined leases come back after their fence; wait for them
-            await _all_returned([pages_alloc, aux_alloc], agent.peers.fence + 5)
+            await _all_returned([pages_alloc, aux_alloc, *states.allocs], agent.peers.fence + 5)
             # counted before the agent closes: closing hands every page back, whatever it held
-            result.leaked_pages = pages_alloc.outstanding
+            result.leaked_pages = (
+                pages_alloc.outstanding + sum(a.outstanding for a in states.allocs)
+            )
             result.stats = asdict(agent.statistics())
     finally:
         owned.engines.append(engine)  # closed by the caller (_Owned)
     result.late_writes = (
         pages_alloc.late_writes + aux_alloc.late_writes + pages_alloc.late_in_free_rows()
-        + aux_alloc.late_in_free_rows()
+        + aux_alloc.late_in_free_rows() + states.late_writes
     )
     return result
 
@@ -578,6 +651,7 @@ async def run_decode_rank(
     owned.pools.append(pool)
     pages_alloc = _page_allocator(opts, pool, DEST_POISON, rank)
     aux_alloc = PageAllocator(pool.aux_rows(), DEST_POISON)
+    states = _StateSlots(opts, pool, DEST_POISON)
     engine = _engine(opts, "decode", rank)
     rng = random.Random(opts.seed * 11 + rank)
     slots = trio.Semaphore(opts.concurrency)
@@ -594,11 +668,13 @@ async def run_decode_rank(
                     prefix = min(opts.prefix_pages, req.num_pages)
                     pages = await pages_alloc.alloc(req.num_pages - prefix)
                     aux = await aux_alloc.alloc(1)
+                    state_slots = await states.alloc(req.num_pages)
                     aborted_at: list[float] = []
 
                     def release() -> None:
                         pages_alloc.free(pages)
                         aux_alloc.free(aux)
+                        states.free(state_slots)
                         if aborted_at:
                             waited = time.perf_counter() - aborted_at[0]
                             result.abort_release_ms.append(waited * 1e3)
@@ -614,7 +690,8 @@ async def run_decode_rank(
                     if point == "before_bootstrap":
                         abort("demo: abort before bootstrap")
                     started = time.monotonic()
-                    receiver.init(pages, int(aux[0]), on_release=release, prefix_pages=prefix)
+                    receiver.init(pages, int(aux[0]), on_release=release, prefix_pages=prefix,
+                                  state_slots=state_slots)
                     if point in ("between_chunks", "mid_chunk", "after_last"):
                         await trio.sleep(rng.random() * 0.01)
                         if receiver.poll() is not KVPoll.Success:
@@ -628,9 +705,11 @@ async def run_decode_rank(
                         result.active.append((started, time.monotonic()))
                         cpu = time.thread_time()
                         _verify(result, pool, pages, int(aux[0]), req, prefix)
+                        result.corrupt_pages += states.bad(state_slots, req.room)
                         result.harness_cpu_seconds += time.thread_time() - cpu
                         pages_alloc.free(pages)  # the request's KV is ours again: done with it
                         aux_alloc.free(aux)
+                        states.free(state_slots)
                 finally:
                     slots.release()
                     progress()
@@ -642,17 +721,53 @@ async def run_decode_rank(
                     nursery.start_soon(one, req)
             result.cpu_seconds = time.process_time() - cpu
             result.harness_cpu_seconds += pages_alloc.cpu_seconds
-            await _all_returned([pages_alloc, aux_alloc], opts.request_bound)
+            await _all_returned([pages_alloc, aux_alloc, *states.allocs], opts.request_bound)
             # counted before the agent closes: closing hands every page back, whatever it held
-            result.leaked_pages = pages_alloc.outstanding
+            result.leaked_pages = (
+                pages_alloc.outstanding + sum(a.outstanding for a in states.allocs)
+            )
             result.stats = asdict(agent.statistics())
     finally:
         owned.engines.append(engine)  # closed by the caller (_Owned)
     result.late_writes = (
         pages_alloc.late_writes + aux_alloc.late_writes + pages_alloc.late_in_free_rows()
-        + aux_alloc.late_in_free_rows()
+        + aux_alloc.late_in_free_rows() + states.late_writes
     )
     return result
+
+
+class _StateSlots:
+    """A rank's slots of each state component: an allocator (and sanitizer) per component
+    over the pool's slots, and a request's slots of each."""
+
+    def __init__(self, opts: DemoOptions, pool: DemoPool, poison: int) -> None:
+        self.opts = opts
+        self.pool = pool if isinstance(pool, HostKVPool) else None
+        self.allocs = [PageAllocator(self.pool.state_rows(c), poison)
+                       for c in range(len(opts.states))] if self.pool is not None else []
+
+    async def alloc(self, num_pages: int) -> list[npt.NDArray[np.int64]]:
+        counts = request_state_slots(self.opts, num_pages) if self.allocs else ()
+        return [await a.alloc(n) for a, n in zip(self.allocs, counts, strict=True)]
+
+    def fill(self, slots: list[npt.NDArray[np.int64]], room: int) -> None:
+        for c, ids in enumerate(slots):
+            assert self.pool is not None
+            self.pool.fill_state(c, ids, room)
+
+    def bad(self, slots: list[npt.NDArray[np.int64]], room: int) -> int:
+        """Slots of the request that do not hold its bytes, over every component."""
+        pool = self.pool
+        return sum(pool.bad_state_slots(c, ids, room) for c, ids in enumerate(slots)) if (
+            pool is not None) else 0
+
+    def free(self, slots: list[npt.NDArray[np.int64]]) -> None:
+        for a, ids in zip(self.allocs, slots, strict=True):
+            a.free(ids)
+
+    @property
+    def late_writes(self) -> int:
+        return sum(a.late_writes + a.late_in_free_rows() for a in self.allocs)
 
 
 class _TimedAllocator(PageAllocator):

@@ -15,7 +15,7 @@ import itertools
 import math
 import operator
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass, fields
 from typing import Any, Final, Literal
 
@@ -93,6 +93,107 @@ class _KindSlot:
     _kinds: tuple[MemoryKind, ...] | None
 
 
+MAX_STATE_NAME: Final = 64
+"""Longest :attr:`StateSpec.name`."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """One state component of a pool: per-request state that is not paged KV, in buffers of
+    its own indexed by *slot* (SGLang's state components: Mamba conv and SSM states, a
+    sliding-window attention pool, NSA/DSA index pages).
+
+    ``buffers`` are ``(base, slot bytes)`` pairs: buffer ``b`` holds ``slots`` slots, slot
+    ``s`` at ``base + s * slot_bytes``. A request names its slots of each component (a Mamba
+    request one slot, a sliding-window request its window's pages, an NSA request one index
+    page per KV page); prefill's slot ``i`` is written to decode's slot ``i``, every buffer
+    of the component, with the request's last chunk, and under the same rules as KV pages:
+    the slots are the room's until its pages are released (leases, quarantine, the drain).
+
+    How tensor parallelism splits a slot:
+
+    * ``replicated=True``: every TP rank holds the same bytes (NSA index pages, like MLA's
+      latent). Each decode rank's slots are written once, by one prefill rank, whole.
+    * ``segments`` (one tuple per buffer): the slot is these segments in order, each
+      ``units`` units of ``unit_bytes`` bytes, this rank's share of ``units * tp`` units (TP
+      rank ``r`` holds units ``[r * units, (r + 1) * units)`` of each). A Mamba SSM state is
+      one segment of heads; a conv state three (its x, B and C rows); a sliding-window page
+      in head-major layout one segment of heads, in token-major layout one per token slot.
+      Prefill and decode may then differ in TP size: each prefill rank writes the units it
+      holds into the decode ranks that hold them.
+    * neither: each rank's slot is its own, split in a way trio_pd is not told, so prefill
+      and decode must have the same TP size (rank ``r`` writes rank ``r``); another pairing
+      is refused at REGISTER.
+    """
+
+    name: str
+    slots: int
+    buffers: tuple[tuple[int, int], ...]
+    replicated: bool = False
+    segments: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        problem = _state_problem(self)
+        if problem is not None:
+            raise ConfigurationError(f"state component {self.name!r}: {problem}")
+
+    @property
+    def item_lens(self) -> tuple[int, ...]:
+        """Bytes of one slot, buffer by buffer."""
+        return tuple(n for _, n in self.buffers)
+
+    @property
+    def split(self) -> Literal["replicated", "segments", "rank"]:
+        """How TP splits a slot (see the class docs)."""
+        if self.replicated:
+            return "replicated"
+        return "segments" if self.segments else "rank"
+
+    def regions(self, kinds: Sequence[MemoryKind | None] | None = None) -> list[Region]:
+        """Each buffer's registered range, with ``kinds[b]`` if given."""
+        ks = kinds or (None,) * len(self.buffers)
+        return [Region(base, self.slots * n, k)
+                for (base, n), k in zip(self.buffers, ks, strict=True)]
+
+    def slot_address(self, buffer: int, slot: int) -> int:
+        base, n = self.buffers[buffer]
+        return base + slot * n
+
+
+def _state_problem(state: StateSpec) -> str | None:
+    """What is wrong with a state component's description, or None."""
+    if not isinstance(state.name, str) or not 0 < len(state.name) <= MAX_STATE_NAME:
+        return f"name must be a string of 1 to {MAX_STATE_NAME} characters"
+    if type(state.slots) is not int or state.slots < 1:
+        return f"slots must be a positive int, not {state.slots!r}"
+    if type(state.replicated) is not bool:
+        return f"replicated must be a bool, not {state.replicated!r}"
+    if not isinstance(state.buffers, tuple) or not state.buffers:
+        return "buffers must be a non-empty tuple of (base, slot bytes) pairs"
+    for b, pair in enumerate(state.buffers):
+        if (not isinstance(pair, tuple) or len(pair) != 2
+                or any(type(v) is not int for v in pair) or pair[0] < 0 or pair[1] < 1):
+            return f"buffers[{b}] must be (base, slot bytes): ints, base >= 0, bytes >= 1"
+    if not isinstance(state.segments, tuple):
+        return "segments must be a tuple (one tuple of (unit bytes, units) per buffer)"
+    if state.segments:
+        if state.replicated:
+            return "a replicated slot is not split: give segments or replicated, not both"
+        if len(state.segments) != len(state.buffers):
+            return (f"segments: one tuple per buffer ({len(state.buffers)}), "
+                    f"got {len(state.segments)}")
+        for b, (segs, (_, n)) in enumerate(zip(state.segments, state.buffers, strict=True)):
+            if not isinstance(segs, tuple) or not segs or any(
+                not isinstance(g, tuple) or len(g) != 2
+                or any(type(v) is not int or v < 1 for v in g) for g in segs
+            ):
+                return f"segments[{b}] must be a non-empty tuple of (unit bytes, units) pairs"
+            total = sum(ub * u for ub, u in segs)
+            if total != n:
+                return (f"segments[{b}] cover {total} bytes, but a slot of buffer {b} has {n}")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSpec(_KindSlot):
     """The layout of one rank's KV pool and aux buffer, as registered with its engine.
@@ -122,11 +223,15 @@ class PoolSpec(_KindSlot):
     widths; empty: every buffer has ``head_bytes``), and ``page_strides`` each buffer's
     distance between consecutive pages when it is more than a page (empty: pages are packed).
 
+    State components (:class:`StateSpec`: Mamba states, a sliding-window pool, NSA index
+    pages): ``states`` lists them; each request names its slots of each, and they travel
+    with its last chunk (empty, the default: a pool of KV and aux rows alone).
+
     ``kinds`` says where each region of :meth:`regions` lives, in that order: one
     :class:`MemoryKind` per KV buffer, then one per aux buffer (the first, then each of
-    ``extra_aux``; a pool may mix them: KV buffers on a device, the aux buffers on the host
-    or on the device). None (the default) leaves
-    them unstated: the regions go to the engine without a kind and the aux row is read and
+    ``extra_aux``), then one per buffer of each state component (a pool may mix them: KV
+    buffers on a device, the aux buffers on the host or on the device). None (the default)
+    leaves them unstated: the regions go to the engine without a kind and the aux row is read and
     written as host memory, as for every pool before kinds existed.
     :func:`describe_pool` states them for the buffers it is given. Kinds are facts about this
     process's memory, not part of the layout a peer is told: they are no dataclass field, so
@@ -149,19 +254,28 @@ class PoolSpec(_KindSlot):
     buffer_head_bytes: tuple[int, ...] = ()
     page_strides: tuple[int, ...] = ()
     extra_aux: tuple[tuple[int, int], ...] = ()
+    states: tuple[StateSpec, ...] = ()
     kinds: InitVar[Sequence[MemoryKind] | None] = None
 
     def __post_init__(self, kinds: Sequence[MemoryKind] | None) -> None:
         problem = _geometry_problem(self) or _extra_aux_problem(self.extra_aux)
+        if problem is None and (not isinstance(self.states, tuple) or not all(
+            isinstance(st, StateSpec) for st in self.states
+        )):
+            problem = "states must be a tuple of StateSpec"
+        if problem is None and len({st.name for st in self.states}) != len(self.states):
+            problem = "state components need distinct names"
         if problem is not None:
             raise ConfigurationError(problem)
         stated: tuple[MemoryKind, ...] | None = None
         if kinds is not None:
             stated = tuple(kinds)
-            if len(stated) != len(self.buffer_bases) + 1 + len(self.extra_aux):
+            n_state = self.num_state_buffers
+            if len(stated) != len(self.buffer_bases) + 1 + len(self.extra_aux) + n_state:
                 raise ConfigurationError(
-                    f"kinds: one per KV buffer ({len(self.buffer_bases)}) and one per aux "
-                    f"buffer ({1 + len(self.extra_aux)}), got {len(stated)}"
+                    f"kinds: one per KV buffer ({len(self.buffer_bases)}), one per aux "
+                    f"buffer ({1 + len(self.extra_aux)}) and one per state buffer "
+                    f"({n_state}), got {len(stated)}"
                 )
             if not all(isinstance(k, MemoryKind) for k in stated):
                 raise ConfigurationError(f"kinds must be MemoryKind values, got {stated!r}")
@@ -178,8 +292,22 @@ class PoolSpec(_KindSlot):
     @property
     def region_kinds(self) -> tuple[MemoryKind, ...] | None:
         """The stated kind of each region of :meth:`regions` (KV buffers, then the aux
-        buffers), or None."""
+        buffers, then the state buffers), or None."""
         return self._kinds
+
+    @property
+    def num_state_buffers(self) -> int:
+        """How many buffers the state components have in all."""
+        return sum(len(st.buffers) for st in self.states)
+
+    def state_kinds(self, component: int) -> tuple[MemoryKind | None, ...]:
+        """The stated kind of each buffer of state component ``component`` (None each when
+        the pool's kinds are unstated)."""
+        sizes = [len(st.buffers) for st in self.states]
+        if self._kinds is None:
+            return (None,) * sizes[component]
+        start = len(self.buffer_bases) + self.num_aux + sum(sizes[:component])
+        return self._kinds[start : start + sizes[component]]
 
     @property
     def aux_kind(self) -> MemoryKind | None:
@@ -257,8 +385,8 @@ class PoolSpec(_KindSlot):
 
     def regions(self) -> list[Region]:
         """Every registered range: the KV buffers, then the aux buffers (the first, then each
-        of ``extra_aux``), each with its stated kind (None when the pool's kinds are
-        unstated)."""
+        of ``extra_aux``), then each state component's buffers, each with its stated kind
+        (None when the pool's kinds are unstated)."""
         n = len(self.buffer_bases)
         kinds = self._kinds or (None,) * (n + self.num_aux)
         kv = [
@@ -268,7 +396,8 @@ class PoolSpec(_KindSlot):
             Region(base, self.aux_slots * row, kinds[n + j])
             for j, (base, row) in enumerate(zip(self.aux_bases, self.aux_item_lens, strict=True))
         ]
-        return [*kv, *aux]
+        states = [r for c, st in enumerate(self.states) for r in st.regions(self.state_kinds(c))]
+        return [*kv, *aux, *states]
 
 
 def _geometry_problem(spec: PoolSpec) -> str | None:
@@ -493,6 +622,8 @@ def describe_pool(
     buffer_head_bytes: Sequence[int] = (),
     page_strides: Sequence[int] = (),
     extra_aux: Sequence[tuple[object, int]] = (),
+    states: Sequence[StateSpec] = (),
+    state_kind: MemoryKind | None = None,
 ) -> PoolSpec:
     """The :class:`PoolSpec` of KV and aux buffers the caller allocated (a serving engine's
     own cache), with every region's :class:`MemoryKind` stated.
@@ -502,7 +633,9 @@ def describe_pool(
     :func:`buffer_region` takes; ``kv_kind`` / ``aux_kind`` override where they are found to
     live (``aux_kind`` for every aux buffer). ``extra_aux`` are more aux buffers, each
     ``(buffer, row bytes)`` (:attr:`PoolSpec.extra_aux`: a serving engine's other metadata
-    buffers, indexed by the same aux slot; no stamp in their rows). ``num_pages`` defaults to
+    buffers, indexed by the same aux slot; no stamp in their rows). ``states`` are the pool's
+    state components (:class:`StateSpec`, whose buffers are raw addresses); where their
+    buffers live is found as for a raw pointer, or is ``state_kind``. ``num_pages`` defaults to
     the pages the smallest KV buffer holds, ``aux_slots`` to the rows the smallest aux buffer
     holds. ``page_layout``, ``buffer_head_bytes`` and
     ``page_strides`` are :class:`PoolSpec`'s (head-major pages; bytes per head and the
@@ -540,6 +673,10 @@ def describe_pool(
     kv = [buffer_region(b, kv_kind) for b in buffers]
     aux_region = buffer_region(aux, aux_kind)
     extras = [(buffer_region(b, aux_kind), n) for b, n in extra_aux]
+    state_regions = [
+        buffer_region((base, st.slots * n), state_kind)
+        for st in states for base, n in st.buffers
+    ]
     shape = PoolSpec(  # (the geometry alone, checked: sizes below come from it)
         layout=layout, page_size=page_size, num_pages=1, num_layers=num_layers,
         head_bytes=head_bytes, heads=heads, first_head=first_head,
@@ -579,7 +716,8 @@ def describe_pool(
             )
     used = sorted([(r.base, r.base + span) for r, span in zip(kv, spans, strict=True)]
                   + [(aux_region.base, aux_region.base + slots * aux_item_len)]
-                  + [(r.base, r.base + slots * n) for r, n in extras])
+                  + [(r.base, r.base + slots * n) for r, n in extras]
+                  + [(r.base, r.end) for r in state_regions])
     for (_, end), (start, _) in itertools.pairwise(used):
         if start < end:
             raise ConfigurationError(f"pool buffers overlap at {start:#x}")
@@ -589,9 +727,9 @@ def describe_pool(
         buffer_bases=tuple(r.base for r in kv), aux_base=aux_region.base,
         aux_item_len=aux_item_len, aux_slots=slots, page_layout=page_layout,
         buffer_head_bytes=tuple(buffer_head_bytes), page_strides=tuple(page_strides),
-        extra_aux=tuple((r.base, n) for r, n in extras),
+        extra_aux=tuple((r.base, n) for r, n in extras), states=tuple(states),
         kinds=(*(r.kind or HOST for r in kv), aux_region.kind or HOST,
-               *(r.kind or HOST for r, _ in extras)),
+               *(r.kind or HOST for r, _ in extras), *(r.kind or HOST for r in state_regions)),
     )
 
 
@@ -692,6 +830,48 @@ def validate_pages(pages: npt.ArrayLike, num_pages: int) -> None:
             f"{dup.size} repeated page ids (first: {int(ordered[dup[0]])}); "
             "two writes would land on one page"
         )
+
+
+def check_state_slots(
+    sizes: Sequence[int], slots: Iterable[npt.ArrayLike], what: str,
+) -> tuple[npt.NDArray[np.int64], ...]:
+    """Slots of each state component, checked: one list per component (``sizes`` are their
+    slot counts), each of integers inside the component and none repeated (two writes
+    would land on one slot). Raises :class:`~trio_pd.ProtocolError`; the ``what`` side
+    ("source", "destination") names them in the reason."""
+    lists = list(slots)
+    if len(lists) != len(sizes):
+        raise ProtocolError(
+            f"{what} state slots: one list per state component ({len(sizes)}), "
+            f"got {len(lists)}"
+        )
+    out = []
+    for c, (given, size) in enumerate(zip(lists, sizes, strict=True)):
+        arr = np.asarray(given)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise ProtocolError(f"{what} slots of state component {c} must be a list of ints")
+        ids = arr.astype(np.int64, copy=False)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            bad = ids[(ids < 0) | (ids >= size)]
+            raise ProtocolError(
+                f"{what} slot {int(bad[0])} of state component {c} is outside [0, {size})"
+            )
+        if ids.size > 1 and _repeats(ids, size):
+            raise ProtocolError(f"{what} slots of state component {c} repeat a slot")
+        out.append(ids)
+    return tuple(out)
+
+
+def _repeats(ids: npt.NDArray[np.int64], size: int) -> bool:
+    """Whether ids in ``[0, size)`` repeat: a bitmap when it is small enough (no sort on the
+    event loop for a long list), else a sort."""
+    if ids.size <= SMALL:
+        return len(set(ids.tolist())) != ids.size
+    if size <= BITMAP_PAGES:
+        seen = np.zeros(size, dtype=np.bool_)
+        seen[ids] = True
+        return int(np.count_nonzero(seen)) != ids.size
+    return bool(np.unique(ids).size != ids.size)
 
 
 class RegionTable:

@@ -28,7 +28,14 @@ from ._memory import PoolSpec, RegionTable, layer_view
 from ._state import Lease, Liveness
 from ._stats import Counters
 from ._timers import Timers
-from ._topology import pairing_problem, write_heads, writes_aux
+from ._topology import (
+    SlotCuts,
+    pairing_problem,
+    state_cuts,
+    state_problem,
+    write_heads,
+    writes_aux,
+)
 from .engines import TransferEngine
 
 log = logging.getLogger("trio_pd.prefill")
@@ -67,6 +74,8 @@ class DecodePeer:
     #: the aux row: fixed by the two topologies, so worked out once at REGISTER
     heads: tuple[int, int] | None
     writes_aux: bool
+    #: per state component, the cuts of a slot this rank writes there (``state_cuts``)
+    state_cuts: tuple[SlotCuts, ...] = ()
     ready: trio.Event = field(default_factory=trio.Event)
     #: a write to it failed: later chunks fail fast until a probe says ALIVE
     failed: bool = False
@@ -205,6 +214,8 @@ class PeerRegistry:
             first_layer=self.first_layer,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
+        ) or state_problem(
+            self.pool.states, pool.states, self.tp_size, msg.decode_tp, self.pp_size
         )
         old = self._peers.get(msg.endpoint)
         full = problem is None and old is None and len(self._peers) >= self.max_peers
@@ -246,6 +257,11 @@ class PeerRegistry:
             ),
             writes_aux(self.tp_rank, msg.decode_rank, self.tp_size, msg.decode_tp,
                        self.pp_rank, self.pp_size),
+            tuple(
+                state_cuts(ours, theirs, self.tp_rank, msg.decode_rank, self.tp_size,
+                           msg.decode_tp)
+                for ours, theirs in zip(self.pool.states, pool.states, strict=True)
+            ),
         )
         peer.last_used = trio.current_time()
         peer.key = key

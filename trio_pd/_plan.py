@@ -23,6 +23,7 @@ from ._memory import (
     aux_row_address,
     validate_pages,
 )
+from ._topology import SlotCuts
 
 # --------------------------------------------------------------------------------------------
 # Blocks
@@ -454,6 +455,40 @@ def plan_aux(src: PoolSpec, dst: PoolSpec, src_slot: int, dst_slot: int) -> Bloc
         _u64([aux_row_address(dst, dst_slot, i) for i in range(k)]),
         _u64(rows_src),
     )
+
+
+def plan_states(
+    src: PoolSpec,
+    dst: PoolSpec,
+    cuts: Sequence[SlotCuts],
+    src_slots: Sequence[npt.NDArray[np.int64]],
+    dst_slots: Sequence[npt.NDArray[np.int64]],
+) -> Blocks:
+    """The blocks that copy a room's state slots: slot ``src_slots[c][i]`` of component
+    ``c`` to decode's slot ``dst_slots[c][i]``, in every buffer of the component, each
+    slot cut as ``cuts[c]`` says (:func:`~trio_pd._topology.state_cuts`: what this rank
+    writes of a slot there). Both sides' slots were checked when they came; a room whose
+    two sides name different numbers of slots of a component is a
+    :class:`~trio_pd.ProtocolError` (the room fails, nothing of its states is written)."""
+    parts: list[Blocks] = []
+    for c, (ours, theirs) in enumerate(zip(src.states, dst.states, strict=True)):
+        a, b = src_slots[c], dst_slots[c]
+        if len(a) != len(b):
+            raise ProtocolError(
+                f"state component {ours.name!r}: prefill has {len(a)} slots for the room, "
+                f"decode {len(b)}"
+            )
+        if not len(a):
+            continue
+        ua, ub = a.astype(_U64), b.astype(_U64)
+        for i, buffer_cuts in enumerate(cuts[c]):
+            (base_a, item_a), (base_b, item_b) = ours.buffers[i], theirs.buffers[i]
+            row_a = _U64(base_a) + ua * _U64(item_a)
+            row_b = _U64(base_b) + ub * _U64(item_b)
+            for so, do, n in buffer_cuts:
+                parts.append(Blocks(row_a + _U64(so), row_b + _U64(do),
+                                    np.full(len(a), n, dtype=_U64)))
+    return concat(parts)
 
 
 # --------------------------------------------------------------------------------------------

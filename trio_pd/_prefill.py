@@ -20,12 +20,13 @@ import logging
 import math
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import trio
@@ -51,7 +52,7 @@ from ._errors import (
     TransferError,
 )
 from ._lazy import LazyEvent
-from ._memory import PoolSpec, validate_pages
+from ._memory import PoolSpec, check_state_slots, validate_pages
 from ._outbox import Outbox
 from ._peers import DecodePeer, PeerRegistry
 from ._probe import wait_idle
@@ -195,15 +196,28 @@ class PrefillSender(AbortsOnExit):
         """Why the room failed (None unless Failed)."""
         return self._room.machine.cell.failure
 
-    def send(self, pages: npt.ArrayLike, *, last: bool = False) -> None:
+    def send(
+        self,
+        pages: npt.ArrayLike,
+        *,
+        last: bool = False,
+        state_slots: Sequence[npt.ArrayLike] | None = None,
+    ) -> None:
         """Admit the next chunk: ``pages`` are source page ids, in request order. Non-blocking.
 
+        ``state_slots``, with the last chunk of a pool with state components
+        (:class:`~trio_pd.StateSpec`): this rank's slots of each component for the request,
+        one list per component, in the order decode names its own (slot ``i`` goes to
+        decode's slot ``i``). They are the room's from then on, like its pages, until
+        ``on_release``. Left out, the request has no slots of any component.
+
         Raises :class:`~trio_pd.AdmissionClosed` if the room was aborted or failed, and
-        :class:`ProtocolError` for page ids outside the pool or a chunk past ``num_pages``.
+        :class:`ProtocolError` for page ids outside the pool, a chunk past ``num_pages``, or
+        state slots that do not fit the pool's components (or come before the last chunk).
         """
         room, agent = self._room, self._agent
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
-        due = room.machine.admit(pages, last)
+        due = room.machine.admit(pages, last, state_slots)
         if not room.sent and agent.metrics is not None:
             room.sent, room.started = True, time.perf_counter()
         agent._carry(room, due)
@@ -346,7 +360,10 @@ class PrefillAgent:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
         if num_pages < 0:
             raise ValueError("num_pages must be >= 0")
-        machine = PrefillRoom(room, num_pages, aux_slot, self.pool.num_pages, epoch=epoch)
+        machine = PrefillRoom(
+            room, num_pages, aux_slot, self.pool.num_pages,
+            tuple(st.slots for st in self.pool.states), epoch=epoch,
+        )
         rec = _Room(machine, on_release)
         if self.metrics is not None:
             rec.started = time.perf_counter()
@@ -365,7 +382,8 @@ class PrefillAgent:
             peer = self.peers.get(parked.endpoint)
             if peer is not None and peer.session == parked.session:  # else decode restarted
                 self._add_target(rec, peer, parked.decode_rank, parked.epoch, parked.aux_slot,
-                                 parked.num_pages, parked.dst_pages, parked.prefix_pages)
+                                 parked.num_pages, parked.dst_pages, parked.prefix_pages,
+                                 parked.state_slots)
         return PrefillSender(self, rec)
 
     def statistics(self) -> AgentStatistics:
@@ -569,6 +587,9 @@ class PrefillAgent:
             self._ping_keys[sender] = None
 
     def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
+        state_slots: tuple[tuple[int, ...], ...] = (
+            () if msg.state_slots is msgspec.UNSET else msg.state_slots
+        )
         rec = self._rooms.get(msg.room)
         verdict = self.book.on_transfer(msg.room, msg.epoch, rec.machine if rec else None)
         if verdict.late:
@@ -589,15 +610,20 @@ class PrefillAgent:
             # Checked now, not when the scheduler creates the room: a bad or stray TRANSFER
             # must neither displace a good one nor surface later in sender(). What could not
             # be parked anyway is refused before its page ids are looked at.
-            self.book.check_park(msg.room, msg.decode_rank, len(pages))
+            self.book.check_park(
+                msg.room, msg.decode_rank, len(pages) + sum(len(s) for s in state_slots)
+            )
             validate_pages(pages, peer.pool.num_pages)
             if not 0 <= msg.aux_slot < peer.pool.aux_slots:
                 raise ProtocolError(f"aux slot {msg.aux_slot} outside the decode aux buffer")
+            checked = check_state_slots(
+                [st.slots for st in peer.pool.states], state_slots, "destination"
+            )
             parked = self.book.park(
                 msg.room, endpoint=msg.endpoint, session=peer.session,
                 decode_rank=msg.decode_rank, epoch=msg.epoch,
                 aux_slot=msg.aux_slot, num_pages=msg.num_pages, required=msg.required,
-                dst_pages=pages, prefix_pages=msg.prefix_pages,
+                dst_pages=pages, prefix_pages=msg.prefix_pages, state_slots=checked,
             )
             if parked.expire is not None:
                 expire = partial(self.book.expire, parked.expire)
@@ -605,19 +631,21 @@ class PrefillAgent:
             return
         self._add_target(
             rec, peer, msg.decode_rank, msg.epoch, msg.aux_slot, msg.num_pages, pages,
-            msg.prefix_pages,
+            msg.prefix_pages, state_slots,
         )
 
     def _add_target(
         self, rec: _Room, peer: DecodePeer, decode_rank: int, epoch: int, aux_slot: int,
         num_pages: int, pages: npt.NDArray[np.integer[Any]], prefix_pages: int = 0,
+        state_slots: Sequence[npt.ArrayLike] = (),
     ) -> None:
         self._carry(rec, rec.machine.add_target(
             endpoint=peer.endpoint, session=peer.session, decode_rank=decode_rank, epoch=epoch,
             aux_slot=aux_slot, num_pages=num_pages, dst_pages=pages,
-            peer=PeerPool(peer.pool.num_pages, peer.pool.aux_slots),
+            peer=PeerPool(peer.pool.num_pages, peer.pool.aux_slots,
+                          tuple(st.slots for st in peer.pool.states)),
             expected=len(served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp)),
-            prefix_pages=prefix_pages,
+            prefix_pages=prefix_pages, state_slots=state_slots,
         ))
 
     def _on_abort(self, msg: _wire.Abort) -> None:
@@ -707,7 +735,8 @@ async def open_prefill(
     decode's layer ``first_layer + i``. Only the last stage writes the aux rows. Each (stage,
     TP rank) is a prefill rank of its own for status and acks (:attr:`PrefillAgent.rank_id`).
     :class:`~trio_pd.ConfigurationError` unless ``0 <= pp_rank < pp_size`` and stage 0 starts
-    at layer 0; the bootstrap service refuses stages that overlap or leave a gap (409).
+    at layer 0; the bootstrap service refuses stages that overlap or leave a gap (409). A
+    pool with state components (:class:`~trio_pd.StateSpec`) cannot be split in stages yet.
 
     On exit every task is cancelled; engine calls already running finish first (the nursery
     waits for them), then rooms still open are failed and their pages handed back.
@@ -717,6 +746,11 @@ async def open_prefill(
     config = config or PrefillConfig()
     check_dp(dp_rank, dp_size, f"prefill rank {tp_rank}")
     check_pp(pp_rank, pp_size, first_layer, pool.num_layers, f"prefill rank {tp_rank}")
+    if pool.states and pp_size > 1:
+        raise ConfigurationError(
+            f"prefill rank {tp_rank}: state components are not supported with pipeline "
+            "stages (each stage would write its own layers' states)"
+        )
     _wire.check_advertised_host(host, f"prefill rank {tp_rank}")
     security = resolve(
         what=f"prefill rank {tp_rank}", hosts=[host], token=token, secure=secure
@@ -770,6 +804,7 @@ async def open_prefill(
                     first_layer=first_layer,
                     buffer_head_bytes=pool.head_bytes_all,
                     aux_item_lens=pool.aux_item_lens,
+                    states=tuple(_wire.StateWire.from_spec(st) for st in pool.states),
                 )
             )
             agent.dp_rank, agent.dp_size = dp_rank, dp_size

@@ -39,7 +39,7 @@ method calls (``tests/test_rooms.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -54,7 +54,7 @@ from ._errors import (
     TransferError,
     TransferTimeout,
 )
-from ._memory import validate_pages
+from ._memory import check_state_slots, validate_pages
 from ._state import (
     AckBook,
     DecodeBook,
@@ -220,6 +220,8 @@ class Target:
     #: the room's first pages this rank holds already (its prefix cache): request page
     #: ``i >= prefix`` goes to ``dst_pages[i - prefix]``, the pages before it nowhere
     prefix: int = 0
+    #: the decode rank's slots of each state component (written with the last chunk)
+    state_slots: tuple[Pages, ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -238,6 +240,8 @@ class PeerPool:
 
     num_pages: int
     aux_slots: int
+    #: slots of each of its state components
+    state_slots: tuple[int, ...] = ()
 
 
 # a STATUS send for publication: (endpoint, epoch, ok, reason) -> accepted now?
@@ -264,6 +268,10 @@ class PrefillRoom:
     aux_slot: int
     #: pool size of this rank, for the page-id check of :meth:`admit`
     pool_pages: int
+    #: slots of each of this rank's state components, for the check of :meth:`admit`
+    state_sizes: tuple[int, ...] = ()
+    #: this rank's slots of each state component, given with the last chunk
+    state_slots: tuple[Pages, ...] = ()
     cell: StatusCell = field(default_factory=StatusCell)
     leases: LeaseBook = field(init=False)
     acks: AckBook = field(default_factory=AckBook)
@@ -294,13 +302,25 @@ class PrefillRoom:
 
     # ---------------------------------------------------------------- admission and chunks
 
-    def admit(self, pages: Pages, last: bool) -> Due:
+    def admit(
+        self, pages: Pages, last: bool, state_slots: Sequence[npt.ArrayLike] | None = None,
+    ) -> Due:
         """The scheduler hands over the next chunk. Takes its lease at once (I3) or raises
         :class:`AdmissionClosed` (closed room, I2) / :class:`ProtocolError` (a chunk past
-        ``num_pages``, after the last one, or with page ids outside the pool)."""
+        ``num_pages``, after the last one, with page ids outside the pool, or state slots
+        that are not one list per state component, inside it, or given before the last
+        chunk). The state slots go with the last chunk, under its lease."""
         if self.last_admitted:
             raise ProtocolError(f"room {self.room}: a chunk after the last one")
         validate_pages(pages, self.pool_pages)
+        slots: tuple[Pages, ...] = ()
+        if state_slots is not None or (last and self.state_sizes):
+            if not last:
+                raise ProtocolError(f"room {self.room}: state slots go with the last chunk")
+            slots = check_state_slots(
+                self.state_sizes, (() for _ in self.state_sizes)
+                if state_slots is None else state_slots, "source",
+            )
         end = self.sent_pages + len(pages)
         if end > self.num_pages or (last and end != self.num_pages):
             raise ProtocolError(
@@ -311,6 +331,7 @@ class PrefillRoom:
         chunk = Chunk(lease, pages, self.sent_pages, last)
         self.sent_pages = end
         self.last_admitted = last
+        self.state_slots = slots
         if not self.ready:
             self.waiting.append(chunk)
             return []
@@ -392,6 +413,7 @@ class PrefillRoom:
         peer: PeerPool,
         expected: int,
         prefix_pages: int = 0,
+        state_slots: Sequence[npt.ArrayLike] = (),
     ) -> Due:
         """A decode rank's TRANSFER for this room, from a registered peer. Validated here:
         a bad one fails the room and that rank is told at once (it must not wait for its
@@ -413,12 +435,13 @@ class PrefillRoom:
             validate_pages(dst_pages, peer.num_pages)
             if not 0 <= aux_slot < peer.aux_slots:
                 raise ProtocolError(f"aux slot {aux_slot} outside the decode aux buffer")
+            dst_slots = check_state_slots(peer.state_slots, state_slots, "destination")
         except ProtocolError as exc:
             return [Refused(exc), *self.close(exc), SendFailed(endpoint, epoch, reason_of(exc))]
         self.epoch = epoch
         self.targets[decode_rank] = Target(
             endpoint, session, decode_rank, epoch, aux_slot, dst_pages.astype(np.int64),
-            prefix_pages,
+            prefix_pages, dst_slots,
         )
         self.expected_targets = expected
         if not self.ready:
@@ -569,6 +592,13 @@ class _Parked:
     #: as decode sent them (int32): a parked TRANSFER costs 4 bytes per page id
     dst_pages: npt.NDArray[np.integer[Any]]
     prefix_pages: int = 0
+    #: decode's slots of each state component, as sent (checked when the room takes it)
+    state_slots: tuple[npt.NDArray[np.integer[Any]], ...] = ()
+
+    @property
+    def page_ids(self) -> int:
+        """Page ids and state slots it keeps (what the book's bound counts)."""
+        return len(self.dst_pages) + sum(len(s) for s in self.state_slots)
 
 
 @dataclass(slots=True)
@@ -655,20 +685,22 @@ class TransferBook:
         required: int,
         dst_pages: npt.NDArray[np.integer[Any]],
         prefix_pages: int = 0,
+        state_slots: tuple[npt.NDArray[np.integer[Any]], ...] = (),
     ) -> Verdict:
         """Keep a TRANSFER for a room the scheduler has not created yet. Raises
         :class:`ProtocolError` for a duplicate or past the bounds."""
-        self.check_park(room_id, decode_rank, len(dst_pages))
+        entry = _Parked(
+            endpoint, session, decode_rank, epoch, aux_slot, num_pages, required, dst_pages,
+            prefix_pages, state_slots,
+        )
+        self.check_park(room_id, decode_rank, entry.page_ids)
         pending = self.parked.get(room_id)
         verdict = Verdict()
         if pending is None:
             pending = self.parked[room_id] = {}
             verdict.expire = self._arm("parked", room_id)
-        pending[decode_rank] = _Parked(
-            endpoint, session, decode_rank, epoch, aux_slot, num_pages, required, dst_pages,
-            prefix_pages,
-        )
-        self.parked_page_ids += len(dst_pages)
+        pending[decode_rank] = entry
+        self.parked_page_ids += entry.page_ids
         return verdict
 
     def check_park(self, room_id: int, decode_rank: int, num_pages: int) -> None:
@@ -688,7 +720,7 @@ class TransferBook:
     def take_parked(self, room_id: int) -> list[_Parked]:
         """The TRANSFERs parked for a room the scheduler now creates."""
         pending = self.parked.pop(room_id, {})
-        self.parked_page_ids -= sum(len(p.dst_pages) for p in pending.values())
+        self.parked_page_ids -= sum(p.page_ids for p in pending.values())
         return list(pending.values())
 
     def take_aborted(self, room_id: int) -> int | None:
@@ -709,7 +741,7 @@ class TransferBook:
             for rank, parked in list(pending.items()):
                 if parked.epoch == epoch:
                     del pending[rank]
-                    self.parked_page_ids -= len(parked.dst_pages)
+                    self.parked_page_ids -= parked.page_ids
                     self.aborted_parked[room_id] = epoch
             if not pending:
                 del self.parked[room_id]
@@ -735,7 +767,7 @@ class TransferBook:
                     self.failed_recently.pop(room_id, None)
                     return
                 for parked in self.parked.pop(room_id, {}).values():
-                    self.parked_page_ids -= len(parked.dst_pages)
+                    self.parked_page_ids -= parked.page_ids
                 self.aborted_parked.pop(room_id, None)
             case ("tombstone", int(room_id), int(epoch)):
                 epochs = self.tombstones.get(room_id)
@@ -772,6 +804,8 @@ class DecodeRoom:
     #: the request's first pages this rank holds already (``init``): not asked for
     prefix_pages: int = 0
     aux_slot: int = -1
+    #: the scheduler's slots of each state component (held and released with the pages)
+    state_slots: tuple[Pages, ...] = ()
     early_failure: TransferError | None = None
     released: bool = False
     forgotten: bool = False
@@ -811,14 +845,19 @@ class DecodeRoom:
         self.book.cell.advance(KVPoll.WaitingForInput)
         return self._ask()
 
-    def init(self, pages: npt.NDArray[np.int32], aux_slot: int, prefix_pages: int = 0) -> Due:
-        """The scheduler gives the destination pages and aux row (validated by the caller),
-        for the request's pages after the first ``prefix_pages`` (held already)."""
+    def init(
+        self, pages: npt.NDArray[np.int32], aux_slot: int, prefix_pages: int = 0,
+        state_slots: tuple[Pages, ...] = (),
+    ) -> Due:
+        """The scheduler gives the destination pages, aux row and state slots (validated by
+        the caller), for the request's pages after the first ``prefix_pages`` (held
+        already)."""
         if self.pages is not None:
             raise ProtocolError(f"room {self.room}: init called twice")
         self.pages = pages
         self.aux_slot = aux_slot
         self.prefix_pages = prefix_pages
+        self.state_slots = state_slots
         if self.book is None:
             if self.early_failure is not None:
                 return self._release("unsent")  # no prefill rank was ever told of them

@@ -36,7 +36,7 @@ from ._memory import PoolSpec, layer_view
 from ._security import register_mac
 from ._state import Liveness
 from ._stats import Counters
-from ._topology import pairing_problem, source_ranks
+from ._topology import pairing_problem, source_ranks, state_problem
 from .engines import TransferEngine
 
 if TYPE_CHECKING:
@@ -210,6 +210,8 @@ class Sources:
                 pp_rank=s,
                 pp_size=topo.pp_size,
             )
+            problem = problem or _states_problem(head, pool, topo.tp_size, self.tp_size,
+                                                 topo.pp_size)
             if problem is not None and problem not in problems:
                 problems.append(problem)
             if topo.pp_size > 1 and head.first_layer != next_layer:
@@ -360,3 +362,15 @@ def _stage_head_bytes(pool: PoolSpec, first_layer: int, layers: int) -> tuple[in
         return layer_view(pool, first_layer, layers).head_bytes_all
     except ValueError:
         return None
+
+
+def _states_problem(
+    head: PrefillRankInfo, pool: PoolSpec, prefill_tp: int, decode_tp: int, pp_size: int
+) -> str | None:
+    """Why the state components a prefill stage published cannot pair with ours, or None
+    (:func:`~trio_pd._topology.state_problem`, as prefill applies it at REGISTER)."""
+    try:
+        theirs = [w.to_spec() for w in head.states]
+    except ProtocolError as exc:
+        return f"the prefill rank published state components that make no sense: {exc}"
+    return state_problem(theirs, pool.states, prefill_tp, decode_tp, pp_size)

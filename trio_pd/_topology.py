@@ -5,9 +5,10 @@ Pure integer arithmetic over TP sizes and head counts; no I/O, no trio.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
-from ._memory import layer_buffers
+from ._memory import StateSpec, layer_buffers
 
 
 def _check_tp(prefill_tp: int, decode_tp: int) -> None:
@@ -274,3 +275,93 @@ def pairing_problem(
     except ValueError as exc:
         return f"decode rank {peer_rank} of TP {peer_tp}: {exc}"
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# State components: which bytes of a slot a prefill rank writes into a decode rank's slot
+# --------------------------------------------------------------------------------------------
+
+#: per buffer of a state component: the ``(src offset, dst offset, bytes)`` cuts of one slot
+SlotCuts = tuple[tuple[tuple[int, int, int], ...], ...]
+
+
+def state_problem(
+    ours: Sequence[StateSpec],
+    theirs: Sequence[StateSpec],
+    prefill_tp: int,
+    decode_tp: int,
+    pp_size: int = 1,
+) -> str | None:
+    """Why decode's state components (``theirs``) cannot take this prefill rank's
+    (``ours``), or None. Components pair by position and must agree in name, in how TP
+    splits them (:attr:`StateSpec.split`) and in their buffers: the same slot bytes for a
+    replicated or rank-local component (which also needs the same TP size on both sides),
+    and for a split one the same segments, each with the same unit bytes and the same
+    units in all (``units * tp``)."""
+    if not ours and not theirs:
+        return None
+    if pp_size > 1:
+        return "state components are not supported with pipeline stages"
+    if [s.name for s in ours] != [s.name for s in theirs]:
+        return (f"state components: prefill {[s.name for s in ours]}, "
+                f"decode {[s.name for s in theirs]}")
+    for a, b in zip(ours, theirs, strict=True):
+        where = f"state component {a.name!r}"
+        if a.split != b.split:
+            return f"{where}: prefill splits it by {a.split}, decode by {b.split}"
+        if len(a.buffers) != len(b.buffers):
+            return f"{where}: prefill has {len(a.buffers)} buffers, decode {len(b.buffers)}"
+        if a.split == "rank" and prefill_tp != decode_tp:
+            return (f"{where} is split by TP rank with no segments to reslice it: prefill TP "
+                    f"{prefill_tp} cannot fill decode TP {decode_tp} (give its segments)")
+        if a.split != "segments":
+            if a.item_lens != b.item_lens:
+                return (f"{where}: slot bytes per buffer: prefill {a.item_lens}, "
+                        f"decode {b.item_lens}")
+            continue
+        for i, (sa, sb) in enumerate(zip(a.segments, b.segments, strict=True)):
+            total_a = [(ub, u * prefill_tp) for ub, u in sa]
+            total_b = [(ub, u * decode_tp) for ub, u in sb]
+            if total_a != total_b:
+                return (f"{where}, buffer {i}: segments (unit bytes, units in all): "
+                        f"prefill {total_a}, decode {total_b}")
+    return None
+
+
+def state_cuts(
+    src: StateSpec, dst: StateSpec, prefill_rank: int, decode_rank: int,
+    prefill_tp: int, decode_tp: int,
+) -> SlotCuts:
+    """For each buffer of a state component, the cuts of one slot prefill rank
+    ``prefill_rank`` writes into decode rank ``decode_rank``'s slot: ``(offset in the source
+    slot, offset in the destination slot, bytes)``, adjacent cuts merged; empty for every
+    buffer when it writes nothing there. The pair must pass :func:`state_problem`.
+
+    Replicated and rank-local slots go whole, from the decode rank's :func:`aux_writer`
+    alone (with equal TP sizes, its own rank). A split slot goes segment by segment: each
+    prefill rank writes the units it holds that the decode rank holds, so every byte of a
+    decode slot is written exactly once."""
+    _check_tp(prefill_tp, decode_tp)
+    if src.split != "segments":
+        if aux_writer(decode_rank, prefill_tp, decode_tp) != prefill_rank:
+            return tuple(() for _ in src.buffers)
+        return tuple(((0, 0, n),) for n in src.item_lens)
+    out: list[tuple[tuple[int, int, int], ...]] = []
+    for sa, sb in zip(src.segments, dst.segments, strict=True):
+        cuts: list[tuple[int, int, int]] = []
+        off_a = off_b = 0
+        for (ub, ua), (_, ud) in zip(sa, sb, strict=True):
+            lo = max(prefill_rank * ua, decode_rank * ud)
+            hi = min((prefill_rank + 1) * ua, (decode_rank + 1) * ud)
+            if lo < hi:
+                so = off_a + (lo - prefill_rank * ua) * ub
+                do = off_b + (lo - decode_rank * ud) * ub
+                n = (hi - lo) * ub
+                if cuts and cuts[-1][0] + cuts[-1][2] == so and cuts[-1][1] + cuts[-1][2] == do:
+                    cuts[-1] = (cuts[-1][0], cuts[-1][1], cuts[-1][2] + n)
+                else:
+                    cuts.append((so, do, n))
+            off_a += ub * ua
+            off_b += ub * ud
+        out.append(tuple(cuts))
+    return tuple(out)

@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import ConfigurationError, ProtocolError
-from ._memory import PoolSpec
+from ._memory import MAX_STATE_NAME, PoolSpec, StateSpec
 
 WIRE_VERSION: Final = 1
 """The only header version this module speaks; any other is refused."""
@@ -63,6 +63,12 @@ MAX_AUX_BUFFERS: Final = 64
 holds at most one fewer)."""
 MAX_TRANSFER_PAGES: Final = 1 << 22
 """Most page ids one :class:`Transfer` may carry."""
+MAX_STATES: Final = 16
+"""Most state components one pool may register (:attr:`PoolWire.states`)."""
+MAX_STATE_SEGMENTS: Final = 1024
+"""Most segments one state buffer's slot may be split into."""
+MAX_STATE_SLOTS: Final = 1 << 20
+"""Most slots of one state component one :class:`Transfer` may name."""
 MAX_POOL_PAGES: Final = 1 << 30  # a power of two: see _check_page_ids
 """Bound of a pool's ``num_pages``; a page id at or above it is absurd whatever the pool."""
 MAX_RANKS: Final = 1 << 16
@@ -178,6 +184,43 @@ def validate_endpoint(endpoint: str) -> str:
 _Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
 
 
+class StateWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """:class:`StateSpec` on the wire, checked by :meth:`to_spec`."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STATE_NAME)]
+    slots: Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL_PAGES)]
+    buffers: Annotated[tuple[tuple[_Address, _Size], ...],
+                       msgspec.Meta(min_length=1, max_length=MAX_BUFFERS)]
+    replicated: bool = False
+    segments: Annotated[
+        tuple[Annotated[tuple[tuple[_Size, _Size], ...],
+                        msgspec.Meta(max_length=MAX_STATE_SEGMENTS)], ...],
+        msgspec.Meta(max_length=MAX_BUFFERS),
+    ] = ()
+
+    @classmethod
+    def from_spec(cls, spec: StateSpec) -> StateWire:
+        return cls(spec.name, spec.slots, spec.buffers, spec.replicated, spec.segments)
+
+    def to_spec(self) -> StateSpec:
+        """The component, or :class:`ProtocolError` if it makes no sense (see
+        :class:`StateSpec`) or a buffer runs past the 64-bit address space."""
+        for i, (base, n) in enumerate(self.buffers):
+            if base + self.slots * n > _U64_LIMIT:
+                raise ProtocolError(
+                    f"state {self.name!r} buffer {i} at {base:#x} of {self.slots} x {n} bytes "
+                    "runs past the 64-bit address space"
+                )
+        try:
+            return StateSpec(
+                self.name, self.slots, tuple((base, n) for base, n in self.buffers),
+                self.replicated,
+                tuple(tuple((ub, u) for ub, u in segs) for segs in self.segments),
+            )
+        except ConfigurationError as exc:
+            raise ProtocolError(str(exc)) from None
+
+
 class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """:class:`PoolSpec` on the wire: the same fields, checked by :meth:`to_spec`."""
 
@@ -202,6 +245,11 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                   msgspec.Meta(max_length=MAX_AUX_BUFFERS - 1)]
         | msgspec.UnsetType
     ) = msgspec.UNSET
+    #: the state components (UNSET: none, the field off the wire)
+    states: (
+        Annotated[tuple[StateWire, ...], msgspec.Meta(max_length=MAX_STATES)]
+        | msgspec.UnsetType
+    ) = msgspec.UNSET
 
     @classmethod
     def from_spec(cls, spec: PoolSpec) -> PoolWire:
@@ -209,6 +257,9 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``extra_aux`` becomes UNSET). Checking happens in :meth:`to_spec` / :func:`encode`."""
         values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
         values["extra_aux"] = spec.extra_aux or msgspec.UNSET
+        values["states"] = (
+            tuple(StateWire.from_spec(st) for st in spec.states) or msgspec.UNSET
+        )
         return cls(**values)
 
     def to_spec(self) -> PoolSpec:
@@ -280,10 +331,16 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"{self.aux_item_len} bytes runs past the 64-bit address space"
             )
         extra = self._extra_aux()
-        return PoolSpec(**(msgspec.structs.asdict(self) | {
-            "buffer_bases": tuple(bases), "buffer_head_bytes": tuple(self.buffer_head_bytes),
-            "page_strides": tuple(self.page_strides), "extra_aux": extra,
-        }))
+        states = () if self.states is msgspec.UNSET else tuple(
+            st.to_spec() for st in self.states
+        )
+        try:
+            return PoolSpec(**(msgspec.structs.asdict(self) | {
+                "buffer_bases": tuple(bases), "buffer_head_bytes": tuple(self.buffer_head_bytes),
+                "page_strides": tuple(self.page_strides), "extra_aux": extra, "states": states,
+            }))
+        except ConfigurationError as exc:  # (what only the whole pool can tell: names)
+            raise ProtocolError(str(exc)) from None
 
     def _extra_aux(self) -> tuple[tuple[int, int], ...]:
         """:attr:`extra_aux`, checked (see :meth:`to_spec`), as a tuple of pairs."""
@@ -358,7 +415,9 @@ class Transfer(_Header, frozen=True, tag="transfer", omit_defaults=True):
     The page ids travel in frame 1. ``aux_slot`` is the destination aux row; ``required`` is
     how many prefill ranks must report Success before the room is complete.
     ``prefix_pages``: the request's first pages decode holds already (a prefix cache hit);
-    the ``num_pages`` page ids are for the request's pages after them.
+    the ``num_pages`` page ids are for the request's pages after them. ``state_slots``:
+    the destination slots of each state component of decode's pool, in order (UNSET: a
+    pool without state components).
     """
 
     v: _Version
@@ -370,6 +429,11 @@ class Transfer(_Header, frozen=True, tag="transfer", omit_defaults=True):
     required: _Count
     num_pages: _NumPages
     prefix_pages: Annotated[int, msgspec.Meta(ge=0, le=MAX_POOL_PAGES)] = 0
+    state_slots: (
+        Annotated[tuple[Annotated[tuple[_Id, ...], msgspec.Meta(max_length=MAX_STATE_SLOTS)],
+                        ...], msgspec.Meta(max_length=MAX_STATES)]
+        | msgspec.UnsetType
+    ) = msgspec.UNSET
 
 
 class Status(_Header, frozen=True, tag="status"):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -465,14 +465,19 @@ class AioSender(_AioRoom[PrefillSender]):
     """A :class:`~trio_pd.PrefillSender` seen from asyncio. Make one with
     :meth:`AioPrefill.sender`."""
 
-    async def send(self, pages: npt.ArrayLike, *, last: bool = False) -> None:
-        """Admit the next chunk (see :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`):
-        its errors (``AdmissionClosed``, ``ProtocolError``) are raised here.
+    async def send(
+        self, pages: npt.ArrayLike, *, last: bool = False,
+        state_slots: Sequence[npt.ArrayLike] | None = None,
+    ) -> None:
+        """Admit the next chunk, with the request's state slots if it is the last (see
+        :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`): its errors
+        (``AdmissionClosed``, ``ProtocolError``) are raised here.
 
         **Cancellation:** the chunk was either not admitted or admitted whole; the room is
         not aborted.
         """
-        await self.host.call(partial(self.handle.send, pages, last=last))
+        await self.host.call(partial(self.handle.send, pages, last=last,
+                                     state_slots=state_slots))
 
 
 class AioReceiver(_AioRoom[DecodeReceiver]):
@@ -490,6 +495,7 @@ class AioReceiver(_AioRoom[DecodeReceiver]):
     async def init(
         self, pages: npt.ArrayLike, aux_slot: int, *,
         on_release: Callable[[], None] | None = None, prefix_pages: int = 0,
+        state_slots: Sequence[npt.ArrayLike] = (),
     ) -> None:
         """Ask for the room's KV (see :meth:`DecodeReceiver.init
         <trio_pd.DecodeReceiver.init>`). ``on_release`` runs inside trio, on the loop's
@@ -499,7 +505,8 @@ class AioReceiver(_AioRoom[DecodeReceiver]):
         **Cancellation:** ``init`` either did not happen or happened whole.
         """
         await self.host.call(partial(
-            self.handle.init, pages, aux_slot, on_release=on_release, prefix_pages=prefix_pages
+            self.handle.init, pages, aux_slot, on_release=on_release,
+            prefix_pages=prefix_pages, state_slots=state_slots,
         ))
 
 

@@ -128,6 +128,12 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--aux-buffers", type=int, default=d.aux_buffers, metavar="N",
                    help="aux buffers after the first (metadata buffers: rows of 24, 41, 58... "
                    "bytes), moved with every request's last chunk and verified")
+    p.add_argument("--state", type=_kinds, default=",".join(d.states), metavar="KINDS",
+                   dest="states",
+                   help="state components of every pool, comma-separated: mamba (conv and SSM "
+                   "states, a slot a request), swa (a sliding-window pool of the last 4 "
+                   "pages), nsa (an index page per KV page); moved with the last chunk and "
+                   "verified")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="prefill TP size")
     p.add_argument("--prefill-dp", type=int, default=d.prefill_dp, metavar="N",
                    help="prefill DP ranks (DP attention) behind one bootstrap service, each of "

@@ -28,7 +28,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any, Generic, TypeVar
@@ -44,7 +44,7 @@ from ._closing import ClosesOnExit
 from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
 from ._decode import open_decode as _open_decode
 from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
-from ._memory import PoolSpec, validate_pages
+from ._memory import PoolSpec, check_state_slots, validate_pages
 from ._prefill import PrefillAgent, PrefillSender
 from ._prefill import open_prefill as _open_prefill
 from ._state import KVPoll
@@ -537,20 +537,37 @@ class SyncSender(_Handle):
             self._prefill._call(self._prefill._init, self, int(num_pages), int(aux_slot))
             self._num_pages = int(num_pages)
 
-    def send(self, pages: npt.ArrayLike, *, last: bool = False) -> None:
+    def send(
+        self, pages: npt.ArrayLike, *, last: bool = False,
+        state_slots: Sequence[npt.ArrayLike] | None = None,
+    ) -> None:
         """Hand the next chunk over: ``pages`` are source page ids, in request order; the
-        one with ``last=True`` ends at ``num_pages`` and carries the aux row. The ids are
-        copied: the array may be reused at once.
+        one with ``last=True`` ends at ``num_pages`` and carries the aux row, and the
+        request's ``state_slots`` (one list per state component of the pool, see
+        :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`). The ids are copied: the
+        array may be reused at once.
 
         The scheduler's thread (the trio thread works too). Never blocks: the chunk is
         posted to the trio thread. Raises :class:`~trio_pd.ProtocolError`, checked here, for
         a send before :meth:`init`, page ids outside the pool or repeated, a chunk past
-        ``num_pages``, a last chunk that does not end there, or one after the last. A chunk
+        ``num_pages``, a last chunk that does not end there, or one after the last, and
+        state slots that do not fit the pool's components or come before the last chunk. A
+        chunk
         for a room that failed or was aborted meanwhile is dropped (its pages are not
         trio_pd's); :meth:`poll` says Failed.
         """
         ids = np.array(pages, dtype=np.int64).reshape(-1)  # (a copy)
-        validate_pages(ids, self._prefill._pool.num_pages)
+        pool = self._prefill._pool
+        validate_pages(ids, pool.num_pages)
+        slots = None
+        if state_slots is not None or (last and pool.states):
+            if not last:
+                raise ProtocolError(f"room {self.room}: state slots go with the last chunk")
+            slots = check_state_slots(
+                [st.slots for st in pool.states],
+                state_slots if state_slots is not None else [() for _ in pool.states],
+                "source",
+            )
         with self._lock:
             if self._num_pages is None:
                 raise ProtocolError(f"room {self.room}: send before init")
@@ -563,7 +580,7 @@ class SyncSender(_Handle):
                     + (" (the last chunk must end at num_pages)" if last else "")
                 )
             self._sent, self._last = end, last
-            self._prefill._thread.post(self._prefill._send, self, ids, last)
+            self._prefill._thread.post(self._prefill._send, self, ids, last, slots)
 
 
 class SyncReceiver(_Handle):
@@ -589,23 +606,35 @@ class SyncReceiver(_Handle):
         assert isinstance(inner, DecodeReceiver)
         return inner.epoch
 
-    def init(self, pages: npt.ArrayLike, aux_slot: int, *, prefix_pages: int = 0) -> None:
+    def init(
+        self, pages: npt.ArrayLike, aux_slot: int, *, prefix_pages: int = 0,
+        state_slots: Sequence[npt.ArrayLike] = (),
+    ) -> None:
         """Ask the prefill ranks for the room's KV into ``pages`` (destination page ids) and
         aux row ``aux_slot``. From here the pages are trio_pd's until Success, or until the
         room comes out of :meth:`SyncDecode.pop_released`. The ids are copied.
         ``prefix_pages``: this rank holds the request's first pages already; ``pages`` are
-        for the ones after them (:meth:`DecodeReceiver.init <trio_pd.DecodeReceiver.init>`).
+        for the ones after them; ``state_slots``: the request's slots of each state
+        component of the pool, held and given back with the pages
+        (:meth:`DecodeReceiver.init <trio_pd.DecodeReceiver.init>`).
 
         The scheduler's thread (the trio thread works too). Never blocks: posted to the
         trio thread. Raises :class:`~trio_pd.ProtocolError`, checked here, for page ids
-        outside the pool or repeated, an aux slot outside it, or a second init. A room that
+        outside the pool or repeated, an aux slot outside it, state slots that do not fit
+        the pool's components, or a second init. A room that
         failed before its init runs gets its pages back at once (through pop_released), as
         does one whose facade has closed.
         """
         ids = np.array(pages, dtype=np.int64).reshape(-1)
-        validate_pages(ids, self._decode._pool.num_pages)
-        if not 0 <= aux_slot < self._decode._pool.aux_slots:
-            raise ProtocolError(f"aux slot {aux_slot} outside [0, {self._decode._pool.aux_slots})")
+        pool = self._decode._pool
+        validate_pages(ids, pool.num_pages)
+        if not 0 <= aux_slot < pool.aux_slots:
+            raise ProtocolError(f"aux slot {aux_slot} outside [0, {pool.aux_slots})")
+        slots = check_state_slots(
+            [st.slots for st in pool.states],
+            state_slots if state_slots or not pool.states else [() for _ in pool.states],
+            "destination",
+        )
         with self._init_lock:
             if self._inited:
                 raise ProtocolError(f"room {self.room}: init called twice")
@@ -613,7 +642,7 @@ class SyncReceiver(_Handle):
         if type(prefix_pages) is not int or prefix_pages < 0:
             raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
         if not self._decode._thread.post(
-            self._decode._init, self, ids, int(aux_slot), prefix_pages
+            self._decode._init, self, ids, int(aux_slot), prefix_pages, slots
         ):
             self._decode._released.append(self.room)  # never reached trio_pd: free already
 
@@ -836,11 +865,14 @@ class SyncPrefill(_Agent[PrefillAgent]):
             inner.abort(h._abort_reason)
         self._finish(h)
 
-    def _send(self, h: SyncSender, pages: npt.NDArray[np.int64], last: bool) -> None:
+    def _send(
+        self, h: SyncSender, pages: npt.NDArray[np.int64], last: bool,
+        state_slots: tuple[npt.NDArray[np.int64], ...] | None = None,
+    ) -> None:
         inner = h._inner
         assert isinstance(inner, PrefillSender)
         try:
-            inner.send(pages, last=last)
+            inner.send(pages, last=last, state_slots=state_slots)
         except AdmissionClosed:
             pass  # failed or aborted meanwhile: the chunk's pages never became trio_pd's
         except TransferError as exc:  # (checked on the scheduler's side: not expected)
@@ -894,7 +926,8 @@ class SyncDecode(_Agent[DecodeAgent]):
         return h
 
     def _init(
-        self, h: SyncReceiver, pages: npt.NDArray[np.int64], aux_slot: int, prefix_pages: int
+        self, h: SyncReceiver, pages: npt.NDArray[np.int64], aux_slot: int, prefix_pages: int,
+        state_slots: tuple[npt.NDArray[np.int64], ...] = (),
     ) -> None:
         inner = h._inner
         assert isinstance(inner, DecodeReceiver)
@@ -902,7 +935,7 @@ class SyncDecode(_Agent[DecodeAgent]):
         try:
             inner.init(
                 pages, aux_slot, on_release=partial(self._on_release, h),
-                prefix_pages=prefix_pages,
+                prefix_pages=prefix_pages, state_slots=state_slots,
             )
         except TransferError as exc:  # (checked on the scheduler's side: not expected)
             inner.abort(f"trio_pd.sync: init was refused: {exc}")

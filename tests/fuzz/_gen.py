@@ -81,7 +81,29 @@ def rand_pool(rng: random.Random) -> _wire.PoolWire:
         layout=layout, page_size=page_size, num_pages=num_pages, num_layers=num_layers,
         head_bytes=head_bytes, heads=heads, first_head=first_head, buffer_bases=bases,
         aux_base=aux_base, aux_item_len=aux_item_len, aux_slots=aux_slots,
+        states=rand_states(rng),
     )
+
+
+def rand_states(rng: random.Random) -> tuple[_wire.StateWire, ...] | msgspec.UnsetType:
+    """None most of the time; else 1 to 3 state components, each split one of the three
+    ways, every buffer inside the 64-bit address space."""
+    if rng.random() < 0.7:
+        return msgspec.UNSET
+    out = []
+    for k in range(rng.randint(1, 3)):
+        slots = rng.choice([1, 8, 1 << 20])
+        how = rng.randrange(3)
+        bufs, segs = [], []
+        for _ in range(rng.randint(1, 4)):
+            seg = tuple((rng.choice([1, 16, 64]), rng.randint(1, 4))
+                        for _ in range(rng.randint(1, 3)))
+            n = sum(ub * u for ub, u in seg)
+            bufs.append((rng.randrange((1 << 64) - slots * n + 1), n))
+            segs.append(seg)
+        out.append(_wire.StateWire(f"s{k}", slots, tuple(bufs), how == 1,
+                                   tuple(segs) if how == 2 else ()))
+    return tuple(out)
 
 
 def rand_id(rng: random.Random) -> int:
@@ -108,10 +130,14 @@ def rand_message(rng: random.Random) -> tuple[_wire.Message, np.ndarray[Any, Any
         n = rng.choice([0, 1, 3, 64, rng.randint(0, 300)])
         top = rng.choice([1, 256, MAX_POOL_PAGES])
         pages = np.array([rng.randrange(top) for _ in range(n)], dtype=np.int32)
+        slots: tuple[tuple[int, ...], ...] | msgspec.UnsetType = msgspec.UNSET
+        if rng.random() < 0.3:
+            slots = tuple(tuple(rand_id(rng) for _ in range(rng.choice([0, 1, 4])))
+                          for _ in range(rng.randint(0, 3)))
         return _wire.Transfer(
             V, room=rand_id(rng), epoch=rand_id(rng), endpoint=rand_endpoint(rng),
             decode_rank=rng.randrange(MAX_RANKS), aux_slot=rand_id(rng),
-            required=rng.randint(1, MAX_RANKS), num_pages=n,
+            required=rng.randint(1, MAX_RANKS), num_pages=n, state_slots=slots,
         ), pages
     if kind == "status":
         return _wire.Status(
@@ -540,6 +566,14 @@ def bound_violations(
     elif isinstance(msg, _wire.Transfer):
         ints(room=(0, I64_MAX), epoch=(0, I64_MAX), decode_rank=(0, MAX_RANKS - 1),
              aux_slot=(0, I64_MAX), required=(1, MAX_RANKS), num_pages=(0, MAX_TRANSFER_PAGES))
+        slots = msg.state_slots
+        if slots is not msgspec.UNSET and (
+            type(slots) is not tuple or len(slots) > _wire.MAX_STATES
+            or any(type(c) is not tuple or len(c) > _wire.MAX_STATE_SLOTS
+                   or any(type(i) is not int or not 0 <= i <= I64_MAX for i in c)
+                   for c in slots)
+        ):
+            out.append("state_slots")
     elif isinstance(msg, _wire.Status):
         ints(room=(0, I64_MAX), epoch=(0, I64_MAX), rank=(0, MAX_RANKS - 1))
         if type(msg.ok) is not bool:

@@ -13,18 +13,54 @@ source poison tells of a source use-after-free (a write that read released sourc
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import trio
 
-from .._memory import HOST, PoolSpec
+from .._memory import HOST, PoolSpec, StateSpec
 
 #: poison byte of released source (prefill) pages and of released destination (decode) pages
 SOURCE_POISON = 0x5A
 DEST_POISON = 0xD6
 AUX_ITEM_LEN = 64
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """A state component of a test pool, as one TP rank holds it: ``item_lens`` bytes a
+    slot, buffer by buffer, split as :class:`~trio_pd.StateSpec` says (``replicated``, or
+    ``segments`` of ``(unit bytes, units)``: this rank's share)."""
+
+    name: str
+    item_lens: tuple[int, ...]
+    replicated: bool = False
+    segments: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def positions(self, buffer: int, tp_rank: int) -> npt.NDArray[np.int64]:
+        """Where each byte of this rank's slot of ``buffer`` lies in the component's whole
+        (unsplit) slot: what the bytes are a function of, so that prefill and decode ranks
+        of other TP sizes agree on them. A rank-local slot is its rank's alone."""
+        if not self.segments:
+            offset = 0 if self.replicated else tp_rank << 40
+            return offset + np.arange(self.item_lens[buffer], dtype=np.int64)
+        parts = [
+            (j << 44) + tp_rank * units * ub + np.arange(units * ub, dtype=np.int64)
+            for j, (ub, units) in enumerate(self.segments[buffer])
+        ]
+        return np.concatenate(parts)
+
+
+def state_bytes(
+    room: int, component: int, buffer: int, index: int, positions: npt.NDArray[np.int64],
+) -> npt.NDArray[np.uint8]:
+    """The bytes of slot ``index`` of a request's slots of a state component, at these
+    positions (:meth:`StateShape.positions`): another room, component, buffer, slot index
+    or position all differ."""
+    v = (positions * 2654435761 + room * 40503 + component * 97 + buffer * 193 + index * 389)
+    return ((v >> 7) % 251).astype(np.uint8)
 
 
 class HostKVPool:
@@ -65,8 +101,18 @@ class HostKVPool:
         extra_aux_lens: tuple[int, ...] = (),
         first_layer: int = 0,
         model_layers: int | None = None,
+        states: tuple[StateShape, ...] = (),
+        state_slots: tuple[int, ...] = (),
+        tp_rank: int = 0,
     ) -> None:
         buffers = 2 * num_layers if layout == "mha" else num_layers
+        #: state components: their shapes, slots and, per component, one (slots, slot
+        #: bytes) array per buffer; ``tp_rank`` is the rank whose share the slots hold
+        self.state_shapes, self.tp_rank = states, tp_rank
+        self.state_arrays = [
+            [np.zeros((n, item), dtype=np.uint8) for item in shape.item_lens]
+            for shape, n in zip(states, state_slots, strict=True)
+        ]
         #: pipeline parallelism: the pool of a PP stage holds ``num_layers`` layers of a model
         #: of ``model_layers`` from ``first_layer``; its bytes are those of the model's buffers
         #: (None: the pool's own buffer ids, a pool of every layer)
@@ -110,8 +156,17 @@ class HostKVPool:
             buffer_head_bytes=tuple(buffer_head_bytes) if geometry else (),
             page_strides=strides if page_pad else (),
             extra_aux=tuple((int(a.ctypes.data), int(a.shape[1])) for a in self.extra_aux),
+            states=tuple(
+                StateSpec(
+                    shape.name, int(arrays[0].shape[0]),
+                    tuple((int(a.ctypes.data), int(a.shape[1])) for a in arrays),
+                    shape.replicated, shape.segments,
+                )
+                for shape, arrays in zip(states, self.state_arrays, strict=True)
+            ),
             # numpy memory: host (staging may read it)
-            kinds=(HOST,) * (buffers + 1 + len(self.extra_aux)),
+            kinds=(HOST,) * (buffers + 1 + len(self.extra_aux)
+                             + sum(len(a) for a in self.state_arrays)),
         )
 
     @property
@@ -125,7 +180,35 @@ class HostKVPool:
     @property
     def nbytes(self) -> int:
         return int(sum(b.nbytes for b in self.buffers) + self.aux.nbytes
-                   + sum(a.nbytes for a in self.extra_aux))
+                   + sum(a.nbytes for a in self.extra_aux)
+                   + sum(a.nbytes for arrays in self.state_arrays for a in arrays))
+
+    def state_rows(self, component: int) -> Rows:
+        """Slots of state component ``component`` as the rows of a :class:`PageAllocator`:
+        row ``s`` is slot ``s`` of every buffer of the component."""
+        arrays = self.state_arrays[component]
+        return HostRows(arrays[0]) if len(arrays) == 1 else _BufferRows(arrays)
+
+    def _state_want(self, c: int, b: int, i: int, room: int) -> npt.NDArray[np.uint8]:
+        return state_bytes(room, c, b, i, self.state_shapes[c].positions(b, self.tp_rank))
+
+    def fill_state(self, component: int, slots: npt.NDArray[np.int64], room: int) -> None:
+        """Write the request's state bytes (this rank's share) into its ``slots`` of a
+        component: slot ``slots[i]`` gets the request's slot ``i``."""
+        for b, rows in enumerate(self.state_arrays[component]):
+            for i, slot in enumerate(slots.tolist()):
+                rows[slot] = self._state_want(component, b, i, room)
+
+    def bad_state_slots(self, component: int, slots: npt.NDArray[np.int64], room: int) -> int:
+        """How many of the request's ``slots`` of a component do not hold what
+        :meth:`fill_state` writes for ``room`` (this rank's share), in some buffer."""
+        bad = 0
+        for i, slot in enumerate(slots.tolist()):
+            bad += not all(
+                bool((rows[slot] == self._state_want(component, b, i, room)).all())
+                for b, rows in enumerate(self.state_arrays[component])
+            )
+        return bad
 
     def _pages(self, b: int) -> npt.NDArray[np.uint8]:
         """Buffer ``b`` as (pages, tokens, heads, head bytes), in logical (token-major)
