@@ -57,7 +57,7 @@ from trio_pd.testing.pools import (
 )
 
 from .conftest import host_pool
-from .test_sanitizer import break_the_drain
+from .test_sanitizer import abort_a_stalled_write, break_the_drain
 
 BOUND = 15.0
 QUIET = 0.3
@@ -375,24 +375,7 @@ async def test_abort_during_a_write_leaves_no_late_write_in_any_aux_buffer(
             receiver = decode.receiver(8, bootstrap_url=bootstrap_url)
             receiver.init(dp, int(slot[0]), on_release=release)
             sender.send(np.arange(4), last=True)
-            with trio.fail_after(BOUND):
-                await gate.wait_stalled_async(1)  # the write is inside the engine
-            receiver.abort("test: abort while the write is under way")
-            if drain == "real":
-                with trio.move_on_after(QUIET):
-                    await released.wait()
-                assert not released.is_set(), "released while a write could still land"
-            else:
-                with trio.fail_after(BOUND):
-                    await released.wait()  # the bug: released at once
-            gate.release_all()
-            with trio.fail_after(BOUND):
-                await released.wait()
-                await sender.wait_released()
-                # the write has returned (a counter: no event to wait on)
-                while faults[0].statistics().blocks_written == 0:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
-            await trio.sleep(QUIET)
+            await abort_a_stalled_write(drain, faults[0], receiver, sender, released)
             late = [bool((rows[int(slot[0])] != DEST_POISON).any())
                     for rows in (dst.aux, *dst.extra_aux)]
             if drain == "real":

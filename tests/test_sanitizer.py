@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import trio
 
-from trio_pd import _prefill
+from trio_pd import DecodeReceiver, PrefillSender, _prefill
 from trio_pd._demo import DemoOptions, run_in_process
 from trio_pd._lane import run_to_end
+from trio_pd.engines.fault import FaultEngine
 
 # Small delayed writes on every call and many aborts: aborts land while writes are in flight.
 OPTS = DemoOptions(
@@ -28,6 +29,37 @@ async def test_real_drain_has_no_late_writes() -> None:
     assert summary["aborted"] > 0
     assert summary["late_writes"] == 0
     assert summary["corrupt_pages"] == 0
+
+
+async def abort_a_stalled_write(
+    drain: str, fault: FaultEngine, receiver: DecodeReceiver, sender: PrefillSender,
+    released: trio.Event, *, bound: float = 15.0, quiet: float = 0.3,
+) -> None:
+    """With the room's last write stalled inside ``fault`` (a stalling :class:`FaultEngine`
+    around prefill's engine), abort it on decode; then check when decode released its
+    memory (``released``, set by the room's ``on_release``): not while the write is held
+    with the real drain; at once with the drain broken (:func:`break_the_drain`). Then let
+    the write go and wait until it has returned and both sides released, and a moment more,
+    so that a late write has landed before the caller looks for it."""
+    gate = fault.stalls
+    with trio.fail_after(bound):
+        await gate.wait_stalled_async(1)  # the write is inside the engine
+    receiver.abort("test: abort while the write is under way")
+    if drain == "real":
+        with trio.move_on_after(quiet):
+            await released.wait()
+        assert not released.is_set(), "released while a write could still land"
+    else:
+        with trio.fail_after(bound):
+            await released.wait()  # the bug: released at once
+    gate.release_all()
+    with trio.fail_after(bound):
+        await released.wait()
+        await sender.wait_released()
+        # the write has returned (a counter: no event to wait on)
+        while fault.statistics().blocks_written == 0:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    await trio.sleep(quiet)
 
 
 def break_the_drain(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,7 +47,7 @@ from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, HostKVPool, PageAllocator, StateShape
 
 from .conftest import host_pool
-from .test_sanitizer import break_the_drain
+from .test_sanitizer import abort_a_stalled_write, break_the_drain
 
 BOUND = 15.0
 QUIET = 0.3
@@ -478,23 +478,7 @@ async def test_abort_during_the_state_write_leaves_no_late_write_in_a_slot(
             receiver = decode.receiver(8, bootstrap_url=bootstrap_url)
             receiver.init(np.arange(20, 24), 2, on_release=release, state_slots=[mine])
             sender.send(np.arange(4), last=True, state_slots=[[3, 4]])
-            with trio.fail_after(BOUND):
-                await gate.wait_stalled_async(1)  # the write is inside the engine
-            receiver.abort("test: abort while the write is under way")
-            if drain == "real":
-                with trio.move_on_after(QUIET):
-                    await released.wait()
-                assert not released.is_set(), "released while a write could still land"
-            else:
-                with trio.fail_after(BOUND):
-                    await released.wait()  # the bug: released at once
-            gate.release_all()
-            with trio.fail_after(BOUND):
-                await released.wait()
-                await sender.wait_released()
-                while faults[0].statistics().blocks_written == 0:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
-            await trio.sleep(QUIET)
+            await abort_a_stalled_write(drain, faults[0], receiver, sender, released)
             if drain == "real":
                 assert slots.late_in_free_rows() == 0
             else:
