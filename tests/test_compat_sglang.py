@@ -45,10 +45,11 @@ from trio_pd.compat.sglang import (
     KVSender,
     config_from_env,
     pool_from_kvargs,
+    states_from_kvargs,
 )
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
-from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator
+from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator, state_bytes
 
 from .test_sync import aborter, guarded  # (any books with the fields they use)
 
@@ -170,6 +171,101 @@ class SplitRows:
         return int(len(ids) - intact.sum())
 
 
+class StateType(enum.StrEnum):  # (SGLang's StateType, reduced: a str enum)
+    MAMBA = "mamba"
+    SWA = "swa"
+    DSA = "dsa"
+
+
+#: a Mamba state per layer, as (rows, row bytes): a conv state of 6 rows of 16 bytes and an
+#: SSM state of 4 heads of 64 bytes, the TP-split dim outermost (SGLang's layout)
+MAMBA_ROWS = ((6, 16), (4, 64))
+#: pages a sliding-window request keeps (its last ones)
+SWA_WINDOW = 3
+
+
+class States:
+    """One rank's state buffers as SGLang allocates them, and their KVArgs fields: a Mamba
+    type (conv states of every layer, then SSM states of every layer, ``(slots, rows x row
+    bytes)`` each, this rank's ``rows / tp_size`` rows) and an SWA type (a K and a V page
+    array per layer, ``3 x slots`` pages); a slot allocator per type with the lifetime
+    sanitizer (freed slots poisoned, late writes counted); the bytes a request's slots hold.
+
+    A request has one Mamba slot and the last ``min(SWA_WINDOW, pages)`` SWA pages."""
+
+    def __init__(self, *, slots: int, poison: int, kinds: Sequence[str] = ("mamba", "swa"),
+                 tp_rank: int = 0, tp_size: int = 1, dims: bool = True) -> None:
+        self.kinds, self.tp_rank, self.dims = tuple(kinds), tp_rank, dims
+        self.rows = [(n // tp_size, rb) for n, rb in MAMBA_ROWS for _ in range(LAYERS)]
+        page = PAGE_SIZE * 2 * HEAD_DIM * 2  # 2 heads of 8 float16 values, 4 tokens
+        arrays = {
+            "mamba": [np.zeros((slots, n * rb), np.uint8) for n, rb in self.rows],
+            "swa": [np.zeros((SWA_WINDOW * slots, page), np.uint8) for _ in range(2 * LAYERS)],
+        }
+        self.arrays = [arrays[k] for k in self.kinds]
+        self.alloc = [PageAllocator(SplitRows(a), poison) for a in self.arrays]
+
+    def add_to(self, args: KVArgs) -> KVArgs:
+        """``args`` with this rank's state fields, set as SGLang's scheduler sets them."""
+        args.state_types = [StateType(k) for k in self.kinds]
+        args.state_data_ptrs = [[int(a.ctypes.data) for a in arr] for arr in self.arrays]
+        args.state_data_lens = [[int(a.nbytes) for a in arr] for arr in self.arrays]
+        args.state_item_lens = [[int(a.shape[1]) for a in arr] for arr in self.arrays]
+        if self.dims:
+            args.state_dim_per_tensor = [[n for n, _ in self.rows] if k == "mamba" else []
+                                         for k in self.kinds]
+        return args
+
+    def take(self, npages: int) -> list[npt.NDArray[np.int64]] | None:
+        """A request's slots of each type, or None (and nothing held) when one is short."""
+        want = {"mamba": 1, "swa": min(SWA_WINDOW, npages)}
+        held: list[npt.NDArray[np.int64]] = []
+        for kind, alloc in zip(self.kinds, self.alloc, strict=True):
+            ids = alloc.alloc_nowait(want[kind])
+            if ids is None:
+                self.free(held)
+                return None
+            held.append(ids)
+        return held
+
+    def free(self, held: Sequence[npt.NDArray[np.int64]]) -> None:
+        for alloc, ids in zip(self.alloc, held, strict=False):
+            alloc.free(ids)
+
+    @staticmethod
+    def indices(held: Sequence[npt.NDArray[np.int64]]) -> list[Any]:
+        """SGLang's ``state_indices``: a list per type (lists and int32 arrays, as SGLang's
+        scheduler passes them)."""
+        return [ids.tolist() if c == 0 else ids.astype(np.int32) for c, ids in enumerate(held)]
+
+    def want(self, room: int, c: int, b: int, i: int) -> npt.NDArray[np.uint8]:
+        """Slot ``i`` of a request's slots of type ``c``, buffer ``b``, as this rank holds
+        it: a function of the byte's place in the whole (unsplit) slot, so that ranks of
+        other TP sizes agree."""
+        item = self.arrays[c][b].shape[1]
+        # (SGLang's room ids are 63-bit: the pattern takes them modulo a large prime)
+        return state_bytes(room % 2147483647, c, b, i, self.tp_rank * item + np.arange(item))
+
+    def fill(self, room: int, held: Sequence[npt.NDArray[np.int64]]) -> None:
+        for c, ids in enumerate(held):
+            for b, rows in enumerate(self.arrays[c]):
+                for i, slot in enumerate(ids.tolist()):
+                    rows[slot] = self.want(room, c, b, i)
+
+    def holds(self, room: int, held: Sequence[npt.NDArray[np.int64]]) -> bool:
+        """Whether every byte of the request's slots, every type and buffer, is right."""
+        return all(
+            bool((rows[slot] == self.want(room, c, b, i)).all())
+            for c, ids in enumerate(held) for b, rows in enumerate(self.arrays[c])
+            for i, slot in enumerate(ids.tolist())
+        )
+
+    def clean(self) -> bool:
+        """Every slot back, and none written after it was freed (poison intact)."""
+        return all(a.outstanding == 0 and a.late_writes == 0 and a.late_in_free_rows() == 0
+                   for a in self.alloc)
+
+
 def server_args(**kw: Any) -> SimpleNamespace:
     base = dict(host="127.0.0.1", disaggregation_bootstrap_port=0, tp_size=1, pp_size=1,
                 disaggregation_transfer_backend="mooncake")
@@ -189,6 +285,9 @@ class Side:
     src: Memory
     dst: Memory
     boot: KVBootstrapServer
+    #: the state buffers of each side (:class:`States`), when the pair has them
+    src_states: States | None = None
+    dst_states: States | None = None
 
     @property
     def addr(self) -> str:
@@ -199,25 +298,31 @@ class Side:
 def pair(
     engine_name: str = "mooncake", *, num_pages: int = 64, aux_slots: int = 16,
     wrap: Callable[[Any], Any] | None = None, decode_frees_on_terminal: bool = True,
-    decode_config: DecodeConfig | None = None,
+    decode_config: DecodeConfig | None = None, states: bool = False,
 ) -> Iterator[Side]:
     """A bootstrap service, a prefill and a decode manager over SGLang-shaped memory and two
-    real engines (closed last)."""
+    real engines (closed last); ``states``: with a Mamba and an SWA state type each
+    (:class:`States`, ``aux_slots`` Mamba slots)."""
     src = Memory(num_pages=num_pages, heads=2, aux_slots=aux_slots)
     dst = Memory(num_pages=num_pages, heads=2, aux_slots=aux_slots)
+    st = ((States(slots=aux_slots, poison=SOURCE_POISON),
+           States(slots=aux_slots, poison=DEST_POISON)) if states else (None, None))
     with ExitStack() as stack:
         pe = stack.enter_context(make_engine(engine_name))
         de = stack.enter_context(make_engine(engine_name))
         boot = stack.enter_context(KVBootstrapServer("127.0.0.1", 0))
+        src_args, dst_args = src.kvargs(), dst.kvargs()
+        if st[0] is not None and st[1] is not None:
+            src_args, dst_args = st[0].add_to(src_args), st[1].add_to(dst_args)
         prefill = stack.enter_context(KVManager(
-            src.kvargs(), Mode.PREFILL, server_args(), False,
+            src_args, Mode.PREFILL, server_args(), False,
             engine=wrap(pe) if wrap else pe, bootstrap_url=boot.url,
         ))
         decode = stack.enter_context(KVManager(
-            dst.kvargs(), "decode", server_args(), False, engine=de,
+            dst_args, "decode", server_args(), False, engine=de,
             free_on_terminal=decode_frees_on_terminal, config=decode_config,
         ))
-        yield Side(prefill, decode, src, dst, boot)
+        yield Side(prefill, decode, src, dst, boot, *st)
 
 
 # ------------------------------------------------------------------ the scheduler loops
@@ -296,15 +401,30 @@ class _P:
     pages: npt.NDArray[np.int64] | None = None
     slot: npt.NDArray[np.int64] | None = None
     sent: int = 0
+    held: list[npt.NDArray[np.int64]] = field(default_factory=list)  # state slots
+
+
+def _take_states(states: States | None, npages: int, pages: PageAllocator,
+                 slots: PageAllocator, taken: tuple[Any, Any]) -> list[Any] | None:
+    """The request's state slots (none without states), or None after handing the pages
+    and slot just taken back when a state type is short now."""
+    held = states.take(npages) if states is not None else []
+    if held is None:
+        pages.free(taken[0])
+        slots.free(taken[1])
+    return held
 
 
 def prefill_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], books: Books,
-                 pages: PageAllocator, slots: PageAllocator, deadline: float) -> None:
+                 pages: PageAllocator, slots: PageAllocator, deadline: float,
+                 states: States | None = None) -> None:
     """SGLang's prefill scheduler, reduced: a bootstrap queue (sender made, polled until
     WaitingForInput, then a metadata slot and pages, the KV and metadata written, ``init``),
     one chunk per request per step, the last one bringing the total to the pages given to
     init, and every request polled each step; on Success or Failed its pages and slot are
-    freed at once, as SGLang's loop does."""
+    freed at once, as SGLang's loop does. ``states``: each request also takes its state
+    slots, writes them, and names them in the last chunk's ``state_indices``; they are
+    freed with the pages."""
     pending = collections.deque(reqs)
     queued: dict[int, _P] = {}
     running: dict[int, _P] = {}
@@ -325,8 +445,14 @@ def prefill_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], bo
                 taken = take(slots, pages, st.req.npages)
                 if taken is None:
                     continue
+                held = _take_states(states, st.req.npages, pages, slots, taken)
+                if held is None:
+                    continue
                 st.pages, st.slot = ids, slot = taken
+                st.held = held
                 mem.fill(room, ids, int(slot[0]))
+                if states is not None:
+                    states.fill(room, held)
                 st.sender.init(st.req.npages, aux_index=int(slot[0]))
                 books.prefill_inited.add(room)
                 if st.req.late:
@@ -336,7 +462,11 @@ def prefill_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], bo
             assert st.pages is not None and st.slot is not None
             if st.sent < st.req.npages:
                 end = min(st.sent + st.req.chunk, st.req.npages)
-                st.sender.send(st.pages[st.sent:end].astype(np.int32))  # (SGLang's dtype)
+                chunk = st.pages[st.sent:end].astype(np.int32)  # (SGLang's dtype)
+                if states is not None and end == st.req.npages:  # the last chunk
+                    st.sender.send(chunk, state_indices=states.indices(st.held))
+                else:
+                    st.sender.send(chunk)
                 st.sent = end
             status = st.sender.poll()
             if status in TERMINAL:
@@ -346,6 +476,8 @@ def prefill_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], bo
                 st.sender.clear()
                 pages.free(st.pages)
                 slots.free(st.slot)
+                if states is not None:
+                    states.free(st.held)
                 books.prefill_freed[room] += 1
                 books.prefill_outcome[room] = status
                 del running[room]
@@ -358,15 +490,20 @@ class _D:
     receiver: KVReceiver
     pages: npt.NDArray[np.int64] | None = None
     slot: npt.NDArray[np.int64] | None = None
+    held: list[npt.NDArray[np.int64]] = field(default_factory=list)  # state slots
 
 
 def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], books: Books,
-                pages: PageAllocator, slots: PageAllocator, deadline: float) -> None:
+                pages: PageAllocator, slots: PageAllocator, deadline: float,
+                states: States | None = None) -> None:
     """SGLang's decode scheduler, reduced: a receiver per request (half ``init(0)``, the
     newer form), polled until WaitingForInput, then pages and a slot and ``send_metadata``
     (or the older ``init(kv_indices, aux_index)``); every request polled each step. On
     Success the KV and every metadata row are checked and freed. On Failed: freed at once
-    when the manager frees on terminal, else once ``pop_released()`` returns the room."""
+    when the manager frees on terminal, else once ``pop_released()`` returns the room.
+    ``states``: each request also takes its state slots and names them in
+    ``state_indices`` (the older ``init`` positionally); every byte of them is checked on
+    Success, and they are freed with the pages."""
     on_terminal = mgr.free_on_terminal
     pending = collections.deque(reqs)
     queued: dict[int, _D] = {}
@@ -391,11 +528,16 @@ def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], boo
                 taken = take(slots, pages, d.req.npages)
                 if taken is None:
                     continue
+                held = _take_states(states, d.req.npages, pages, slots, taken)
+                if held is None:
+                    continue
                 d.pages, d.slot = ids, slot = taken
+                d.held = held
+                extra = [States.indices(held)] if states is not None else []
                 if d.req.index % 2:
-                    d.receiver.send_metadata(ids.astype(np.int32), int(slot[0]))
-                else:
-                    d.receiver.init(ids.astype(np.int32), int(slot[0]))  # the older form
+                    d.receiver.send_metadata(ids.astype(np.int32), int(slot[0]), *extra)
+                else:  # the older form
+                    d.receiver.init(ids.astype(np.int32), int(slot[0]), *extra)
                 books.decode_given.add(room)
                 if d.req.late:
                     books.handles.put(("decode", d.req, d.receiver))
@@ -404,13 +546,17 @@ def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], boo
             assert d.pages is not None and d.slot is not None
             status = d.receiver.poll()
             if status == KVPoll.Success:
-                if mem.holds(room, d.pages, int(d.slot[0])):
+                if mem.holds(room, d.pages, int(d.slot[0])) and (
+                    states is None or states.holds(room, d.held)
+                ):
                     books.verified += 1
                 else:
                     books.corrupt.append(room)
                 d.receiver.clear()
                 pages.free(d.pages)
                 slots.free(d.slot)
+                if states is not None:
+                    states.free(d.held)
                 books.decode_outcome[room] = status
                 del transfer[room]
             elif status == KVPoll.Failed:
@@ -422,6 +568,8 @@ def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], boo
                 if on_terminal:
                     pages.free(d.pages)
                     slots.free(d.slot)
+                    if states is not None:
+                        states.free(d.held)
                     books.decode_failed_freed[room] += 1
                 else:
                     failed[room] = d
@@ -433,6 +581,8 @@ def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], boo
                 books.decode_outcome[room] = KVPoll.Failed
                 pages.free(d.pages)
                 slots.free(d.slot)
+                if states is not None:
+                    states.free(d.held)
                 books.decode_failed_freed[room] += 1
         time.sleep(STEP)
 
@@ -449,10 +599,29 @@ def test_sglang_loops_move_requests_with_aborts(engine_name: str, decode_frees: 
     prefill wrote, in every KV buffer and every metadata buffer; no page or slot leaks or is
     written after it was freed; every room handed over is freed exactly once (decode: each
     failed one, through pop_released or on its Failed poll)."""
+    run_loops(engine_name, decode_frees)
+
+
+@pytest.mark.parametrize("decode_frees", ["pop_released", "on_terminal"])
+def test_sglang_loops_move_state_slots_with_aborts(engine_name: str, decode_frees: str) -> None:
+    """The same loops over a pool with a Mamba and a sliding-window state type: every
+    request names its state slots in ``state_indices`` (prefill's last ``send``, decode's
+    ``send_metadata`` or older ``init``). Every Success holds every byte prefill wrote in
+    each of its state slots, of every buffer of both types; every state slot is freed
+    exactly once with its pages, and no freed slot is written (its poison intact), while
+    30% of the requests are aborted from the third thread."""
+    s = run_loops(engine_name, decode_frees, states=True)
+    assert [st.split for st in s.decode.pool.states] == ["segments", "rank"]
+
+
+def run_loops(engine_name: str, decode_frees: str, *, states: bool = False) -> Side:
+    """Run :func:`prefill_loop` and :func:`decode_loop` on threads, :func:`aborter` on a
+    third, over :func:`pair` (with its state types when ``states``), and check what the
+    loop tests promise. Returns the (closed) pair."""
     reqs = plan(seed=15)
     books = Books()
     with pair(engine_name, num_pages=256, aux_slots=48, wrap=lambda e: FaultEngine(e, slow_writes),
-              decode_frees_on_terminal=decode_frees == "on_terminal") as s:
+              decode_frees_on_terminal=decode_frees == "on_terminal", states=states) as s:
         src_pages = PageAllocator(SplitRows(s.src.pages), SOURCE_POISON)
         dst_pages = PageAllocator(SplitRows(s.dst.pages), DEST_POISON)
         # a slot is each metadata buffer's row and the adapter's own aux row
@@ -462,9 +631,11 @@ def test_sglang_loops_move_requests_with_aborts(engine_name: str, decode_frees: 
         deadline = started + 45
         loops = [
             threading.Thread(target=guarded(books, prefill_loop, s.prefill, s.src, s.addr, reqs,
-                                            books, src_pages, src_slots, deadline)),
+                                            books, src_pages, src_slots, deadline,
+                                            s.src_states)),
             threading.Thread(target=guarded(books, decode_loop, s.decode, s.dst, s.addr, reqs,
-                                            books, dst_pages, dst_slots, deadline)),
+                                            books, dst_pages, dst_slots, deadline,
+                                            s.dst_states)),
         ]
         second = threading.Thread(target=guarded(books, aborter, books, _abort_as_sglang))
         for t in [*loops, second]:
@@ -493,9 +664,13 @@ def test_sglang_loops_move_requests_with_aborts(engine_name: str, decode_frees: 
     for alloc in (src_pages, src_slots, dst_pages, dst_slots):
         assert alloc.outstanding == 0
         assert alloc.late_writes == 0 and alloc.late_in_free_rows() == 0
+    for side in (s.src_states, s.dst_states):
+        # every state slot back once, none written after it was freed
+        assert side is None or side.clean()
     assert len(books.abort_points) >= 3
     print(f"{N_REQUESTS} requests, {len(failed)} failed by aborts, in {moved:.2f} s;",
           dict(books.abort_points))
+    return s
 
 
 # ------------------------------------------------------------------ the release gate
@@ -788,7 +963,8 @@ def test_device_metadata_buffers_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     ({"pp_rank": 1}, {}, "KVArgs.pp_rank=1"),
     ({"prefill_start_layer": 2}, {}, "KVArgs.prefill_start_layer=2"),
     ({"system_dp_rank": 1}, {}, "KVArgs.system_dp_rank=1"),
-    ({"state_data_ptrs": [4096]}, {}, "KVArgs.state_data_ptrs"),
+    ({"state_types": ["minimax_index_k"], "state_data_ptrs": [[4096]],
+      "state_data_lens": [[64]], "state_item_lens": [[64]]}, {}, "KVArgs.state_types[0]"),
     ({}, {"pp_size": 2}, "server_args.pp_size=2"),
     ({}, {"disaggregation_transfer_backend": "fake"}, "--disaggregation-transfer-backend"),
 ])
@@ -818,9 +994,7 @@ def test_unsupported_call_knobs_are_named() -> None:
         sender.init(2, 0)
         receiver = KVReceiver(s.decode, s.addr, 4)
         calls += [
-            ("state_indices", lambda: sender.send([0], state_indices=[1])),
             ("decode_prefix_len=5", lambda: receiver.send_metadata([0], 0, None, 5)),
-            ("state_indices", lambda: receiver.send_metadata([0], 0, state_indices=[3])),
             ("aux_index=None", lambda: receiver.send_metadata([0])),
             ("prefill_dp_rank=1", lambda: receiver.init(1)),
         ]
@@ -828,6 +1002,12 @@ def test_unsupported_call_knobs_are_named() -> None:
             with pytest.raises(ConfigurationError, match=r"not supported|needs a") as info:
                 call()
             assert knob in str(info.value), (knob, info.value)
+        # state slots for a pool without state types: a ProtocolError naming both counts
+        for call in (lambda: sender.send([0], state_indices=[1]),
+                     lambda: receiver.send_metadata([0], 0, state_indices=[3])):
+            with pytest.raises(ProtocolError, match=r"1 entries, but KVArgs.state_types "
+                               r"names 0 state type\(s\)"):
+                call()
         # what is allowed in their place goes through
         receiver.init(prefill_dp_rank=0)
         poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
@@ -940,3 +1120,203 @@ def test_copying_aux_rows_still_work_and_do_not_pair_with_native(engine_name: st
             poll_until(lambda r=receiver: r.poll() == KVPoll.Success)
             assert dsts[0].holds(room, np.arange(4, 8), 2)
         assert not any(m.any() for m in dsts[1].meta)
+
+
+# ------------------------------------------------------------------ state types (hybrid models)
+
+
+def test_kvargs_state_types_become_the_pools_state_components() -> None:
+    """A Mamba-like state type (conv and SSM states per layer, with SGLang's per-tensor
+    dims) and an SWA-like one (K and V pages per layer) become the pool's two state
+    components, in order: named by the type, ``data_lens // item_lens`` slots, the buffers
+    as SGLang lists them; Mamba with dims split by segments (the dim's rows), SWA rank-local.
+    Without dims, or with conv sub-blocks sharded one by one, Mamba is rank-local too; DSA
+    index pages are replicated on an MLA backend; a type named twice gets numbered names."""
+    mem = Memory(num_pages=8, heads=2, aux_slots=4)
+    st = States(slots=5, poison=SOURCE_POISON)
+    args = st.add_to(mem.kvargs())
+    pool = pool_from_kvargs(args, is_mla=False, aux=AuxRows(args, native=True))
+    mamba, swa = pool.states
+    assert (mamba.name, mamba.slots, mamba.split) == ("mamba", 5, "segments")
+    assert mamba.buffers == tuple((int(a.ctypes.data), int(a.shape[1])) for a in st.arrays[0])
+    assert mamba.item_lens == (96, 96, 256, 256)
+    assert mamba.segments == (((16, 6),), ((16, 6),), ((64, 4),), ((64, 4),))
+    assert (swa.name, swa.slots, swa.split) == ("swa", 15, "rank")
+    assert swa.buffers == tuple((int(a.ctypes.data), 128) for a in st.arrays[1])
+    assert pool.region_kinds is not None and len(pool.region_kinds) == 4 + 4 + 4 + 4
+    assert [x.split for x in states_from_kvargs(
+        States(slots=5, poison=SOURCE_POISON, dims=False).add_to(mem.kvargs()))] == [
+        "rank", "rank"]
+    args.state_conv_shard_groups = [[None] * 4, []]  # None: one block, still segments
+    assert states_from_kvargs(args)[0].split == "segments"
+    args.state_conv_shard_groups = [[[2, 2, 2], [2, 2, 2], None, None], []]
+    assert states_from_kvargs(args)[0].split == "rank"
+    index = [np.zeros((16, 64), np.uint8) for _ in range(4)]
+    three = SimpleNamespace(
+        state_types=[StateType.DSA, "swa", StateType.SWA],
+        state_data_ptrs=[[int(index[0].ctypes.data)], [int(index[1].ctypes.data)],
+                         [int(a.ctypes.data) for a in index[2:]]],
+        state_data_lens=[[1024], [1024], [1024, 1024]], state_item_lens=[[64], [64], [64, 64]],
+    )
+    on_mla = states_from_kvargs(three, is_mla=True)
+    assert [(x.name, x.slots, x.split) for x in on_mla] == [
+        ("dsa", 16, "replicated"), ("swa.0", 16, "rank"), ("swa.1", 16, "rank")]
+    assert states_from_kvargs(three)[0].split == "rank"  # SGLang: MHA needs the same TP
+    assert states_from_kvargs(mem.kvargs()) == () and mem.kvargs().state_types == []
+
+
+def _state_kvargs(change: Callable[[KVArgs], None]) -> tuple[KVArgs, list[object]]:
+    mem = Memory(num_pages=8, heads=2, aux_slots=4)
+    st = States(slots=5, poison=SOURCE_POISON)
+    args = st.add_to(mem.kvargs())
+    change(args)
+    return args, [mem, st]  # (the memory lives as long as the caller keeps these)
+
+
+def _setitem(name: str, i: int, value: Any) -> Callable[[KVArgs], None]:
+    return lambda a: getattr(a, name).__setitem__(i, value)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda a: setattr(a, "state_types", a.state_types[:1]),
+     "need one entry per state type, got 1, 2, 2 and 2"),
+    (lambda a: setattr(a, "state_data_lens", a.state_data_lens[:1]),
+     "need one entry per state type, got 2, 2, 1 and 2"),
+    (lambda a: a.state_item_lens[1].pop(),
+     r"state type 1 \(swa\): .* need one entry per buffer, got 4, 4 and 3"),
+    (lambda a: setattr(a, "state_dim_per_tensor", a.state_dim_per_tensor[:1]),
+     r"state_dim_per_tensor needs one entry per state type \(2\), got 1"),
+    (lambda a: a.state_dim_per_tensor[0].pop(), "has 3 entries, but the type has 4 buffers"),
+    (_setitem("state_dim_per_tensor", 0, [5, 6, 4, 4]), "5 does not cut its 96-byte slot"),
+    (lambda a: a.state_data_lens[0].__setitem__(1, 4 * 96),
+     "buffer 1 holds 4 slots of 96 bytes, buffer 0 holds 5"),
+    (_setitem("state_data_ptrs", 1, []), r"state_data_ptrs\[1\] is empty"),
+    (lambda a: a.state_data_ptrs[1].__setitem__(0, 0), "needs an address"),
+    (lambda a: setattr(a, "state_data_ptrs", [4096, 8192]),  # (one list per type, not ints)
+     "state_data_ptrs must be a list .* of lists of ints"),
+    (_setitem("state_types", 1, 7), r"state_types\[1\] must be a StateType"),
+    (lambda a: a.state_data_ptrs[1].__setitem__(0, a.kv_data_ptrs[0]),  # (unified memory)
+     "overlap"),
+])
+def test_state_kvargs_that_disagree_are_refused(
+    change: Callable[[KVArgs], None], match: str
+) -> None:
+    """State fields whose lists disagree in length (across types, or across one type's
+    buffers), or that describe no usable buffers, are refused by the manager before
+    anything starts, with a ConfigurationError that says which."""
+    args, _keep = _state_kvargs(change)
+    with pytest.raises(ConfigurationError, match=match):
+        KVManager(args, "decode", server_args())
+
+
+def test_state_indices_that_do_not_fit_are_refused_and_slots_move(engine_name: str) -> None:
+    """``state_indices`` are one list of slots per state type: another count, a list of
+    lists, a string, slots outside their type or repeated, or slots on a chunk before the
+    last are refused with a ProtocolError on the scheduler's thread, and the room goes on;
+    then its slots move, each prefill slot to the decode slot of the same place. Two sides
+    that name different numbers of slots of a type fail the room (SGLang would cut the
+    longer list short)."""
+    with pair(engine_name, num_pages=16, aux_slots=4, states=True) as s:
+        assert s.src_states is not None and s.dst_states is not None
+        src_held = [np.array([2]), np.array([7, 1, 9])]
+        dst_held = [np.array([0]), np.array([4, 11, 5])]
+        s.src.fill(41, np.arange(3), 1)
+        s.src_states.fill(41, src_held)
+        sender = KVSender(s.prefill, s.addr, 41, [0], 0)
+        sender.init(3, 1)
+        receiver = KVReceiver(s.decode, s.addr, 41)
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        bad: list[tuple[Any, str]] = [
+            ([[0]], r"1 entries, but KVArgs.state_types names 2 state type\(s\) "
+                    r"\['mamba', 'swa'\]"),
+            ([[0], [[1, 2]]], "for 'swa' must be a list of slot ids"),
+            ([["a"], None], "for 'mamba' must be a list of slot ids"),
+            ("ab", "must be a list, one entry per state type"),
+            ([[5], None], r"slot 5 of state component 0 is outside \[0, 4\)"),
+            ([None, [3, 3]], "state component 1 repeat a slot"),
+        ]
+        for indices, match in bad:
+            with pytest.raises(ProtocolError, match=match):
+                receiver.send_metadata(np.arange(3, 6), 2, indices)
+        with pytest.raises(ProtocolError, match="aux_index and state_indices go to"):
+            receiver.init(0, state_indices=[None, None])
+        receiver.send_metadata(np.arange(3, 6), 2, States.indices(dst_held))
+        for indices, match in bad:
+            with pytest.raises(ProtocolError, match=match):
+                sender.send(np.arange(3), state_indices=indices)
+        with pytest.raises(ProtocolError, match="state slots go with the last chunk"):
+            sender.send([0], state_indices=States.indices(src_held))
+        sender.send([0], state_indices=[None, None])  # (no slot named: taken)
+        sender.send([1, 2], state_indices=States.indices(src_held))
+        poll_until(lambda: receiver.poll() in TERMINAL)
+        assert receiver.poll() == KVPoll.Success, receiver.failure
+        assert s.dst.holds(41, np.arange(3, 6), 2) and s.dst_states.holds(41, dst_held)
+        poll_until(lambda: sender.poll() == KVPoll.Success)
+        # a sliding window one page longer on decode than on prefill: the room fails
+        sender = KVSender(s.prefill, s.addr, 42, [0], 0)
+        sender.init(1, 0)
+        receiver = KVReceiver(s.decode, s.addr, 42)
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        receiver.send_metadata([8], 3, [[1], [2, 3]])
+        sender.send([5], state_indices=[[3], [10]])
+        poll_until(lambda: receiver.poll() == KVPoll.Failed)
+        with pytest.raises(TransferError, match="'swa': prefill has 1 slots for the room, "
+                                                "decode 2"):
+            receiver.failure_exception()
+        poll_until(lambda: sender.poll() == KVPoll.Failed)
+
+
+@pytest.mark.parametrize("dims", [True, False])
+def test_mamba_dims_let_two_prefill_ranks_fill_one_decode_rank(
+    engine_name: str, dims: bool
+) -> None:
+    """With ``state_dim_per_tensor`` a Mamba slot is split by its rows: prefill TP 2 (3 conv
+    rows and 2 SSM heads a rank) fills decode TP 1 (all of them), each prefill rank's rows
+    landing after the ranks before it, as SGLang's sliced transfer puts them. Without dims
+    the slots are rank-local and the pairing is refused: the room fails, nothing written."""
+    srcs = [Memory(num_pages=8, heads=1, aux_slots=4) for _ in range(2)]
+    dst = Memory(num_pages=8, heads=2, aux_slots=4)
+    src_states = [States(slots=4, poison=SOURCE_POISON, kinds=("mamba",), tp_rank=r,
+                         tp_size=2, dims=dims) for r in range(2)]
+    dst_states = States(slots=4, poison=DEST_POISON, kinds=("mamba",), dims=dims)
+    with ExitStack() as stack:
+        boot = stack.enter_context(KVBootstrapServer("127.0.0.1", 0))
+        prefills = [
+            stack.enter_context(KVManager(
+                st.add_to(m.kvargs(rank=r, total_heads=2)), "prefill", server_args(tp_size=2),
+                engine=stack.enter_context(make_engine(engine_name)), bootstrap_url=boot.url,
+            ))
+            for r, (m, st) in enumerate(zip(srcs, src_states, strict=True))
+        ]
+        mamba = prefills[1].pool.states[0]
+        assert mamba.segments[:1] == ((((16, 3),),) if dims else ())
+        decode = stack.enter_context(KVManager(
+            dst_states.add_to(dst.kvargs()), "decode", server_args(),
+            engine=stack.enter_context(make_engine(engine_name))))
+        addr = f"127.0.0.1:{boot.port}"
+        pages = np.arange(3)
+        senders = []
+        for r, (mgr, m, st) in enumerate(zip(prefills, srcs, src_states, strict=True)):
+            m.fill(7, pages, 1, first_head=r)
+            st.fill(7, [np.array([r + 1])])  # (each prefill rank's own slot)
+            sender = KVSender(mgr, addr, 7, [0], 0)
+            sender.init(3, 1)
+            senders.append(sender)
+        receiver = KVReceiver(decode, addr, 7)
+        if not dims:
+            poll_until(lambda: receiver.poll() == KVPoll.Failed, bound=5)
+            with pytest.raises(TransferError, match="split by TP rank with no segments"):
+                receiver.failure_exception()
+            assert all((a == DEST_POISON).all() for a in dst_states.arrays[0])
+            for sender in senders:
+                sender.abort()
+            return
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        receiver.send_metadata(pages + 4, 2, [[3]])
+        for r, sender in enumerate(senders):
+            sender.send(pages, state_indices=[[r + 1]])
+        poll_until(lambda: receiver.poll() in TERMINAL)
+        assert receiver.poll() == KVPoll.Success, receiver.failure
+        assert dst.holds(7, pages + 4, 2) and dst_states.holds(7, [np.array([3])])
+        assert all((a[[0, 1, 2]] == DEST_POISON).all() for a in dst_states.arrays[0])
+        poll_until(lambda: all(x.poll() == KVPoll.Success for x in senders))

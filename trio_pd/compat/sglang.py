@@ -45,9 +45,17 @@ first_layer=)``); a ``KVSender``'s ``pp_rank`` must be its manager's. Only the l
 writes the metadata (aux) rows, as SGLang's last PP rank makes the output. A decode manager
 reads the stages from the bootstrap service (``disaggregation_prefill_pp`` is not needed).
 
+State buffers of hybrid models map onto trio_pd's state components
+(:class:`~trio_pd.StateSpec`): each of ``KVArgs.state_types`` (Mamba, sliding window, DSA
+index) is one component of the pool, built from its ``state_data_ptrs`` / ``_lens`` /
+``_item_lens`` (:func:`states_from_kvargs`), and the ``state_indices`` a sender's last
+``send()`` or a receiver's ``send_metadata()`` gives, one list per state type, are the
+request's slots of each (``state_slots=`` of the facade), moved with the last chunk and
+freed with the pages.
+
 What trio_pd does not do raises :class:`~trio_pd.ConfigurationError` naming the knob:
 pipeline parallelism on decode (``pp_size``, ``KVArgs.pp_rank`` / ``prefill_start_layer``
-of a decode manager), state buffers of hybrid models (``state_indices``), a decode prefix
+of a decode manager), state types other than those (``KVArgs.state_types``), a decode prefix
 (``decode_prefix_len``), a DP rank other than 0 named on the decode side
 (``init(prefill_dp_rank)``, ``KVArgs.system_dp_rank`` of a decode manager), and (with
 ``native_aux=False`` only) device memory for the metadata buffers.
@@ -61,9 +69,9 @@ import enum
 import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -72,7 +80,7 @@ from .. import sync
 from .._closing import ClosesOnExit
 from .._decode import DecodeConfig
 from .._errors import ConfigurationError, ProtocolError, TransferError
-from .._memory import AUX_STAMP, PoolSpec, describe_pool
+from .._memory import AUX_STAMP, PoolSpec, StateSpec, describe_pool
 from .._prefill import PrefillAgent, PrefillConfig
 from .._state import KVPoll as KVPoll
 from .._stats import AgentStatistics
@@ -91,6 +99,7 @@ __all__ = [
     "config_from_env",
     "pool_from_kvargs",
     "room_epoch",
+    "states_from_kvargs",
 ]
 
 # SGLang's ``KVPoll`` values are ints (Failed=0, Bootstrapping=1, WaitingForInput=2,
@@ -135,7 +144,10 @@ class KVArgs:
     ``kv_item_lens`` (bytes of one page in each). Metadata buffers, all indexed by the same
     aux slot: ``aux_data_ptrs``, ``aux_data_lens``, ``aux_item_lens`` (bytes of one slot's
     item in each): the pool's aux buffers after the adapter's stamp rows (host memory only
-    with ``KVManager(native_aux=False)``, which copies them).
+    with ``KVManager(native_aux=False)``, which copies them). State buffers of hybrid
+    models, one entry per ``state_types`` entry: ``state_data_ptrs``, ``state_data_lens``,
+    ``state_item_lens`` (bytes of one slot), and for Mamba across TP sizes
+    ``state_dim_per_tensor``: the pool's state components (:func:`states_from_kvargs`).
     """
 
     #: this rank's TP rank within its prefill (or decode) attention TP group; with DP
@@ -148,8 +160,25 @@ class KVArgs:
     aux_data_ptrs: list[int] = field(default_factory=list)
     aux_data_lens: list[int] = field(default_factory=list)
     aux_item_lens: list[int] = field(default_factory=list)
-    #: state buffers of hybrid models (Mamba, sliding window): not supported, must be empty
-    state_data_ptrs: list[int] = field(default_factory=list)
+    #: state buffers of hybrid models, one entry per state type (each one state component
+    #: of the pool, :func:`states_from_kvargs`): SGLang's ``StateType`` of each ("mamba",
+    #: "swa", "dsa"; a str enum or a str)
+    state_types: list[Any] = field(default_factory=list)
+    #: per state type, its buffers' addresses (a Mamba type: conv and SSM state per layer; a
+    #: sliding-window or DSA type: one buffer per layer)
+    state_data_ptrs: list[list[int]] = field(default_factory=list)
+    #: per state type, each buffer's bytes
+    state_data_lens: list[list[int]] = field(default_factory=list)
+    #: per state type, the bytes of one slot in each buffer
+    state_item_lens: list[list[int]] = field(default_factory=list)
+    #: per state type, for Mamba across TP sizes: each buffer's TP-split (outermost) dim on
+    #: this rank (empty: none given, the slots are rank-local)
+    state_dim_per_tensor: list[list[int]] = field(default_factory=list)
+    #: per state type, per buffer: a Mamba conv state's head-sharded sub-blocks (None: one
+    #: block); given, the type's slots stay rank-local
+    state_conv_shard_groups: list[list[Any]] = field(default_factory=list)
+    #: per state type: dims outside the TP-split one; given (> 1), the slots stay rank-local
+    state_slice_outer_counts: list[Any] = field(default_factory=list)
     #: the RDMA device filter handed to the Mooncake engine ("" or None: all devices)
     ib_device: str | None = None
     #: the rank's GPU (informational: where each buffer lives is asked of CUDA)
@@ -213,8 +242,9 @@ def check_kvargs(args: object, *, system_dp: bool = False, pipeline: bool = Fals
     ``pp_rank`` / ``prefill_start_layer`` other than 0 (unless ``pipeline``: a prefill rank,
     whose PP stage they are; decode has no PP stages),
     ``system_dp_rank`` other than 0 (unless ``system_dp``: a prefill rank of an instance
-    with DP and no DP attention, whose DP rank it is), and ``state_data_ptrs`` (state buffers
-    of hybrid models). Raises :class:`~trio_pd.ConfigurationError`."""
+    with DP and no DP attention, whose DP rank it is). Raises
+    :class:`~trio_pd.ConfigurationError`. (The state buffers are checked where they become
+    the pool's state components, :func:`states_from_kvargs`.)"""
     knobs = [] if pipeline else [
         ("pp_rank", "pipeline parallelism on decode (a decode rank holds every layer)"),
         ("prefill_start_layer", "pipeline parallelism on decode (a decode rank holds every "
@@ -229,11 +259,6 @@ def check_kvargs(args: object, *, system_dp: bool = False, pipeline: bool = Fals
         value = _int(args, knob, 0)
         if value != 0:
             raise _unsupported(f"KVArgs.{knob}", value, why)
-    if _ints(args, "state_data_ptrs"):
-        raise _unsupported(
-            "KVArgs.state_data_ptrs", _ints(args, "state_data_ptrs"),
-            "state buffers of hybrid models (Mamba, sliding window) are not moved",
-        )
 
 
 def _check_server_args(server_args: object, mode: str = "decode") -> None:
@@ -286,28 +311,14 @@ class AuxRows:
                 "KVArgs.aux_data_ptrs is empty: trio_pd moves a metadata row with every "
                 "request and needs at least one metadata buffer to size its aux slots"
             )
-        if not len(ptrs) == len(lens) == len(items):
-            raise ConfigurationError(
-                "aux_data_ptrs, aux_data_lens and aux_item_lens need one entry per metadata "
-                f"buffer, got {len(ptrs)}, {len(lens)} and {len(items)}"
-            )
-        slots: int | None = None
-        for i, (ptr, length, item) in enumerate(zip(ptrs, lens, items, strict=True)):
-            if ptr <= 0 or item <= 0 or length < item:
-                raise ConfigurationError(
-                    f"metadata buffer {i}: address {ptr:#x}, {length} bytes, items of {item} "
-                    "bytes: needs an address and at least one item"
-                )
-            n = length // item
-            if slots is not None and n != slots:
-                raise ConfigurationError(
-                    f"metadata buffer {i} holds {n} slots of {item} bytes, buffer 0 holds "
-                    f"{slots}: every metadata buffer is indexed by the same aux slot"
-                )
-            slots = n
-            if not native:  # (native: the engine reaches them wherever they live)
+        slots = _common_slots(
+            ptrs, lens, items, "aux_data_ptrs, aux_data_lens and aux_item_lens",
+            lambda i: f"metadata buffer {i}",
+            "every metadata buffer is indexed by the same aux slot",
+        )
+        if not native:  # (native: the engine reaches them wherever they live)
+            for i, ptr in enumerate(ptrs):
                 _require_host(ptr, f"KVArgs.aux_data_ptrs[{i}]")
-        assert slots is not None
         self.ptrs: tuple[int, ...] = tuple(ptrs)
         self.item_lens: tuple[int, ...] = tuple(items)
         #: native: the metadata buffers as :func:`~trio_pd.describe_pool`'s ``extra_aux``,
@@ -358,6 +369,35 @@ class AuxRows:
             ctypes.memmove(item, part, n)
 
 
+def _common_slots(
+    ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], lists: str,
+    buffer: Callable[[int], str], same: str,
+) -> int:
+    """How many slots (items) each of several buffers holds, which must be one number:
+    ``ptrs``, ``lens`` and ``items`` (named ``lists``) give one address, size and item size
+    per buffer; ``buffer(i)`` names buffer ``i`` and ``same`` says why the counts must agree
+    in the :class:`~trio_pd.ConfigurationError` otherwise."""
+    if not len(ptrs) == len(lens) == len(items):
+        raise ConfigurationError(
+            f"{lists} need one entry per buffer, got {len(ptrs)}, {len(lens)} and {len(items)}"
+        )
+    slots: int | None = None
+    for i, (ptr, length, item) in enumerate(zip(ptrs, lens, items, strict=True)):
+        if ptr <= 0 or item <= 0 or length < item:
+            raise ConfigurationError(
+                f"{buffer(i)}: address {ptr:#x}, {length} bytes, items of {item} bytes: needs "
+                "an address and at least one item"
+            )
+        held = length // item
+        if slots is not None and held != slots:
+            raise ConfigurationError(
+                f"{buffer(i)} holds {held} slots of {item} bytes, buffer 0 holds {slots}: {same}"
+            )
+        slots = held
+    assert slots is not None
+    return slots
+
+
 def _require_host(ptr: int, what: str) -> None:
     """Refuse a pointer CUDA reports as device memory (without cuda-python nothing can
     tell, and every pointer counts as host memory)."""
@@ -369,6 +409,145 @@ def _require_host(ptr: int, what: str) -> None:
             f"{what} is in {kind} memory: the adapter copies metadata rows with memmove, "
             "host memory only; allocate SGLang's metadata buffers on the host"
         )
+
+
+# ---------------------------------------------------------------------------------- states
+
+#: the SGLang state types (``StateType`` values) the adapter maps onto state components
+STATE_TYPES: Final = ("mamba", "swa", "dsa")
+
+
+def _state_kind(value: object, i: int) -> str:
+    raw = getattr(value, "value", value)
+    if not isinstance(raw, str):
+        raise ConfigurationError(
+            f"KVArgs.state_types[{i}] must be a StateType (a str enum) or a str, got {value!r}"
+        )
+    if raw.lower() not in STATE_TYPES:
+        raise _unsupported(f"KVArgs.state_types[{i}]", raw,
+                           f"trio_pd maps the state types {', '.join(STATE_TYPES)}")
+    return raw.lower()
+
+
+def _nested_ints(args: object, name: str) -> list[list[int]]:
+    """``KVArgs.name`` as one list of ints per state type (a None entry reads as empty)."""
+    raw = _get(args, name, [])
+    try:
+        return [[] if inner is None else [int(v) for v in inner] for inner in raw]
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"KVArgs.{name} must be a list (one entry per state type) of lists of ints, "
+            f"got {raw!r}"
+        ) from exc
+
+
+def _given(entry: object) -> bool:
+    """Whether a ``state_conv_shard_groups`` / ``state_slice_outer_counts`` entry says
+    anything: an int above 1 somewhere in it (None, empty lists and 1s say nothing)."""
+    if entry is None:
+        return False
+    if isinstance(entry, int | np.integer):
+        return int(entry) > 1
+    if not isinstance(entry, Sequence | np.ndarray) or isinstance(entry, str | bytes):
+        raise ConfigurationError(
+            f"KVArgs.state_conv_shard_groups / state_slice_outer_counts: entries must be "
+            f"ints, lists or None, got {entry!r}"
+        )
+    return any(_given(e) for e in entry)
+
+
+def _more_slicing(args: object, i: int) -> bool:
+    """Whether SGLang slices state type ``i`` by more than its per-tensor dims (conv
+    sub-blocks sharded one by one, or dims outside the split one)."""
+    for name in ("state_conv_shard_groups", "state_slice_outer_counts"):
+        raw = _get(args, name, [])
+        if i < len(raw) and _given(raw[i]):
+            return True
+    return False
+
+
+def _mamba_segments(
+    args: object, i: int, items: Sequence[int], dims: Sequence[int], where: str,
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The segments of a Mamba state type with per-tensor dims: each buffer's slot is one
+    segment of ``dim`` units of ``item // dim`` bytes (the TP-split outermost dim, as
+    SGLang's sliced transfer cuts it); none (rank-local slots) when SGLang slices the type
+    further (:func:`_more_slicing`)."""
+    if len(dims) != len(items):
+        raise ConfigurationError(
+            f"{where}: state_dim_per_tensor[{i}] has {len(dims)} entries, but the type has "
+            f"{len(items)} buffers (one dim per buffer, or none)"
+        )
+    if _more_slicing(args, i):
+        return ()
+    segments = []
+    for b, (item, dim) in enumerate(zip(items, dims, strict=True)):
+        if dim < 1 or item % dim:
+            raise ConfigurationError(
+                f"{where}, buffer {b}: state_dim_per_tensor {dim} does not cut its "
+                f"{item}-byte slot into whole rows"
+            )
+        segments.append(((item // dim, dim),))
+    return tuple(segments)
+
+
+def states_from_kvargs(args: object, *, is_mla: bool = False) -> tuple[StateSpec, ...]:
+    """The pool's state components (:class:`~trio_pd.StateSpec`) for the state buffers
+    SGLang describes in ``args``: one per entry of ``KVArgs.state_types``, in that order.
+
+    * the name is the type's value ("mamba", "swa", "dsa"; a type named twice: "swa.0",
+      "swa.1"...), the buffers ``(state_data_ptrs[i][b], state_item_lens[i][b])``, and the
+      slots ``state_data_lens // state_item_lens``, the same for every buffer of the type;
+    * how TP splits a slot: "mamba" with ``state_dim_per_tensor`` by ``segments``, one per
+      buffer, ``dim`` units of ``item // dim`` bytes (rank-local when
+      ``state_conv_shard_groups`` or ``state_slice_outer_counts`` slice it further);
+      "mamba" without dims and "swa": rank-local (prefill and decode TP must match, as
+      SGLang requires); "dsa": replicated on an MLA backend (``is_mla``), where SGLang moves
+      the index pages whole between any TP sizes, else rank-local.
+
+    No state types: no components. Raises :class:`~trio_pd.ConfigurationError` naming what
+    disagrees: lists of different lengths (across types, or across one type's buffers), a
+    type other than those, a buffer without an address or a whole slot, buffers of one type
+    with different slot counts, dims that do not divide their slot.
+    """
+    raw_types = list(_get(args, "state_types", []))
+    ptrs = _nested_ints(args, "state_data_ptrs")
+    lens = _nested_ints(args, "state_data_lens")
+    items = _nested_ints(args, "state_item_lens")
+    dims = _nested_ints(args, "state_dim_per_tensor")
+    if not (raw_types or ptrs or lens or items):
+        return ()
+    if not len(raw_types) == len(ptrs) == len(lens) == len(items):
+        raise ConfigurationError(
+            "state_types, state_data_ptrs, state_data_lens and state_item_lens need one entry "
+            f"per state type, got {len(raw_types)}, {len(ptrs)}, {len(lens)} and {len(items)}"
+        )
+    if dims and len(dims) != len(raw_types):
+        raise ConfigurationError(
+            f"state_dim_per_tensor needs one entry per state type ({len(raw_types)}), got "
+            f"{len(dims)}"
+        )
+    kinds = [_state_kind(t, i) for i, t in enumerate(raw_types)]
+    out = []
+    for i, kind in enumerate(kinds):
+        p, n, it = ptrs[i], lens[i], items[i]
+        where = f"state type {i} ({kind})"
+        if not p:
+            raise ConfigurationError(f"{where}: state_data_ptrs[{i}] is empty, no buffer")
+        slots = _common_slots(
+            p, n, it,
+            f"{where}: state_data_ptrs[{i}], state_data_lens[{i}] and state_item_lens[{i}]",
+            lambda b: f"{where}, buffer {b}",  # noqa: B023 (called at once)
+            "every buffer of a state type is indexed by the same slot",
+        )
+        name = kind if kinds.count(kind) == 1 else f"{kind}.{kinds[:i].count(kind)}"
+        segments = (_mamba_segments(args, i, it, dims[i], where)
+                    if kind == "mamba" and dims and dims[i] else ())
+        out.append(StateSpec(
+            name, slots, tuple(zip(p, it, strict=True)),
+            replicated=kind == "dsa" and is_mla, segments=segments,
+        ))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------- the pool
@@ -398,14 +577,17 @@ def pool_from_kvargs(
       ``engine_rank * kv_head_num`` when ``total_kv_head_num > kv_head_num`` (0 otherwise);
     * ``head_bytes`` is ``kv_item_lens / (page_size * heads)``, and ``num_pages`` what every
       buffer holds (``kv_data_lens // kv_item_lens``; a smaller ``num_pages`` uses only the
-      first pages).
+      first pages);
+    * ``states``: the state components of ``state_types`` (:func:`states_from_kvargs`).
 
     Where each buffer lives is asked of CUDA (host memory without cuda-python). Raises
     :class:`~trio_pd.ConfigurationError` with the reason when the buffers disagree: lists of
     different lengths, an odd number of MHA buffers, buffers whose page sizes in bytes or
     page counts differ, a page that is not ``page_size x heads`` whole heads, a head range
-    outside the model's, or overlapping buffers.
+    outside the model's, state buffers :func:`states_from_kvargs` refuses, or overlapping
+    buffers (a state buffer that is also a KV buffer among them).
     """
+    states = states_from_kvargs(args, is_mla=is_mla)
     ptrs = _ints(args, "kv_data_ptrs")
     lens = _ints(args, "kv_data_lens")
     items = _ints(args, "kv_item_lens")
@@ -484,7 +666,7 @@ def pool_from_kvargs(
         layout=layout, page_size=page_size, num_layers=num_layers, head_bytes=head_bytes,
         buffers=[(p, n) for p, n in zip(ptrs, lens, strict=True)], aux=aux.rows,
         aux_item_len=aux.row_len, heads=heads, first_head=first_head, num_pages=num_pages,
-        aux_slots=aux.slots, extra_aux=aux.extra_aux,
+        aux_slots=aux.slots, extra_aux=aux.extra_aux, states=states,
     )
 
 
@@ -778,6 +960,49 @@ class KVManager(ClosesOnExit):
         if self.mode != mode:
             raise ConfigurationError(f"{what} needs a {mode} KVManager, this one is {self.mode}")
 
+    def _state_slots(
+        self, state_indices: object, what: str
+    ) -> list[npt.NDArray[np.int64]] | None:
+        """SGLang's ``state_indices`` as the facade's ``state_slots``: one list of slot ids
+        per state type of ``KVArgs.state_types``, in order (a None entry: no slot of that
+        type; a bare int: one slot). None or an empty list (SGLang's connector reads both as
+        "no states"): none given. Raises :class:`~trio_pd.ProtocolError` for any other
+        shape; the slots themselves (inside their component, none repeated) are checked by
+        the facade."""
+        if state_indices is None:
+            return None
+        names = [st.name for st in self.pool.states]
+        if isinstance(state_indices, str | bytes | Mapping) or not isinstance(
+            state_indices, Sequence | np.ndarray
+        ):
+            raise ProtocolError(f"{what}: state_indices must be a list, one entry per state "
+                                f"type, got {state_indices!r}")
+        entries = list(state_indices)
+        if not entries:
+            return None
+        if len(entries) != len(names):
+            raise ProtocolError(
+                f"{what}: state_indices has {len(entries)} entries, but KVArgs.state_types "
+                f"names {len(names)} state type(s) {names}: give one list of slots per state "
+                "type (None for a type the request has no slot of)"
+            )
+        out = []
+        for name, entry in zip(names, entries, strict=True):
+            if entry is None:
+                out.append(np.empty(0, dtype=np.int64))
+                continue
+            try:
+                arr = np.asarray(entry)
+            except (TypeError, ValueError):
+                arr = np.asarray(object())
+            if arr.ndim > 1 or (arr.size and arr.dtype.kind not in "iu") or (
+                not arr.size and arr.dtype.kind not in "iuf"
+            ):
+                raise ProtocolError(f"{what}: state_indices for {name!r} must be a list of "
+                                    f"slot ids (ints), got {entry!r}")
+            out.append(arr.reshape(-1).astype(np.int64))
+        return out
+
 
 # ---------------------------------------------------------------------------------- handles
 
@@ -919,7 +1144,9 @@ class KVSender(_Handle):
             facade = self._mgr.facade
             facade.thread.post(_fail_early, facade, self.room, room_epoch(self.room), reason)
 
-    def send(self, kv_indices: npt.ArrayLike, state_indices: Sequence[int] | None = None) -> None:
+    def send(
+        self, kv_indices: npt.ArrayLike, state_indices: Sequence[Any] | None = None
+    ) -> None:
         """Hand the next chunk of source page ids over; the chunk that brings the total to
         ``num_kv_indices`` is the last, and carries the request's metadata rows (read in
         place by the engine; with ``native_aux=False`` gathered into the adapter's aux row
@@ -927,23 +1154,29 @@ class KVSender(_Handle):
         SGLang's does, and leave them until the request's pages are free. The page ids are
         copied.
 
+        ``state_indices``, with the last chunk: the request's source slots of each state
+        type, one list per entry of ``KVArgs.state_types`` (None for a type it has none of),
+        as SGLang's scheduler passes them; slot ``i`` of a type goes to decode's slot ``i``
+        (``send_metadata``'s). They are the room's, like its pages, until those are free.
+
         The scheduler's thread; never blocks. Raises :class:`~trio_pd.ProtocolError` as
-        :meth:`trio_pd.sync.SyncSender.send` (before init, bad ids, past the total), and
-        :class:`~trio_pd.ConfigurationError` for ``state_indices``.
+        :meth:`trio_pd.sync.SyncSender.send` (before init, bad ids, past the total; state
+        slots outside their state type, repeated, or before the last chunk), and for
+        ``state_indices`` that are not one list per state type.
         """
-        if state_indices is not None and len(state_indices):
-            raise _unsupported("state_indices", state_indices,
-                               "state buffers of hybrid models are not moved")
         if self._num is None:
             raise ProtocolError(f"room {self.room}: send before init")
+        slots = self._mgr._state_slots(state_indices, f"room {self.room}: send")
         ids = np.asarray(kv_indices).reshape(-1)
         if self._early:
             self._sent += len(ids)
             return
         last = self._sent + len(ids) >= self._num
+        if slots is not None and not last and not any(len(s) for s in slots):
+            slots = None  # (no slot named: nothing to move before the last chunk)
         if last and self._sent + len(ids) == self._num:
             self._mgr.aux.gather(self._aux_index)
-        self._sender.send(ids, last=last)
+        self._sender.send(ids, last=last, state_slots=slots)
         self._sent += len(ids)
 
     def poll(self) -> KVPoll:
@@ -1014,58 +1247,71 @@ class KVReceiver(_Handle):
         prefill_dp_rank: int | npt.ArrayLike | None = None,
         aux_index: int | None = None,
         kv_indices: npt.ArrayLike | None = None,
+        state_indices: Sequence[Any] | None = None,
     ) -> None:
         """Both of SGLang's forms. ``init(prefill_dp_rank)``: pick the prefill DP rank; only
         0 (or None) is supported, and nothing else happens: the receiver began to resolve its
         prefill instance when it was made, and with DP attention the decode agent routes the
         room by itself, to the DP rank the prefill side announced to the bootstrap service
         (SGLang's scheduler need not resolve it: pass None). A DP rank named here cannot be
-        pinned any more. ``init(kv_indices, aux_index)`` (older SGLang): the same as
-        :meth:`send_metadata`."""
+        pinned any more. ``init(kv_indices, aux_index, state_indices)`` (older SGLang, the
+        three positionally, or by keyword): the same as :meth:`send_metadata`."""
         if kv_indices is None and (
             prefill_dp_rank is None or isinstance(prefill_dp_rank, int | np.integer)
         ):
-            if aux_index is not None:
-                raise ProtocolError("init(prefill_dp_rank): aux_index goes to send_metadata")
+            if aux_index is not None or state_indices is not None:
+                raise ProtocolError("init(prefill_dp_rank): aux_index and state_indices go to "
+                                    "send_metadata")
             if prefill_dp_rank not in (None, 0):
                 raise _unsupported("prefill_dp_rank", prefill_dp_rank,
                                    "naming a prefill DP rank other than 0 on decode (the "
                                    "receiver routes itself by the bootstrap service: pass None)")
             return
-        pages = prefill_dp_rank if kv_indices is None else kv_indices
+        if kv_indices is None:
+            pages = prefill_dp_rank
+        elif prefill_dp_rank is None or isinstance(prefill_dp_rank, int | np.integer):
+            pages = kv_indices  # (by keyword)
+        else:  # older SGLang, positionally: init(kv_indices, aux_index, state_indices)
+            if state_indices is not None:
+                raise ProtocolError("init(kv_indices, aux_index, state_indices): state_indices "
+                                    "given twice")
+            pages, state_indices = prefill_dp_rank, kv_indices  # type: ignore[assignment]
         assert pages is not None
-        self.send_metadata(pages, aux_index)
+        self.send_metadata(pages, aux_index, state_indices)
 
     def send_metadata(
         self,
         kv_indices: npt.ArrayLike,
         aux_index: int | None = None,
-        state_indices: Sequence[int] | None = None,
+        state_indices: Sequence[Any] | None = None,
         decode_prefix_len: int | None = None,
     ) -> None:
         """Ask for the request's KV into destination pages ``kv_indices`` and its metadata
-        into slot ``aux_index`` of the metadata buffers. From here the pages are trio_pd's
-        until Success (or, failed, until :meth:`poll` says Failed with
-        ``free_on_terminal``, else until :meth:`KVManager.pop_released` returns the room).
+        into slot ``aux_index`` of the metadata buffers, and its state slots into
+        ``state_indices``: one list per entry of ``KVArgs.state_types`` (None for a type it
+        has none of), prefill's slot ``i`` of a type into slot ``i`` here. From here the
+        pages and state slots are trio_pd's until Success (or, failed, until :meth:`poll`
+        says Failed with ``free_on_terminal``, else until :meth:`KVManager.pop_released`
+        returns the room).
 
         The scheduler's thread; never blocks. Raises :class:`~trio_pd.ProtocolError` as
-        :meth:`trio_pd.sync.SyncReceiver.init`, and :class:`~trio_pd.ConfigurationError` for
-        ``aux_index=None``, ``state_indices``, or a ``decode_prefix_len`` other than 0.
+        :meth:`trio_pd.sync.SyncReceiver.init` (bad page ids or aux slot; state slots outside
+        their state type or repeated) and for ``state_indices`` that are not one list per
+        state type, and :class:`~trio_pd.ConfigurationError` for ``aux_index=None`` or a
+        ``decode_prefix_len`` other than 0.
         """
         if aux_index is None:
             raise _unsupported("aux_index", None, "the request's metadata row travels with "
                                "its KV, in its aux slot")
-        if state_indices is not None and len(state_indices):
-            raise _unsupported("state_indices", state_indices,
-                               "state buffers of hybrid models are not moved")
         if decode_prefix_len not in (None, 0):
             raise _unsupported("decode_prefix_len", decode_prefix_len,
                                "a decode-side prefix cache (the whole request's KV is moved)")
+        slots = self._mgr._state_slots(state_indices, f"room {self.room}: send_metadata")
         self._aux_index = int(aux_index)
         self._mgr._hold(self)
         self._given = True
         try:
-            self._receiver.init(kv_indices, self._aux_index)
+            self._receiver.init(kv_indices, self._aux_index, state_slots=slots or ())
         except BaseException:
             self._given = False
             self._mgr._unhold(self)
