@@ -94,8 +94,13 @@ async def open_pair(
     wrap: Callable[[TransferEngine], TransferEngine] | None = None,
     prefill_config: PrefillConfig | None = None,
     decode_config: DecodeConfig | None = None,
+    src: HostKVPool | None = None,
+    dst: HostKVPool | None = None,
 ) -> AsyncIterator[Pair]:
-    src, dst = host_pool(layout), host_pool(layout)
+    """One prefill and one decode rank on loopback, each with a host pool (``src`` and
+    ``dst``, or :func:`host_pool` of ``layout``)."""
+    src = src or host_pool(layout)
+    dst = dst or host_pool(layout)
     pe: TransferEngine = make_engine(engine_name)
     de = make_engine(engine_name)
     if wrap is not None:

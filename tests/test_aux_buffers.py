@@ -31,8 +31,6 @@ from trio_pd import (
     KVPoll,
     PrefillAgent,
     cli,
-    open_decode,
-    open_prefill,
 )
 from trio_pd._demo import DemoOptions, run_in_process
 from trio_pd._memory import (
@@ -46,7 +44,7 @@ from trio_pd._memory import (
 )
 from trio_pd._plan import plan_aux, validate_blocks
 from trio_pd._topology import pairing_problem
-from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import (
     DEST_POISON,
@@ -56,7 +54,7 @@ from trio_pd.testing.pools import (
     extra_aux_lens,
 )
 
-from .conftest import host_pool
+from .conftest import host_pool, open_pair
 from .test_sanitizer import abort_a_stalled_write, break_the_drain
 
 BOUND = 15.0
@@ -258,18 +256,9 @@ async def aux_pair(
     src, dst = host_pool(extra_aux_lens=src_lens), host_pool(extra_aux_lens=dst_lens)
     for rows in (dst.aux, *dst.extra_aux):
         rows[...] = DEST_POISON
-    pe: TransferEngine = make_engine(engine_name)
-    de = make_engine(engine_name)
-    if wrap is not None:
-        pe = wrap(pe)
-    try:
-        async with open_prefill(engine=pe, pool=src.spec, bootstrap_url=url,
-                                kv_heads=2) as prefill, \
-                open_decode(engine=de, pool=dst.spec, config=decode_config) as decode:
-            yield prefill, decode, src, dst
-    finally:
-        pe.close()
-        de.close()
+    async with open_pair(engine_name, url, src=src, dst=dst, wrap=wrap,
+                         decode_config=decode_config) as pair:
+        yield pair.prefill, pair.decode, src, dst
 
 
 def poisoned(dst: HostKVPool, slots: list[int]) -> bool:
@@ -409,7 +398,7 @@ async def test_demo_with_aux_buffers_aborts_and_faults_leaves_no_late_write() ->
     opts = DemoOptions(
         aux_buffers=2, requests=80, concurrency=4, abort_rate=0.5, fault_rate=1.0,
         fault_kinds=("delay_before", "partial"), fault_delay=0.005, max_tokens=256,
-        seed=3,
+        seed=3, quarantine_fence=1.0,
     )
     summary = await run_in_process(opts)
     assert summary["aborted"] > 0 and summary["engine_errors"] > 0, summary

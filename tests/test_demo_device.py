@@ -187,7 +187,7 @@ async def test_demo_aborts_and_faults_on_device_pools_of_the_stand_in(
     ~11 s)."""
     opts = _demo.DemoOptions(
         engine=engine_name, device="cuda", requests=30, concurrency=8, max_tokens=256,
-        chunk_pages=2, layers=1, abort_rate=0.3, fault_rate=0.2, seed=0,
+        chunk_pages=2, layers=1, abort_rate=0.3, fault_rate=0.2, seed=0, quarantine_fence=1.0,
     )
     with trio.fail_after(60):
         summary = await _demo.run_in_process(opts)

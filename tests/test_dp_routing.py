@@ -620,7 +620,7 @@ async def test_the_demo_routes_two_prefill_dp_ranks(engine: str) -> None:
     opts = DemoOptions(requests=24, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,
                        chunk_pages=3, layers=1, head_bytes=16, kv_heads=4, prefill_tp=2,
                        prefill_dp=2, abort_rate=0.2, fault_rate=0.1, engine=engine, seed=2,
-                       request_bound=20.0)
+                       request_bound=20.0, quarantine_fence=1.0)
     assert opts.option_problem() is None
     with trio.fail_after(90):
         summary = await run_in_process(opts)

@@ -203,7 +203,8 @@ async def test_geometry_with_aborts_and_faults_leaves_no_trace() -> None:
     opts = DemoOptions(requests=30, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,
                        chunk_pages=3, layers=1, head_bytes=16, v_head_bytes=8, page_pad=5,
                        page_layout="hnd", kv_heads=8, prefill_tp=2, decode_tp=4,
-                       abort_rate=0.3, fault_rate=0.2, engine="mooncake", seed=3)
+                       abort_rate=0.3, fault_rate=0.2, engine="mooncake", seed=3,
+                       quarantine_fence=1.0)
     with trio.fail_after(90):
         summary = await run_in_process(opts)
     assert summary["aborted"] > 0 and summary["engine_errors"] > 0, summary

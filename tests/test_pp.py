@@ -478,7 +478,7 @@ async def test_the_demo_runs_pp_with_aborts_and_faults() -> None:
     opts = DemoOptions(requests=24, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,
                        chunk_pages=3, layers=4, head_bytes=16, kv_heads=4, prefill_tp=2,
                        decode_tp=2, prefill_pp=2, abort_rate=0.2, fault_rate=0.05, seed=3,
-                       request_bound=20.0)
+                       request_bound=20.0, quarantine_fence=1.0)
     assert opts.option_problem() is None
     assert "--prefill-pp" in (DemoOptions(layers=3, prefill_pp=2).option_problem() or "")
     with trio.fail_after(90):

@@ -118,7 +118,8 @@ def test_the_wire_carries_the_prefix_only_when_there_is_one() -> None:
 async def test_the_demo_with_a_prefix_aborts_and_faults_leaves_no_trace() -> None:
     opts = DemoOptions(requests=30, concurrency=6, min_tokens=1, max_tokens=64, page_size=4,
                        chunk_pages=3, layers=1, head_bytes=16, kv_heads=4, decode_tp=2,
-                       prefix_tokens=12, abort_rate=0.3, fault_rate=0.2, seed=5)
+                       prefix_tokens=12, abort_rate=0.3, fault_rate=0.2, seed=5,
+                       quarantine_fence=1.0)
     assert opts.option_problem() is None
     with trio.fail_after(90):
         summary = await run_in_process(opts)

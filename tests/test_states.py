@@ -46,7 +46,7 @@ from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, HostKVPool, PageAllocator, StateShape
 
-from .conftest import host_pool
+from .conftest import host_pool, open_pair
 from .test_sanitizer import abort_a_stalled_write, break_the_drain
 
 BOUND = 15.0
@@ -305,18 +305,9 @@ async def state_pair(
     src, dst = mamba_pool(), mamba_pool(shape=dst_shape)
     for rows in dst.state_arrays[0]:
         rows[...] = DEST_POISON
-    pe: TransferEngine = make_engine(engine_name)
-    de = make_engine(engine_name)
-    if wrap is not None:
-        pe = wrap(pe)
-    try:
-        async with open_prefill(engine=pe, pool=src.spec, bootstrap_url=url,
-                                kv_heads=2) as prefill, \
-                open_decode(engine=de, pool=dst.spec, config=decode_config) as decode:
-            yield prefill, decode, src, dst
-    finally:
-        pe.close()
-        de.close()
+    async with open_pair(engine_name, url, src=src, dst=dst, wrap=wrap,
+                         decode_config=decode_config) as pair:
+        yield pair.prefill, pair.decode, src, dst
 
 
 def poisoned(dst: HostKVPool, slots: list[int]) -> bool:
@@ -507,6 +498,7 @@ async def test_demo_with_mamba_states_aborts_and_faults_leaves_no_late_write() -
     opts = DemoOptions(
         states=("mamba",), requests=40, concurrency=4, abort_rate=0.5, fault_rate=1.0,
         fault_kinds=("delay_before", "partial"), fault_delay=0.005, max_tokens=256, seed=5,
+        quarantine_fence=1.0,
     )
     summary = await run_in_process(opts)
     assert summary["aborted"] > 0 and summary["engine_errors"] > 0, summary

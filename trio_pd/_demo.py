@@ -123,6 +123,12 @@ class DemoOptions:
     #: (an index page per KV page, per layer, the same on every TP rank). Filled, moved with
     #: the last chunk, verified and sanitized like the pages
     states: tuple[str, ...] = ()
+    #: how long a prefill rank keeps the pages of a failed engine call before it probes
+    #: (``PrefillConfig.quarantine_fence``; None: the engine's own write deadline plus a
+    #: margin, 6 s and more). Tests whose faults are all injected around calls that return
+    #: at once shorten it; a real write still under way at the fence would then show as a
+    #: late write
+    quarantine_fence: float | None = None
 
     @property
     def stage_layers(self) -> int:
@@ -196,6 +202,9 @@ class DemoOptions:
                     f"at least 0, got {self.prefix_tokens}")
         if not (math.isfinite(self.fault_delay) and self.fault_delay >= 0):
             return f"--fault-delay must be a number of seconds >= 0, got {self.fault_delay}"
+        fence = self.quarantine_fence
+        if fence is not None and not (math.isfinite(fence) and fence > 0):
+            return f"quarantine_fence must be a positive number of seconds, got {fence}"
         if not (math.isfinite(self.request_bound) and self.request_bound > 0):
             return f"request_bound must be a positive number of seconds, got {self.request_bound}"
         if self.max_tokens < self.min_tokens:
@@ -554,7 +563,8 @@ async def run_prefill_rank(
         async with open_prefill(
             engine=engine, pool=pool.spec, bootstrap_url=bootstrap_url, tp_rank=tp_rank,
             tp_size=opts.prefill_tp, kv_heads=opts.kv_heads if opts.layout == "mha" else 1,
-            config=PrefillConfig(bootstrap_timeout=opts.request_bound),
+            config=PrefillConfig(bootstrap_timeout=opts.request_bound,
+                                 quarantine_fence=opts.quarantine_fence),
             token=token, secure=True if opts.secure else None,
             dp_rank=dp, dp_size=opts.prefill_dp,
             pp_rank=pp, pp_size=opts.prefill_pp, first_layer=first_layer,
