@@ -34,6 +34,7 @@ import zmq.utils.monitor
 from trio_pd import (
     AuthenticationError,
     ConfigurationError,
+    DecodeConfig,
     IncompatiblePeer,
     KVPoll,
     PrefillConfig,
@@ -618,7 +619,11 @@ async def test_transfer_from_a_dropped_peer_fails_its_room_at_once(engine_name: 
                 engine=engines[0], pool=src.spec, bootstrap_url=server.url, kv_heads=2,
                 token=TOKEN, secure=True, config=cfg,
             ) as prefill,
-            open_decode(engine=engines[1], pool=dst_a.spec, token=TOKEN, secure=True) as a,
+            # A's abort of room 3 is never acked (its registration is gone, so its ABORT is
+            # refused): the room's pages stay held, unproven, and A's close stops waiting
+            # for it after close_timeout, not the default 10 s
+            open_decode(engine=engines[1], pool=dst_a.spec, token=TOKEN, secure=True,
+                        config=DecodeConfig(close_timeout=0.5)) as a,
             open_decode(engine=engines[2], pool=dst_b.spec, token=TOKEN, secure=True) as b,
         ):
             pair = Pair(prefill, a, src, dst_a, server.url, engines[0])
@@ -635,6 +640,7 @@ async def test_transfer_from_a_dropped_peer_fails_its_room_at_once(engine_name: 
             assert "register again" in str(sender.failure)
             assert prefill.statistics().auth_refused == 0
             receiver.abort()
+        assert a.statistics().rooms_unproven_at_close == 1  # held: no proof came
     finally:
         for e in engines:
             e.close()
