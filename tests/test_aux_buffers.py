@@ -45,7 +45,6 @@ from trio_pd._memory import (
 from trio_pd._plan import plan_aux, validate_blocks
 from trio_pd._topology import pairing_problem
 from trio_pd.engines import TransferEngine
-from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import (
     DEST_POISON,
     HostKVPool,
@@ -55,7 +54,7 @@ from trio_pd.testing.pools import (
 )
 
 from .conftest import host_pool, open_pair
-from .test_sanitizer import abort_a_stalled_write, break_the_drain
+from .test_sanitizer import abort_a_stalled_write, stall_every_write
 
 BOUND = 15.0
 QUIET = 0.3
@@ -336,13 +335,7 @@ async def test_abort_during_a_write_leaves_no_late_write_in_any_aux_buffer(
     drain broken (prefill abandons the running call on abort, as in
     tests/test_sanitizer.py), the write lands after the release, and the sanitizer sees it
     in every aux buffer."""
-    if drain == "broken":
-        break_the_drain(monkeypatch)
-    faults: list[FaultEngine] = []
-
-    def wrap(engine: TransferEngine) -> TransferEngine:
-        faults.append(FaultEngine(engine, lambda _i, _p, _n: Fault("stall")))
-        return faults[0]
+    faults, wrap = stall_every_write(drain, monkeypatch)
 
     async with aux_pair(engine_name, bootstrap_url, wrap=wrap) as (prefill, decode, src, dst):
         gate = faults[0].stalls

@@ -7,6 +7,7 @@ code, the same run reports none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,7 +16,8 @@ import trio
 from trio_pd import DecodeReceiver, PrefillSender, _prefill
 from trio_pd._demo import DemoOptions, run_in_process
 from trio_pd._lane import run_to_end
-from trio_pd.engines.fault import FaultEngine
+from trio_pd.engines import TransferEngine
+from trio_pd.engines.fault import Fault, FaultEngine
 
 # Small delayed writes on every call and many aborts: aborts land while writes are in flight.
 OPTS = DemoOptions(
@@ -29,6 +31,23 @@ async def test_real_drain_has_no_late_writes() -> None:
     assert summary["aborted"] > 0
     assert summary["late_writes"] == 0
     assert summary["corrupt_pages"] == 0
+
+
+def stall_every_write(
+    drain: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[FaultEngine], Callable[[TransferEngine], TransferEngine]]:
+    """Set-up of a drain test: the drain broken if ``drain == "broken"``
+    (:func:`break_the_drain`), and a ``wrap`` for prefill's engine that stalls every write
+    in a :class:`FaultEngine`, which lands in the returned list."""
+    if drain == "broken":
+        break_the_drain(monkeypatch)
+    faults: list[FaultEngine] = []
+
+    def wrap(engine: TransferEngine) -> TransferEngine:
+        faults.append(FaultEngine(engine, lambda _i, _p, _n: Fault("stall")))
+        return faults[0]
+
+    return faults, wrap
 
 
 async def abort_a_stalled_write(

@@ -43,11 +43,10 @@ from trio_pd._memory import HOST, PoolSpec, describe_pool
 from trio_pd._plan import plan_states, validate_blocks
 from trio_pd._topology import served_decode_ranks, source_ranks, state_cuts, state_problem
 from trio_pd.engines import TransferEngine, make_engine
-from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, HostKVPool, PageAllocator, StateShape
 
 from .conftest import host_pool, open_pair
-from .test_sanitizer import abort_a_stalled_write, break_the_drain
+from .test_sanitizer import abort_a_stalled_write, stall_every_write
 
 BOUND = 15.0
 QUIET = 0.3
@@ -443,13 +442,7 @@ async def test_abort_during_the_state_write_leaves_no_late_write_in_a_slot(
     every buffer of the component at release and checks it) sees no late write. With the
     drain broken (prefill abandons the running call on abort), the write lands in the slots
     after their release, and the sanitizer sees it."""
-    if drain == "broken":
-        break_the_drain(monkeypatch)
-    faults: list[FaultEngine] = []
-
-    def wrap(engine: TransferEngine) -> TransferEngine:
-        faults.append(FaultEngine(engine, lambda _i, _p, _n: Fault("stall")))
-        return faults[0]
+    faults, wrap = stall_every_write(drain, monkeypatch)
 
     async with state_pair(engine_name, bootstrap_url, wrap=wrap) as (prefill, decode, src, dst):
         gate = faults[0].stalls
