@@ -994,7 +994,6 @@ def test_unsupported_call_knobs_are_named() -> None:
         sender.init(2, 0)
         receiver = KVReceiver(s.decode, s.addr, 4)
         calls += [
-            ("decode_prefix_len=5", lambda: receiver.send_metadata([0], 0, None, 5)),
             ("aux_index=None", lambda: receiver.send_metadata([0])),
             ("prefill_dp_rank=1", lambda: receiver.init(1)),
         ]
@@ -1002,6 +1001,9 @@ def test_unsupported_call_knobs_are_named() -> None:
             with pytest.raises(ConfigurationError, match=r"not supported|needs a") as info:
                 call()
             assert knob in str(info.value), (knob, info.value)
+        # a decode prefix that is not whole pages: a ProtocolError
+        with pytest.raises(ProtocolError, match="decode_prefix_len 5 is not a whole number"):
+            receiver.send_metadata([0], 0, None, PAGE_SIZE + 1)
         # state slots for a pool without state types: a ProtocolError naming both counts
         for call in (lambda: sender.send([0], state_indices=[1]),
                      lambda: receiver.send_metadata([0], 0, state_indices=[3])):
@@ -1022,6 +1024,37 @@ def test_unsupported_call_knobs_are_named() -> None:
 
 
 # ------------------------------------------------------------------ small shapes
+
+
+def test_a_decode_prefix_is_skipped_by_the_prefill_rank(engine_name: str) -> None:
+    """SGLang's decode radix cache: the decode side holds the request's first two pages
+    (``decode_prefix_len`` in tokens) and names pages for the rest. The prefill scheduler
+    asks ``pop_decode_prefix_len()`` (0) and sends the whole request; the prefill rank
+    skips the prefix, so decode's pages hold exactly the request's pages 2..5 and the pages
+    it holds of its own are never written."""
+    with pair(engine_name) as s:
+        room, pages = 83, np.arange(6)
+        s.src.fill(room, pages, 1)
+        sender = KVSender(s.prefill, s.addr, room, [0], 0)
+        assert sender.pop_decode_prefix_len() == 0
+        sender.init(6, 1)
+        receiver = KVReceiver(s.decode, s.addr, room)
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        own = np.array([40, 41])  # the prefix pages decode holds (its cache): not written
+        for rows in s.dst.pages:
+            rows[own] = 0x33
+        dst_pages = np.arange(20, 24)
+        receiver.send_metadata(dst_pages, 2, decode_prefix_len=2 * PAGE_SIZE)
+        sender.send(pages[:3])
+        sender.send(pages[3:])
+        poll_until(lambda: receiver.poll() in TERMINAL)
+        assert receiver.poll() == KVPoll.Success, receiver.failure
+        want = kv_pattern(room, len(s.dst.kv), 6, 0, s.dst.heads)
+        for b, rows in enumerate(s.dst.pages):
+            assert (rows[dst_pages] == want[b][2:]).all()
+            assert (rows[own] == 0x33).all()
+        poll_until(lambda: sender.poll() == KVPoll.Success)
+
 
 
 def test_kvpoll_compares_equal_to_sglang_ints() -> None:

@@ -55,8 +55,8 @@ freed with the pages.
 
 What trio_pd does not do raises :class:`~trio_pd.ConfigurationError` naming the knob:
 pipeline parallelism on decode (``pp_size``, ``KVArgs.pp_rank`` / ``prefill_start_layer``
-of a decode manager), state types other than those (``KVArgs.state_types``), a decode prefix
-(``decode_prefix_len``), a DP rank other than 0 named on the decode side
+of a decode manager), state types other than those (``KVArgs.state_types``), a DP rank
+other than 0 named on the decode side
 (``init(prefill_dp_rank)``, ``KVArgs.system_dp_rank`` of a decode manager), and (with
 ``native_aux=False`` only) device memory for the metadata buffers.
 """
@@ -367,6 +367,21 @@ class AuxRows:
         native: only check the slot (the engine wrote the metadata buffers)."""
         for part, item, n in self._copies(slot):
             ctypes.memmove(item, part, n)
+
+
+def _prefix_pages(tokens: object, page_size: int, where: str) -> int:
+    """SGLang's ``decode_prefix_len`` (tokens; None: 0) as whole pages, or
+    :class:`~trio_pd.ProtocolError`."""
+    if tokens is None:
+        return 0
+    if not isinstance(tokens, int | np.integer) or isinstance(tokens, bool) or tokens < 0:
+        raise ProtocolError(f"{where}: decode_prefix_len must be an int >= 0, not {tokens!r}")
+    if int(tokens) % page_size:
+        raise ProtocolError(
+            f"{where}: decode_prefix_len {int(tokens)} is not a whole number of pages of "
+            f"{page_size} tokens"
+        )
+    return int(tokens) // page_size
 
 
 def _common_slots(
@@ -1099,6 +1114,15 @@ class KVSender(_Handle):
         #: aborted before init: the room never reaches trio_pd's facade
         self._early = False
 
+    def pop_decode_prefix_len(self) -> int:
+        """How many of the request's first tokens the decode side holds already (its radix
+        cache), for a scheduler that then sends only the rest: always 0 here. A decode
+        prefix is honoured by trio_pd's prefill rank itself, which learns it from decode's
+        metadata and skips those pages as it writes; so the scheduler sends the whole
+        request, and the decode side names the prefix (``send_metadata(...,
+        decode_prefix_len=)``). Any thread; never blocks."""
+        return 0
+
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """Create the room: ``num_kv_indices`` source *pages* will come through :meth:`send`,
         and the request's metadata is in slot ``aux_index`` of the metadata buffers.
@@ -1297,21 +1321,26 @@ class KVReceiver(_Handle):
         The scheduler's thread; never blocks. Raises :class:`~trio_pd.ProtocolError` as
         :meth:`trio_pd.sync.SyncReceiver.init` (bad page ids or aux slot; state slots outside
         their state type or repeated) and for ``state_indices`` that are not one list per
-        state type, and :class:`~trio_pd.ConfigurationError` for ``aux_index=None`` or a
-        ``decode_prefix_len`` other than 0.
+        state type, and :class:`~trio_pd.ConfigurationError` for ``aux_index=None``.
+
+        ``decode_prefix_len``: the request's first tokens this rank holds already (its radix
+        cache; a multiple of ``KVArgs.page_size``, else :class:`~trio_pd.ProtocolError`);
+        ``kv_indices`` are then the pages after them, and the prefill ranks skip the prefix
+        (``prefix_pages`` of :meth:`trio_pd.sync.SyncReceiver.init`). The prefill side's
+        scheduler sends the whole request: its :meth:`KVSender.pop_decode_prefix_len` is 0.
         """
         if aux_index is None:
             raise _unsupported("aux_index", None, "the request's metadata row travels with "
                                "its KV, in its aux slot")
-        if decode_prefix_len not in (None, 0):
-            raise _unsupported("decode_prefix_len", decode_prefix_len,
-                               "a decode-side prefix cache (the whole request's KV is moved)")
+        prefix_pages = _prefix_pages(decode_prefix_len, self._mgr.pool.page_size,
+                                     f"room {self.room}")
         slots = self._mgr._state_slots(state_indices, f"room {self.room}: send_metadata")
         self._aux_index = int(aux_index)
         self._mgr._hold(self)
         self._given = True
         try:
-            self._receiver.init(kv_indices, self._aux_index, state_slots=slots or ())
+            self._receiver.init(kv_indices, self._aux_index, prefix_pages=prefix_pages,
+                                state_slots=slots or ())
         except BaseException:
             self._given = False
             self._mgr._unhold(self)
