@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import trio
 
 from trio_pd import (
     DecodeAgent,
@@ -54,6 +55,13 @@ def keep_environ() -> Iterator[None]:
 async def bootstrap_url() -> AsyncIterator[str]:
     async with open_bootstrap_server() as server:
         yield server.url
+
+
+async def poll_until(pred: Callable[[], bool]) -> None:
+    """Wait for a condition that has no event to wait on (a statistics counter, an agent's
+    private table) by polling it. Callers bound every use with ``trio.fail_after``."""
+    while not pred():  # noqa: ASYNC110 - counters and private tables have no trio.Event
+        await trio.sleep(0.005)
 
 
 def host_pool(layout: str = "mha", *, num_pages: int = 256, **kw: Any) -> HostKVPool:

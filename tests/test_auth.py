@@ -50,8 +50,8 @@ from trio_pd._stats import Counters
 from trio_pd._zmq import Socket, open_socket
 from trio_pd.engines import make_engine
 
-from .conftest import Pair, host_pool, open_pair
-from .test_bad_input import poll_until, raw_push, register, transfer
+from .conftest import Pair, host_pool, open_pair, poll_until
+from .test_bad_input import raw_push, register, transfer
 
 V = _wire.WIRE_VERSION
 TOKEN = "test-cluster-token"

@@ -40,7 +40,7 @@ from trio_pd._zmq import Socket, open_socket
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
 
-from .conftest import Pair, host_pool, open_pair
+from .conftest import Pair, host_pool, open_pair, poll_until
 
 V = _wire.WIRE_VERSION
 _nonces = itertools.count(10_000_000)
@@ -48,12 +48,6 @@ _nonces = itertools.count(10_000_000)
 
 # ------------------------------------------------------------------------ helpers
 
-
-async def poll_until(pred: Callable[[], bool]) -> None:
-    """Wait for a condition that has no event to wait on (a statistics counter, an agent's
-    private table) by polling it. Callers bound every use with ``trio.fail_after``."""
-    while not pred():  # noqa: ASYNC110 - counters and private tables have no trio.Event
-        await trio.sleep(0.005)
 
 
 @asynccontextmanager

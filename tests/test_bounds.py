@@ -28,13 +28,12 @@ from trio_pd import DecodeConfig, KVPoll, PrefillConfig, _wire
 from trio_pd._lane import Lane
 from trio_pd.engines import make_engine
 
-from .conftest import open_pair
+from .conftest import open_pair, poll_until
 from .test_bad_input import (
     barrier,
     fake_decode,
     finish_good_room,
     good_room,
-    poll_until,
     raw_push,
     register,
     transfer,

@@ -51,7 +51,7 @@ from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator, state_bytes
 
-from .test_sync import aborter, guarded  # (any books with the fields they use)
+from .test_sync import aborter, guarded, poll_until  # (any books with the fields they use)
 
 
 def _abort_as_sglang(handle: Any) -> None:
@@ -60,12 +60,6 @@ def _abort_as_sglang(handle: Any) -> None:
 BOUND = 20.0
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
-
-def poll_until(pred: Callable[[], bool], bound: float = BOUND) -> None:
-    deadline = time.monotonic() + bound
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.002)
 
 
 # ------------------------------------------------------------------ SGLang-shaped memory

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -64,11 +64,6 @@ BOUND = 20.0
 KV_HEADS = 2
 TOKEN = "dp-routing test token, shared by the cluster"
 
-
-async def poll_until(pred: Callable[[], bool]) -> None:
-    """For a condition with no event (a counter); callers bound it with ``trio.fail_after``."""
-    while not pred():  # noqa: ASYNC110 - counters have no trio.Event
-        await trio.sleep(0.005)
 
 
 # ------------------------------------------------------------------------------ a cluster

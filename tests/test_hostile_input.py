@@ -43,7 +43,7 @@ from trio_pd._zmq import Socket
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
 
-from .conftest import Pair, host_pool, open_pair
+from .conftest import Pair, host_pool, open_pair, poll_until
 from .test_bad_input import (
     as_dict,
     barrier,
@@ -51,7 +51,6 @@ from .test_bad_input import (
     fake_decode,
     finish_good_room,
     good_room,
-    poll_until,
     raw_push,
     register,
     transfer,

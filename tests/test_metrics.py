@@ -36,15 +36,10 @@ from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.metrics import STATISTICS_NAMES, AgentMetrics
 from trio_pd.testing.pools import HostKVPool, PageAllocator
 
-from .conftest import host_pool
+from .conftest import host_pool, poll_until
 
 ENGINE = "mooncake"
 
-
-async def poll_until(pred: Callable[[], bool]) -> None:
-    """Callers bound every use with ``trio.fail_after``."""
-    while not pred():  # noqa: ASYNC110 - counters have no trio.Event
-        await trio.sleep(0.005)
 
 
 @dataclasses.dataclass

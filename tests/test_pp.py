@@ -38,14 +38,11 @@ from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import AUX_ITEM_LEN, HostKVPool
 
+from .conftest import poll_until
+
 BOUND = 20.0
 PAGE, HEAD_BYTES, PAGES = 4, 16, 64
 
-
-async def poll_until(pred: Callable[[], bool]) -> None:
-    """For a condition with no event (a counter); callers bound it with ``trio.fail_after``."""
-    while not pred():  # noqa: ASYNC110 - counters have no trio.Event
-        await trio.sleep(0.005)
 
 
 # ------------------------------------------------------------------------------ a cluster

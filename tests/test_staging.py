@@ -27,7 +27,8 @@ from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import HostKVPool
 
-from .test_topology import open_cluster, poll_until
+from .conftest import poll_until
+from .test_topology import open_cluster
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -31,7 +31,7 @@ from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import HostKVPool
 
-from .conftest import ENGINES
+from .conftest import ENGINES, poll_until
 
 # ------------------------------------------------------------------------ the matrix
 
@@ -184,12 +184,6 @@ async def open_cluster(
             for r in cluster.prefill:
                 r.scope.cancel()
 
-
-async def poll_until(pred: Callable[[], bool]) -> None:
-    """Wait for a condition that has no event to wait on by polling it. Callers bound every
-    use with ``trio.fail_after``."""
-    while not pred():  # noqa: ASYNC110 - counters and private tables have no trio.Event
-        await trio.sleep(0.005)
 
 
 def _fail_every_write(_index: int, _peer: str, _nblocks: int) -> Fault:

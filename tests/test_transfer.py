@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any, Literal
@@ -36,14 +36,7 @@ from trio_pd._plan import chunk_ranges
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
 
-from .conftest import Pair, host_pool, open_pair
-
-
-async def poll_until(pred: Callable[[], bool]) -> None:
-    """Wait for a condition that has no event to wait on (a statistics counter, an agent's
-    private table) by polling it. Callers bound every use with ``trio.fail_after``."""
-    while not pred():  # noqa: ASYNC110 - counters and private tables have no trio.Event
-        await trio.sleep(0.005)
+from .conftest import Pair, host_pool, open_pair, poll_until
 
 
 async def test_one_room_bytes_arrive(engine_name: str, bootstrap_url: str) -> None:
