@@ -404,9 +404,7 @@ class DecodeAgent:
         if not 0 <= aux_slot < self.pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
         slots = check_state_slots(
-            [st.slots for st in self.pool.states],
-            state_slots if state_slots or not self.pool.states
-            else [() for _ in self.pool.states], "destination",
+            [st.slots for st in self.pool.states], state_slots, "destination"
         )
         rec.on_release = on_release
         if self.metrics is not None:

@@ -837,9 +837,12 @@ def check_state_slots(
 ) -> tuple[npt.NDArray[np.int64], ...]:
     """Slots of each state component, checked: one list per component (``sizes`` are their
     slot counts), each of integers inside the component and none repeated (two writes
-    would land on one slot). Raises :class:`~trio_pd.ProtocolError`; the ``what`` side
-    ("source", "destination") names them in the reason."""
+    would land on one slot); none at all (empty) means no slot of any component. Raises
+    :class:`~trio_pd.ProtocolError`; the ``what`` side ("source", "destination") names them
+    in the reason."""
     lists = list(slots)
+    if not lists:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in sizes)
     if len(lists) != len(sizes):
         raise ProtocolError(
             f"{what} state slots: one list per state component ({len(sizes)}), "

@@ -318,8 +318,7 @@ class PrefillRoom:
             if not last:
                 raise ProtocolError(f"room {self.room}: state slots go with the last chunk")
             slots = check_state_slots(
-                self.state_sizes, (() for _ in self.state_sizes)
-                if state_slots is None else state_slots, "source",
+                self.state_sizes, () if state_slots is None else state_slots, "source"
             )
         end = self.sent_pages + len(pages)
         if end > self.num_pages or (last and end != self.num_pages):

@@ -564,8 +564,7 @@ class SyncSender(_Handle):
             if not last:
                 raise ProtocolError(f"room {self.room}: state slots go with the last chunk")
             slots = check_state_slots(
-                [st.slots for st in pool.states],
-                state_slots if state_slots is not None else [() for _ in pool.states],
+                [st.slots for st in pool.states], () if state_slots is None else state_slots,
                 "source",
             )
         with self._lock:
@@ -630,11 +629,7 @@ class SyncReceiver(_Handle):
         validate_pages(ids, pool.num_pages)
         if not 0 <= aux_slot < pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {pool.aux_slots})")
-        slots = check_state_slots(
-            [st.slots for st in pool.states],
-            state_slots if state_slots or not pool.states else [() for _ in pool.states],
-            "destination",
-        )
+        slots = check_state_slots([st.slots for st in pool.states], state_slots, "destination")
         with self._init_lock:
             if self._inited:
                 raise ProtocolError(f"room {self.room}: init called twice")
