@@ -155,10 +155,6 @@ class StateSpec:
         return [Region(base, self.slots * n, k)
                 for (base, n), k in zip(self.buffers, ks, strict=True)]
 
-    def slot_address(self, buffer: int, slot: int) -> int:
-        base, n = self.buffers[buffer]
-        return base + slot * n
-
 
 def _state_problem(state: StateSpec) -> str | None:
     """What is wrong with a state component's description, or None."""
