@@ -32,7 +32,12 @@ def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:
         assert key in r, key
     assert r["ceiling_gbps"] > 0 and r["trio_pd_gbps"] > 0 and r["ratio"] > 0
     assert r["corrupt_pages"] == 0 and r["failed"] == 0
-    assert r["verified_bytes"] > 0
+    # every run is verified, each round's timed run and its lateness run: per run, the
+    # load's bytes but for its aux rows (checked apart, by stamp)
+    runs = 2 * r["options"]["ceiling_repeats"]
+    assert r["verified_bytes"] % runs == 0
+    assert 0 <= r["bytes"] - r["verified_bytes"] // runs <= 1024 * r["requests"]
+    assert r["loop_samples"] > 0  # the lateness run happened
     for key in ("overhead_us", "loop_lateness_ms", "abort_release_ms", "abort_release_burst_ms"):
         assert set(r[key]) >= {"p50", "p99"}, key
     assert r["overhead_us"]["p50"] is not None
