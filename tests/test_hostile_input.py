@@ -397,6 +397,89 @@ async def test_unpairable_register_is_contained(engine_name: str, bootstrap_url:
         await one_good_room(pair, 2)
 
 
+# ------------------------------------------------------- TRANSFERs a room must not take
+
+
+@pytest.mark.parametrize("forged_rank", [0, 5], ids=["second", "other-rank"])
+async def test_a_forged_transfer_changes_no_room(
+    engine_name: str, bootstrap_url: str, forged_rank: int
+) -> None:
+    """A TRANSFER for a room that already has decode rank 0's: a second one from rank 0 (a
+    replay, a bug, a forgery from the decode endpoint), or one that names a rank the endpoint
+    did not register as. It used to replace (or join) the room's target: prefill wrote the
+    request into pages, an aux row and a state slot decode never gave the room, and both
+    sides reported Success. Now it is refused and counted, and the room writes what decode
+    asked for, once."""
+    from trio_pd.testing.pools import DEST_POISON, StateShape
+
+    shape = StateShape("mamba", (32,))
+    src = host_pool(states=(shape,), state_slots=(8,))
+    dst = host_pool(states=(shape,), state_slots=(8,))
+    for arr in dst.state_arrays[0]:
+        arr[...] = DEST_POISON
+    async with closes_in_time() as stack:
+        pair = await stack.enter_async_context(
+            open_pair(engine_name, bootstrap_url, src=src, dst=dst)
+        )
+        p, room = pair.prefill, 31
+        src.fill(np.arange(4), room)
+        src.fill_aux(0, room)
+        src.fill_state(0, np.array([2]), room)
+        sender = p.sender(room, num_pages=4, aux_slot=0)
+        receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url)
+        receiver.init(np.arange(10, 14), 1, state_slots=[[1]])
+        await poll_until(lambda: sender.poll() is KVPoll.WaitingForInput)
+        before = p.statistics()
+        forged = transfer(
+            room, receiver.epoch, pair.decode.endpoint, 4, decode_rank=forged_rank,
+            aux_slot=7, state_slots=((5,),),
+        )
+        async with raw_push(p.endpoint) as sock:
+            await sock.send_multipart(_wire.encode(forged, np.arange(200, 204)))
+            await poll_until(lambda: p.statistics().refused_messages > before.refused_messages)
+        sender.send(np.arange(4), last=True, state_slots=[[2]])
+        with trio.fail_after(10):
+            assert await receiver.wait() is KVPoll.Success, receiver.failure
+            assert await sender.wait() is KVPoll.Success, sender.failure
+        assert (dst.kv[:, 10:14] == src.expected(room, 4)).all()
+        assert (dst.kv[:, 200:204] == 0).all()  # never given to the room: untouched
+        assert dst.aux_ok(1, room) and not dst.aux_ok(7, room)
+        assert dst.bad_state_slots(0, np.array([1]), room) == 0
+        assert (dst.state_arrays[0][0][5] == DEST_POISON).all()
+        assert stats_delta(p.statistics(), before, "refused_messages") == 1
+
+
+@pytest.mark.parametrize(
+    ("registered", "named"), [(2, 2), (0, 1)], ids=["not-served", "not-its-rank"]
+)
+async def test_a_transfer_naming_a_rank_this_rank_must_not_write_is_refused(
+    engine_name: str, bootstrap_url: str, registered: int, named: int
+) -> None:
+    """Prefill rank 0 of TP 2 writes to decode ranks 0 and 1 of TP 4. A TRANSFER from a
+    decode registered as rank 2 (its REGISTER pairs), or one from rank 0 that names rank 1,
+    is refused, not parked as a target rank 0 would write to (with rank 1's heads, in the
+    second case, into rank 0's memory); real rooms go on."""
+    async with closes_in_time() as stack:
+        tp2 = await stack.enter_async_context(open_tp2(engine_name, bootstrap_url))
+        fake = await stack.enter_async_context(fake_decode())
+        p = tp2.prefills[0]
+        # decode rank r of TP 4, two KV heads: it holds head r // 2
+        pool = host_pool(heads=1, first_head=registered // 2)
+        async with raw_push(p.endpoint) as sock:
+            await sock.send_multipart(_wire.encode(register(
+                fake.endpoint, tp2.engines[2], pool.spec, decode_rank=registered, decode_tp=4,
+            )))
+            await barrier(sock, fake)
+            assert p.peers.get(fake.endpoint) is not None  # registered: it pairs
+            before = p.statistics()
+            msg = transfer(77, 1, fake.endpoint, 2, decode_rank=named, required=2)
+            await sock.send_multipart(_wire.encode(msg, np.array([1, 2])))
+            await barrier(sock, fake)
+        assert stats_delta(p.statistics(), before, "refused_messages") == 1
+        assert 77 not in p.book.parked
+        await tp2.room(bootstrap_url, 4)
+
+
 # --------------------------------------------------------------- a TP 2 prefill instance
 
 

@@ -600,6 +600,17 @@ class PrefillAgent:
             if refused is not None and rec is not None:
                 self._carry(rec, rec.machine.close(IncompatiblePeer(refused)))
             raise ProtocolError(f"TRANSFER from unregistered endpoint {msg.endpoint}")
+        if msg.decode_rank != peer.decode_rank:
+            # (its REGISTER's rank decided which heads, aux row and state units it gets)
+            raise ProtocolError(
+                f"TRANSFER from {msg.endpoint} names decode rank {msg.decode_rank}; it "
+                f"registered as rank {peer.decode_rank}"
+            )
+        if msg.decode_rank not in served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp):
+            raise ProtocolError(
+                f"TRANSFER from decode rank {msg.decode_rank} of TP {peer.decode_tp}: prefill "
+                f"rank {self.tp_rank} of TP {self.tp_size} does not write to it"
+            )
         if verdict.refuse is not None:
             if verdict.abort_room is not None and rec is not None:
                 error = TransferAborted(f"room {msg.room} was aborted by decode before this use")

@@ -417,11 +417,21 @@ class PrefillRoom:
         """A decode rank's TRANSFER for this room, from a registered peer. Validated here:
         a bad one fails the room and that rank is told at once (it must not wait for its
         own deadline); a late one for a room already over is answered Failed or dropped.
-        A refusal is reported as a :class:`Refused` effect (the listener counts it)."""
+        A refusal is reported as a :class:`Refused` effect (the listener counts it).
+
+        A second TRANSFER from a decode rank that already has one for this use of the room is
+        refused and changes nothing: the first one's pages, aux row and slots stay the
+        target (decode sends one per use, so a second is a replay, a bug or a forgery; taking
+        it would write the room's bytes into memory decode never gave this room and still
+        report Success)."""
         if self.leases.closed or self.published:
             if self.cell.status is KVPoll.Failed:
                 return [SendFailed(endpoint, epoch, reason_of(self.cell.failure))]
             return []
+        if decode_rank in self.targets:
+            return [Refused(ProtocolError(
+                f"a second TRANSFER for room {self.room} from decode rank {decode_rank}"
+            ))]
         try:
             if self.epoch is not None and epoch != self.epoch:
                 raise ProtocolError(f"room {self.room}: epoch {epoch} disagrees with {self.epoch}")
