@@ -94,9 +94,30 @@ async def test_a_prefix_that_does_not_add_up_fails_the_room_and_writes_nothing(
 
 async def test_init_refuses_a_bad_prefix(engine_name: str, bootstrap_url: str) -> None:
     async with open_pair(engine_name, bootstrap_url) as pair:
-        receiver = pair.decode.receiver(20, bootstrap_url=pair.url)
+        for room, bad in enumerate([-1, 1.0, True, "2", (1 << 30) + 1], start=20):
+            receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+            with pytest.raises(ProtocolError, match="prefix_pages"):
+                receiver.init(np.arange(2), 0, prefix_pages=bad)  # type: ignore[arg-type]
+            receiver.abort()
+
+
+def test_the_thread_facade_checks_the_prefix_before_the_room_is_inited() -> None:
+    """A refused prefix leaves the handle as it was: the same init with a good one (a numpy
+    integer, as scheduler code often has) then goes through. It used to mark the room
+    inited first, so the retry was refused as a second init."""
+    from trio_pd import sync
+    from trio_pd.engines import make_engine
+
+    from .conftest import host_pool
+
+    dst = host_pool()
+    with make_engine("mooncake") as de, sync.open_decode(engine=de, pool=dst.spec) as decode:
+        receiver = decode.receiver(21, bootstrap_url="http://127.0.0.1:9")
         with pytest.raises(ProtocolError, match="prefix_pages"):
             receiver.init(np.arange(2), 0, prefix_pages=-1)
+        receiver.init(np.arange(2), 0, prefix_pages=np.int64(1))  # not "init called twice"
+        with pytest.raises(ProtocolError, match="init called twice"):
+            receiver.init(np.arange(2), 0)
         receiver.abort()
 
 

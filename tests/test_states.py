@@ -400,6 +400,7 @@ async def test_a_decode_pool_with_other_states_is_refused(
     (lambda r: r.init(np.arange(4), 0, state_slots=[[1, 1]]), "repeat a slot"),
     (lambda r: r.init(np.arange(4), 0, state_slots=[[1], [2]]), "one list per state"),
     (lambda r: r.init(np.arange(4), 0, state_slots=[[0.5]]), "list of ints"),
+    (lambda r: r.init(np.arange(4), 0, state_slots=[[1, [2]]]), "list of ints"),  # ragged
 ])
 async def test_decode_refuses_bad_state_slots(
     bootstrap_url: str, call: Callable[[Any], None], match: str
@@ -430,6 +431,89 @@ async def test_prefill_refuses_bad_state_slots(bootstrap_url: str) -> None:
             sender.abort()
     finally:
         engine.close()
+
+
+async def test_more_state_slots_than_a_transfer_carries_are_refused_up_front(
+    bootstrap_url: str,
+) -> None:
+    """A request naming more slots than its TRANSFER's header can carry is refused by
+    ``init`` and ``send``, before anything is committed: the TRANSFER used to fail to encode
+    later, in the task that resolves every room's instance, and the error tore the decode
+    agent down (or, once resolved, ``init`` raised with the room half made, and its
+    ``on_release`` still ran at its deadline)."""
+    from trio_pd._memory import MAX_REQUEST_STATE_SLOTS
+
+    many = MAX_REQUEST_STATE_SLOTS + 1
+    tiny = StateShape("swa", (1,))
+    src = host_pool(states=(tiny,), state_slots=(many,))
+    dst = host_pool(states=(tiny,), state_slots=(many,))
+    released: list[int] = []
+    async with open_pair("mooncake", bootstrap_url, src=src, dst=dst) as pair:
+        receiver = pair.decode.receiver(1, bootstrap_url=bootstrap_url)
+        with pytest.raises(ProtocolError, match=f"more than {MAX_REQUEST_STATE_SLOTS}"):
+            receiver.init(np.arange(4), 0, state_slots=[np.arange(many)],
+                          on_release=lambda: released.append(1))
+        sender = pair.prefill.sender(1, num_pages=4, aux_slot=0)
+        with pytest.raises(ProtocolError, match=f"more than {MAX_REQUEST_STATE_SLOTS}"):
+            sender.send(np.arange(4), last=True, state_slots=[np.arange(many)])
+        receiver.abort()
+        sender.abort()
+        # the agents serve on
+        slots = np.array([0, 7, many - 1])
+        src.fill(np.arange(4), 2)
+        src.fill_aux(1, 2)
+        src.fill_state(0, slots, 2)
+        sender = pair.prefill.sender(2, num_pages=4, aux_slot=1)
+        receiver = pair.decode.receiver(2, bootstrap_url=bootstrap_url)
+        receiver.init(np.arange(4, 8), 1, state_slots=[slots])
+        sender.send(np.arange(4), last=True, state_slots=[slots])
+        with trio.fail_after(10):
+            assert await receiver.wait() is KVPoll.Success, receiver.failure
+        assert dst.bad_state_slots(0, slots, 2) == 0
+    assert released == []
+    # and a TRANSFER right at the bound, its slots as long as msgpack makes them, encodes
+    most = (1 << 63) - 1
+    at_bound = _wire.Transfer(
+        v=_wire.WIRE_VERSION, room=most, epoch=most, endpoint="tcp://127.0.0.1:65535",
+        decode_rank=0, aux_slot=most, required=1, num_pages=4, prefix_pages=0,
+        state_slots=(tuple(range(most - MAX_REQUEST_STATE_SLOTS + 1, most + 1)),),
+    )
+    header, _ = _wire.encode(at_bound, np.arange(4))
+    assert len(header) <= _wire.MAX_HEADER_BYTES
+
+
+async def test_a_transfer_that_cannot_be_encoded_fails_its_room_only(
+    bootstrap_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Should a TRANSFER still fail to encode (a bug: ``init`` checks what it can), its room
+    fails with the reason and the decode agent serves on, also when the send runs in the
+    task that resolves the prefill instance (the first room of an instance)."""
+    src, dst = mamba_pool(), mamba_pool()
+    async with open_pair("mooncake", bootstrap_url, src=src, dst=dst) as pair:
+        control = pair.decode.control
+        real = control.send_nowait
+
+        def refuse(endpoint: str, msg: Any, pages: Any = None) -> bool:
+            if isinstance(msg, _wire.Transfer) and msg.room == 1:
+                raise ProtocolError("refusing to encode Transfer: header too big")
+            return real(endpoint, msg, pages)
+
+        monkeypatch.setattr(control, "send_nowait", refuse)
+        receiver = pair.decode.receiver(1, bootstrap_url=bootstrap_url)
+        receiver.init(np.arange(4), 0, state_slots=[[1]])
+        with trio.fail_after(10):
+            assert await receiver.wait() is KVPoll.Failed
+        assert isinstance(receiver.failure, ProtocolError)
+        assert "header too big" in str(receiver.failure)
+        src.fill(np.arange(4), 2)
+        src.fill_aux(1, 2)
+        src.fill_state(0, np.array([3]), 2)
+        sender = pair.prefill.sender(2, num_pages=4, aux_slot=1)
+        receiver = pair.decode.receiver(2, bootstrap_url=bootstrap_url)
+        receiver.init(np.arange(4, 8), 1, state_slots=[[3]])
+        sender.send(np.arange(4), last=True, state_slots=[[3]])
+        with trio.fail_after(10):
+            assert await receiver.wait() is KVPoll.Success, receiver.failure
 
 
 @pytest.mark.parametrize("drain", ["real", "broken"])

@@ -69,7 +69,13 @@ from ._errors import (
     UnknownRoom,
 )
 from ._lazy import LazyEvent
-from ._memory import PoolSpec, check_state_slots, read_aux_stamp, validate_pages
+from ._memory import (
+    PoolSpec,
+    check_prefix_pages,
+    check_state_slots,
+    read_aux_stamp,
+    validate_pages,
+)
 from ._outbox import Outbox
 from ._probe import wait_idle
 from ._rooms import (
@@ -398,9 +404,13 @@ class DecodeAgent:
     ) -> None:
         if rec.machine.pages is not None:
             raise ProtocolError(f"room {rec.machine.room}: init called twice")
-        if type(prefix_pages) is not int or not 0 <= prefix_pages <= _wire.MAX_POOL_PAGES:
-            raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
+        prefix_pages = check_prefix_pages(prefix_pages)
         validate_pages(pages, self.pool.num_pages)
+        if len(pages) > _wire.MAX_TRANSFER_PAGES:  # (its TRANSFER could not carry them)
+            raise ProtocolError(
+                f"{len(pages)} pages in one request; a TRANSFER carries at most "
+                f"{_wire.MAX_TRANSFER_PAGES}"
+            )
         if not 0 <= aux_slot < self.pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
         slots = check_state_slots(
@@ -707,7 +717,16 @@ class DecodeAgent:
                 if self.pool.states else msgspec.UNSET,
             )
             machine.contacted(rank.rank_id)
-            if not self.control.send_nowait(rank.endpoint, msg, machine.pages):
+            try:
+                sent = self.control.send_nowait(rank.endpoint, msg, machine.pages)
+            except ProtocolError as exc:
+                # a TRANSFER that cannot be encoded (init checks what it can, so this is a
+                # bug): the room fails, and nothing leaves this call, which may run in the
+                # task that resolves every room's instance
+                log.error("room %d: its TRANSFER was refused: %s", machine.room, exc)
+                self._carry(rec, machine.fail(exc))
+                return
+            if not sent:
                 error = PeerLost(f"prefill rank {rank.rank_id} is not reading (socket full)")
                 self._carry(rec, machine.fail(error))
                 return

@@ -94,6 +94,13 @@ class _KindSlot:
 
 
 MAX_STATE_NAME: Final = 64
+MAX_POOL_PAGES: Final = 1 << 30
+"""Bound of a pool's ``num_pages`` and of a request's ``prefix_pages``."""
+MAX_REQUEST_STATE_SLOTS: Final = 1 << 17
+"""Most state slots one request may name, over all its state components. They travel in
+the TRANSFER's header, whose size is bounded (``_wire.MAX_HEADER_BYTES``, 2 MiB); at most
+9 bytes each, 131,072 slots always fit. More is refused when the request is made
+(:func:`check_state_slots`), not later, when its TRANSFER is sent."""
 """Longest :attr:`StateSpec.name`."""
 
 
@@ -793,6 +800,19 @@ def _check_pages_in_range(pages: npt.NDArray[np.int64], num_pages: int, what: st
         )
 
 
+def check_prefix_pages(prefix_pages: object) -> int:
+    """A decode rank's ``prefix_pages`` (the request's first pages it holds already), as an
+    int: a Python or numpy integer, not a bool, in ``[0, MAX_POOL_PAGES]``. Raises
+    :class:`~trio_pd.ProtocolError`."""
+    try:
+        prefix = operator.index(prefix_pages)  # type: ignore[arg-type]
+    except TypeError:
+        prefix = -1
+    if isinstance(prefix_pages, (bool, np.bool_)) or not 0 <= prefix <= MAX_POOL_PAGES:
+        raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
+    return prefix
+
+
 def validate_pages(pages: npt.ArrayLike, num_pages: int) -> None:
     """Refuse page ids that are not integers, out of ``[0, num_pages)``, or repeated.
 
@@ -845,10 +865,19 @@ def check_state_slots(
             f"got {len(lists)}"
         )
     out = []
+    total = 0
     for c, (given, size) in enumerate(zip(lists, sizes, strict=True)):
-        arr = np.asarray(given)
+        try:
+            arr = np.asarray(given)
+        except (TypeError, ValueError):  # ragged or otherwise not an array
+            arr = np.zeros((0, 0))
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise ProtocolError(f"{what} slots of state component {c} must be a list of ints")
+        total += arr.size
+        if total > MAX_REQUEST_STATE_SLOTS:
+            raise ProtocolError(
+                f"{what} state slots: more than {MAX_REQUEST_STATE_SLOTS} in one request"
+            )
         ids = arr.astype(np.int64, copy=False)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
             bad = ids[(ids < 0) | (ids >= size)]

@@ -41,7 +41,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import ConfigurationError, ProtocolError
-from ._memory import MAX_STATE_NAME, PoolSpec, StateSpec
+from ._memory import MAX_POOL_PAGES as _MAX_POOL_PAGES
+from ._memory import MAX_REQUEST_STATE_SLOTS, MAX_STATE_NAME, PoolSpec, StateSpec
 
 WIRE_VERSION: Final = 1
 """The only header version this module speaks; any other is refused."""
@@ -67,9 +68,10 @@ MAX_STATES: Final = 16
 """Most state components one pool may register (:attr:`PoolWire.states`)."""
 MAX_STATE_SEGMENTS: Final = 1024
 """Most segments one state buffer's slot may be split into."""
-MAX_STATE_SLOTS: Final = 1 << 20
-"""Most slots of one state component one :class:`Transfer` may name."""
-MAX_POOL_PAGES: Final = 1 << 30  # a power of two: see _check_page_ids
+MAX_STATE_SLOTS: Final = MAX_REQUEST_STATE_SLOTS
+"""Most slots of one state component one :class:`Transfer` may name (the request's bound:
+all components together may name no more)."""
+MAX_POOL_PAGES: Final = _MAX_POOL_PAGES  # a power of two: see _check_page_ids
 """Bound of a pool's ``num_pages``; a page id at or above it is absurd whatever the pool."""
 MAX_RANKS: Final = 1 << 16
 """Bound of a rank id, a TP size and a required sender count."""

@@ -44,7 +44,7 @@ from ._closing import ClosesOnExit
 from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
 from ._decode import open_decode as _open_decode
 from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
-from ._memory import PoolSpec, check_state_slots, validate_pages
+from ._memory import PoolSpec, check_prefix_pages, check_state_slots, validate_pages
 from ._prefill import PrefillAgent, PrefillSender
 from ._prefill import open_prefill as _open_prefill
 from ._state import KVPoll
@@ -630,14 +630,13 @@ class SyncReceiver(_Handle):
         if not 0 <= aux_slot < pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {pool.aux_slots})")
         slots = check_state_slots([st.slots for st in pool.states], state_slots, "destination")
+        prefix = check_prefix_pages(prefix_pages)  # (every check before the room is inited)
         with self._init_lock:
             if self._inited:
                 raise ProtocolError(f"room {self.room}: init called twice")
             self._inited = True
-        if type(prefix_pages) is not int or prefix_pages < 0:
-            raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
         if not self._decode._thread.post(
-            self._decode._init, self, ids, int(aux_slot), prefix_pages, slots
+            self._decode._init, self, ids, int(aux_slot), prefix, slots
         ):
             self._decode._released.append(self.room)  # never reached trio_pd: free already
 
