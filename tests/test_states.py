@@ -201,8 +201,12 @@ def test_state_plans_match_a_naive_per_byte_copy(
     split, buffers, p, d = layout
     slots = data.draw(st.integers(1, 5))
     k = data.draw(st.integers(0, slots))
-    src_ids = np.array(data.draw(st.permutations(range(slots)))[:k], dtype=np.int64)
-    dst_ids = np.array(data.draw(st.permutations(range(slots)))[:k], dtype=np.int64)
+    if data.draw(st.booleans()):  # any order
+        src_ids = np.array(data.draw(st.permutations(range(slots)))[:k], dtype=np.int64)
+        dst_ids = np.array(data.draw(st.permutations(range(slots)))[:k], dtype=np.int64)
+    else:  # consecutive on both sides (whole slots are then planned as runs)
+        src_ids = np.arange(k, dtype=np.int64) + data.draw(st.integers(0, slots - k))
+        dst_ids = np.arange(k, dtype=np.int64) + data.draw(st.integers(0, slots - k))
     size = 1 << 16
     for dr in range(d):
         dst = _spec(split, buffers, d, slots, 1000)
@@ -235,6 +239,21 @@ def test_state_plans_match_a_naive_per_byte_copy(
                 want[db + s * n : db + (s + 1) * n] = ids * 64 + i
         np.testing.assert_array_equal(memory, want)
         assert written.max(initial=0) <= 1
+
+
+def test_whole_slots_consecutive_on_both_sides_are_one_block() -> None:
+    """A rank-local (or replicated) component: slots consecutive on both sides are copied as
+    one block per buffer, as pages are; a break on either side starts a new one."""
+    spec = StateSpec("swa", 64, ((1 << 20, 256), (1 << 22, 32)))
+    pool = PoolSpec("mla", 1, 1, 1, 8, 1, 0, (10,), 20, 16, 1, states=(spec,))
+    cuts = state_cuts(spec, spec, 0, 0, 1, 1)
+    src, dst = np.arange(8, 16), np.arange(40, 48)
+    blocks = plan_states(pool, pool, [cuts], [src], [dst])
+    assert blocks.lens.tolist() == [8 * 256, 8 * 32]
+    assert blocks.src.tolist() == [(1 << 20) + 8 * 256, (1 << 22) + 8 * 32]
+    assert blocks.dst.tolist() == [(1 << 20) + 40 * 256, (1 << 22) + 40 * 32]
+    dst[4:] += 1  # decode's run breaks after four slots
+    assert len(plan_states(pool, pool, [cuts], [src], [dst]).lens) == 4
 
 
 def test_pairing_refuses_states_that_cannot_pair() -> None:

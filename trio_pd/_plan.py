@@ -481,8 +481,19 @@ def plan_states(
         if not len(a):
             continue
         ua, ub = a.astype(_U64), b.astype(_U64)
+        runs: tuple[npt.NDArray[np.uint64], ...] | None = None
         for i, buffer_cuts in enumerate(cuts[c]):
             (base_a, item_a), (base_b, item_b) = ours.buffers[i], theirs.buffers[i]
+            if buffer_cuts == ((0, 0, item_a),) and item_a == item_b:
+                # whole slots of one size on both sides: slots consecutive on both sides
+                # are one block (as pages are: a window's slots often are)
+                if runs is None:
+                    s0, d0, k = _runs(a, b)
+                    runs = s0.astype(_U64), d0.astype(_U64), k.astype(_U64)
+                item = _U64(item_a)
+                parts.append(Blocks(_U64(base_a) + runs[0] * item,
+                                    _U64(base_b) + runs[1] * item, runs[2] * item))
+                continue
             row_a = _U64(base_a) + ua * _U64(item_a)
             row_b = _U64(base_b) + ub * _U64(item_b)
             for so, do, n in buffer_cuts:
