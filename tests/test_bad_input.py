@@ -581,3 +581,69 @@ async def test_forged_abort_and_stray_transfer_cannot_end_a_waiting_room(
         with trio.fail_after(10):
             assert await receiver.wait() is KVPoll.Success, receiver.failure
         assert pair.verify(room, dst, 1)
+
+# ------------------------------------------------- a caller's arguments: integers, or refused
+
+NOT_PAGE_IDS: list[Any] = [[4.7, 5.2], [True], ["3"], "ab", None, [2**70], [[0], [1, 2]]]
+
+
+@pytest.mark.parametrize("pages", NOT_PAGE_IDS, ids=repr)
+def test_page_ids_that_are_not_integers_are_refused_not_truncated(pages: Any) -> None:
+    """Page ids were cast with ``np.array(pages, dtype=np.int64)`` first, so [4.7, 5.2]
+    became pages 4 and 5 (and the room succeeded, with other pages than the caller meant);
+    None, "ab" and 2**70 raised TypeError, ValueError, OverflowError."""
+    from trio_pd._memory import page_ids
+
+    with pytest.raises(ProtocolError, match="page ids"):
+        page_ids(pages)
+
+
+def test_indices_are_integers_or_refused() -> None:
+    from trio_pd._memory import as_index, page_ids
+
+    assert page_ids(np.array([[1, 2], [3, 4]], dtype=np.uint16)).tolist() == [1, 2, 3, 4]
+    assert page_ids([]).dtype == np.int64  # (an empty list is float64 to numpy)
+    assert as_index(np.int32(3), "aux slot") == 3
+    for bad in (0.5, True, np.bool_(False), "2", None):
+        with pytest.raises(ProtocolError, match="aux slot must be an int"):
+            as_index(bad, "aux slot")
+
+
+async def test_every_api_refuses_float_pages_and_slots(bootstrap_url: str) -> None:
+    """The trio API and the thread facade each refuse float page ids and aux slots with
+    ProtocolError, and nothing is created or sent (the SGLang adapter's calls go through
+    the same checks)."""
+    from trio_pd import sync
+
+    async with open_pair("mooncake", bootstrap_url) as pair:
+        sender = pair.prefill.sender(1, num_pages=2, aux_slot=0)
+        with pytest.raises(ProtocolError, match="page ids"):
+            sender.send([4.7, 5.2], last=True)
+        with pytest.raises(ProtocolError, match="aux slot"):
+            pair.prefill.sender(2, num_pages=2, aux_slot=0.5)  # type: ignore[arg-type]
+        with pytest.raises(ProtocolError, match="room must be an int"):
+            pair.prefill.sender(1.5, num_pages=2, aux_slot=0)  # type: ignore[arg-type]
+        receiver = pair.decode.receiver(1, bootstrap_url=bootstrap_url)
+        with pytest.raises(ProtocolError, match="page ids"):
+            receiver.init([4.7, 5.2], 0)
+        with pytest.raises(ProtocolError, match="aux slot"):
+            receiver.init([4, 5], True)  # type: ignore[arg-type]
+        receiver.init([4, 5], 0)  # the refusals left the handle as it was
+        sender.abort()
+        receiver.abort()
+        assert pair.prefill.statistics().engine_calls == 0
+
+    def facade() -> None:
+        with make_engine("mooncake") as de, sync.open_decode(
+            engine=de, pool=host_pool().spec
+        ) as decode:
+            rx = decode.receiver(3, bootstrap_url="http://127.0.0.1:9")
+            with pytest.raises(ProtocolError, match="page ids"):
+                rx.init([4.7, 5.2], 0)
+            with pytest.raises(ProtocolError, match="aux slot"):
+                rx.init([4, 5], 0.5)  # type: ignore[arg-type]
+            rx.init([4, 5], 0)  # not "init called twice"
+            rx.abort()
+
+    await trio.to_thread.run_sync(facade)
+

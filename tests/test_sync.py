@@ -690,3 +690,58 @@ def test_the_example_in_docs_threads_runs(capsys: pytest.CaptureFixture[str]) ->
     shown = re.findall(r"^```\n(decode:.*?)^```", text, re.DOTALL | re.MULTILINE)
     exec(compile(blocks[0], "docs/threads.md", "exec"), {"__name__": "docs_threads"})
     assert capsys.readouterr().out == shown[0]
+
+
+def test_poll_never_moves_back_when_two_threads_poll_one_handle() -> None:
+    """Thread A reads WaitingForInput and is preempted right before it raises the handle's
+    floor; thread B reads Transferring and raises it; A then wrote its older status over
+    B's, and once the room ended on the trio side (terminal, not yet published: poll
+    answers the floor) B saw WaitingForInput after Transferring. The read and the raise
+    are now one step under a lock (held for a few loads, never across a wait)."""
+    import inspect
+    import sys as _sys
+
+    class Inner:
+        status = KVPoll.WaitingForInput
+
+        def poll(self) -> KVPoll:
+            return self.status
+
+    handle = sync.SyncReceiver.__new__(sync.SyncReceiver)
+    sync._Handle.__init__(handle, None, 1)  # type: ignore[arg-type]
+    inner = Inner()
+    handle._inner = inner  # type: ignore[assignment]
+    code = sync._Handle.poll.__code__
+    lines, first = inspect.getsourcelines(sync._Handle.poll)
+    write = first + next(i for i, text in enumerate(lines) if "self._floor = live" in text)
+    at_write, go = threading.Event(), threading.Event()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is code:
+            if event == "line" and frame.f_lineno == write:
+                at_write.set()
+                go.wait(5)
+            return tracer
+        return None
+
+    def a() -> None:
+        _sys.settrace(tracer)
+        try:
+            handle.poll()
+        finally:
+            _sys.settrace(None)
+
+    seen: list[KVPoll] = []
+    ta = threading.Thread(target=a)
+    ta.start()
+    assert at_write.wait(5)  # A read WaitingForInput and is about to raise the floor
+    inner.status = KVPoll.Transferring
+    tb = threading.Thread(target=lambda: seen.append(handle.poll()))
+    tb.start()
+    tb.join(0.3)  # (with the lock, B waits for A here)
+    go.set()
+    ta.join(5)
+    tb.join(5)
+    inner.status = KVPoll.Success  # ended on the trio side, not yet published
+    seen.append(handle.poll())
+    assert seen == [KVPoll.Transferring, KVPoll.Transferring], seen

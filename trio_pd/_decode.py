@@ -71,8 +71,10 @@ from ._errors import (
 from ._lazy import LazyEvent
 from ._memory import (
     PoolSpec,
+    as_index,
     check_prefix_pages,
     check_state_slots,
+    page_ids,
     read_aux_stamp,
     validate_pages,
 )
@@ -236,8 +238,7 @@ class DecodeReceiver(AbortsOnExit):
         (``on_release``). Left out: no slot of any component. :class:`ProtocolError` for
         slots outside a component or repeated, or not one list per component."""
         self._agent._init(
-            self._room, np.asarray(pages).reshape(-1), aux_slot, on_release, prefix_pages,
-            state_slots,
+            self._room, page_ids(pages), aux_slot, on_release, prefix_pages, state_slots,
         )
 
     def poll(self) -> KVPoll:
@@ -357,6 +358,7 @@ class DecodeAgent:
         size from its first such answer. :class:`~trio_pd.ConfigurationError` for a
         ``dp_rank`` that is not an int in ``[0, 1024)``; a DP rank the instance does not have
         fails the room (:class:`~trio_pd.BootstrapError`, the service's 404)."""
+        room = as_index(room, "room")
         if room in self._rooms:
             raise TransferError(f"room {room} is still in use on decode rank {self.tp_rank}")
         if "?" in bootstrap_url:
@@ -405,6 +407,7 @@ class DecodeAgent:
         if rec.machine.pages is not None:
             raise ProtocolError(f"room {rec.machine.room}: init called twice")
         prefix_pages = check_prefix_pages(prefix_pages)
+        aux_slot = as_index(aux_slot, "aux slot")
         validate_pages(pages, self.pool.num_pages)
         if len(pages) > _wire.MAX_TRANSFER_PAGES:  # (its TRANSFER could not carry them)
             raise ProtocolError(

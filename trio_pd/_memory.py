@@ -800,15 +800,42 @@ def _check_pages_in_range(pages: npt.NDArray[np.int64], num_pages: int, what: st
         )
 
 
+def as_index(value: object, what: str) -> int:
+    """``value`` (a slot, a count, a room id) as an int: a Python or numpy integer, not a
+    bool, and not a float or a string, which ``int()`` would truncate or parse. Raises
+    :class:`~trio_pd.ProtocolError` naming ``what``."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ProtocolError(f"{what} must be an int, not {value!r}")
+
+
+def page_ids(pages: object) -> npt.NDArray[np.int64]:
+    """``pages`` (a sequence or array of page ids, any shape) as a flat int64 array, without
+    changing a value: integers only, so floats, bools, strings and ids past 2**63 are a
+    :class:`~trio_pd.ProtocolError`, not truncated into other pages. Range and repeats are
+    :func:`validate_pages`' to check. May share the caller's memory."""
+    try:
+        arr = np.asarray(pages)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged, say
+        raise ProtocolError(f"page ids must be integers: {exc}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ProtocolError(f"page ids must be integers, not {arr.dtype} ({arr.dtype.kind})")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ProtocolError(f"page id {int(arr.max())} is out of range")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
 def check_prefix_pages(prefix_pages: object) -> int:
     """A decode rank's ``prefix_pages`` (the request's first pages it holds already), as an
-    int: a Python or numpy integer, not a bool, in ``[0, MAX_POOL_PAGES]``. Raises
+    int (:func:`as_index`) in ``[0, MAX_POOL_PAGES]``. Raises
     :class:`~trio_pd.ProtocolError`."""
-    try:
-        prefix = operator.index(prefix_pages)  # type: ignore[arg-type]
-    except TypeError:
-        prefix = -1
-    if isinstance(prefix_pages, (bool, np.bool_)) or not 0 <= prefix <= MAX_POOL_PAGES:
+    prefix = as_index(prefix_pages, "prefix_pages")
+    if not 0 <= prefix <= MAX_POOL_PAGES:
         raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
     return prefix
 

@@ -52,7 +52,7 @@ from ._errors import (
     TransferError,
 )
 from ._lazy import LazyEvent
-from ._memory import PoolSpec, check_state_slots, validate_pages
+from ._memory import MAX_POOL_PAGES, PoolSpec, as_index, check_state_slots, page_ids, validate_pages
 from ._outbox import Outbox
 from ._peers import DecodePeer, PeerRegistry
 from ._probe import wait_idle
@@ -216,8 +216,7 @@ class PrefillSender(AbortsOnExit):
         state slots that do not fit the pool's components (or come before the last chunk).
         """
         room, agent = self._room, self._agent
-        pages = np.asarray(pages, dtype=np.int64).reshape(-1)
-        due = room.machine.admit(pages, last, state_slots)
+        due = room.machine.admit(page_ids(pages), last, state_slots)
         if not room.sent and agent.metrics is not None:
             room.sent, room.started = True, time.perf_counter()
         agent._carry(room, due)
@@ -354,12 +353,15 @@ class PrefillAgent:
         that is treated as one for another use of the room (acked, the room left alone: a late
         ABORT of an old use must not kill this one); the room then fails at its bootstrap
         deadline if no TRANSFER follows."""
+        room = as_index(room, "room")
         if room in self._rooms:
             raise TransferError(f"room {room} is still in use on prefill rank {self.tp_rank}")
+        aux_slot = as_index(aux_slot, "aux slot")
         if not 0 <= aux_slot < self.pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
-        if num_pages < 0:
-            raise ValueError("num_pages must be >= 0")
+        num_pages = as_index(num_pages, "num_pages")
+        if not 0 <= num_pages <= MAX_POOL_PAGES:
+            raise ValueError(f"num_pages must be in [0, {MAX_POOL_PAGES}], not {num_pages}")
         machine = PrefillRoom(
             room, num_pages, aux_slot, self.pool.num_pages,
             tuple(st.slots for st in self.pool.states), epoch=epoch,

@@ -44,7 +44,15 @@ from ._closing import ClosesOnExit
 from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
 from ._decode import open_decode as _open_decode
 from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
-from ._memory import PoolSpec, check_prefix_pages, check_state_slots, validate_pages
+from ._memory import (
+    MAX_POOL_PAGES,
+    PoolSpec,
+    as_index,
+    check_prefix_pages,
+    check_state_slots,
+    page_ids,
+    validate_pages,
+)
 from ._prefill import PrefillAgent, PrefillSender
 from ._prefill import open_prefill as _open_prefill
 from ._state import KVPoll
@@ -437,6 +445,7 @@ class _Handle:
         self._inner: PrefillSender | DecodeReceiver | None = None
         #: the furthest non-terminal status poll() has reported (poll never moves back)
         self._floor = self._START
+        self._floor_lock = threading.Lock()
         # trio thread only:
         self._released = False
         self._reported = False
@@ -454,12 +463,13 @@ class _Handle:
         if final is not None:
             return final[0]
         inner = self._inner
-        live = inner.poll() if inner is not None else self._floor
-        floor = self._floor
-        if live in _TERMINAL or live < floor:
-            return floor  # (terminal, not yet published with its failure)
-        self._floor = live
-        return live
+        with self._floor_lock:  # (two threads polling must not lower it: read and raise as one)
+            floor = self._floor
+            live = inner.poll() if inner is not None else floor
+            if live in _TERMINAL or live < floor:
+                return floor  # (terminal, not yet published with its failure)
+            self._floor = live
+            return live
 
     @property
     def failure(self) -> TransferError | None:
@@ -523,19 +533,21 @@ class SyncSender(_Handle):
         The scheduler's thread, not the trio thread (RuntimeError there). Blocks for one
         hop, at most the facade's ``call_timeout`` (then :class:`~trio_pd.TransferTimeout`,
         and nothing was created). Raises :class:`~trio_pd.ProtocolError` for an aux slot
-        outside the pool or a second init, ValueError for a negative ``num_pages``,
+        outside the pool or a second init, ValueError for a ``num_pages`` below 0 or past 2**30,
         :class:`~trio_pd.TransferError` while the room id is still in use on this rank (or
         if the agent stopped on an error), RuntimeError once the facade is closed.
         """
+        aux_slot = as_index(aux_slot, "aux slot")
         if not 0 <= aux_slot < self._prefill._pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self._prefill._pool.aux_slots})")
-        if num_pages < 0:
-            raise ValueError("num_pages must be >= 0")
+        num_pages = as_index(num_pages, "num_pages")
+        if not 0 <= num_pages <= MAX_POOL_PAGES:
+            raise ValueError(f"num_pages must be in [0, {MAX_POOL_PAGES}], not {num_pages}")
         with self._lock:
             if self._num_pages is not None:
                 raise ProtocolError(f"room {self.room}: init called twice")
-            self._prefill._call(self._prefill._init, self, int(num_pages), int(aux_slot))
-            self._num_pages = int(num_pages)
+            self._prefill._call(self._prefill._init, self, num_pages, aux_slot)
+            self._num_pages = num_pages
 
     def send(
         self, pages: npt.ArrayLike, *, last: bool = False,
@@ -556,7 +568,7 @@ class SyncSender(_Handle):
         for a room that failed or was aborted meanwhile is dropped (its pages are not
         trio_pd's); :meth:`poll` says Failed.
         """
-        ids = np.array(pages, dtype=np.int64).reshape(-1)  # (a copy)
+        ids = np.array(page_ids(pages))  # (a copy)
         pool = self._prefill._pool
         validate_pages(ids, pool.num_pages)
         slots = None
@@ -624,9 +636,10 @@ class SyncReceiver(_Handle):
         failed before its init runs gets its pages back at once (through pop_released), as
         does one whose facade has closed.
         """
-        ids = np.array(pages, dtype=np.int64).reshape(-1)
+        ids = np.array(page_ids(pages))  # (a copy)
         pool = self._decode._pool
         validate_pages(ids, pool.num_pages)
+        aux_slot = as_index(aux_slot, "aux slot")
         if not 0 <= aux_slot < pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {pool.aux_slots})")
         slots = check_state_slots([st.slots for st in pool.states], state_slots, "destination")

@@ -80,7 +80,7 @@ from .. import sync
 from .._closing import ClosesOnExit
 from .._decode import DecodeConfig
 from .._errors import ConfigurationError, ProtocolError, TransferError
-from .._memory import AUX_STAMP, PoolSpec, StateSpec, describe_pool
+from .._memory import AUX_STAMP, PoolSpec, StateSpec, as_index, describe_pool, page_ids
 from .._prefill import PrefillAgent, PrefillConfig
 from .._state import KVPoll as KVPoll
 from .._stats import AgentStatistics
@@ -948,8 +948,8 @@ class KVManager(ClosesOnExit):
         if not self.free_on_terminal:
             return
         with self._lock:
-            if h.room in self._held:
-                raise TransferError(f"room {h.room} is still in use on this rank")
+            if h.room in self._held:  # (a second init of a handle, as the facade says)
+                raise ProtocolError(f"room {h.room} is still in use on this rank")
             self._held[h.room] = h
 
     def _unhold(self, h: _Handle) -> None:
@@ -1028,7 +1028,7 @@ def _room(bootstrap_room: int | None) -> int:
             "bootstrap_room=None is not supported: trio_pd needs the room id the prefill "
             "side uses for this request"
         )
-    room = int(bootstrap_room)
+    room = as_index(bootstrap_room, "bootstrap_room")
     if not 0 <= room <= _I63:
         raise ConfigurationError(f"bootstrap_room {room} outside [0, 2**63)")
     return room
@@ -1191,7 +1191,7 @@ class KVSender(_Handle):
         if self._num is None:
             raise ProtocolError(f"room {self.room}: send before init")
         slots = self._mgr._state_slots(state_indices, f"room {self.room}: send")
-        ids = np.asarray(kv_indices).reshape(-1)
+        ids = page_ids(kv_indices)
         if self._early:
             self._sent += len(ids)
             return
