@@ -582,6 +582,7 @@ async def test_forged_abort_and_stray_transfer_cannot_end_a_waiting_room(
             assert await receiver.wait() is KVPoll.Success, receiver.failure
         assert pair.verify(room, dst, 1)
 
+
 # ------------------------------------------------- a caller's arguments: integers, or refused
 
 NOT_PAGE_IDS: list[Any] = [[4.7, 5.2], [True], ["3"], "ab", None, [2**70], [[0], [1, 2]]]
@@ -647,3 +648,28 @@ async def test_every_api_refuses_float_pages_and_slots(bootstrap_url: str) -> No
 
     await trio.to_thread.run_sync(facade)
 
+
+async def test_an_answer_that_breaks_the_resolver_is_contained(
+    bootstrap_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever goes wrong while decode makes sense of a bootstrap service's answer (here an
+    IndexError, as a lying topology once raised) is that resolution's failure, logged; it
+    used to leave the one task that resolves every instance and close the agent with every
+    room on it. The next rooms are served."""
+    from trio_pd import _sources
+
+    real = _sources.Sources._source_infos
+    broken = [True]
+
+    def once(self: Any, topo: Any) -> Any:
+        if broken:
+            broken.clear()
+            raise IndexError("list index out of range")
+        return real(self, topo)
+
+    monkeypatch.setattr(_sources.Sources, "_source_infos", once)
+    async with open_pair("mooncake", bootstrap_url) as pair:
+        sender, receiver, src = await good_room(pair, bootstrap_url, 2)
+        await finish_good_room(pair, 2, sender, receiver, src)
+    assert not broken  # the broken answer was met
+    assert "IndexError('list index out of range')" in caplog.text

@@ -639,3 +639,71 @@ async def test_a_shutdown_that_overruns_is_cut_off(
         assert await read_until_eof(stream) == b""
     await stream.aclose()
     gc.collect()
+
+
+# -------------------------------------------------------------- a service that lies
+
+
+async def _answer_everything_with(
+    body: bytes, stream: trio.SocketStream, *, length: bool = True
+) -> None:
+    """A fake bootstrap service: every request gets ``body`` as a 200 JSON answer (without
+    ``length``, no Content-Length: the body ends where the connection does)."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data and len(data) < 65536:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return
+            data += chunk
+        declared = b"content-length: %d\r\n" % len(body) if length else b""
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%s"
+            b"connection: close\r\n\r\n%s" % (declared, body)
+        )
+    finally:
+        await stream.aclose()
+
+
+@pytest.mark.parametrize("body", [
+    b'{"tp_size": 0, "ranks": []}',
+    b'{"tp_size": 1, "pp_size": 0, "ranks": []}',
+    b'{"tp_size": -3, "ranks": []}',
+    b'{"tp_size": 1000000000, "ranks": []}',
+], ids=["tp0", "pp0", "tp-3", "tp1e9"])
+async def test_a_topology_that_does_not_add_up_is_a_bootstrap_error(
+    nursery: trio.Nursery, body: bytes
+) -> None:
+    """A TP or PP size of 0 (or less) with no ranks passed the client's check (the ranks
+    expected for it are none), and decode then took ``ranks[0]`` and died of IndexError
+    with every room it served; a TP size of 10**9 would have built a list of 10**9 pairs
+    to compare with. Now each is refused before that."""
+    listeners = await nursery.start(partial(
+        trio.serve_tcp, partial(_answer_everything_with, body), 0, host="127.0.0.1"
+    ))
+    port = listeners[0].socket.getsockname()[1]
+    async with BootstrapClient(f"http://127.0.0.1:{port}") as liar:
+        with trio.fail_after(5), pytest.raises(BootstrapError, match="ranks for TP"):
+            await liar.topology()
+
+
+@pytest.mark.parametrize("length", [True, False], ids=["declared", "undeclared"])
+async def test_an_answer_too_big_to_be_a_topology_is_refused(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, length: bool
+) -> None:
+    """The client read a whole answer however big (a 400 MiB one grew the process by 800
+    MiB); past MAX_ANSWER_BYTES (32 MiB; lowered here to keep the test small) it is now a
+    BootstrapError, refused unread when its Content-Length says so, else read to its end
+    and dropped, keeping no more than the bound."""
+    from trio_pd import _bootstrap_client
+
+    monkeypatch.setattr(_bootstrap_client, "MAX_ANSWER_BYTES", 1 << 20)
+    body = b'{"tp_size": 1, "ranks": [], "pad": "' + b"x" * (3 << 20) + b'"}'
+    listeners = await nursery.start(partial(
+        trio.serve_tcp, partial(_answer_everything_with, body, length=length), 0,
+        host="127.0.0.1",
+    ))
+    port = listeners[0].socket.getsockname()[1]
+    async with BootstrapClient(f"http://127.0.0.1:{port}") as liar:
+        with trio.fail_after(5), pytest.raises(BootstrapError, match="answer is over 1048576"):
+            await liar.topology()

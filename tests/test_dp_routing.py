@@ -58,7 +58,7 @@ from trio_pd.testing.pools import (
     page_rows,
 )
 
-from .conftest import host_pool
+from .conftest import host_pool, poll_until
 
 BOUND = 20.0
 KV_HEADS = 2
@@ -482,6 +482,51 @@ async def test_an_epoch_tells_uses_of_a_room_apart() -> None:
                 [DpRoom(5, 100), DpRoom(5, 101), DpRoom(5), DpRoom(6, 1), DpRoom(6)]
             )
         assert answer.dp_ranks == [1, UNKNOWN_DP_RANK, 1, 1, 1]
+
+
+async def test_a_record_made_under_a_larger_dp_size_is_unknown_not_invalid() -> None:
+    """A room recorded while the instance said DP 4, asked about after it re-registered as
+    DP 2: the service answered its old DP rank 3, an answer the client must refuse whole,
+    and decode failed every room it had asked about with it. It is unknown now; the
+    others' answers stand."""
+    def rank(dp_rank: int, dp_size: int) -> PrefillRankInfo:
+        return PrefillRankInfo(
+            tp_rank=0, tp_size=1, endpoint=f"tcp://127.0.0.1:{5000 + dp_rank}",
+            engine="mooncake", engine_session=f"127.0.0.1:{16000 + dp_rank}", layout="mha",
+            kv_heads=2, page_size=4, dp_rank=dp_rank, dp_size=dp_size,
+        )
+
+    async with open_bootstrap_server() as boot, BootstrapClient(boot.url) as client:
+        await client.register(rank(0, 4))  # one rank so far, of an instance of DP 4
+        await client.register_dp_rooms(3, [DpRoom(1, 11)])
+        await client.register(rank(0, 2))  # it re-registers: the instance is DP 2 now
+        await client.register(rank(1, 2))
+        await client.register_dp_rooms(1, [DpRoom(2, 12)])
+        answer = await client.query_dp_ranks([DpRoom(1, 11), DpRoom(2, 12)])
+    assert answer.dp_size == 2 and answer.dp_ranks == [UNKNOWN_DP_RANK, 1]
+
+
+async def test_a_reused_room_id_is_announced_again_wherever_it_goes() -> None:
+    """Room 5 on DP rank 1, then 0, then 1 again, with the same epoch each time (SGLang's
+    epochs are a function of the room id): DP rank 1's announcer remembered its first use
+    and skipped the third, so decode was routed to DP rank 0 and the room hung. A use
+    that ends is forgotten; each use is announced and reaches the DP rank that holds it.
+    (Uses of one room id and epoch are told apart only one after the other: a decode rank
+    that asks before the new use's announcement is in gets the last one's answer.)"""
+    async with open_cluster(tp_size=1) as c:
+        for use, dp_rank in enumerate((1, 0, 1), start=1):
+            dst = c.dst_pages.alloc_nowait(3)
+            assert dst is not None
+            senders, src = open_senders(c, 5, dp_rank, 3, epoch=777)
+            # (decode asks once the announcement is in: before, the service would still
+            # answer with the last use's record, the same room and epoch)
+            await poll_until(lambda u=use: c.boot.statistics().dp_rooms_registered == u)
+            receiver = c.decode.receiver(5, bootstrap_url=c.url, epoch=777)
+            receiver.init(dst, 5, on_release=partial(c.dst_pages.free, dst))
+            for s, pages in zip(senders, src, strict=True):
+                s.send(pages, last=True)
+            await finish(c, Room(5, dp_rank, senders, receiver, src, dst, 5))
+        assert c.boot.statistics().dp_rooms_registered == 3
 
 
 async def test_topology_per_dp_rank() -> None:

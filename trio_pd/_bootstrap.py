@@ -1055,6 +1055,10 @@ class BootstrapServer:
             ranks = [0] * len(rooms)  # one DP rank holds every room
         else:
             ranks = [self._dp_rooms.get(r.room, r.epoch, now) for r in rooms]
+            # a room recorded under an earlier, larger DP size (an instance re-registering
+            # with another shape) is unknown now: its rank would make the whole answer one
+            # the client must refuse, and fail every room it asked about
+            ranks = [UNKNOWN_DP_RANK if k >= dp_size else k for k in ranks]
             self._dp_unknown += ranks.count(UNKNOWN_DP_RANK)
         return _Reply(200, msgspec.json.encode(DpRanks(dp_size=dp_size, dp_ranks=ranks)))
 

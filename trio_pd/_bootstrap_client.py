@@ -192,6 +192,12 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
         return self.pp_rank * self.tp_size + self.tp_rank
 
 
+#: the most bytes of one answer the client reads: a whole topology is at most a few MiB
+#: (the service takes a rank's registration of at most 64 KiB), so 32 MiB leaves room for
+#: 512 ranks of that size
+MAX_ANSWER_BYTES: Final = 32 * 1024 * 1024
+
+
 class Topology(msgspec.Struct, frozen=True):
     """Every rank of a prefill instance (of one of its DP ranks, with DP attention), stage
     by stage: ``ranks[s * tp_size + t]`` is TP rank ``t`` of PP stage ``s`` (``ranks[i].tp_rank
@@ -329,6 +335,13 @@ class BootstrapClient:
         response = await self._request("GET", "/route", params=self._dp_params())
         topology = self._decode(response, Topology)
         tp_size, pp_size = topology.tp_size, topology.pp_size
+        if not (tp_size >= 1 and pp_size >= 1 and len(topology.ranks) == tp_size * pp_size):
+            # (checked before the rank list below is built: a tp_size of 10**9 would be
+            # a list of 10**9 pairs; a tp_size of 0 an empty topology)
+            raise BootstrapError(
+                f"bootstrap service at {self.url} sent a topology of {len(topology.ranks)} "
+                f"ranks for TP {tp_size} x PP {pp_size}"
+            )
         expected = [(s, t) for s in range(pp_size) for t in range(tp_size)]
         dp_rank = self.dp_rank or 0
         if [(r.pp_rank, r.tp_rank) for r in topology.ranks] != expected or any(
@@ -441,12 +454,37 @@ class BootstrapClient:
         return response.status_code == 200
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request, its answer read whole but kept only up to :data:`MAX_ANSWER_BYTES`:
+        past that the answer is a :class:`BootstrapError` (a 400 MiB one used to grow the
+        decode process by 800 MiB). One that says it is longer is refused unread; one that
+        does not say is read to its end and dropped (leaving httpx's stream half read warns
+        of unclosed generators), so a service that never stops is ended by the caller's
+        timeout, with at most the bound in memory."""
+        too_big = BootstrapError(
+            f"{method} {path} on bootstrap service {self.url}: the answer is over "
+            f"{MAX_ANSWER_BYTES} bytes"
+        )
         try:
-            response = await self._http.request(method, path, **kwargs)
+            async with self._http.stream(method, path, **kwargs) as streamed:
+                declared = streamed.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+                    raise too_big
+                body: bytearray | None = bytearray()
+                async for chunk in streamed.aiter_bytes():  # (decoded: a gzip bomb counts)
+                    if body is not None:
+                        body += chunk
+                        if len(body) > MAX_ANSWER_BYTES:
+                            body = None  # (what is left is read and dropped)
         except httpx.TransportError as exc:
             raise BootstrapUnreachable(
                 f"bootstrap service at {self.url} unreachable: {type(exc).__name__}: {exc}"
             ) from exc
+        if body is None:
+            raise too_big
+        response = httpx.Response(
+            streamed.status_code, headers=streamed.headers, content=bytes(body),
+            request=streamed.request,
+        )
         if response.status_code == 200:
             return response
         try:
@@ -485,8 +523,9 @@ class DpAnnouncer:
 
     :meth:`announce` never blocks and never fails: it queues the room (at most
     ``max_pending``; past it the oldest is dropped, counted :attr:`dropped`), unless the same
-    use of it (room and epoch) was among the last ``max_pending`` announced (an adapter may
-    announce a request before the room exists, as SGLang's sender does). :meth:`run`, one
+    use of it (room and epoch) was announced and not yet :meth:`forget`-ten, among the last
+    ``max_pending`` (an adapter may announce a request before the room exists, as SGLang's
+    sender does). :meth:`run`, one
     task, posts what is queued, up to :data:`MAX_DP_BATCH` rooms a request, each request
     bounded by ``request_timeout``; a request that fails is retried with a backoff from 20 ms
     to 500 ms, and a room still not posted ``give_up_after`` seconds after it was queued is
@@ -524,6 +563,13 @@ class DpAnnouncer:
     def pending(self) -> int:
         """Rooms queued, not yet stored by the service."""
         return len(self._pending)
+
+    def forget(self, room: int, epoch: int | None = None) -> None:
+        """This use of ``room`` is over: a later use with the same id and epoch (a reused
+        room id; SGLang's epochs are a function of the room) is announced again. Without
+        it, such a use went unannounced and its decode ranks were routed to where the
+        room was before, or failed it."""
+        self._recent.pop((room, epoch), None)
 
     def announce(self, room: int, epoch: int | None = None) -> None:
         """Queue "DP rank ``dp_rank`` holds ``room``" (this use of it: ``epoch``, when

@@ -162,6 +162,8 @@ class _Room:
     #: from, its creation until the first ``send()`` (``sent``) moves it there, once
     started: float | None = None
     sent: bool = False
+    #: DP attention: the (room, epoch) announced for this use, forgotten when it ends
+    announced: tuple[int, int | None] | None = None
 
     @property
     def lock(self) -> trio.Lock:
@@ -372,6 +374,7 @@ class PrefillAgent:
         self._rooms[room] = rec
         if self.dp_announcer is not None:  # DP attention: decode routes the room by this
             self.dp_announcer.announce(room, epoch)
+            rec.announced = (room, epoch)
         self.timers.after(self.config.bootstrap_timeout, partial(self._bootstrap_due, rec))
         aborted = self.book.take_aborted(room)  # a parked TRANSFER of this use was aborted
         if (aborted is not None and epoch in (None, aborted)) or (
@@ -423,6 +426,8 @@ class PrefillAgent:
                 case Forget():
                     if self._rooms.get(room) is rec:
                         del self._rooms[room]
+                    if rec.announced is not None and self.dp_announcer is not None:
+                        self.dp_announcer.forget(*rec.announced)  # (a reuse is announced)
                     if rec.machine.cell.status is KVPoll.Failed:
                         key = self.book.room_failed(room, reason_of(rec.machine.cell.failure))
                         expire = partial(self.book.expire, key)

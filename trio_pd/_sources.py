@@ -147,12 +147,17 @@ class Sources:
                     topo = await client.wait_topology()
             infos = self._source_infos(topo)
             inst.sources = [self._register_with(info) for info in infos]
-        except (BootstrapError, trio.TooSlowError, ProtocolError, OSError) as exc:
+        except Exception as exc:
+            # Whatever the service's answer made go wrong fails this instance's rooms, not
+            # the agent: this task resolves every instance (an answer that slipped past
+            # the client's checks once raised IndexError here and closed the agent)
             error: TransferError
             if isinstance(exc, IncompatiblePeer):
                 error = exc
-            else:
+            elif isinstance(exc, (BootstrapError, trio.TooSlowError, ProtocolError, OSError)):
                 error = BootstrapError(f"prefill instance {inst.url}: {exc}")
+            else:
+                error = BootstrapError(f"prefill instance {inst.url}: {exc!r}")
             log.warning("%s", error)
             if (metrics := self._metrics()) is not None:
                 metrics.observe_resolve(time.perf_counter() - t0, ok=False)
