@@ -368,6 +368,55 @@ async def test_a_shared_call_that_fails_fails_each_caller_with_its_own_error() -
     lane.close()
 
 
+class UncopyableError(Exception):
+    """An engine's own error type whose ``__init__`` takes other arguments than its
+    ``args``: ``copy.copy`` cannot rebuild it (TypeError)."""
+
+    def __init__(self, message: str, peer: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+async def test_a_shared_call_error_that_cannot_be_copied_still_reaches_every_caller() -> None:
+    """The copy for the second caller raised TypeError inside trio's run_sync_soon callback:
+    trio's run crashed and then waited for good on the callers (found by a review; the end
+    to end case hung an agent's whole event loop). Now the first caller gets the error
+    itself, the others a TransferError naming it, chained from it."""
+    from trio_pd import TransferError
+
+    calls: list[list[str]] = []
+    lane = Lane("t", join_blocks=100)
+    odd = UncopyableError("outcome unknown", "p")
+    writes = [FakeWrite("A", "p", 10, calls, error=odd), FakeWrite("B", "p", 10, calls),
+              FakeWrite("C", "p", 10, calls)]
+    with trio.fail_after(BOUND):
+        got = await _queued_behind_a_held_call(lane, writes)
+    assert calls == [["A", "B", "C"]]
+    assert got["A"] is odd
+    for name in "BC":
+        assert type(got[name]) is TransferError and got[name].__cause__ is odd
+        assert "UncopyableError: outcome unknown" in str(got[name])
+    lane.close()
+
+
+async def test_a_join_that_fails_fails_every_caller_and_the_lane_goes_on() -> None:
+    """``join`` ran outside the lane's capture: a MemoryError there killed the lane's
+    thread, and every caller of the group waited for good, uncancellably."""
+    calls: list[list[str]] = []
+    lane = Lane("t", join_blocks=100)
+
+    class Unjoinable(FakeWrite):
+        def join(self, others: Any) -> Any:
+            raise MemoryError("no room to join")
+
+    writes = [Unjoinable("A", "p", 10, calls), FakeWrite("B", "p", 10, calls)]
+    with trio.fail_after(BOUND):
+        got = await _queued_behind_a_held_call(lane, writes)
+        assert await lane.run_sync(FakeWrite("C", "p", 10, calls)) == "C"
+    assert isinstance(got["A"], MemoryError) and isinstance(got["B"], MemoryError)
+    lane.close()
+
+
 async def test_writes_do_not_join_when_joining_is_off() -> None:
     calls: list[list[str]] = []
     lane = Lane("t")  # join_blocks=0

@@ -269,6 +269,38 @@ async def test_a_failed_staged_write_keeps_its_range_until_the_room_is_released(
         assert faulty[0].statistics().faults.get("partial", 0) == 1
 
 
+async def test_the_area_stays_allocated_when_the_agent_closes_with_a_range_held(
+    bootstrap_url: str,
+) -> None:
+    """A staged write that failed keeps its range (the engine may still read it); the
+    agent closing then handed it back with the room's source pages, so close_staging found
+    nothing held and let the area be freed (found by a review). The range stays held and
+    the area is kept for the life of the process."""
+    from trio_pd import _chunks
+
+    faulty: list[FaultEngine] = []
+
+    def wrap(engine: TransferEngine) -> TransferEngine:
+        faulty.append(FaultEngine(engine, _partial_once()))
+        return faulty[0]
+
+    engine_name = "mooncake"  # (the rule is the agent's, whatever the engine)
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name), wrap={0: wrap},
+                            prefill_config=PrefillConfig(quarantine_fence=30.0)) as c:
+        agent = c.prefill[0].agent
+        area = agent.runner.staging
+        events = {k: trio.Event() for k in ("p", "d0", "d1")}
+        sender, _, _ = await _room(c, 8, 8, events)
+        with trio.fail_after(15):
+            assert await sender.wait() is KVPoll.Failed
+            await poll_until(lambda: agent.statistics().leases_quarantined == 1)
+        assert area.held == 1
+        c.prefill[0].scope.cancel()
+        with trio.fail_after(15):
+            await c.prefill[0].closed.wait()
+        assert area.held == 1 and area in _chunks._KEPT
+
+
 @pytest.mark.parametrize("size", [0])
 async def test_staging_off_writes_per_slot(size: int, bootstrap_url: str) -> None:
     """``staging_bytes=0``: nothing is staged, the bytes are right all the same."""

@@ -537,3 +537,53 @@ async def test_heartbeat_loss_then_reregistered_prefill_works(
                 assert dst_pool.aux_ok(5, 72)
     finally:
         decode_engine.close()
+
+
+async def test_an_engine_error_that_cannot_be_copied_fails_its_room_only(
+    bootstrap_url: str,
+) -> None:
+    """An engine's own EngineError subclass whose ``__init__`` takes other arguments: the
+    room's copy of it raised TypeError inside the chunk's error handling, which left the
+    worker and closed the prefill agent with every room on it (found by a review). Now the
+    room fails with an EngineError naming it, and the next room moves."""
+    from trio_pd import EngineError, PrefillConfig
+    from trio_pd.engines.fault import FaultEngine
+
+    class OddEngineError(EngineError):
+        def __init__(self, peer: str, blocks: int) -> None:
+            super().__init__(f"engine lost {blocks} blocks to {peer}")
+
+    class FirstWriteFails(FaultEngine):
+        failed = False
+
+        def write(self, peer: str, src: Any, dst: Any, lens: Any) -> None:
+            if not self.failed:
+                self.failed = True
+                raise OddEngineError(peer, len(src))
+            self.inner.write(peer, src, dst, lens)
+
+    config = PrefillConfig(batch_blocks=0, quarantine_fence=0.2)
+    async with open_pair("mooncake", bootstrap_url, wrap=FirstWriteFails,
+                         prefill_config=config) as pair:
+        for room in (1, 2):
+            if room == 2:  # (the engine error marked the peer failed until a probe passes)
+                peer = pair.prefill.peers.get(pair.decode.endpoint)
+                assert peer is not None
+                await poll_until(lambda p=peer: not p.failed)
+            pages = np.array([room * 2, room * 2 + 1])
+            pair.src.fill(pages, room)
+            pair.src.fill_aux(room, room)
+            sender = pair.prefill.sender(room, num_pages=2, aux_slot=room)
+            receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
+            receiver.init(pages + 100, room)
+            sender.send(pages, last=True)
+            with trio.fail_after(15):
+                status = await sender.wait()
+                assert await receiver.wait() is status
+            if room == 1:
+                assert status is KVPoll.Failed
+                assert isinstance(sender.failure, EngineError)
+                assert "OddEngineError: engine lost" in str(sender.failure)
+            else:
+                assert status is KVPoll.Success, sender.failure
+                assert (pair.dst.kv[:, pages + 100] == pair.src.expected(room, 2)).all()

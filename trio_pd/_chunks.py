@@ -19,7 +19,6 @@ What the outcome means for the lease, and everything after, is the room machine'
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from ._errors import (
     RegionError,
     TransferAborted,
     TransferError,
+    copy_error,
 )
 from ._lane import LaneClosed
 from ._memory import PoolSpec, stamp_aux_row
@@ -146,7 +146,7 @@ def room_error(group: BaseExceptionGroup[Exception]) -> TransferError:
             leaf = sub.exceptions[0]
             while isinstance(leaf, BaseExceptionGroup):
                 leaf = leaf.exceptions[0]
-            err = copy.copy(leaf)
+            err = copy_error(leaf)
             assert isinstance(err, TransferError)
             break
     else:

@@ -6,6 +6,8 @@ it; nothing unwraps groups by hand.
 
 from __future__ import annotations
 
+import copy
+
 
 class TransferError(Exception):
     """Base of every error trio_pd reports for a room, a peer or a message."""
@@ -88,3 +90,20 @@ class UnknownRoom(BootstrapError):
 
 class BootstrapUnreachable(BootstrapError):
     """The service could not be reached, or the connection broke before it answered."""
+
+
+def copy_error(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` to raise somewhere else too (each room of a shared engine call
+    raises its own), type and attributes kept. An exception whose class cannot be rebuilt
+    from its ``args`` (an ``__init__`` with other parameters: ``copy.copy`` raises
+    TypeError) becomes an :class:`EngineError` (if it was one) or a :class:`TransferError`
+    naming it, chained from it: a copy that fails must not take the agent, or trio's run,
+    down with it."""
+    try:
+        return copy.copy(exc)
+    except Exception:
+        kind = EngineError if isinstance(exc, EngineError) else TransferError
+        new = kind(f"{type(exc).__name__}: {exc}")
+        new.__cause__ = exc
+        return new
+

@@ -37,7 +37,6 @@ an abort of one room while the call runs waits for the call.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import sys
@@ -49,6 +48,8 @@ from typing import Any, Protocol, cast
 import outcome
 import trio
 import trio.lowlevel
+
+from ._errors import copy_error
 
 
 def run_to_end(fn: Callable[[], Any]) -> Any:
@@ -219,9 +220,13 @@ class Lane:
             if job is not None:
                 if len(group) > 1:
                     head = cast(Joinable, job.fn)
-                    others = [j.fn for j in group[1:]]  # (Joinable: see _take_joiners)
-                    call: Callable[[], Any] = head.join(others)  # type: ignore[arg-type]
-                    started = outcome.capture(call)
+                    others = cast(list[Joinable], [j.fn for j in group[1:]])  # (_take_joiners)
+                    # (joining itself may fail, a MemoryError say: every caller gets that)
+                    joined = outcome.capture(head.join, others)
+                    if isinstance(joined, outcome.Value):
+                        started = outcome.capture(joined.value)
+                    else:
+                        started = joined
                 else:
                     started = outcome.capture(job.fn, *job.args)
                 if isinstance(started, outcome.Value) and hasattr(started.value, "wait"):
@@ -286,5 +291,5 @@ def _reschedule_all(tasks: list[Any], result: outcome.Outcome[Any]) -> None:
             mine: outcome.Outcome[Any] = outcome.Value(result.value)
         else:
             assert isinstance(result, outcome.Error)
-            mine = outcome.Error(result.error if k == 0 else copy.copy(result.error))
+            mine = outcome.Error(result.error if k == 0 else copy_error(result.error))
         trio.lowlevel.reschedule(task, mine)

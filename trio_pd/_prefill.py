@@ -315,6 +315,7 @@ class PrefillAgent:
             engine=engine, pool=pool, peers=self.peers, counters=self.counters,
             metrics=lambda: self.metrics, staging_bytes=config.staging_bytes,
         )
+        self._closing = False  # set by _shutdown_rooms
         self.book = TransferBook(
             max_rooms=config.max_pending_meta, max_page_ids=config.max_pending_page_ids
         )
@@ -416,7 +417,8 @@ class PrefillAgent:
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Release():
-                    self.runner.staging.release_held(rec.machine)
+                    if not self._closing:  # (closing: close_staging keeps what is held)
+                        self.runner.staging.release_held(rec.machine)
                     if rec.on_release is not None:
                         try:
                             rec.on_release()
@@ -691,7 +693,12 @@ class PrefillAgent:
         """After every task (and so every engine call) has finished: tell the decode ranks
         still waiting on us, fail what is left, hand every source page back. TRANSFERs that
         came before any sender are answered too. Best effort: the sockets get ``aclose``'s
-        linger to deliver it (a crash says nothing)."""
+        linger to deliver it (a crash says nothing).
+
+        Source pages go back, but not the staging ranges of failed calls: the engine may
+        still read them, and the area stays allocated for the life of the process once any
+        range is held (``ChunkRunner.close_staging``)."""
+        self._closing = True
         self.peers.drop_fences()
         for room in list(self.book.parked):
             for parked in self.book.take_parked(room):
