@@ -88,3 +88,23 @@ async def test_cli_demo_json() -> None:
     assert summary["requests"] == summary["succeeded"] == 20
     assert summary["failed"] == summary["aborted"] == summary["corrupt_pages"] == 0
     assert summary["bytes"] > 0 and summary["seconds"] > 0
+
+
+
+def test_a_rank_holding_fewer_heads_expects_the_bytes_of_those_heads() -> None:
+    """The test pools' pattern XORed a room key by a byte's place in the page, so at
+    4-byte heads a decode rank holding fewer heads than prefill expected other bytes than
+    the (correct) ones it got: the demo at TP 1 -> 4 reported every page corrupt (a review
+    found it). The key now goes by global head and byte: each rank's expected bytes are the
+    slices of the whole pool's, at any head size."""
+    from trio_pd.testing.pools import HostKVPool
+
+    for head_bytes in (4, 6, 8, 16):
+        whole = HostKVPool(layout="mha", num_pages=4, num_layers=1, page_size=4,
+                           head_bytes=head_bytes, heads=4)
+        want = whole.expected(7, 4).reshape(2, 4, 4, 4, head_bytes)  # buffers, pages, t, h, k
+        for first in range(4):
+            rank = HostKVPool(layout="mha", num_pages=4, num_layers=1, page_size=4,
+                              head_bytes=head_bytes, heads=1, first_head=first)
+            got = rank.expected(7, 4).reshape(2, 4, 4, 1, head_bytes)
+            assert (got == want[:, :, :, first : first + 1]).all(), (head_bytes, first)

@@ -301,8 +301,7 @@ def _logical_bytes(
         k = np.arange(hb, dtype=np.int64)[None, None, None, :]
         model_b = b if buffer_ids is None else buffer_ids[b]
         v = ((model_b * 104729 + p * 257 + t * 31 + h * 61 + k * 3) % 251).astype(np.uint8)
-        flat = v.reshape(npages, spec.page_size * spec.heads * hb)
-        out.append((flat ^ np.resize(key, flat.shape[1])).reshape(v.shape))
+        out.append(v ^ key[(h * hb + k) % 8])  # (by global head and byte: see kv_bytes)
     return out
 
 
@@ -322,7 +321,13 @@ def kv_bytes(
     key = np.frombuffer(
         (room * 0x9E3779B97F4A7C15 % (1 << 64) | 1).to_bytes(8, "little"), dtype=np.uint8
     )
-    return base ^ np.resize(key, spec.item_len)
+    # the key byte by global head and byte, not by place in the page: a rank holding fewer
+    # heads must see the same bytes for the heads it holds (by place in the page, head
+    # bytes that are not a multiple of 8 gave each rank other bytes: false corruption)
+    hb = spec.head_bytes
+    h = np.arange(spec.first_head, spec.first_head + spec.heads)[None, :, None]
+    where = (h * hb + np.arange(hb)[None, None, :]) % 8
+    return base ^ key[np.broadcast_to(where, (spec.page_size, spec.heads, hb)).reshape(-1)]
 
 
 _PATTERNS: dict[tuple[object, ...], npt.NDArray[np.uint8]] = {}
