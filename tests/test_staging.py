@@ -11,6 +11,9 @@ while a failed call may still read it (until the room's pages are released).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -230,30 +233,42 @@ def _partial_once() -> object:
     return rule
 
 
-async def test_a_failed_staged_write_keeps_its_range_until_the_room_is_released(
-    engine_name: str, bootstrap_url: str
-) -> None:
-    """A staged write that fails (half its blocks landed, outcome unknown) keeps its staging
-    range out of the area while the room is quarantined (the engine may still read it: a
-    later chunk must not gather into it); the range comes back with the room's pages."""
+@asynccontextmanager
+async def _a_quarantined_staged_room(
+    engine_name: str, url: str, fence: float
+) -> AsyncIterator[tuple[Any, Any, StagingArea, dict[str, trio.Event], list[FaultEngine]]]:
+    """A cluster whose prefill rank 0 has one room quarantined: its staged write failed
+    partway (half its blocks landed, outcome unknown), so the area holds its range. Yields
+    the cluster, that agent, its staging area, the room's release events and the fault
+    wrapper."""
     faulty: list[FaultEngine] = []
 
     def wrap(engine: TransferEngine) -> TransferEngine:
         faulty.append(FaultEngine(engine, _partial_once()))  # type: ignore[arg-type]
         return faulty[0]
 
-    async with open_cluster(
-        engine_name, bootstrap_url, _opts(engine_name), wrap={0: wrap},
-        prefill_config=PrefillConfig(quarantine_fence=3.0),
-    ) as c:
+    async with open_cluster(engine_name, url, _opts(engine_name), wrap={0: wrap},
+                            prefill_config=PrefillConfig(quarantine_fence=fence)) as c:
         agent = c.prefill[0].agent
         area = agent.runner.staging
-        ev = {k: trio.Event() for k in ("p", "d0", "d1")}
-        sender, _receivers, _ = await _room(c, 8, 8, ev)
+        events = {k: trio.Event() for k in ("p", "d0", "d1")}
+        sender, _receivers, _ = await _room(c, 8, 8, events)
         with trio.fail_after(15):
             assert await sender.wait() is KVPoll.Failed
             await poll_until(lambda: agent.statistics().leases_quarantined == 1)
         assert area.held == 1 and area.units_reserved >= 1
+        yield c, agent, area, events, faulty
+
+
+async def test_a_failed_staged_write_keeps_its_range_until_the_room_is_released(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A staged write that fails (half its blocks landed, outcome unknown) keeps its staging
+    range out of the area while the room is quarantined (the engine may still read it: a
+    later chunk must not gather into it); the range comes back with the room's pages."""
+    async with _a_quarantined_staged_room(engine_name, bootstrap_url, 3.0) as (
+        c, agent, area, ev, faulty
+    ):
         assert not ev["p"].is_set()
         # another room meanwhile (once a probe cleared the peers' failed marks): staged
         # too, into other units, and right
@@ -278,23 +293,10 @@ async def test_the_area_stays_allocated_when_the_agent_closes_with_a_range_held(
     the area is kept for the life of the process."""
     from trio_pd import _chunks
 
-    faulty: list[FaultEngine] = []
-
-    def wrap(engine: TransferEngine) -> TransferEngine:
-        faulty.append(FaultEngine(engine, _partial_once()))
-        return faulty[0]
-
-    engine_name = "mooncake"  # (the rule is the agent's, whatever the engine)
-    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name), wrap={0: wrap},
-                            prefill_config=PrefillConfig(quarantine_fence=30.0)) as c:
-        agent = c.prefill[0].agent
-        area = agent.runner.staging
-        events = {k: trio.Event() for k in ("p", "d0", "d1")}
-        sender, _, _ = await _room(c, 8, 8, events)
-        with trio.fail_after(15):
-            assert await sender.wait() is KVPoll.Failed
-            await poll_until(lambda: agent.statistics().leases_quarantined == 1)
-        assert area.held == 1
+    # (the rule is the agent's, whatever the engine)
+    async with _a_quarantined_staged_room("mooncake", bootstrap_url, 30.0) as (
+        c, _agent, area, _ev, _faulty
+    ):
         c.prefill[0].scope.cancel()
         with trio.fail_after(15):
             await c.prefill[0].closed.wait()
