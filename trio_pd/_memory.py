@@ -830,6 +830,15 @@ def page_ids(pages: object) -> npt.NDArray[np.int64]:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
+def check_num_pages(num_pages: object) -> int:
+    """A room's ``num_pages`` as an int (:func:`as_index`); ValueError outside
+    ``[0, MAX_POOL_PAGES]``."""
+    n = as_index(num_pages, "num_pages")
+    if not 0 <= n <= MAX_POOL_PAGES:
+        raise ValueError(f"num_pages must be in [0, {MAX_POOL_PAGES}], not {n}")
+    return n
+
+
 def check_prefix_pages(prefix_pages: object) -> int:
     """A decode rank's ``prefix_pages`` (the request's first pages it holds already), as an
     int (:func:`as_index`) in ``[0, MAX_POOL_PAGES]``. Raises
@@ -894,12 +903,13 @@ def check_state_slots(
     out = []
     total = 0
     for c, (given, size) in enumerate(zip(lists, sizes, strict=True)):
+        not_ints = ProtocolError(f"{what} slots of state component {c} must be a list of ints")
         try:
             arr = np.asarray(given)
-        except (TypeError, ValueError):  # ragged or otherwise not an array
-            arr = np.zeros((0, 0))
+        except (TypeError, ValueError):  # ragged, say
+            raise not_ints from None
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise ProtocolError(f"{what} slots of state component {c} must be a list of ints")
+            raise not_ints
         total += arr.size
         if total > MAX_REQUEST_STATE_SLOTS:
             raise ProtocolError(

@@ -52,7 +52,14 @@ from ._errors import (
     TransferError,
 )
 from ._lazy import LazyEvent
-from ._memory import MAX_POOL_PAGES, PoolSpec, as_index, check_state_slots, page_ids, validate_pages
+from ._memory import (
+    PoolSpec,
+    as_index,
+    check_num_pages,
+    check_state_slots,
+    page_ids,
+    validate_pages,
+)
 from ._outbox import Outbox
 from ._peers import DecodePeer, PeerRegistry
 from ._probe import wait_idle
@@ -362,9 +369,7 @@ class PrefillAgent:
         aux_slot = as_index(aux_slot, "aux slot")
         if not 0 <= aux_slot < self.pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
-        num_pages = as_index(num_pages, "num_pages")
-        if not 0 <= num_pages <= MAX_POOL_PAGES:
-            raise ValueError(f"num_pages must be in [0, {MAX_POOL_PAGES}], not {num_pages}")
+        num_pages = check_num_pages(num_pages)
         machine = PrefillRoom(
             room, num_pages, aux_slot, self.pool.num_pages,
             tuple(st.slots for st in self.pool.states), epoch=epoch,

@@ -45,9 +45,9 @@ from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
 from ._decode import open_decode as _open_decode
 from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
 from ._memory import (
-    MAX_POOL_PAGES,
     PoolSpec,
     as_index,
+    check_num_pages,
     check_prefix_pages,
     check_state_slots,
     page_ids,
@@ -540,9 +540,7 @@ class SyncSender(_Handle):
         aux_slot = as_index(aux_slot, "aux slot")
         if not 0 <= aux_slot < self._prefill._pool.aux_slots:
             raise ProtocolError(f"aux slot {aux_slot} outside [0, {self._prefill._pool.aux_slots})")
-        num_pages = as_index(num_pages, "num_pages")
-        if not 0 <= num_pages <= MAX_POOL_PAGES:
-            raise ValueError(f"num_pages must be in [0, {MAX_POOL_PAGES}], not {num_pages}")
+        num_pages = check_num_pages(num_pages)
         with self._lock:
             if self._num_pages is not None:
                 raise ProtocolError(f"room {self.room}: init called twice")
@@ -649,7 +647,7 @@ class SyncReceiver(_Handle):
                 raise ProtocolError(f"room {self.room}: init called twice")
             self._inited = True
         if not self._decode._thread.post(
-            self._decode._init, self, ids, int(aux_slot), prefix, slots
+            self._decode._init, self, ids, aux_slot, prefix, slots
         ):
             self._decode._released.append(self.room)  # never reached trio_pd: free already
 
