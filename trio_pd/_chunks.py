@@ -274,6 +274,7 @@ class ChunkRunner:
         """Deregister the staging area (the agent is closing: every call has returned). A
         range still kept for a failed call stays allocated for the life of the process: the
         engine may still read it."""
+        await trio.lowlevel.checkpoint()
         if not self.staging.registered:
             return
         self.staging.registered = False

@@ -538,6 +538,7 @@ class DecodeAgent:
         """
         delay = _DP_ASK_MIN
         try:
+            await trio.lowlevel.checkpoint()
             if route.client is None:
                 route.client = BootstrapClient(
                     route.url, token=self.security.token, verify=self.sources.verify
@@ -567,6 +568,7 @@ class DecodeAgent:
     async def _ask_dp(self, route: _DpRoute, client: BootstrapClient) -> bool:
         """One round: ask for every waiting room (:data:`MAX_DP_BATCH` a request) and route
         those the service knows. True if any room left ``pending``."""
+        await trio.lowlevel.checkpoint()
         learnt = False
         waiting = list(route.pending)
         for start in range(0, len(waiting), MAX_DP_BATCH):

@@ -757,6 +757,7 @@ class _StateSlots:
                        for c in range(len(opts.states))] if self.pool is not None else []
 
     async def alloc(self, num_pages: int) -> list[npt.NDArray[np.int64]]:
+        await trio.lowlevel.checkpoint()
         counts = request_state_slots(self.opts, num_pages) if self.allocs else ()
         return [await a.alloc(n) for a, n in zip(self.allocs, counts, strict=True)]
 

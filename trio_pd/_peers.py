@@ -447,6 +447,7 @@ class PeerRegistry:
         peers reached over no TCP at all (in-process). Where the kernel's tables cannot be
         read (not Linux) there is no such evidence: True, with a warning once, so the
         quarantine rests on the engine's deadline alone there."""
+        await trio.lowlevel.checkpoint()
         hosts: set[str] = set()
         for peer in peers:
             named = await _probe.peer_hosts(self.engine, peer.session, peer.endpoint)
