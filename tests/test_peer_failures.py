@@ -19,12 +19,23 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from prometheus_client import CollectorRegistry
 
-from trio_pd import DecodeConfig, EngineError, KVPoll, PeerLost, PrefillConfig
-from trio_pd.engines import TransferEngine
+from trio_pd import (
+    DecodeConfig,
+    EngineError,
+    KVPoll,
+    PeerLost,
+    PrefillConfig,
+    open_decode,
+    open_prefill,
+)
+from trio_pd._state import Liveness
+from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy
+from trio_pd.metrics import AgentMetrics
 
-from .conftest import Pair, open_pair, poll_until
+from .conftest import Pair, host_pool, open_pair, poll_until
 
 BOUND = 15.0
 
@@ -216,7 +227,9 @@ async def test_a_peer_that_does_not_answer_is_lost_until_a_probe_answers(
 
     config = PrefillConfig(quarantine_fence=0.5)
     made, opened = fault_pair(engine_name, bootstrap_url, policy, config, probe_override=False)
+    registry = CollectorRegistry()
     async with opened as pair:
+        AgentMetrics(registry, role="prefill", rank=0).attach(pair.prefill)
         fault = made[0]
         rooms = Rooms(pair)
         await rooms.open(range(4))
@@ -252,8 +265,47 @@ async def test_a_peer_that_does_not_answer_is_lost_until_a_probe_answers(
         stats = pair.prefill.statistics()
     assert stats.peers_failed == 1 and stats.peers_back == 1, stats
     assert stats.rooms_in_failed_calls == stats.quarantined == 1, stats
+    # the metrics name the reason: rooms 0 and 1 (and 2 if it met the mark) lost their peer
+    labels = {"role": "prefill", "rank": "0"}
+    lost = registry.get_sample_value("trio_pd_failures_total", {**labels, "reason": "PeerLost"})
+    assert lost == stats.failed >= 2, (lost, stats)
+    assert registry.get_sample_value("trio_pd_agent_peers_back_total", labels) == 1
     back = messages(caplog, logging.INFO, "answers a probe again")
     assert len(back) == 1, caplog.text
     assert len(messages(caplog, logging.WARNING, " lost: ")) == 1, caplog.text
     assert len(messages(caplog, logging.INFO, "pages quarantined")) == 1, caplog.text
     assert len(messages(caplog, logging.INFO, "quarantine of 2 pages ended")) == 1, caplog.text
+
+
+async def test_decode_logs_each_change_of_a_prefill_ranks_liveness_once(
+    engine_name: str, bootstrap_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Decode probes the writers of every room it holds at each ack timeout: a prefill rank
+    that does not answer is logged once (WARNING), not once a probe, and once more (INFO)
+    when it answers again."""
+    caplog.set_level(logging.INFO, logger="trio_pd")
+    src, dst = host_pool(), host_pool()
+    pe, de = make_engine(engine_name), FaultEngine(make_engine(engine_name))
+    try:
+        async with (
+            open_prefill(engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=2),
+            open_decode(engine=de, pool=dst.spec) as decode,
+        ):
+            receiver = decode.receiver(1, bootstrap_url=bootstrap_url)
+            receiver.init(np.array([0, 1]), 0)
+            with trio.fail_after(BOUND):
+                await poll_until(lambda: bool(decode.sources.ranks))
+            (rank,) = decode.sources.ranks.values()
+            de.probe_override = False  # its engine's probe gets no answer
+            for _ in range(3):
+                assert await decode.sources.liveness(rank) is Liveness.UNKNOWN
+            de.probe_override = None
+            assert await decode.sources.liveness(rank) is Liveness.ALIVE
+            receiver.abort("done")
+    finally:
+        pe.close()
+        de.close()
+    where = f"prefill rank 0 at {rank.endpoint}"
+    unknown = messages(caplog, logging.WARNING, f"{where}: no answer to a probe")
+    assert len(unknown) == 1 and "liveness is unknown" in unknown[0], caplog.text
+    assert len(messages(caplog, logging.INFO, f"{where} answers a probe again")) == 1

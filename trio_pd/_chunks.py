@@ -253,7 +253,7 @@ class ChunkRunner:
                     self.peers.reprobe(peer)  # (unless a probe is running)
                     raise PeerLost(
                         f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
-                        "fast until it answers a probe"
+                        "fast until it answers a probe or registers again"
                     )
                 if single:
                     await self._engine_call(peer, blocks, call, prepare)
