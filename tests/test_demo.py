@@ -49,6 +49,35 @@ async def test_demo_aborts_and_faults_leave_no_trace(engine_name: str) -> None:
     assert check(opts, summary) == []
 
 
+async def test_demo_faults_fail_only_the_rooms_in_their_calls(engine_name: str) -> None:
+    """Injected write errors only, no aborts: every failed request had a room in a failed
+    engine call (the blast radius of an error is its call), and the summary says so. Before
+    the fix one error marked the peer failed and the rooms sent meanwhile failed too (8-23
+    of 30 requests for 1-3 errors at ``--fault-rate 0.05``)."""
+    opts = DemoOptions(
+        engine=engine_name, requests=40, concurrency=8, max_tokens=256, chunk_pages=2,
+        layers=1, fault_rate=0.1, fault_kinds=("fail", "partial"), seed=3,
+        quarantine_fence=1.0,
+    )
+    with trio.fail_after(40):
+        summary = await run_in_process(opts)
+    assert summary["failed_engine_calls"] >= 1, summary  # the faults really happened (seeded)
+    assert 1 <= summary["failed"] <= summary["rooms_in_failed_calls"], summary
+    assert summary["peers_failed"] == 0, summary
+    assert summary["blast_radius"]["failed_per_failed_call"] == round(
+        summary["failed"] / summary["failed_engine_calls"], 2)
+    assert check(opts, summary) == []
+
+
+def test_check_flags_a_failure_beyond_its_call() -> None:
+    opts = DemoOptions(requests=10, fault_rate=0.1)
+    summary = {"requests": 10, "succeeded": 4, "failed": 6, "aborted": 0,
+               "rooms_in_failed_calls": 2}
+    assert any("more than the 2 rooms in failed engine calls" in p
+               for p in check(opts, summary)), check(opts, summary)
+    assert check(opts, {**summary, "rooms_in_failed_calls": 6}) == []
+
+
 def test_check_flags_corrupt_pages() -> None:
     opts = DemoOptions(requests=3)
     decode = RankResult("decode", 0, outcomes={i: int(KVPoll.Success) for i in range(3)})

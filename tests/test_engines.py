@@ -266,6 +266,19 @@ def test_mooncake_submit_outside_the_destination_fails_at_wait(p: Pair) -> None:
     assert np.array_equal(p.dst[:4096], p.src[:4096])
 
 
+def test_mooncake_write_that_never_started_claims_no_refusal(p: Pair) -> None:
+    """A write the engine did not start (here: to a session nobody serves) says that, and
+    still "outcome unknown"; it does not say "refused": the same happens when a peer is
+    killed or its link is down, when nothing refused anything."""
+    if p.kind != "mooncake":
+        pytest.skip("Mooncake's submit")
+    with pytest.raises(EngineError) as caught:
+        start_write(p.src_engine, "127.0.0.1:1", *p.blocks([0], [0], [4096])).wait()
+    text = str(caught.value)
+    assert "did not start" in text and "outcome unknown" in text, text
+    assert "refused" not in text, text
+
+
 def _count_releases(p: Pair, monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Every NIXL request handle the source engine releases, in order (it still releases)."""
     agent = p.src_engine._agent  # type: ignore[attr-defined]

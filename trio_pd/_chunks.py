@@ -52,7 +52,7 @@ from ._plan import (
 )
 from ._rooms import Chunk, PrefillRoom, Target
 from ._staging import Reservation, StagingArea, host_source
-from ._state import Outcome
+from ._state import Liveness, Outcome
 from ._stats import Counters
 from .engines import TransferEngine, start_write
 
@@ -83,7 +83,7 @@ class Write:
 
     __slots__ = (
         "blocks", "call_blocks", "call_bytes", "engine", "join_key", "joined", "nbytes",
-        "num_blocks", "peer", "prepare",
+        "num_blocks", "peer", "prepare", "riders",
     )
 
     def __init__(
@@ -103,6 +103,8 @@ class Write:
         #: the blocks and bytes of the engine call this write led (its own plus its joiners')
         self.call_blocks = self.num_blocks
         self.call_bytes = self.nbytes
+        #: the writes that joined the engine call this write led
+        self.riders = 0
 
     def __call__(self) -> object:
         if self.prepare is not None:
@@ -111,6 +113,7 @@ class Write:
 
     def join(self, others: Sequence[Write]) -> Callable[[], object]:
         blocks = concat([self.blocks, *(w.blocks for w in others)])
+        self.riders = len(others)
         self.call_blocks = blocks.num_blocks
         self.call_bytes = blocks.nbytes
         prepares = [w.prepare for w in (self, *others) if w.prepare is not None]
@@ -242,9 +245,16 @@ class ChunkRunner:
                 if len(blocks.lens) == 0:
                     continue  # a dummy rank for this destination: bookkeeping only
                 calls.append(call)  # (settling gives back or keeps its staging range)
+                if peer.probing and not peer.failed:
+                    # a write to it has just failed: this room was not in that call, and
+                    # the peer may well be alive (SPEC §5.7). Not started yet: cancellable
+                    await self.peers.verdict(peer)
                 if peer.failed:
-                    self.peers.mark_failed(peer)  # (probes again unless a probe is running)
-                    raise PeerLost(f"decode peer {peer.endpoint} is marked failed")
+                    self.peers.reprobe(peer)  # (unless a probe is running)
+                    raise PeerLost(
+                        f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
+                        "fast until it answers a probe or registers again"
+                    )
                 if single:
                     await self._engine_call(peer, blocks, call, prepare)
                 else:
@@ -352,14 +362,35 @@ class ChunkRunner:
             else:
                 self.staging.give(r)
 
+    async def _blame(self, peer: DecodePeer, write: Write, error: Exception) -> PeerLost | None:
+        """An engine call to ``peer`` raised ``error``: is the peer alive (its probe's answer,
+        :meth:`PeerRegistry.verdict <trio_pd._peers.PeerRegistry.verdict>`)? Alive: None, and
+        the error fails the rooms in that call only (logged once per call, by the write that
+        led it). Not alive: the :class:`PeerLost` that names it, for this room."""
+        state = await self.peers.verdict(peer)
+        if state is Liveness.ALIVE:
+            if not write.joined:
+                log.warning(
+                    "a write to decode peer %s failed (%d chunk writes, %d blocks in the call); "
+                    "the peer answers a probe, so only the rooms in that call fail: %s",
+                    peer.endpoint, write.riders + 1, write.call_blocks, error,
+                )
+            return None
+        why = peer.lost or f"its liveness is {state.value}"
+        return PeerLost(f"decode peer {peer.endpoint} is lost ({why}); a write to it failed: "
+                        f"{error}")
+
     async def _engine_call(
         self, peer: DecodePeer, blocks: Blocks, call: _Call,
         prepare: Callable[[], None] | None = None,
     ) -> None:
-        """The one place an engine write happens.
+        """The one place an engine write happens. A call that raises is blamed on the call, or
+        on the peer (:meth:`_blame`) once a probe of the peer has answered.
 
         **Cancellation:** before the lane's thread takes the call, it is skipped (``call``
-        stays not-started); after, it completes and its result is observed.
+        stays not-started); after, it completes and its result is observed. A call that
+        raised counts as failed (``call.state``: its lease is quarantined) also when the
+        wait for its peer's probe is cancelled.
         """
         write = Write(self.engine, peer.session, blocks, prepare)
         metrics = self._metrics()
@@ -372,11 +403,15 @@ class ChunkRunner:
             raise PeerLost(
                 f"decode peer {peer.endpoint} re-registered with another engine session"
             ) from exc
-        except BaseException:
+        except BaseException as exc:
             call.state = "error"
             self.counters.bump("engine_errors")  # (each chunk of a shared call that failed)
             if metrics is not None and not write.joined:
                 metrics.observe_write(self.engine.name, time.perf_counter() - t0, 0, ok=False)
+            if isinstance(exc, Exception):
+                lost = await self._blame(peer, write, exc)
+                if lost is not None:
+                    raise lost from exc
             raise
         call.state = "done"
         self.counters.bump("chunks_batched" if write.joined else "engine_calls")

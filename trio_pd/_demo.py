@@ -42,6 +42,7 @@ from ._state import KVPoll
 from ._topology import head_range
 from ._wire import MAX_AUX_BUFFERS
 from .engines import TransferEngine, make_engine
+from .engines.fault import FaultEngine
 from .testing.device import DeviceKVPool
 from .testing.pools import (
     DEST_POISON,
@@ -421,6 +422,9 @@ class RankResult:
     pid: int = field(default_factory=os.getpid)
     cpu_seconds: float = 0.0
     harness_cpu_seconds: float = 0.0
+    #: prefill with ``fault_rate``: the engine calls that raised (the FaultEngine's count:
+    #: injected faults, and real errors alike)
+    failed_engine_calls: int = 0
 
 
 class DemoPool(Protocol):
@@ -502,8 +506,6 @@ class _Owned:
 def _engine(opts: DemoOptions, role: str, rank: int) -> TransferEngine:
     engine = make_engine(opts.engine)
     if role == "prefill" and opts.fault_rate > 0:
-        from .engines.fault import FaultEngine
-
         return FaultEngine.random(
             engine, opts.fault_rate, seed=opts.seed * 1000 + rank,
             kinds=opts.fault_kinds,  # type: ignore[arg-type]  # checked by FaultEngine
@@ -636,6 +638,8 @@ async def run_prefill_rank(
             result.stats = asdict(agent.statistics())
     finally:
         owned.engines.append(engine)  # closed by the caller (_Owned)
+        if isinstance(engine, FaultEngine):
+            result.failed_engine_calls = engine.statistics().errors
     result.late_writes = (
         pages_alloc.late_writes + aux_alloc.late_writes + pages_alloc.late_in_free_rows()
         + aux_alloc.late_in_free_rows() + states.late_writes
@@ -739,6 +743,8 @@ async def run_decode_rank(
             result.stats = asdict(agent.statistics())
     finally:
         owned.engines.append(engine)  # closed by the caller (_Owned)
+        if isinstance(engine, FaultEngine):
+            result.failed_engine_calls = engine.statistics().errors
     result.late_writes = (
         pages_alloc.late_writes + aux_alloc.late_writes + pages_alloc.late_in_free_rows()
         + aux_alloc.late_in_free_rows() + states.late_writes
@@ -870,6 +876,8 @@ def summarize(
     def stat(name: str) -> int:
         return sum(r.stats.get(name, 0) for r in results)
 
+    calls_failed = sum(r.failed_engine_calls for r in results)
+    in_failed = stat("rooms_in_failed_calls")
     ms = sorted(m for r in decode for m in r.abort_release_ms)
     request_ms = [(b - a) * 1e3 for r in decode for a, b in r.active]
     total_bytes = sum(r.bytes for r in decode)
@@ -896,6 +904,15 @@ def summarize(
         "released_by_timeout": stat("released_by_timeout"),
         "released_peer_gone": stat("released_peer_gone"),
         "engine_errors": stat("engine_errors"),
+        # the blast radius of engine errors: the calls that raised, the rooms that rode in
+        # them, and the failed requests per failed call (at most the rooms per failed call)
+        "failed_engine_calls": calls_failed,
+        "rooms_in_failed_calls": in_failed,
+        "blast_radius": {
+            "failed_per_failed_call": round(failed / calls_failed, 2) if calls_failed else None,
+            "rooms_per_failed_call": round(in_failed / calls_failed, 2) if calls_failed else None,
+        },
+        "peers_failed": stat("peers_failed"),
         "abort_release_ms": {
             "p50": round(_pct(ms, 50), 3) if ms else None,
             "p99": round(_pct(ms, 99), 3) if ms else None,
@@ -1208,6 +1225,10 @@ def check(opts: DemoOptions, summary: dict[str, Any]) -> list[str]:
         problems.append("requests unaccounted for")
     if summary["failed"] and opts.fault_rate == 0 and not summary.get("interrupted"):
         problems.append(f"failed = {summary['failed']} without injected faults")
+    in_calls = summary.get("rooms_in_failed_calls", 0)
+    if summary["failed"] > in_calls and opts.fault_rate > 0 and not summary.get("interrupted"):
+        problems.append(f"failed = {summary['failed']}, more than the {in_calls} rooms in "
+                        "failed engine calls (a failure spread beyond its call)")
     return problems
 
 

@@ -2,6 +2,14 @@
 engine call to each, failed marks, and the quarantine fences that keep an errored write's
 pages out until its peers are proven quiet or gone.
 
+A failed engine call fails the rooms in that call and nothing else while its peer answers
+(SPEC §5.7): the call's rooms, and any chunk for that peer that comes meanwhile, wait for a
+probe of the peer (:meth:`PeerRegistry.verdict`). ALIVE: the failure stays with the call's
+rooms (the engine's error), and the waiting chunks go ahead. Anything else marks the peer
+failed (:meth:`PeerRegistry.mark_failed`): the call's rooms fail with
+:class:`~trio_pd.PeerLost` naming why, and later chunks fail fast until a probe answers ALIVE
+or the peer registers again.
+
 Liveness is three-valued (:class:`~trio_pd._state.Liveness`, probed by :mod:`trio_pd._probe`):
 a quarantine ends on GONE, or on ALIVE after the engine's own deadline for the failed call
 *and* once the kernel shows that every byte we wrote to the peer's host has been received
@@ -77,9 +85,14 @@ class DecodePeer:
     #: per state component, the cuts of a slot this rank writes there (``state_cuts``)
     state_cuts: tuple[SlotCuts, ...] = ()
     ready: trio.Event = field(default_factory=trio.Event)
-    #: a write to it failed: later chunks fail fast until a probe says ALIVE
+    #: not alive as far as we know: a probe did not answer ALIVE (or the engine could not add
+    #: it). Later chunks fail fast with PeerLost, saying ``lost``, until a probe answers ALIVE
+    #: or it registers again
     failed: bool = False
-    probing: bool = False
+    lost: str = ""
+    #: the probe under way that a failed write or a chunk meeting the mark started (one at a
+    #: time; everyone who needs its answer waits for it)
+    probe: _Probe | None = None
     #: proven gone (GONE, or replaced by a REGISTER with another engine session)
     gone: bool = False
     #: authentication on: the CURVE public key (z85) that sent the REGISTER; TRANSFERs and
@@ -87,6 +100,18 @@ class DecodePeer:
     key: str = ""
     #: trio.current_time() of the last lookup by endpoint (a TRANSFER, a chunk, a STATUS)
     last_used: float = 0.0
+
+    @property
+    def probing(self) -> bool:
+        return self.probe is not None
+
+
+@dataclass(eq=False, slots=True)
+class _Probe:
+    """A probe of one peer under way and, once ``done``, what it answered."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    state: Liveness = Liveness.UNKNOWN
 
 
 @dataclass(eq=False, slots=True)
@@ -97,8 +122,8 @@ class _Fence:
 
 
 class PeerRegistry:
-    """The decode peers of one prefill rank (SPEC §5.7: a failed peer fails fast; §5.6:
-    quarantines end on proof only)."""
+    """The decode peers of one prefill rank (SPEC §5.7: a peer that is not alive fails fast;
+    §5.6: quarantines end on proof only)."""
 
     def __init__(
         self,
@@ -339,26 +364,56 @@ class PeerRegistry:
         try:
             await self.run_engine_call(peer.lane, partial(self.engine.add_peer, peer.session, meta))
         except Exception as exc:
-            log.warning("could not add decode peer %s: %s", peer.endpoint, exc)
-            self.mark_failed(peer)
+            self.mark_failed(peer, f"the engine could not add it ({exc})")
+            self.reprobe(peer)  # (a probe that answers ALIVE ends the mark)
             await trio.lowlevel.checkpoint()
         peer.ready.set()
 
     # ---------------------------------------------------------------- failed marks, probes
 
-    def mark_failed(self, peer: DecodePeer) -> None:
-        """A write to ``peer`` failed: later chunks to it fail fast, until a probe says it is
-        alive (or it registers again)."""
-        if not peer.failed:
-            peer.failed = True
-            self.counters.bump("peers_failed")
-        if not peer.probing and self.nursery is not None:
-            peer.probing = True
-            self.nursery.start_soon(self._probe_failed, peer)
+    def mark_failed(self, peer: DecodePeer, why: str) -> None:
+        """``peer`` is not alive as far as we know (``why``): later chunks to it fail fast with
+        :class:`~trio_pd.PeerLost` until a probe answers ALIVE or it registers again. Counted
+        (``peers_failed``) and logged once per mark (a peer proven gone was logged as such)."""
+        peer.lost = why
+        if peer.failed:
+            return
+        peer.failed = True
+        self.counters.bump("peers_failed")
+        if not peer.gone:
+            log.warning("decode peer %s lost: %s; chunks to it fail fast until it answers a probe",
+                        peer.endpoint, why)
+
+    def reprobe(self, peer: DecodePeer) -> None:
+        """Probe ``peer`` in the background unless a probe of it is under way (a chunk met its
+        failed mark: one that answers ALIVE ends it)."""
+        self._start_probe(peer)
+
+    async def verdict(self, peer: DecodePeer) -> Liveness:
+        """Is ``peer`` alive? The answer of the probe of it under way, or of a new one, applied
+        to its failed mark (see :meth:`liveness`). Asked when an engine call to it failed, and
+        by a chunk for it that comes while that probe runs: until the answer, nobody can tell a
+        failed call (its rooms fail, nothing else) from a lost peer (everything to it fails).
+
+        **Cancellation:** cancellable while it waits; the probe carries on for the others
+        (it is the registry's task). A cancelled caller learns nothing."""
+        probe = self._start_probe(peer)
+        if probe is None:  # the agent is closing: no probe starts any more
+            await trio.lowlevel.checkpoint()
+            return Liveness.UNKNOWN
+        await probe.done.wait()
+        return probe.state
+
+    def _start_probe(self, peer: DecodePeer) -> _Probe | None:
+        if peer.probe is None and self.nursery is not None:
+            peer.probe = _Probe()
+            self.nursery.start_soon(self._probe_failed, peer, peer.probe)
+        return peer.probe
 
     async def liveness(self, peer: DecodePeer) -> Liveness:
         """Probe ``peer``: its control endpoint refusing connections, or its engine's port,
-        proves it gone; its engine answering proves it alive; anything else is UNKNOWN."""
+        proves it gone; its engine answering proves it alive; anything else is UNKNOWN. The
+        answer sets or ends its failed mark: marked only while it is not alive (SPEC §5.7)."""
         if peer.gone:
             await trio.lowlevel.checkpoint()
             return Liveness.GONE
@@ -369,23 +424,38 @@ class PeerRegistry:
             timeout=self.fence,
             limiter=self.probe_limiter,
         )
-        if state is Liveness.GONE:
+        if state is Liveness.ALIVE:
+            if peer.failed:  # any probe that answers ends the fast-fail mark
+                peer.failed = False
+                self.counters.bump("peers_back")
+                log.info("decode peer %s answers a probe again: chunks to it go ahead",
+                         peer.endpoint)
+        elif state is Liveness.GONE:
             self._proven_gone(peer)
-        elif state is Liveness.ALIVE:
-            peer.failed = False  # any probe that answers ends the fast-fail mark
+            self.mark_failed(peer, "proven gone")
+        else:
+            self.mark_failed(
+                peer,
+                f"no answer to a probe within {self.fence:g} s (unreachable, stopped or hung: "
+                "its liveness is unknown)",
+            )
         return state
 
-    async def _probe_failed(self, peer: DecodePeer) -> None:
+    async def _probe_failed(self, peer: DecodePeer, probe: _Probe) -> None:
         try:
-            await self.liveness(peer)  # (ALIVE clears the failed mark)
+            probe.state = await self.liveness(peer)
         finally:
-            peer.probing = False
+            if peer.probe is probe:
+                peer.probe = None
+            probe.done.set()
 
     def _proven_gone(self, peer: DecodePeer) -> None:
         if peer.gone:
             return
         peer.gone = True
         self.counters.bump("peers_lost")
+        log.warning("decode peer %s (engine session %s) proven gone: no write to it can land "
+                    "any more", peer.endpoint, peer.session)
         # quarantines whose every peer is now proven gone end here, not at their fence
         for fence in list(self._fences.values()):
             if all(p.gone for p in fence.peers):
@@ -398,8 +468,6 @@ class PeerRegistry:
         gone, or answers a probe after the engine's own deadline for the call (``fence``: by
         then the engine has given the call up) with our kernel's send queues to it seen empty
         (what the call left there has been received). ``end()`` runs once, on that proof."""
-        for peer in peers:
-            self.mark_failed(peer)
         fence = _Fence(lease, peers, end)
         self._fences[lease] = fence
         self.timers.after(self.fence, partial(self._fence_passed, fence))

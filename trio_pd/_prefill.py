@@ -171,6 +171,8 @@ class _Room:
     sent: bool = False
     #: DP attention: the (room, epoch) announced for this use, forgotten when it ends
     announced: tuple[int, int | None] | None = None
+    #: a chunk of it rode in an engine call that raised (counted ``rooms_in_failed_calls``)
+    in_failed_call: bool = False
 
     @property
     def lock(self) -> trio.Lock:
@@ -478,12 +480,20 @@ class PrefillAgent:
 
     def _quarantine(self, rec: _Room, lease: Lease) -> None:
         self.counters.bump("quarantined")
+        if not rec.in_failed_call:
+            rec.in_failed_call = True
+            self.counters.bump("rooms_in_failed_calls")
         peers = [p for t in rec.machine.targets.values() if (p := self.peers.get(t.endpoint))]
+        log.info("room %d: %d pages quarantined after a failed engine call (outcome unknown): "
+                 "held until no write of it to %s can land", rec.machine.room, lease.npages,
+                 ", ".join(p.endpoint for p in peers) or "its decode peers")
         self.peers.quarantine(lease, peers, partial(self._end_quarantine, rec, lease))
 
     def _end_quarantine(self, rec: _Room, lease: Lease) -> None:
         if lease in rec.machine.leases.quarantined:
             self.counters.bump("released_after_quarantine")
+            log.info("room %d: quarantine of %d pages ended: they go back", rec.machine.room,
+                     lease.npages)
             self._carry(rec, rec.machine.end_quarantine(lease))
 
     def _forget_endpoint(self, endpoint: str) -> None:

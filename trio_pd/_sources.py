@@ -67,6 +67,8 @@ class PrefillRank:
     pp_rank: int = 0
     #: (left out: its TP rank, the id of a rank of the only stage)
     rank_id: int = -1
+    #: what its last probe answered (None: never probed): changes are logged once
+    probed: Liveness | None = None
 
     def __post_init__(self) -> None:
         if self.rank_id < 0:
@@ -331,6 +333,11 @@ class Sources:
     def _lose(self, rank: PrefillRank) -> None:
         rank.lost = True
         self.counters.bump("peers_lost")
+        log.warning(
+            "prefill rank %d at %s lost: %d heartbeats unanswered; its %d rooms here fail "
+            "(PeerLost), their pages held until it acks or is proven gone", rank.rank_id,
+            rank.endpoint, rank.unanswered, len(rank.rooms),
+        )
         if self.ranks.get(rank.endpoint) is rank:
             del self.ranks[rank.endpoint]
         self.control.forget(rank.heartbeat_endpoint)
@@ -340,14 +347,31 @@ class Sources:
         self._on_lost(rank)
 
     async def liveness(self, rank: PrefillRank) -> Liveness:
-        """Probe a prefill rank (a writer of our pages): GONE only on proof."""
-        return await _probe.probe(
+        """Probe a prefill rank (a writer of our pages): GONE only on proof. A change of what
+        its probes answer is logged once (unknown, answering again, proven gone), not every
+        probe: a held room's writers are probed at every ack timeout."""
+        state = await _probe.probe(
             self.engine,
             rank.session,
             control_endpoint=rank.endpoint,
             timeout=self.probe_timeout,
             limiter=self.probe_limiter,
         )
+        seen, rank.probed = rank.probed, state
+        if state is seen or (seen is None and state is Liveness.ALIVE):
+            return state
+        if state is Liveness.GONE:
+            log.warning("prefill rank %d at %s proven gone: no write of it can land any more",
+                        rank.rank_id, rank.endpoint)
+        elif state is Liveness.UNKNOWN:
+            log.warning(
+                "prefill rank %d at %s: no answer to a probe within %g s (unreachable, stopped "
+                "or hung: its liveness is unknown); pages it may write stay held",
+                rank.rank_id, rank.endpoint, self.probe_timeout,
+            )
+        else:
+            log.info("prefill rank %d at %s answers a probe again", rank.rank_id, rank.endpoint)
+        return state
 
 
 def _pairs_tp(prefill_tp: int, decode_tp: int, decode_rank: int) -> bool:

@@ -67,8 +67,17 @@ class AgentStatistics:
     rooms_unproven_at_close: int = 0
     released_by_timeout: int = 0
     released_peer_gone: int = 0
+    #: prefill: decode peers marked failed (a probe did not answer ALIVE, or the engine could
+    #: not add the peer): chunks to them fail fast with PeerLost
     peers_failed: int = 0
+    #: prefill: failed marks ended by a probe that answered ALIVE
+    peers_back: int = 0
+    #: prefill: decode peers proven gone; decode: prefill ranks lost to the heartbeat
     peers_lost: int = 0
+    #: prefill: rooms with a chunk in an engine call that raised (once per room): each fails,
+    #: and quarantines that chunk's lease. Rooms failed beyond these were failed by their peer
+    #: (PeerLost), an abort or a deadline, not by the call
+    rooms_in_failed_calls: int = 0
     #: PUSH sockets closed to stay under the cap, or because nobody sent on them for a while
     sockets_evicted: int = 0
     #: prefill: decode peers dropped to make room for a new REGISTER (proven gone, or idle)
@@ -123,7 +132,9 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "released_by_timeout": "decode",
     "released_peer_gone": "decode",
     "peers_failed": "prefill",
+    "peers_back": "prefill",
     "peers_lost": "both",  # prefill: decode peers proven gone; decode: lost to the heartbeat
+    "rooms_in_failed_calls": "prefill",
     "sockets_evicted": "both",
     "peers_evicted": "prefill",
     "engine_peers_removed": "prefill",

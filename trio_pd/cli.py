@@ -248,6 +248,13 @@ def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
         f"quarantine {s['released_after_quarantine']}   released by timeout "
         f"{s['released_by_timeout']}",
     ]
+    if s.get("failed_engine_calls"):
+        lines.append(
+            f"  failed engine calls {s['failed_engine_calls']}   rooms in them "
+            f"{s['rooms_in_failed_calls']}   failed per failed call "
+            f"{s['blast_radius']['failed_per_failed_call']:.2f}   peers marked failed "
+            f"{s['peers_failed']}"
+        )
     if s["abort_release_ms"]["p50"] is not None:
         lines.append(
             f"  decode abort -> pages released: p50 {s['abort_release_ms']['p50']:.2f} ms, "

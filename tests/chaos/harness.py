@@ -97,6 +97,11 @@ class Proc:
             elif sig == signal.SIGCONT:
                 self.stopped = False
 
+    def log_lines(self, has: str) -> list[str]:
+        """The lines of its stderr (trio_pd's warnings, among others) that contain ``has``."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return [line for line in text.splitlines() if has in line]
+
     def of(self, ev: str, i: int | None = None) -> list[dict[str, Any]]:
         return [e for e in self.events if e["ev"] == ev and (i is None or e.get("i") == i)]
 

@@ -85,6 +85,18 @@ async def _scenario(tmp: Path, victim_role: str, fault: str) -> dict[str, Any]:
         # every room in flight is terminal within its bound
         bound = 15.0 if survivor_role == "decode" else 30.0
         assert max(_rel(failed_done, t0)) < bound, _rel(failed_done, t0)
+        # the peer's loss is named as such, and logged once by the survivor
+        victim_endpoint = victim.of("ready")[0]["endpoint"]
+        if victim_role == "decode":
+            not_lost = {e.get("failure") for e in failed_done.values()
+                        if not str(e.get("failure")).startswith("PeerLost(")}
+            assert not not_lost, f"failed rooms not PeerLost: {sorted(not_lost)[:3]}"
+            lost = survivor.log_lines(f"decode peer {victim_endpoint} lost: ")
+            gone = survivor.log_lines(f"decode peer {victim_endpoint} (engine session")
+            assert len(lost) + len(gone) == 1, (lost, gone)
+        else:
+            lost = survivor.log_lines(f"at {victim_endpoint} lost: ")
+            assert len(lost) == 1 and "heartbeats unanswered" in lost[0], lost
 
         held_while_stopped = 0
         if fault == "stop":

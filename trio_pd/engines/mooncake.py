@@ -70,7 +70,7 @@ DEFAULT_TRANSFER_TIMEOUT_S = "5"
 
 _PIP_NAME = "mooncake-transfer-engine-non-cuda"  # or mooncake-transfer-engine on CUDA hosts
 
-#: what ``batch_transfer_async_write`` returns when it started nothing (0: refused; -1, as an
+#: what ``batch_transfer_async_write`` returns when it started nothing (0: not submitted; -1, as an
 #: unsigned id: the peer's segment could not be opened). Waiting on one crashes the process.
 _NO_BATCH = (0, -1, (1 << 64) - 1)
 
@@ -477,9 +477,11 @@ class MooncakeEngine(ClosesOnExit):
             link.busy_until = expected_done
         bid = engine.batch_transfer_async_write(peer, src.tolist(), dst.tolist(), lens.tolist())
         if bid in _NO_BATCH:
+            why = ("the engine did not submit the batch" if bid == 0 else
+                   "the engine could not open the peer's segment")
             raise EngineError(
-                f"mooncake write to {peer} refused (batch id {bid}) for {len(src)} blocks: "
-                f"outcome unknown",
+                f"mooncake write to {peer} did not start ({why}; batch id {bid}) for "
+                f"{len(src)} blocks: outcome unknown",
                 code=-1,
             )
         return _InFlight(self, peer, bid, len(src), nbytes, now, expected_done)
