@@ -168,3 +168,86 @@ async def test_quarantine_ends_only_once_the_kernel_has_sent_our_bytes(
         finally:
             inner.close()
             de.close()
+
+
+# -- a check that cannot run is unknown, never "drained" -------------------------------------
+
+#: run in a child process: every descriptor taken, then a snapshot of the tables
+_NO_DESCRIPTORS = """
+import json, os, resource
+from trio_pd._sendq import snapshot
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+taken = []
+try:
+    while True:
+        taken.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+try:
+    answer = {"snapshot": repr(snapshot(["127.0.0.1"]))}
+except OSError as exc:
+    answer = {"raised": exc.errno}
+for fd in taken:
+    os.close(fd)
+print(json.dumps(answer))
+"""
+
+
+def test_a_snapshot_with_no_descriptor_left_raises_instead_of_saying_drained() -> None:
+    """Out of descriptors, the tables cannot be read: the snapshot raises (EMFILE), which
+    the quarantine takes as unknown. (Before: it returned None, "no tables here", which the
+    quarantine took as drained: the proof failed open.)"""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NO_DESCRIPTORS], capture_output=True,
+                          timeout=60, check=True)
+    assert json.loads(done.stdout) == {"raised": errno.EMFILE}, done.stdout
+
+
+async def test_a_send_queue_check_that_cannot_run_keeps_the_quarantine(
+    bootstrap_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first write fails; the peer answers its probe after the fence, but our kernel's
+    tables cannot be read (no descriptor left: what the snapshot raises then): the pages stay
+    out, counted ``checks_unknown`` and ``quarantine_unknown``, and the agent serves on; once
+    the tables can be read again the quarantine ends. (Before: the error escaped into the
+    agent's task and closed the agent.)"""
+    from trio_pd import _sendq
+
+    real = _sendq.snapshot
+
+    def no_descriptors(hosts: list[str]) -> dict[tuple[str, int, str, int], int] | None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(_sendq, "snapshot", no_descriptors)
+    src, dst = host_pool(), host_pool()
+    released: list[str] = []
+    inner, de = make_engine("mooncake"), make_engine("mooncake")
+    try:
+        pe = FaultEngine(inner, lambda i, _p, _n: Fault("fail") if i == 0 else None)
+        async with open_prefill(
+            engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=2,
+            config=PrefillConfig(quarantine_fence=0.2),
+        ) as prefill, open_decode(engine=de, pool=dst.spec) as decode:
+            sender = prefill.sender(402, num_pages=2, aux_slot=0,
+                                    on_release=lambda: released.append("src"))
+            receiver = decode.receiver(402, bootstrap_url=bootstrap_url)
+            receiver.init(np.arange(2), 0)
+            sender.send(np.arange(2), last=True)
+            with trio.fail_after(BOUND):
+                assert await sender.wait() is KVPoll.Failed
+                while prefill.statistics().checks_unknown < 2:  # noqa: ASYNC110 - counters
+                    await trio.sleep(0.05)
+            stats = prefill.statistics()
+            assert released == [] and stats.quarantine_unknown >= 2
+            assert stats.released_after_quarantine == 0
+            monkeypatch.setattr(_sendq, "snapshot", real)
+            with trio.fail_after(BOUND):
+                await sender.wait_released()
+            assert released == ["src"]
+    finally:
+        inner.close()
+        de.close()
