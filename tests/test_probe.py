@@ -32,6 +32,8 @@ from trio_pd._state import Liveness
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import FaultEngine
 
+from .helpers import NO_DESCRIPTORS, run_child
+
 HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 
 # The peer process: engine + control socket, one JSON line on stdout, then wait for stdin EOF.
@@ -315,8 +317,8 @@ async def test_nixl_killed_peer_is_refused_via_its_control_endpoint() -> None:
 # -- a probe that cannot run -----------------------------------------------------------------
 
 #: run in a child process: every descriptor taken, then a probe of a port that refuses
-_NO_DESCRIPTORS = """
-import json, os, resource, socket
+_PROBE_WITHOUT_DESCRIPTORS = NO_DESCRIPTORS + """
+import json, socket
 import trio
 from trio_pd._probe import probe
 from trio_pd._stats import Counters
@@ -332,20 +334,12 @@ with socket.create_server(("127.0.0.1", 0)) as s:
 async def main():
     counters = Counters()
     socket.getaddrinfo("127.0.0.1", port)  # (a warm process: the codecs it needs are loaded)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
-    taken = []
-    try:
-        while True:
-            taken.append(os.open("/dev/null", os.O_RDONLY))
-    except OSError:
-        pass
+    taken = take_every_descriptor()
     try:
         answer = await probe(NoEngine(), "w", control_endpoint=f"tcp://127.0.0.1:{port}",
                              timeout=2.0, limiter=trio.CapacityLimiter(1), counters=counters)
     finally:
-        for fd in taken:
-            os.close(fd)
+        give_back(taken)
     print(json.dumps({"answer": answer.value, "checks_unknown": counters["checks_unknown"]}))
 
 trio.run(main)
@@ -356,7 +350,5 @@ def test_a_probe_with_no_descriptor_left_is_unknown_and_counted() -> None:
     """Out of descriptors, a probe cannot make a socket: UNKNOWN, counted ``checks_unknown``;
     nothing escapes. (Before: the OSError (EMFILE) escaped the probe, and with it the task
     that ran it, closing the whole agent.)"""
-    done = subprocess.run([sys.executable, "-c", _NO_DESCRIPTORS], capture_output=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    assert json.loads(done.stdout) == {"answer": "unknown", "checks_unknown": 1}
+    got = run_child(_PROBE_WITHOUT_DESCRIPTORS)
+    assert got == {"answer": "unknown", "checks_unknown": 1}

@@ -33,6 +33,9 @@ import pytest
 import trio
 
 from .harness import (
+    Cluster,
+    NetPair,
+    Proc,
     check_final,
     cluster,
     engine_calls,
@@ -67,22 +70,29 @@ def _span(values: list[float]) -> str:
     return f"{min(values):.2f}..{max(values):.2f}" if values else ".."
 
 
+async def _in_flight_across(c: Cluster, net: NetPair) -> tuple[Proc, Proc, list[int]]:
+    """Bootstrap and prefill in namespace A, decode in B; 4 rooms served, then
+    ``IN_FLIGHT`` rooms announced and under way (each partly written). Returns the prefill
+    and decode ranks and the rooms' indices."""
+    await c.bootstrap(host=net.addr_a, netns=net.a)
+    prefill = await c.rank("prefill", host=net.addr_a, netns=net.a)
+    decode = await c.rank("decode", host=net.addr_b, netns=net.b)
+    warm = c.submit(prefill, [decode], 4, pages=16, chunks=2, gap=0.0)
+    got = await wait_done(decode, warm, 60)
+    assert all(e["status"] == "Success" for e in got.values()), got
+    base = await engine_calls(prefill)
+    rooms = c.submit(prefill, [decode], IN_FLIGHT, chunks=16, gap=0.1)
+    await in_flight(prefill, base, 2 * IN_FLIGHT, 30)
+    return prefill, decode, rooms
+
+
 async def _partition(tmp: Path, n: int, down_s: float) -> dict[str, Any]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
     with netns_pair(n) as net:
         async with cluster(tmp) as c:
-            await c.bootstrap(host=net.addr_a, netns=net.a)
-            prefill = await c.rank("prefill", host=net.addr_a, netns=net.a)
-            decode = await c.rank("decode", host=net.addr_b, netns=net.b)
-            warm = c.submit(prefill, [decode], 4, pages=16, chunks=2, gap=0.0)
-            got = await wait_done(decode, warm, 60)
-            assert all(e["status"] == "Success" for e in got.values()), got
-
-            base = await engine_calls(prefill)
-            rooms = c.submit(prefill, [decode], IN_FLIGHT, chunks=16, gap=0.1)
-            await in_flight(prefill, base, 2 * IN_FLIGHT, 30)
+            prefill, decode, rooms = await _in_flight_across(c, net)
             t0 = time.time()
             net.link(up=False)
             try:
@@ -185,16 +195,7 @@ async def test_kill_during_a_partition(tmp_path: Path) -> None:
         pytest.skip(reason)
     with netns_pair(3) as net:
         async with cluster(tmp_path, decode_config={"ack_timeout": 1.0}) as c:
-            await c.bootstrap(host=net.addr_a, netns=net.a)
-            prefill = await c.rank("prefill", host=net.addr_a, netns=net.a)
-            decode = await c.rank("decode", host=net.addr_b, netns=net.b)
-            warm = c.submit(prefill, [decode], 4, pages=16, chunks=2, gap=0.0)
-            got = await wait_done(decode, warm, 60)
-            assert all(e["status"] == "Success" for e in got.values()), got
-
-            base = await engine_calls(prefill)
-            rooms = c.submit(prefill, [decode], IN_FLIGHT, chunks=16, gap=0.1)
-            await in_flight(prefill, base, 2 * IN_FLIGHT, 30)
+            prefill, decode, rooms = await _in_flight_across(c, net)
             aborts_before = ns_counter(net.b, "TCPAbortOnData")
             t0 = time.time()
             net.link(up=False)
