@@ -946,7 +946,9 @@ async def test_closing_prefill_does_not_ack_a_quarantined_room(
 ) -> None:
     """...except a room whose write failed: its lease is quarantined, the write's bytes may
     still land (Mooncake), so neither the goodbye nor the ABORT decode sent is acked when the
-    agent closes. Decode keeps the pages until the writer is proven gone."""
+    agent closes, if the quarantine is still unproven when the close stops waiting for it
+    (``close_timeout``; counted ``rooms_unacked_at_close``). Decode keeps the pages until
+    the writer is proven gone."""
     src, dst = host_pool("mha"), host_pool("mha")
     pe = FaultEngine(make_engine(engine_name))
     pe.policy = lambda *_: Fault("fail")
@@ -955,7 +957,7 @@ async def test_closing_prefill_does_not_ack_a_quarantined_room(
         async with open_decode(engine=de, pool=dst.spec) as decode:
             async with open_prefill(
                 engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS,
-                config=PrefillConfig(quarantine_fence=60.0),
+                config=PrefillConfig(quarantine_fence=60.0, close_timeout=0.3),
             ) as prefill:
                 aborts = Handled(prefill, "_on_abort")
                 sender = prefill.sender(33, num_pages=2, aux_slot=0)
@@ -967,6 +969,7 @@ async def test_closing_prefill_does_not_ack_a_quarantined_room(
                     assert await receiver.wait() is KVPoll.Failed
                 await aborts.wait(1)  # decode asked for the drain; nothing acks it yet
                 assert prefill.statistics().leases_quarantined == 1
+            assert prefill.statistics().rooms_unacked_at_close == 1
             await stays_pending(receiver.wait_released, "decode's release after a failed write")
             assert decode.statistics().acks_received == 0
     finally:

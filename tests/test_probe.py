@@ -2,9 +2,10 @@
 
 A peer here is a real OS process: it builds a real engine, binds a real ZeroMQ PULL socket as
 its "control endpoint", prints where both are, and waits for its stdin to close. The tests
-kill, stop and continue it with signals and check what :func:`trio_pd._probe.probe` can prove:
-ALIVE while it runs, GONE once it is dead (its ports refuse), UNKNOWN while it is stopped
-(a hung engine probe proves nothing).
+kill, stop and continue it with signals and check what :func:`trio_pd._probe.probe` can say:
+ALIVE while it runs, REFUSED once it is dead (its ports refuse: a hint, never GONE, since a
+dead process's kernel may still deliver what its sockets held, and a closed agent's engine
+may still run), UNKNOWN while it is stopped (a hung engine probe proves nothing).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from trio_pd._probe import _host_port, port_refuses, probe, wait_idle
 from trio_pd._state import Liveness
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import FaultEngine
+
+from .helpers import NO_DESCRIPTORS, run_child
 
 HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 
@@ -224,13 +227,13 @@ async def test_a_live_peer_is_alive(mooncake: TransferEngine) -> None:
 
 
 @pytest.mark.processes
-async def test_a_killed_peer_is_gone_at_once(mooncake: TransferEngine) -> None:
+async def test_a_killed_peer_is_refused_at_once(mooncake: TransferEngine) -> None:
     with peer_process("mooncake") as peer:
         peer.kill()
         answer, elapsed = await _probe(mooncake, peer, trio.CapacityLimiter(1))
-        assert answer is Liveness.GONE
+        assert answer is Liveness.REFUSED  # (a hint: only a fence at the target proves GONE)
         assert elapsed < 2.0
-        # Either port is evidence on its own.
+        # Either port is a hint on its own.
         assert (
             await probe(
                 mooncake,
@@ -239,13 +242,13 @@ async def test_a_killed_peer_is_gone_at_once(mooncake: TransferEngine) -> None:
                 timeout=1.0,
                 limiter=trio.CapacityLimiter(1),
             )
-            is Liveness.GONE
+            is Liveness.REFUSED
         )
 
 
 @pytest.mark.processes
 async def test_a_stopped_peer_is_unknown_then_alive_again(mooncake: TransferEngine) -> None:
-    """SIGSTOP: the kernel still accepts connections to its ports (no refusal, no GONE) and
+    """SIGSTOP: the kernel still accepts connections to its ports (no refusal) and
     Mooncake's send_probe hangs (no answer, no ALIVE): UNKNOWN at the deadline. SIGCONT: the
     abandoned probe thread returns, and the next probe is ALIVE."""
     limiter = trio.CapacityLimiter(1)
@@ -265,10 +268,10 @@ async def test_a_stopped_peer_is_unknown_then_alive_again(mooncake: TransferEngi
 
 
 @pytest.mark.processes
-async def test_a_stopped_then_killed_peer_is_gone_while_a_probe_hangs(
+async def test_a_stopped_then_killed_peer_is_refused_while_a_probe_hangs(
     mooncake: TransferEngine,
 ) -> None:
-    """The refused ports need no thread: GONE is seen even while a hung probe thread keeps
+    """The refused ports need no thread: REFUSED is seen even while a hung probe thread keeps
     the limiter's token."""
     limiter = trio.CapacityLimiter(1)
     with peer_process("mooncake") as peer:
@@ -278,14 +281,14 @@ async def test_a_stopped_then_killed_peer_is_gone_while_a_probe_hangs(
         assert limiter.borrowed_tokens == 1
         peer.kill()
         answer, elapsed = await _probe(mooncake, peer, limiter)
-        assert answer is Liveness.GONE
+        assert answer is Liveness.REFUSED
         assert elapsed < 2.0
         assert await wait_idle(limiter, 10.0)  # the hung send_probe failed once it died
 
 
 @pytest.mark.processes
 @pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 not installed")
-async def test_nixl_killed_peer_is_gone_via_its_control_endpoint() -> None:
+async def test_nixl_killed_peer_is_refused_via_its_control_endpoint() -> None:
     engine = make_engine("nixl")
     limiter = trio.CapacityLimiter(1)
     try:
@@ -296,7 +299,7 @@ async def test_nixl_killed_peer_is_gone_via_its_control_endpoint() -> None:
                 assert answer is Liveness.ALIVE
                 peer.kill()
                 answer, elapsed = await _probe(engine, peer, limiter)
-                assert answer is Liveness.GONE
+                assert answer is Liveness.REFUSED
                 assert elapsed < 2.0
                 # Without the control endpoint nothing proves it: the session is a name.
                 assert (
@@ -309,3 +312,43 @@ async def test_nixl_killed_peer_is_gone_via_its_control_endpoint() -> None:
                 engine.remove_peer(peer.session)
     finally:
         engine.close()
+
+
+# -- a probe that cannot run -----------------------------------------------------------------
+
+#: run in a child process: every descriptor taken, then a probe of a port that refuses
+_PROBE_WITHOUT_DESCRIPTORS = NO_DESCRIPTORS + """
+import json, socket
+import trio
+from trio_pd._probe import probe
+from trio_pd._stats import Counters
+
+class NoEngine:  # (the probe cannot get as far as the engine)
+    name = "nixl"
+    def probe(self, peer):
+        raise AssertionError("reached the engine")
+
+with socket.create_server(("127.0.0.1", 0)) as s:
+    port = s.getsockname()[1]  # closed again: it refuses
+
+async def main():
+    counters = Counters()
+    socket.getaddrinfo("127.0.0.1", port)  # (a warm process: the codecs it needs are loaded)
+    taken = take_every_descriptor()
+    try:
+        answer = await probe(NoEngine(), "w", control_endpoint=f"tcp://127.0.0.1:{port}",
+                             timeout=2.0, limiter=trio.CapacityLimiter(1), counters=counters)
+    finally:
+        give_back(taken)
+    print(json.dumps({"answer": answer.value, "checks_unknown": counters["checks_unknown"]}))
+
+trio.run(main)
+"""
+
+
+def test_a_probe_with_no_descriptor_left_is_unknown_and_counted() -> None:
+    """Out of descriptors, a probe cannot make a socket: UNKNOWN, counted ``checks_unknown``;
+    nothing escapes. (Before: the OSError (EMFILE) escaped the probe, and with it the task
+    that ran it, closing the whole agent.)"""
+    got = run_child(_PROBE_WITHOUT_DESCRIPTORS)
+    assert got == {"answer": "unknown", "checks_unknown": 1}

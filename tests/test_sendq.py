@@ -12,19 +12,28 @@ from __future__ import annotations
 import errno
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import numpy as np
 import pytest
 import trio
 
-from trio_pd import EngineError, KVPoll, PrefillConfig, open_decode, open_prefill
+from trio_pd import (
+    EngineError,
+    KVPoll,
+    PrefillAgent,
+    PrefillConfig,
+    PrefillSender,
+    open_decode,
+    open_prefill,
+)
 from trio_pd._sendq import DrainWatch, parse, snapshot
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 
 from .conftest import host_pool
+from .helpers import NO_DESCRIPTORS, run_child
 
 pytestmark = pytest.mark.skipif(snapshot(["127.0.0.1"]) is None, reason="no /proc/net/tcp")
 
@@ -132,39 +141,104 @@ async def test_quarantine_ends_only_once_the_kernel_has_sent_our_bytes(
     as a partitioned Mooncake connection's were: the source pages stay out, and
     ``quarantine_undrained`` counts it, until the reader takes them; then the quarantine ends.
     (Before: the peer's answer after the fence ended it, whatever the kernel still held.)"""
-    src, dst = host_pool(), host_pool()
     released: list[float] = []
-    n = 2
     with unread_connection() as (_writer, reader, written):
-        inner, de = make_engine("mooncake"), make_engine("mooncake")
-        try:
-            pe = FaultEngine(inner, lambda i, _p, _n: Fault("fail") if i == 0 else None)
-            async with open_prefill(
-                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=2,
-                config=PrefillConfig(quarantine_fence=0.3),
-            ) as prefill, open_decode(engine=de, pool=dst.spec) as decode:
-                sender = prefill.sender(
-                    401, num_pages=n, aux_slot=0,
-                    on_release=lambda: released.append(trio.current_time()),
-                )
-                receiver = decode.receiver(401, bootstrap_url=bootstrap_url)
-                receiver.init(np.arange(n), 0)
-                sender.send(np.arange(n), last=True)
-                with trio.fail_after(BOUND):
-                    assert await sender.wait() is KVPoll.Failed
-                assert isinstance(sender.failure, EngineError)
-                with trio.move_on_after(1.5):
-                    await sender.wait_released()
-                stats = prefill.statistics()
-                assert released == [], "the quarantine ended while our bytes were unsent"
-                assert stats.quarantine_undrained >= 1
-                assert stats.quarantine_unknown == 0  # (the peer did answer)
-                drained_at = trio.current_time()
-                await trio.to_thread.run_sync(drain, reader, written, BOUND)
-                with trio.fail_after(BOUND):
-                    await sender.wait_released()
-                assert released and released[0] >= drained_at
-                assert prefill.statistics().released_after_quarantine == 1
-        finally:
-            inner.close()
-            de.close()
+        async with a_failed_write(bootstrap_url, 401, 0.3,
+                                  lambda: released.append(trio.current_time())) as (
+            prefill, sender
+        ):
+            with trio.move_on_after(1.5):
+                await sender.wait_released()
+            stats = prefill.statistics()
+            assert released == [], "the quarantine ended while our bytes were unsent"
+            assert stats.quarantine_undrained >= 1
+            assert stats.quarantine_unknown == 0  # (the peer did answer)
+            drained_at = trio.current_time()
+            await trio.to_thread.run_sync(drain, reader, written, BOUND)
+            with trio.fail_after(BOUND):
+                await sender.wait_released()
+            assert released and released[0] >= drained_at
+            assert prefill.statistics().released_after_quarantine == 1
+
+
+@asynccontextmanager
+async def a_failed_write(
+    url: str, room: int, fence: float, on_release: Callable[[], None]
+) -> AsyncIterator[tuple[PrefillAgent, PrefillSender]]:
+    """A prefill and a decode agent (Mooncake, 127.0.0.1) and one room of 2 pages whose write
+    fails (nothing written, outcome unknown): yields the prefill agent and the room's sender
+    once the room is Failed and its lease quarantined (fence ``fence`` s)."""
+    src, dst = host_pool(), host_pool()
+    inner, de = make_engine("mooncake"), make_engine("mooncake")
+    try:
+        pe = FaultEngine(inner, lambda i, _p, _n: Fault("fail") if i == 0 else None)
+        async with open_prefill(
+            engine=pe, pool=src.spec, bootstrap_url=url, kv_heads=2,
+            config=PrefillConfig(quarantine_fence=fence),
+        ) as prefill, open_decode(engine=de, pool=dst.spec) as decode:
+            sender = prefill.sender(room, num_pages=2, aux_slot=0, on_release=on_release)
+            receiver = decode.receiver(room, bootstrap_url=url)
+            receiver.init(np.arange(2), 0)
+            sender.send(np.arange(2), last=True)
+            with trio.fail_after(BOUND):
+                assert await sender.wait() is KVPoll.Failed
+            assert isinstance(sender.failure, EngineError)
+            yield prefill, sender
+    finally:
+        inner.close()
+        de.close()
+
+
+# -- a check that cannot run is unknown, never "drained" -------------------------------------
+
+#: run in a child process: every descriptor taken, then a snapshot of the tables
+_SNAPSHOT_WITHOUT_DESCRIPTORS = NO_DESCRIPTORS + """
+import json
+from trio_pd._sendq import snapshot
+taken = take_every_descriptor()
+try:
+    answer = {"snapshot": repr(snapshot(["127.0.0.1"]))}
+except OSError as exc:
+    answer = {"raised": exc.errno}
+give_back(taken)
+print(json.dumps(answer))
+"""
+
+
+def test_a_snapshot_with_no_descriptor_left_raises_instead_of_saying_drained() -> None:
+    """Out of descriptors, the tables cannot be read: the snapshot raises (EMFILE), which
+    the quarantine takes as unknown. (Before: it returned None, "no tables here", which the
+    quarantine took as drained: the proof failed open.)"""
+    assert run_child(_SNAPSHOT_WITHOUT_DESCRIPTORS) == {"raised": errno.EMFILE}
+
+
+async def test_a_send_queue_check_that_cannot_run_keeps_the_quarantine(
+    bootstrap_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first write fails; the peer answers its probe after the fence, but our kernel's
+    tables cannot be read (no descriptor left: what the snapshot raises then): the pages stay
+    out, counted ``checks_unknown`` and ``quarantine_unknown``, and the agent serves on; once
+    the tables can be read again the quarantine ends. (Before: the error escaped into the
+    agent's task and closed the agent.)"""
+    from trio_pd import _sendq
+
+    real = _sendq.snapshot
+
+    def no_descriptors(hosts: list[str]) -> dict[tuple[str, int, str, int], int] | None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(_sendq, "snapshot", no_descriptors)
+    released: list[str] = []
+    async with a_failed_write(bootstrap_url, 402, 0.2, lambda: released.append("src")) as (
+        prefill, sender
+    ):
+        with trio.fail_after(BOUND):
+            while prefill.statistics().checks_unknown < 2:  # noqa: ASYNC110 - counters
+                await trio.sleep(0.05)
+        stats = prefill.statistics()
+        assert released == [] and stats.quarantine_unknown >= 2
+        assert stats.released_after_quarantine == 0
+        monkeypatch.setattr(_sendq, "snapshot", real)
+        with trio.fail_after(BOUND):
+            await sender.wait_released()
+        assert released == ["src"]

@@ -235,12 +235,12 @@ def _partial_once() -> object:
 
 @asynccontextmanager
 async def _a_quarantined_staged_room(
-    engine_name: str, url: str, fence: float
+    engine_name: str, url: str, fence: float, close_timeout: float | None = None
 ) -> AsyncIterator[tuple[Any, Any, StagingArea, dict[str, trio.Event], list[FaultEngine]]]:
     """A cluster whose prefill rank 0 has one room quarantined: its staged write failed
     partway (half its blocks landed, outcome unknown), so the area holds its range. Yields
     the cluster, that agent, its staging area, the room's release events and the fault
-    wrapper."""
+    wrapper. ``close_timeout``: how long that agent's close waits for the quarantine."""
     faulty: list[FaultEngine] = []
 
     def wrap(engine: TransferEngine) -> TransferEngine:
@@ -248,7 +248,8 @@ async def _a_quarantined_staged_room(
         return faulty[0]
 
     async with open_cluster(engine_name, url, _opts(engine_name), wrap={0: wrap},
-                            prefill_config=PrefillConfig(quarantine_fence=fence)) as c:
+                            prefill_config=PrefillConfig(quarantine_fence=fence,
+                                                         close_timeout=close_timeout)) as c:
         agent = c.prefill[0].agent
         area = agent.runner.staging
         events = {k: trio.Event() for k in ("p", "d0", "d1")}
@@ -293,8 +294,9 @@ async def test_the_area_stays_allocated_when_the_agent_closes_with_a_range_held(
     the area is kept for the life of the process."""
     from trio_pd import _chunks
 
-    # (the rule is the agent's, whatever the engine)
-    async with _a_quarantined_staged_room("mooncake", bootstrap_url, 30.0) as (
+    # (the rule is the agent's, whatever the engine; the close gives up waiting for the
+    # quarantine after 0.5 s)
+    async with _a_quarantined_staged_room("mooncake", bootstrap_url, 30.0, 0.5) as (
         c, _agent, area, _ev, _faulty
     ):
         c.prefill[0].scope.cancel()

@@ -30,7 +30,7 @@ import math
 import secrets
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -93,6 +93,7 @@ from ._rooms import (
     Succeeded,
 )
 from ._security import Keypair, Security, resolve
+from ._service import serve
 from ._sources import Instance, PrefillRank, Sources
 from ._state import KVPoll, Liveness
 from ._stats import AgentStatistics, Counters, count_room_end
@@ -866,11 +867,6 @@ def _dp_instance(base: str, dp_rank: int) -> str:
     return base if dp_rank == 0 else dp_url(base, dp_rank)
 
 
-async def _service(scope: trio.CancelScope, run: Callable[[], Awaitable[object]]) -> None:
-    with scope:
-        await run()
-
-
 @asynccontextmanager
 async def open_decode(
     *,
@@ -932,9 +928,9 @@ async def open_decode(
             # The listener, the timers and the heartbeat outlive a cancellation of the block:
             # closing waits for drain acks, so they stop only when the close is done.
             services = [trio.CancelScope(shield=True) for _ in range(3)]
-            nursery.start_soon(_service, services[0], partial(agent.control.serve, agent._handle))
-            nursery.start_soon(_service, services[1], agent.timers.run)
-            nursery.start_soon(_service, services[2], agent.sources.heartbeat)
+            nursery.start_soon(serve, services[0], partial(agent.control.serve, agent._handle))
+            nursery.start_soon(serve, services[1], agent.timers.run)
+            nursery.start_soon(serve, services[2], agent.sources.heartbeat)
             try:
                 yield agent
             finally:

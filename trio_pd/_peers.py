@@ -11,12 +11,14 @@ failed (:meth:`PeerRegistry.mark_failed`): the call's rooms fail with
 or the peer registers again.
 
 Liveness is three-valued (:class:`~trio_pd._state.Liveness`, probed by :mod:`trio_pd._probe`):
-a quarantine ends on GONE, or on ALIVE after the engine's own deadline for the failed call
-*and* once the kernel shows that every byte we wrote to the peer's host has been received
-there (:mod:`trio_pd._sendq`: an engine that gave up on a call may have left its bytes in a
-TCP send queue, which the link delivers whenever it moves again). UNKNOWN (a hung probe, an
-unreachable host) keeps the pages out for another fence (``quarantine_unknown``), and so do
-bytes still queued (``quarantine_undrained``).
+a quarantine ends once every peer the failed call wrote to answered ALIVE after the engine's
+own deadline for the call, or refused a connect where it listened (it closed, or its process
+is gone), *and* the kernel shows that every byte we wrote to the peers' hosts has been
+received there (:mod:`trio_pd._sendq`: an engine that gave up on a call may have left its
+bytes in a TCP send queue, which the link delivers whenever it moves again). A refusal alone
+ends nothing. UNKNOWN (a hung probe, an unreachable host, a check that could not run) keeps
+the pages out for another fence (``quarantine_unknown``), and so do bytes still queued
+(``quarantine_undrained``).
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ class DecodePeer:
     #: the probe under way that a failed write or a chunk meeting the mark started (one at a
     #: time; everyone who needs its answer waits for it)
     probe: _Probe | None = None
-    #: proven gone (GONE, or replaced by a REGISTER with another engine session)
+    #: its registration is over: it refused a connect where it listened, or a REGISTER with
+    #: another engine session replaced it. (Its quarantines still wait for our send queues
+    #: to drain: a refusal is no proof that our bytes to it are gone)
     gone: bool = False
     #: authentication on: the CURVE public key (z85) that sent the REGISTER; TRANSFERs and
     #: ABORTs naming this endpoint are taken from it only ("" when authentication is off)
@@ -266,7 +270,7 @@ class PeerRegistry:
             if old is not None:  # a new engine behind the endpoint (decode restarted)
                 old.lane.close()  # what it has queued still runs; later calls: LaneClosed
                 self._forget_endpoint(msg.endpoint)
-                self._proven_gone(old)
+                self._registration_over(old, "registered again with another engine session")
         peer = DecodePeer(
             msg.endpoint,
             msg.decode_rank,
@@ -411,9 +415,11 @@ class PeerRegistry:
         return peer.probe
 
     async def liveness(self, peer: DecodePeer) -> Liveness:
-        """Probe ``peer``: its control endpoint refusing connections, or its engine's port,
-        proves it gone; its engine answering proves it alive; anything else is UNKNOWN. The
-        answer sets or ends its failed mark: marked only while it is not alive (SPEC §5.7)."""
+        """Probe ``peer``: ALIVE when its engine answers; REFUSED when its control endpoint or
+        its engine's port refuses connections (its registration is over; no proof that our
+        bytes to it are gone); UNKNOWN otherwise. The answer sets or ends its failed mark:
+        marked only while it is not alive (SPEC §5.7). A peer whose registration is over
+        answers GONE at once (a registration that no chunk can use any more)."""
         if peer.gone:
             await trio.lowlevel.checkpoint()
             return Liveness.GONE
@@ -423,6 +429,7 @@ class PeerRegistry:
             control_endpoint=peer.endpoint,
             timeout=self.fence,
             limiter=self.probe_limiter,
+            counters=self.counters,
         )
         if state is Liveness.ALIVE:
             if peer.failed:  # any probe that answers ends the fast-fail mark
@@ -430,9 +437,10 @@ class PeerRegistry:
                 self.counters.bump("peers_back")
                 log.info("decode peer %s answers a probe again: chunks to it go ahead",
                          peer.endpoint)
-        elif state is Liveness.GONE:
-            self._proven_gone(peer)
-            self.mark_failed(peer, "proven gone")
+        elif state is Liveness.REFUSED:
+            why = "refuses connections where it listened (its agent or process is gone)"
+            self._registration_over(peer, why)
+            self.mark_failed(peer, f"it {why}")
         else:
             self.mark_failed(
                 peer,
@@ -449,25 +457,25 @@ class PeerRegistry:
                 peer.probe = None
             probe.done.set()
 
-    def _proven_gone(self, peer: DecodePeer) -> None:
+    def _registration_over(self, peer: DecodePeer, why: str) -> None:
+        """``peer``'s registration is over (``why``): counted and logged once. Its quarantines
+        still end at their fence only, once our send queues to it are seen drained
+        (:meth:`_confirm`): neither a refusal nor a new session proves our bytes to it gone."""
         if peer.gone:
             return
         peer.gone = True
         self.counters.bump("peers_lost")
-        log.warning("decode peer %s (engine session %s) proven gone: no write to it can land "
-                    "any more", peer.endpoint, peer.session)
-        # quarantines whose every peer is now proven gone end here, not at their fence
-        for fence in list(self._fences.values()):
-            if all(p.gone for p in fence.peers):
-                self._end_fence(fence)
+        log.warning("decode peer %s (engine session %s) %s: its registration is over",
+                    peer.endpoint, peer.session, why)
 
     # ---------------------------------------------------------------- quarantine fences
 
     def quarantine(self, lease: Lease, peers: list[DecodePeer], end: Callable[[], None]) -> None:
-        """``lease``'s write errored: keep its pages out until every peer it wrote to is proven
-        gone, or answers a probe after the engine's own deadline for the call (``fence``: by
-        then the engine has given the call up) with our kernel's send queues to it seen empty
-        (what the call left there has been received). ``end()`` runs once, on that proof."""
+        """``lease``'s write errored: keep its pages out until every peer it wrote to answers
+        a probe after the engine's own deadline for the call (``fence``: by then the engine
+        has given the call up), or refuses connections, with our kernel's send queues to them
+        seen empty (what the call left there has been received). ``end()`` runs once, on that
+        proof."""
         fence = _Fence(lease, peers, end)
         self._fences[lease] = fence
         self.timers.after(self.fence, partial(self._fence_passed, fence))
@@ -491,30 +499,36 @@ class PeerRegistry:
             )
             self.timers.after(self.fence, partial(self._fence_passed, fence))
             return
-        alive = [p for p, s in zip(fence.peers, states, strict=True) if s is Liveness.ALIVE]
-        drained = not alive or await self._sent_bytes_acknowledged(alive)
+        # every peer answered, or refused (closed, or its process gone): a refusal proves
+        # nothing about the bytes already sent to it, so both wait for the kernel's word
+        drained = await self._sent_bytes_acknowledged(fence.peers)
         if self._fences.get(fence.lease) is not fence:
-            return  # (ended meanwhile: every peer proven gone)
+            return  # (ended meanwhile)
         if drained:
             self._end_fence(fence)
             return
-        self.counters.bump("quarantine_undrained")
-        log.warning(
-            "quarantine of %d pages kept: bytes written to %s are still in the kernel's send "
-            "queue", fence.lease.npages, ", ".join(p.endpoint for p in alive),
-        )
+        if drained is None:
+            self.counters.bump("quarantine_unknown")
+            why = "our send queues to them could not be read"
+        else:
+            self.counters.bump("quarantine_undrained")
+            why = "bytes written to them are still in the kernel's send queue"
+        log.warning("quarantine of %d pages kept (%s): %s", fence.lease.npages,
+                    ", ".join(p.endpoint for p in fence.peers), why)
         self.timers.after(self.fence, partial(self._fence_passed, fence))
 
-    async def _sent_bytes_acknowledged(self, peers: list[DecodePeer]) -> bool:
+    async def _sent_bytes_acknowledged(self, peers: list[DecodePeer]) -> bool | None:
         """Has every TCP connection of ours to these peers' hosts been seen with an empty send
         queue (see :mod:`trio_pd._sendq`), within one ``fence``? An engine's failed call may
         have left bytes there, which TCP delivers (into pages) whenever the link moves again:
         a peer answering a probe proves only that the link moves now.
 
         False if not within the fence, or if a peer's host does not resolve. True at once for
-        peers reached over no TCP at all (in-process). Where the kernel's tables cannot be
-        read (not Linux) there is no such evidence: True, with a warning once, so the
-        quarantine rests on the engine's deadline alone there."""
+        peers reached over no TCP at all (in-process). Where the platform has no such tables
+        (not Linux) there is no such evidence: True, with a warning once, so the quarantine
+        rests on the engine's deadline alone there. None (unknown, counted ``checks_unknown``)
+        where the tables exist but cannot be read now, e.g. with no descriptor left: a check
+        that cannot run is never taken for "drained"."""
         await trio.lowlevel.checkpoint()
         hosts: set[str] = set()
         for peer in peers:
@@ -527,7 +541,12 @@ class PeerRegistry:
         watch = _sendq.DrainWatch()
         with trio.move_on_after(self.fence):
             while True:
-                snap = await trio.to_thread.run_sync(_sendq.snapshot, sorted(hosts))
+                try:
+                    snap = await trio.to_thread.run_sync(_sendq.snapshot, sorted(hosts))
+                except (OSError, RuntimeError) as exc:  # (no descriptor, no thread)
+                    self.counters.bump("checks_unknown")
+                    log.warning("send queues to %s could not be read: %r", sorted(hosts), exc)
+                    return None
                 if snap is None:
                     _warn_no_tables()
                     return True

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 import trio.lowlevel
+import trio_util
 
 from . import _wire
 from ._bootstrap_client import (
@@ -83,6 +84,7 @@ from ._rooms import (
     reason_of,
 )
 from ._security import Keypair, Security, check_register_mac, resolve
+from ._service import serve, serve_nursery
 from ._state import KVPoll, Lease, Outcome
 from ._stats import AgentStatistics, Counters, count_room_end
 from ._timers import Timers
@@ -129,6 +131,11 @@ class PrefillConfig:
     #: how long after an engine error its pages stay quarantined before its peers are
     #: probed; None: the engine's own per-call deadline (``write_deadline_s``) plus a margin
     quarantine_fence: float | None = None
+    #: how long a closing agent keeps serving (control socket open: PONGs, ABORTs, drain
+    #: acks) while rooms still hold quarantined leases, so that their fences can end and
+    #: decode gets its acks; None: twice ``quarantine_fence`` plus one second. Rooms still
+    #: quarantined then are counted (``rooms_unacked_at_close``) and get no ack
+    close_timeout: float | None = None
     #: how long an ABORT for a (room, epoch) this rank does not hold refuses its TRANSFER
     tombstone_ttl: float = 120.0
     sndhwm: int = 10_000
@@ -325,6 +332,8 @@ class PrefillAgent:
             metrics=lambda: self.metrics, staging_bytes=config.staging_bytes,
         )
         self._closing = False  # set by _shutdown_rooms
+        #: quarantined leases of every room: a closing agent waits for them (_wait_quarantines)
+        self.quarantines = trio_util.AsyncValue(0)
         self.book = TransferBook(
             max_rooms=config.max_pending_meta, max_page_ids=config.max_pending_page_ids
         )
@@ -483,6 +492,7 @@ class PrefillAgent:
         if not rec.in_failed_call:
             rec.in_failed_call = True
             self.counters.bump("rooms_in_failed_calls")
+        self.quarantines.value += 1
         peers = [p for t in rec.machine.targets.values() if (p := self.peers.get(t.endpoint))]
         log.info("room %d: %d pages quarantined after a failed engine call (outcome unknown): "
                  "held until no write of it to %s can land", rec.machine.room, lease.npages,
@@ -494,6 +504,7 @@ class PrefillAgent:
             self.counters.bump("released_after_quarantine")
             log.info("room %d: quarantine of %d pages ended: they go back", rec.machine.room,
                      lease.npages)
+            self.quarantines.value -= 1
             self._carry(rec, rec.machine.end_quarantine(lease))
 
     def _forget_endpoint(self, endpoint: str) -> None:
@@ -704,6 +715,39 @@ class PrefillAgent:
 
     # ------------------------------------------------------------------ shutdown
 
+    async def _wait_quarantines(self) -> None:
+        """Closing, before anything stops: while a room holds a quarantined lease, keep
+        serving, for at most ``close_timeout``. A failed write's bytes may still land, so its
+        room's drain ack is withheld until the quarantine ends on proof (``PeerRegistry``);
+        closing the control socket at once would leave decode to guess from a refused
+        connect, while our engine may still deliver (it outlives this agent when the
+        application keeps it). Meanwhile the socket stays open: PINGs get their PONG, ABORTs
+        register their ack targets, and each ack goes out as its quarantine ends. Rooms
+        still quarantined at the bound are counted (``rooms_unacked_at_close``) and logged:
+        their acks are withheld for good (:meth:`PrefillRoom.shutdown`).
+
+        **Cancellation:** run it shielded: cancelling it stops the wait early, with the same
+        report.
+        """
+        if self.quarantines.value:
+            bound = self.config.close_timeout
+            if bound is None:
+                bound = 2 * self.peers.fence + 1.0
+            log.info("prefill agent closing: waiting up to %g s for %d quarantined write(s) "
+                     "to be proven over", bound, self.quarantines.value)
+            with trio.move_on_after(bound):
+                await self.quarantines.wait_value(0)
+        else:
+            await trio.lowlevel.checkpoint()
+        left = [r for r in self._rooms.values() if r.machine.leases.quarantined]
+        if left:
+            self.counters.bump("rooms_unacked_at_close", len(left))
+            log.error(
+                "prefill agent closed with %d room(s) whose failed writes are not proven over: "
+                "no drain ack for them, so decode keeps their pages: %s",
+                len(left), ", ".join(str(r.machine.room) for r in left[:20]),
+            )
+
     def _shutdown_rooms(self) -> None:
         """After every task (and so every engine call) has finished: tell the decode ranks
         still waiting on us, fail what is left, hand every source page back. TRANSFERs that
@@ -778,8 +822,11 @@ async def open_prefill(
     at layer 0; the bootstrap service refuses stages that overlap or leave a gap (409). A
     pool with state components (:class:`~trio_pd.StateSpec`) cannot be split in stages yet.
 
-    On exit every task is cancelled; engine calls already running finish first (the nursery
-    waits for them), then rooms still open are failed and their pages handed back.
+    On exit, while rooms hold quarantined leases (a failed write whose bytes may still
+    land), the agent first keeps serving, for at most ``config.close_timeout``, so that their
+    fences can end and their drain acks reach decode (docs/lifetimes.md, "Shutdown"). Then
+    every task is cancelled; engine calls already running finish first (the nursery waits for
+    them), then rooms still open are failed and their pages handed back.
 
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
@@ -817,9 +864,13 @@ async def open_prefill(
             BootstrapClient(bootstrap_url, token=security.token, verify=bootstrap_verify) as client,
             trio.open_nursery() as nursery,
         ):
-            agent.peers.nursery = nursery
-            nursery.start_soon(agent.control.serve, agent._handle)
-            nursery.start_soon(agent.timers.run)
+            # The listener, the timers and the peer registry's tasks (its probes) outlive a
+            # cancellation of the block: closing waits for quarantined writes to be proven
+            # over (_wait_quarantines), which needs them, and stops them when done.
+            services = [trio.CancelScope(shield=True) for _ in range(3)]
+            agent.peers.nursery = await nursery.start(serve_nursery, services[0])
+            nursery.start_soon(serve, services[1], partial(agent.control.serve, agent._handle))
+            nursery.start_soon(serve, services[2], agent.timers.run)
             for _ in range(config.workers):
                 nursery.start_soon(agent._worker)
             await client.register(
@@ -857,6 +908,10 @@ async def open_prefill(
             try:
                 yield agent
             finally:
+                with trio.CancelScope(shield=True):
+                    await agent._wait_quarantines()
+                for scope in services:
+                    scope.cancel("prefill agent closing")
                 nursery.cancel_scope.cancel("prefill agent closing")
     finally:
         agent.peers.nursery = None

@@ -1,20 +1,28 @@
 """Three-valued liveness: what a probe of a peer proves (SPEC §5.6).
 
-A probe answers :class:`~trio_pd._state.Liveness`: ALIVE (the peer's engine answered), GONE
-(positive evidence that none of its writes can land any more) or UNKNOWN (anything else). The
-difference matters because a timeout is no evidence: a partitioned or stopped peer's engine may
-still deliver queued writes when it comes back, so only ALIVE or GONE may end a quarantine.
+A probe answers :class:`~trio_pd._state.Liveness`: ALIVE (the peer's engine answered),
+REFUSED (its host refused a connect where it listened) or UNKNOWN (anything else). It never
+answers GONE: a probe cannot prove that none of a peer's writes can land any more. A timeout
+is no evidence (a partitioned or stopped peer's engine may still deliver queued writes when it
+comes back), and neither is a refusal: it says that nothing listens on a port the peer's
+process owned, not that no byte of it is still on its way. An agent may close its control
+socket while its engine keeps delivering, and a killed process's kernel keeps sending what its
+sockets held (both measured: docs/reliability.md). REFUSED is a hint that makes the stronger
+proof worth trying: on decode, a fence made by our own engine
+(:meth:`~trio_pd.engines.TransferEngine.fence_writer`, in :mod:`trio_pd._sources`); on
+prefill, our own kernel's word that the bytes we sent have left (:mod:`trio_pd._peers`).
 
-The evidence for GONE is a TCP connection *refused* by the peer's host: the host answered and
-nothing listens on the port the peer's process owned, so that process has exited (or closed
-the socket). Two ports are asked: the peer agent's control endpoint, and for Mooncake the
-engine's own RPC port (its session id is ``"host:rpc_port"``). A refusal is trusted as coming
-from the peer's own kernel; a middlebox that answers for it (a firewall rule that rejects with
-a reset or an ICMP port-unreachable) would make a partition look like an exit.
+Two ports are asked: the peer agent's control endpoint, and for Mooncake the engine's own RPC
+port (its session id is ``"host:rpc_port"``). A refusal is trusted as coming from the peer's
+own kernel; a middlebox that answers for it (a firewall rule that rejects with a reset or an
+ICMP port-unreachable) would make a partition look like an exit, which is one more reason it
+is only a hint.
 
 The engine's own probe only ever proves ALIVE. Its False is not proof: NIXL's False means UCX
-saw the connection drop, which a partition causes too, and Mooncake's "dead peer" answer is
-already covered by the refused RPC port.
+saw the connection drop, which a partition causes too.
+
+A check that cannot run (no descriptor for a socket, no thread) is UNKNOWN, counted
+``checks_unknown`` where the caller passes its counters; nothing escapes into the agent.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import trio
 import trio.lowlevel
 
 from ._state import Liveness
+from ._stats import Counters
 from .engines import TransferEngine
 
 log = logging.getLogger("trio_pd.probe")
@@ -80,10 +89,18 @@ async def peer_hosts(
     return sorted(hosts) if named else None
 
 
+class _CannotRun(Exception):
+    """A check could not be made at all (no descriptor for a socket): no evidence."""
+
+
 async def _connect(family: int, type_: int, proto: int, addr: object) -> bool | None:
-    """One connect attempt: True if refused, False if connected (closed at once), else None."""
+    """One connect attempt: True if refused, False if connected (closed at once), else None.
+    :class:`_CannotRun` if no socket can be made."""
     await trio.lowlevel.checkpoint()
-    sock = trio.socket.socket(family, type_, proto)
+    try:
+        sock = trio.socket.socket(family, type_, proto)
+    except OSError as exc:
+        raise _CannotRun(f"no socket for a connect to {addr}: {exc}") from exc
     with sock:
         try:
             await sock.connect(addr)
@@ -111,6 +128,15 @@ async def port_refuses(endpoint: str) -> bool | None:
     SYNs keeps a connect pending for minutes): the caller bounds it with
     ``trio.move_on_after``. A cancelled connect's socket is closed; nothing is left behind.
     """
+    try:
+        return await _refuses(endpoint)
+    except _CannotRun:
+        await trio.lowlevel.checkpoint()
+        return None
+
+
+async def _refuses(endpoint: str) -> bool | None:
+    """:func:`port_refuses`, but :class:`_CannotRun` when no socket can be made."""
     await trio.lowlevel.checkpoint()
     parsed = _host_port(endpoint)
     if parsed is None:
@@ -118,8 +144,10 @@ async def port_refuses(endpoint: str) -> bool | None:
     host, port = parsed
     try:
         infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
-    except OSError:
-        return None
+    except trio.socket.gaierror:
+        return None  # does not resolve
+    except OSError as exc:  # the resolver itself could not run (EAI_SYSTEM: no descriptor)
+        raise _CannotRun(f"no address for {endpoint}: {exc}") from exc
     refused = 0
     for family, type_, proto, _canonname, addr in infos:
         outcome = await _connect(family, type_, proto, addr)
@@ -137,19 +165,22 @@ async def probe(
     control_endpoint: str | None,
     timeout: float,  # noqa: ASYNC109 (its expiry is an answer, UNKNOWN, not an error)
     limiter: trio.CapacityLimiter,
+    counters: Counters | None = None,
 ) -> Liveness:
-    """What can be proven about the peer whose engine session is ``session``, within
-    ``timeout`` seconds.
+    """What can be said of the peer whose engine session is ``session``, within ``timeout``
+    seconds.
 
     In order, under one deadline of ``timeout``:
 
-    1. GONE if ``control_endpoint`` (the peer agent's ZeroMQ endpoint) refuses a TCP connect,
-       or, for Mooncake (the only engine whose session id is its address, ``"host:rpc_port"``),
-       if the session's own port refuses. The evidence comes first, so a hung engine probe
-       cannot hide it, and an engine's True cannot outvote it.
+    1. REFUSED if ``control_endpoint`` (the peer agent's ZeroMQ endpoint) refuses a TCP
+       connect, or, for Mooncake (the only engine whose session id is its address,
+       ``"host:rpc_port"``), if the session's own port refuses. The hint comes first, so a
+       hung engine probe cannot hide it. It proves nothing by itself (module docstring).
     2. ALIVE if ``engine.probe(session)`` returns True.
     3. UNKNOWN otherwise: the deadline passed, the engine said False (no proof: see the module
-       docstring), or it raised (logged at debug). Nothing but Cancelled is raised.
+       docstring), it raised (logged at debug), or a check could not run at all (no socket,
+       no thread: logged, and counted ``checks_unknown`` in ``counters``). Nothing but
+       Cancelled is raised.
 
     An unreachable host ends in UNKNOWN: its connect hangs until the deadline, and its engine
     probe would hang too.
@@ -176,13 +207,25 @@ async def probe(
     with trio.move_on_after(timeout):
         await trio.lowlevel.checkpoint()
         for endpoint in endpoints:
-            if await port_refuses(endpoint):
-                log.debug("probe of %s: %s refused a connection: gone", session, endpoint)
-                return Liveness.GONE
+            try:
+                refused = await _refuses(endpoint)
+            except _CannotRun as exc:
+                log.warning("probe of %s could not run: %s: unknown", session, exc)
+                if counters is not None:
+                    counters.bump("checks_unknown")
+                return Liveness.UNKNOWN
+            if refused:
+                log.debug("probe of %s: %s refused a connection", session, endpoint)
+                return Liveness.REFUSED
         try:
             answered = await trio.to_thread.run_sync(
                 engine.probe, session, limiter=limiter, abandon_on_cancel=True
             )
+        except (RuntimeError, OSError) as exc:  # no thread for it: the check did not run
+            log.warning("probe of %s could not run: %r: unknown", session, exc)
+            if counters is not None:
+                counters.bump("checks_unknown")
+            return Liveness.UNKNOWN
         except Exception as exc:
             log.debug("probe of %s raised %r: unknown", session, exc)
             return Liveness.UNKNOWN

@@ -4,8 +4,13 @@ liveness.
 
 A prefill rank that misses ``heartbeat_misses`` pings in a row is *lost*: its rooms fail. A
 loss proves nothing about its writes (a stopped or partitioned peer's engine may still
-deliver what it queued), so held pages wait for its drain ack, or for a probe that proves it
-gone (:mod:`trio_pd._probe`: its control endpoint or engine port refusing connections).
+deliver what it queued), so held pages wait for its drain ack, or for proof that none of its
+writes can land any more. That proof is made here, at the target: a probe that finds its
+control endpoint or engine port refusing connections (:mod:`trio_pd._probe`) only hints that
+it is gone, and then our own engine fences it off (``fence_writer``: for Mooncake's TCP
+transport, the connections it accepted from the writer's host shut down and closed, once the
+writer's engine refuses connections). Where the engine has no fence, the pages stay held,
+counted ``writers_unfenced`` and logged.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from ._security import register_mac
 from ._state import Liveness
 from ._stats import Counters
 from ._topology import pairing_problem, source_ranks, state_problem
-from .engines import TransferEngine
+from .engines import Fence, FenceOutcome, TransferEngine, fence_writer
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -69,6 +74,10 @@ class PrefillRank:
     rank_id: int = -1
     #: what its last probe answered (None: never probed): changes are logged once
     probed: Liveness | None = None
+    #: our engine fenced off its writes (see :meth:`Sources.liveness`): it is gone for good
+    fenced: bool = False
+    #: a fence of it is being made (probes of several rooms share it)
+    fencing: trio.Event | None = None
 
     def __post_init__(self) -> None:
         if self.rank_id < 0:
@@ -347,31 +356,95 @@ class Sources:
         self._on_lost(rank)
 
     async def liveness(self, rank: PrefillRank) -> Liveness:
-        """Probe a prefill rank (a writer of our pages): GONE only on proof. A change of what
-        its probes answer is logged once (unknown, answering again, proven gone), not every
-        probe: a held room's writers are probed at every ack timeout."""
+        """Probe a prefill rank (a writer of our pages). GONE only once our own engine has
+        fenced it off: a probe that is refused (REFUSED) makes the fence worth trying, and
+        the answer is GONE if the fence is proven, else UNKNOWN (the pages stay held). A
+        change of what its probes answer is logged once (unknown, answering again; the fence
+        logs its own outcome), not every probe: a held room's writers are probed at every ack
+        timeout."""
+        if rank.fenced:
+            await trio.lowlevel.checkpoint()
+            return Liveness.GONE
         state = await _probe.probe(
             self.engine,
             rank.session,
             control_endpoint=rank.endpoint,
             timeout=self.probe_timeout,
             limiter=self.probe_limiter,
+            counters=self.counters,
         )
+        refused = state is Liveness.REFUSED
+        if refused:
+            state = Liveness.GONE if await self._fence(rank) else Liveness.UNKNOWN
         seen, rank.probed = rank.probed, state
         if state is seen or (seen is None and state is Liveness.ALIVE):
             return state
-        if state is Liveness.GONE:
-            log.warning("prefill rank %d at %s proven gone: no write of it can land any more",
-                        rank.rank_id, rank.endpoint)
-        elif state is Liveness.UNKNOWN:
+        if state is Liveness.UNKNOWN and not refused:
             log.warning(
                 "prefill rank %d at %s: no answer to a probe within %g s (unreachable, stopped "
                 "or hung: its liveness is unknown); pages it may write stay held",
                 rank.rank_id, rank.endpoint, self.probe_timeout,
             )
-        else:
+        elif state is Liveness.ALIVE:
             log.info("prefill rank %d at %s answers a probe again", rank.rank_id, rank.endpoint)
         return state
+
+    async def _fence(self, rank: PrefillRank) -> bool:
+        """Have our engine fence off ``rank``'s writes (``fence_writer``, in a thread, within
+        ``probe_timeout``); True once proven. One fence per rank at a time: a probe that
+        finds one under way waits for its answer. What it proved is logged; UNPROVEN is
+        counted ``writers_unfenced``, UNKNOWN ``checks_unknown``."""
+        if rank.fencing is not None:
+            await rank.fencing.wait()
+            return rank.fenced
+        rank.fencing = done = trio.Event()
+        try:
+            fence = await self._make_fence(rank)
+        finally:
+            rank.fencing = None
+            done.set()
+        if fence is None:
+            self.counters.bump("checks_unknown")
+            log.warning("prefill rank %d (%s) refused a connection; the fence of its writes "
+                        "did not answer within %g s: its pages stay held", rank.rank_id,
+                        rank.endpoint, self.probe_timeout)
+        elif fence.proven:
+            rank.fenced = True
+            self.counters.bump("writers_fenced")
+            log.warning("prefill rank %d (%s) is gone: %s", rank.rank_id, rank.endpoint,
+                        fence.detail)
+        elif fence.outcome is FenceOutcome.UNKNOWN:
+            self.counters.bump("checks_unknown")
+            log.warning("prefill rank %d (%s) refused a connection, but its writes could not "
+                        "be fenced now: %s: its pages stay held", rank.rank_id, rank.endpoint,
+                        fence.detail)
+        else:
+            self.counters.bump("writers_unfenced")
+            log.warning("prefill rank %d (%s) refused a connection, but nothing proves its "
+                        "writes are over: %s: its pages stay held until it acks", rank.rank_id,
+                        rank.endpoint, fence.detail)
+        return rank.fenced
+
+    async def _make_fence(self, rank: PrefillRank) -> Fence | None:
+        """The engine's fence of ``rank``, or None if it gave no answer in time (or there
+        was no thread for it)."""
+        hosts = await _probe.peer_hosts(self.engine, rank.session, rank.endpoint)
+        if not hosts:
+            return Fence(FenceOutcome.UNKNOWN if hosts is not None else FenceOutcome.UNPROVEN,
+                         "its host does not resolve" if hosts is not None
+                         else "it is reached over no TCP host")
+        with trio.move_on_after(self.probe_timeout):
+            try:
+                # (abandoned on cancel: a fence touches no page; the limiter's token is held
+                # until the thread returns, as for a probe)
+                return await trio.to_thread.run_sync(
+                    fence_writer, self.engine, rank.session, hosts,
+                    limiter=self.probe_limiter, abandon_on_cancel=True,
+                )
+            except Exception as exc:  # (no thread, a closed engine: it did not run)
+                log.warning("the fence of prefill rank %d could not run: %r", rank.rank_id, exc)
+                await trio.lowlevel.checkpoint()
+        return None
 
 
 def _pairs_tp(prefill_tp: int, decode_tp: int, decode_rank: int) -> bool:

@@ -308,8 +308,12 @@ class DecodeBook:
 
 class Liveness(enum.Enum):
     """What a probe of a peer proved (SPEC §5.6). Only ALIVE (after the engine's deadline) or
-    GONE may end a quarantine or release held pages; UNKNOWN proves nothing."""
+    GONE may end a quarantine or release held pages; REFUSED and UNKNOWN prove nothing."""
 
     ALIVE = "alive"  # it answered
     GONE = "gone"  # positive evidence that none of its writes can land any more
-    UNKNOWN = "unknown"  # a timeout, a hang, an unreachable host
+    #: its host refused a connect where it listened: it closed its socket, or its process
+    #: is gone. A hint that makes a fence worth trying, never proof: an agent may close while
+    #: its engine delivers, and a dead process's kernel still sends what its sockets held
+    REFUSED = "refused"
+    UNKNOWN = "unknown"  # a timeout, a hang, an unreachable host, a check that could not run

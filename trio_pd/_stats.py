@@ -67,6 +67,18 @@ class AgentStatistics:
     rooms_unproven_at_close: int = 0
     released_by_timeout: int = 0
     released_peer_gone: int = 0
+    #: decode: prefill ranks whose writes our engine fenced off (a target-side fence, after
+    #: a refused connect hinted they were gone): their held pages may go back
+    writers_fenced: int = 0
+    #: decode: fences tried that proved nothing (the engine or its transport has none, or the
+    #: writer's engine still runs): the pages stay held (logged with the reason)
+    writers_unfenced: int = 0
+    #: a liveness, drain or fence check that could not run (no descriptor, no thread, the
+    #: kernel's tables unreadable): taken as unknown, never as proof
+    checks_unknown: int = 0
+    #: prefill: rooms still quarantined when a closing agent stopped waiting for their fences
+    #: (close_timeout): their drain acks are withheld, so decode keeps their pages
+    rooms_unacked_at_close: int = 0
     #: prefill: decode peers marked failed (a probe did not answer ALIVE, or the engine could
     #: not add the peer): chunks to them fail fast with PeerLost
     peers_failed: int = 0
@@ -131,6 +143,10 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "rooms_unproven_at_close": "decode",
     "released_by_timeout": "decode",
     "released_peer_gone": "decode",
+    "writers_fenced": "decode",  # the prefill-rank sources (_sources)
+    "writers_unfenced": "decode",
+    "checks_unknown": "both",  # probes (both), send-queue checks (prefill), fences (decode)
+    "rooms_unacked_at_close": "prefill",
     "peers_failed": "prefill",
     "peers_back": "prefill",
     "peers_lost": "both",  # prefill: decode peers proven gone; decode: lost to the heartbeat

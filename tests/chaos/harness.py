@@ -22,6 +22,8 @@ from typing import Any
 
 import trio
 
+from trio_pd._sendq import Row, rows
+
 WORKER = str(Path(__file__).with_name("worker.py"))
 
 #: the shape of every rank's pool (the demo's defaults: 32 KiB pages)
@@ -291,10 +293,12 @@ class NetPair:
 @contextmanager
 def netns_pair(n: int) -> Iterator[NetPair]:
     """Two namespaces of this test, joined by a veth pair on 10.200.n.0/30; deleted (with
-    the pair) on the way out."""
+    the pair) on the way out. Their names start with ``$CHAOS_NETNS_PREFIX`` (default
+    ``tpdc``), so that runs sharing a host can tell theirs apart."""
     tag = f"{os.getpid() % 10000}-{n}"
-    pair = NetPair(f"tpdc-a-{tag}", f"tpdc-b-{tag}", f"10.200.{n}.1", f"10.200.{n}.2",
-                   f"tpa{tag}"[:15], f"tpb{tag}"[:15])
+    prefix = os.environ.get("CHAOS_NETNS_PREFIX", "tpdc")
+    pair = NetPair(f"{prefix}-a-{tag}", f"{prefix}-b-{tag}", f"10.200.{n}.1", f"10.200.{n}.2",
+                   f"{prefix[:4]}a{tag}"[:15], f"{prefix[:4]}b{tag}"[:15])
     made: list[str] = []
     try:
         for ns in (pair.a, pair.b):
@@ -314,3 +318,28 @@ def netns_pair(n: int) -> Iterator[NetPair]:
                 _ip("netns", "del", ns)  # takes its end of the veth pair with it
             except (OSError, subprocess.SubprocessError):
                 pass
+
+
+def ns_connections(ns: str) -> list[Row]:
+    """Every TCP connection in namespace ``ns`` (its ``/proc/net/tcp`` and ``tcp6``, read
+    from inside it)."""
+    out: list[Row] = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        done = subprocess.run(["ip", "netns", "exec", ns, "cat", table], capture_output=True,
+                              timeout=10, check=False)
+        if done.returncode == 0:
+            out.extend(rows(done.stdout.decode()))
+    return out
+
+
+def ns_counter(ns: str, name: str) -> int:
+    """A TcpExt counter of namespace ``ns`` (``/proc/net/netstat``), e.g.
+    ``TCPAbortOnData``: segments with new data that met a socket shut for reading."""
+    done = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/netstat"],
+                          capture_output=True, timeout=10, check=True)
+    lines = done.stdout.decode().splitlines()
+    for head, values in zip(lines[::2], lines[1::2], strict=False):
+        names, nums = head.split(), values.split()
+        if names[0] == "TcpExt:" and name in names:
+            return int(nums[names.index(name)])
+    return 0

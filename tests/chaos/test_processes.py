@@ -10,6 +10,7 @@ pages, 0 guard bytes touched and 0 pages leaked on every live rank.
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import time
 from pathlib import Path
@@ -168,3 +169,55 @@ async def test_sigstop_longer_than_every_deadline(tmp_path: Path, victim: str) -
     then SIGCONT: rooms fail, pages stay held while liveness is unknown, and go back on the
     drain acks once the peer runs again."""
     await _scenario(tmp_path, victim, "stop")
+
+
+LATE_S = 1.5  # a failed call's bytes land this long after it gave up (within the fence)
+
+
+@pytest.mark.parametrize("engine", ["mooncake", pytest.param("nixl", marks=pytest.mark.skipif(
+    importlib.util.find_spec("nixl_cu12") is None, reason="nixl-cu12 not installed"))])
+async def test_prefill_agent_closed_process_and_engine_alive(tmp_path: Path, engine: str) -> None:
+    """Writes give up with an engine error while their bytes are still on their way (they
+    land ``LATE_S`` s later); then the prefill agent closes, its process and its engine
+    alive. The closing agent keeps answering until those rooms' quarantines end and acks
+    them; decode releases each on that ack (never on the refused connect it would get from
+    a closed agent), so not one byte lands after release.
+
+    (Before: decode released on "gone" as soon as the closed agent's port refused, and the
+    queued bytes landed in released pages.)"""
+    async with cluster(
+        tmp_path, engine=engine, fault=True,
+        prefill_config={"quarantine_fence": 3.0}, decode_config={"ack_timeout": 0.5},
+    ) as c:
+        await c.bootstrap()
+        prefill, decode = await c.rank("prefill"), await c.rank("decode")
+        await _warm(c, prefill, decode)
+        prefill.send({"cmd": "fault", "kind": "late", "delay": LATE_S, "calls": 4})
+        rooms = c.submit(prefill, [decode], 8, pages=16, chunks=2, gap=0.0)
+        done = await wait_done(decode, rooms, 60)
+        failed = [i for i, e in done.items() if e["status"] != "Success"]
+        assert failed, "no write failed"
+        t0 = time.time()
+        prefill.send({"cmd": "close_agent"})
+        closed = await prefill.wait_for(lambda ev: prefill.of("agent_closed"), 60, "close")
+        released = await wait_released(decode, failed, 60)
+        prefill.send({"cmd": "late_done"})
+        late = await prefill.wait_for(lambda ev: prefill.of("late_done"), 60, "late writes")
+        report = await final(decode)
+        prefill_stats = closed[-1]["stats"]
+        proofs = sorted({e["proof"] for e in released.values()})
+        row = dict(
+            scenario=f"prefill agent closed, engine alive ({engine})", failed=len(failed),
+            late_blocks=late[-1]["blocks"],
+            close_took_s=round(closed[-1]["t"] - t0, 2),
+            decode_release_after_close_s=_span(_rel(released, t0)),
+            decode_release_proofs=proofs,
+            rooms_unacked_at_close=prefill_stats["rooms_unacked_at_close"],
+            late_writes=report["late_writes"], leaked=report["leaked"], corrupt=report["corrupt"],
+            decode_stats={k: v for k, v in report["stats"].items() if v},
+        )
+        record(row)
+        check_final(report, "decode")
+        assert late[-1]["ok"] and late[-1]["blocks"] > 0
+        assert proofs == ["ack"], proofs
+        assert prefill_stats["rooms_unacked_at_close"] == 0

@@ -21,7 +21,12 @@ counters at that instant (the release callback runs synchronously inside the age
 
 Commands: ``{"cmd": "req", "i", "room", "epoch", "pages", "chunks", "gap"}``,
 ``{"cmd": "drain", "bound"}`` (wait until every row is back, then print the final report),
-``{"cmd": "stats"}`` and ``{"cmd": "exit"}``. Run as
+``{"cmd": "stats"}``, ``{"cmd": "exit"}``, ``{"cmd": "close_agent"}`` (close the agent but
+keep the process and its engine: ``agent_closed`` once closed; later commands but ``req``
+still work), and, for a prefill rank started with the option ``"fault": true`` (its engine
+in a :class:`~trio_pd.engines.fault.FaultEngine`), ``{"cmd": "fault", "kind", "calls",
+"delay"}`` (the next ``calls`` writes get that fault) and ``{"cmd": "late_done"}`` (wait
+until the ``late`` faults' writes were made: ``late_done``). Run as
 ``python tests/chaos/worker.py ROLE BOOTSTRAP_URL HOST OPTIONS_JSON``.
 """
 
@@ -43,6 +48,7 @@ from trio_pd._demo import RankResult, Request, _verify
 from trio_pd._errors import AdmissionClosed
 from trio_pd._plan import chunk_ranges
 from trio_pd.engines import make_engine
+from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool, PageAllocator, page_rows
 
 GUARD_POISON = 0xA5
@@ -75,6 +81,8 @@ class Rank:
         self.proofs: dict[str, int] = {}
         self.last: dict[str, int] = {}
         self.agent: Any = None
+        #: the prefill rank's engine wrapper when started with opts ``fault`` (see command)
+        self.fault: FaultEngine | None = None
 
     def guard_bytes_touched(self) -> int:
         return sum(int((g != GUARD_POISON).sum()) for g in self.guards)
@@ -177,49 +185,91 @@ class Rank:
         )
 
     async def serve(self, host: str) -> None:
-        engine = make_engine(self.opts.get("engine", "mooncake"), host=host)
+        engine: Any = make_engine(self.opts.get("engine", "mooncake"), host=host)
+        if self.role == "prefill" and self.opts.get("fault"):
+            engine = self.fault = FaultEngine(engine)
         try:
-            if self.role == "prefill":
-                cm: Any = open_prefill(
-                    engine=engine, pool=self.pool.spec, bootstrap_url=self.opts["url"],
-                    host=host, kv_heads=self.pool.spec.heads,
-                    config=PrefillConfig(**self.opts.get("prefill_config", {})),
-                )
-            else:
-                cm = open_decode(
-                    engine=engine, pool=self.pool.spec, host=host,
-                    config=DecodeConfig(**self.opts.get("decode_config", {})),
-                )
-            async with cm as agent, trio.open_nursery() as nursery:
-                self.agent = agent
-                emit("ready", role=self.role, pid=os.getpid(), endpoint=agent.endpoint,
-                     session=engine.session_id)
-                one = self.prefill_one if self.role == "prefill" else self.decode_one
-                stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-                buf = b""
-                async for data in stdin:
-                    buf += data
-                    while b"\n" in buf:
-                        line, buf = buf.split(b"\n", 1)
-                        cmd = json.loads(line)
-                        if cmd["cmd"] == "req":
-                            nursery.start_soon(one, cmd)
-                        elif cmd["cmd"] == "stats":
-                            emit("stats", stats=asdict(agent.statistics()))
-                        elif cmd["cmd"] == "drain":
-                            with trio.move_on_after(float(cmd.get("bound", 30))):
-                                await self.pages.wait_all_returned()
-                                await self.aux.wait_all_returned()
-                            emit("final", **self.final())
-                        elif cmd["cmd"] == "exit":
-                            nursery.cancel_scope.cancel()
+            commands_tx, commands = trio.open_memory_channel[dict[str, Any]](math.inf)
+            async with trio.open_nursery() as outer:
+                outer.start_soon(_read_commands, commands_tx)
+                if await self.serve_agent(engine, host, commands):
+                    # the agent closed; this process and its engine live on
+                    emit("agent_closed", stats=asdict(self.agent.statistics()))
+                    async for cmd in commands:
+                        if not await self.command(cmd):
                             break
-                    else:
-                        continue
-                    break
-                nursery.cancel_scope.cancel()
+                outer.cancel_scope.cancel()
         finally:
             engine.close()
+
+    async def serve_agent(
+        self, engine: Any, host: str, commands: trio.MemoryReceiveChannel[dict[str, Any]]
+    ) -> bool:
+        """Run the agent until ``exit`` (False) or ``close_agent`` (True: the caller keeps the
+        process and the engine)."""
+        if self.role == "prefill":
+            cm: Any = open_prefill(
+                engine=engine, pool=self.pool.spec, bootstrap_url=self.opts["url"],
+                host=host, kv_heads=self.pool.spec.heads,
+                config=PrefillConfig(**self.opts.get("prefill_config", {})),
+            )
+        else:
+            cm = open_decode(
+                engine=engine, pool=self.pool.spec, host=host,
+                config=DecodeConfig(**self.opts.get("decode_config", {})),
+            )
+        async with cm as agent, trio.open_nursery() as nursery:
+            self.agent = agent
+            emit("ready", role=self.role, pid=os.getpid(), endpoint=agent.endpoint,
+                 session=engine.session_id)
+            one = self.prefill_one if self.role == "prefill" else self.decode_one
+            async for cmd in commands:
+                if cmd["cmd"] == "req":
+                    nursery.start_soon(one, cmd)
+                elif cmd["cmd"] == "close_agent":
+                    nursery.cancel_scope.cancel()
+                    return True
+                elif not await self.command(cmd):
+                    break
+            nursery.cancel_scope.cancel()
+        return False
+
+    async def command(self, cmd: dict[str, Any]) -> bool:
+        """One command other than ``req``; False for ``exit``."""
+        if cmd["cmd"] == "stats":
+            emit("stats", stats=asdict(self.agent.statistics()))
+        elif cmd["cmd"] == "drain":
+            with trio.move_on_after(float(cmd.get("bound", 30))):
+                await self.pages.wait_all_returned()
+                await self.aux.wait_all_returned()
+            emit("final", **self.final())
+        elif cmd["cmd"] == "fault":  # the next ``calls`` writes get this fault
+            assert self.fault is not None, "start the rank with opts fault=True"
+            first = self.fault.statistics().calls
+            kind, calls = cmd["kind"], int(cmd["calls"])
+            delay = float(cmd.get("delay", 0.0))
+            self.fault.policy = lambda i, _p, _n: (
+                Fault(kind, delay_s=delay) if first <= i < first + calls else None
+            )
+        elif cmd["cmd"] == "late_done":  # every late write of a fault has been made
+            assert self.fault is not None
+            ok = await trio.to_thread.run_sync(self.fault.wait_late, 30.0)
+            emit("late_done", ok=ok, blocks=self.fault.statistics().late_blocks)
+        elif cmd["cmd"] == "exit":
+            return False
+        return True
+
+
+async def _read_commands(tx: trio.MemorySendChannel[dict[str, Any]]) -> None:
+    """One JSON command a line from stdin, until it closes."""
+    async with tx:
+        stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+        buf = b""
+        async for data in stdin:
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                await tx.send(json.loads(line))
 
 
 def main() -> None:

@@ -6,10 +6,13 @@ from .._errors import EngineError
 from ._base import Addrs as Addrs
 from ._base import ClosingEngine as ClosingEngine
 from ._base import Deferred as Deferred
+from ._base import Fence as Fence
+from ._base import FenceOutcome as FenceOutcome
 from ._base import Lens as Lens
 from ._base import Pending as Pending
 from ._base import Region as Region
 from ._base import TransferEngine as TransferEngine
+from ._base import fence_writer as fence_writer
 from ._base import start_write as start_write
 
 ENGINE_NAMES = ("mooncake", "nixl")

@@ -9,7 +9,9 @@ An adapter never retries and never hides an error: a failed write raises
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
@@ -47,6 +49,42 @@ def check_lengths(src: Addrs, dst: Addrs, lens: Lens) -> int:
     if len(dst) != n or len(lens) != n:
         raise ValueError(f"src, dst, lens differ in length: {n}, {len(dst)}, {len(lens)}")
     return n
+
+
+class FenceOutcome(enum.Enum):
+    """What :meth:`TransferEngine.fence_writer` proved."""
+
+    #: this engine no longer takes that writer's writes into our memory: none can land any more
+    PROVEN = "proven"
+    #: nothing is proven: the engine (or the transport it uses) has no such fence, or the
+    #: writer's engine still runs and could send what it queued on a new connection
+    UNPROVEN = "unproven"
+    #: the fence could not be made or checked now (no descriptor left, tables unreadable, a
+    #: connection still holding unread bytes at the bound): try again later
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """The answer of :meth:`TransferEngine.fence_writer`: what it proved, and why, in words
+    fit for a log line."""
+
+    outcome: FenceOutcome
+    detail: str
+    #: connections the fence shut (those it found from the writer's hosts)
+    connections: int = 0
+
+    @property
+    def proven(self) -> bool:
+        return self.outcome is FenceOutcome.PROVEN
+
+
+def fence_writer(engine: TransferEngine, session: str, hosts: Sequence[str]) -> Fence:
+    """``engine.fence_writer(session, hosts)``, or UNPROVEN for an engine that has none."""
+    fence: Callable[[str, Sequence[str]], Fence] | None = getattr(engine, "fence_writer", None)
+    if fence is None:
+        return Fence(FenceOutcome.UNPROVEN, f"engine {engine.name!r} has no target-side fence")
+    return fence(session, hosts)
 
 
 def start_write(engine: TransferEngine, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> Pending:
@@ -105,6 +143,20 @@ class TransferEngine(Protocol):
     def probe(self, peer: str) -> bool:
         """True if the peer's engine answers, False if it is provably gone. May block for as
         long as the engine's own probe does; callers bound it."""
+        ...
+
+    def fence_writer(self, session: str, hosts: Sequence[str]) -> Fence:
+        """Make sure no write of the writer whose engine session is ``session`` (on one of
+        ``hosts``, numeric addresses) can land in our memory any more, *at this end*, and say
+        whether that is proven. The receiving side calls it before it hands back pages a
+        writer that stopped answering may still write (a refused connect only says that
+        nothing listens there: an agent may have closed while its engine still delivers,
+        and a killed process's kernel keeps sending what its sockets held).
+
+        May block (a thread, bounded by the adapter). Never raises for the fence itself:
+        trouble is UNKNOWN. Each adapter says what its fence is, per transport
+        (docs/lifetimes.md, "What proves a writer gone"); an engine with none answers
+        UNPROVEN, and the pages stay held."""
         ...
 
     def close(self) -> None:

@@ -17,6 +17,14 @@ inject a :class:`Fault`, and what kind:
 ``stall``
     block inside ``write()`` on :attr:`FaultEngine.stalls` (a :class:`StallGate`) until the
     test releases the call, then make the real call.
+``late``
+    take a copy of the blocks' bytes, raise :class:`~trio_pd.EngineError` at once, and write
+    the copy for real ``delay_s`` later, in a thread of its own: a call the engine gave up on
+    while its bytes were still queued, which land afterwards, whatever the caller did with
+    its source pages meanwhile (``delay_s`` should stay within the engine's
+    ``write_deadline_s``, which is the bound a quarantine waits out). The copy is registered
+    with the wrapped engine for that write: host memory only. :meth:`FaultEngine.wait_late`
+    waits for those writes.
 
 A stalled call is numbered in the order it reached the gate (0, 1, ...). A test learns that
 call ``k`` has entered the engine with ``gate.wait_stalled(k + 1)`` (blocking, for threads) or
@@ -26,6 +34,8 @@ and opens the gate for good with :meth:`StallGate.release_all`. None of these sl
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import random
 import threading
 import time
@@ -33,14 +43,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
 import trio
 
 from .._closing import ClosesOnExit
 from .._errors import EngineError
-from ._base import Addrs, Lens, Region, TransferEngine
+from .._memory import HOST
+from ._base import Addrs, Fence, Lens, Region, TransferEngine, fence_writer
 
-FaultKind = Literal["delay_before", "delay_after", "fail", "partial", "stall"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("delay_before", "delay_after", "fail", "partial", "stall")
+FaultKind = Literal["delay_before", "delay_after", "fail", "partial", "stall", "late"]
+FAULT_KINDS: tuple[FaultKind, ...] = (
+    "delay_before", "delay_after", "fail", "partial", "stall", "late",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +94,10 @@ class FaultStats:
     probes_overridden: int = 0
     #: probe() calls that entered the ``probe_hang`` sleep (counted on entry)
     probes_hung: int = 0
+    #: fence_writer() calls answered by ``fence_override``
+    fences_overridden: int = 0
+    #: blocks of ``late`` faults whose delayed real call has been made (written or failed)
+    late_blocks: int = 0
 
 
 class StallGate:
@@ -172,6 +191,9 @@ class FaultEngine(ClosesOnExit):
 
     ``probe_hang``: seconds :meth:`probe` sleeps (``time.sleep``, in the caller's thread)
     before it answers, like Mooncake's ``send_probe`` against a stopped peer. 0 answers at once.
+
+    ``fence_override``: None delegates :meth:`fence_writer`; a :class:`~trio_pd.engines.Fence`
+    is answered instead (an UNPROVEN one makes an engine with a fence look like one without).
     """
 
     def __init__(
@@ -181,12 +203,14 @@ class FaultEngine(ClosesOnExit):
         *,
         probe_override: bool | None = None,
         probe_hang: float = 0.0,
+        fence_override: Fence | None = None,
     ) -> None:
         self.inner = inner
         self.name = inner.name
         self.policy: Policy = policy if policy is not None else (lambda _i, _p, _n: None)
         self.probe_override = probe_override
         self.probe_hang = probe_hang
+        self.fence_override = fence_override
         self.stalls = StallGate()
         self._lock = threading.Lock()
         self._calls = 0
@@ -195,6 +219,9 @@ class FaultEngine(ClosesOnExit):
         self._blocks_written = 0
         self._probes_overridden = 0
         self._probes_hung = 0
+        self._fences_overridden = 0
+        self._late: list[threading.Timer] = []
+        self._late_done = 0
 
     @classmethod
     def random(
@@ -257,6 +284,16 @@ class FaultEngine(ClosesOnExit):
     def close(self) -> None:
         self.inner.close()
 
+    def fence_writer(self, session: str, hosts: Sequence[str]) -> Fence:
+        """The wrapped engine's fence, or ``fence_override`` when set (counted in
+        ``fences_overridden``)."""
+        override = self.fence_override
+        if override is None:
+            return fence_writer(self.inner, session, hosts)
+        with self._lock:
+            self._fences_overridden += 1
+        return override
+
     def probe(self, peer: str) -> bool:
         hang = self.probe_hang
         if hang > 0:
@@ -281,6 +318,8 @@ class FaultEngine(ClosesOnExit):
                 blocks_written=self._blocks_written,
                 probes_overridden=self._probes_overridden,
                 probes_hung=self._probes_hung,
+                fences_overridden=self._fences_overridden,
+                late_blocks=self._late_done,
             )
 
     def _inner_write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
@@ -330,6 +369,48 @@ class FaultEngine(ClosesOnExit):
                 f"written): outcome unknown",
                 code=fault.code,
             )
+        elif fault.kind == "late":
+            copy = np.empty(int(lens.sum()), dtype=np.uint8)
+            offsets = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.uint64)
+            for s_addr, off, ln in zip(src.tolist(), offsets.tolist(), lens.tolist(), strict=True):
+                ctypes.memmove(copy.ctypes.data + off, s_addr, ln)
+            region = Region(int(copy.ctypes.data), max(copy.nbytes, 1), HOST)
+            self.inner.register([region])
+            args = (peer, np.uint64(copy.ctypes.data) + offsets, dst, lens, region, copy)
+            late = threading.Timer(fault.delay_s, self._late_write, args)
+            late.daemon = True
+            with self._lock:
+                self._late.append(late)
+            late.start()
+            raise EngineError(
+                f"injected fault in write #{index} to {peer}: late ({n} blocks to be written "
+                f"in {fault.delay_s:g} s): outcome unknown",
+                code=fault.code,
+            )
         else:  # stall
             self.stalls._hold(index)
             self._inner_write(peer, src, dst, lens)
+
+    def _late_write(
+        self, peer: str, src: Addrs, dst: Addrs, lens: Lens, region: Region,
+        copy: npt.NDArray[np.uint8],
+    ) -> None:
+        try:
+            self._inner_write(peer, src, dst, lens)
+        except Exception:  # (the engine may have closed meanwhile: nothing landed)
+            pass
+        with contextlib.suppress(Exception):
+            self.inner.unregister([region])
+        del copy  # (kept alive until the write is over)
+        with self._lock:
+            self._late_done += len(src)
+
+    def wait_late(self, timeout: float) -> bool:
+        """Block until every ``late`` write started so far has been made (or failed), for
+        at most ``timeout`` seconds in all; False if one had not by then."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            late = list(self._late)
+        for timer in late:
+            timer.join(max(0.0, end - time.monotonic()))
+        return not any(timer.is_alive() for timer in late)

@@ -31,6 +31,14 @@ What a call costs and how it fails (see ENGINES.md for the measurements):
 * The receiving engine checks that destinations lie in memory it registered (-1 in ~0.1 ms),
   but the TCP transport does **not** check sources (0.3.13): a block from unregistered local
   memory is sent as is. trio_pd validates its blocks before calling the engine.
+* The receiving side's fence (:meth:`MooncakeEngine.fence_writer`): the TCP transport
+  receives a writer's blocks on connections it accepted in this process, and writes each
+  straight into our memory after checking its range against what is registered. The check
+  knows addresses only, so re-registering a region stops nothing. Shutting those connections
+  down does: the engine closes them, and a byte that still comes on one (a dead writer's
+  kernel delivering what its sockets held) meets a reset. Other writers on the same host lose
+  their call in flight (-1, outcome unknown) and reconnect for the next one. See
+  docs/lifetimes.md, "What proves a writer gone", for what was measured.
 """
 
 from __future__ import annotations
@@ -38,9 +46,10 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +57,10 @@ from typing import Any
 from .._closing import ClosesOnExit
 from .._errors import EngineError
 from .._memory import MemoryKind
+from .._probe import _host_port
+from .._sendq import fence_accepted, listening_ports
 from .._wire import check_advertised_host
-from ._base import Addrs, Deferred, Lens, Pending, Region, check_lengths
+from ._base import Addrs, Deferred, Fence, FenceOutcome, Lens, Pending, Region, check_lengths
 
 #: the most blocks one ``batch_transfer_sync_write`` call carries
 MAX_BLOCKS_PER_CALL = 1024
@@ -67,6 +78,14 @@ DEFAULT_QUEUED_PER_PEER = "8192"
 
 #: the per-call deadline set when the environment does not set one (seconds, as a string)
 DEFAULT_TRANSFER_TIMEOUT_S = "5"
+
+#: how long :meth:`MooncakeEngine.fence_writer` waits for the fenced connections to close,
+#: and for the writer's engine port to answer a connect (seconds)
+FENCE_BOUND_S = 2.0
+
+#: engines are built one at a time in a process, so that each can tell its own TCP data port
+#: from the listeners that appear while it initialises (see :func:`_data_port`)
+_build_lock = threading.Lock()
 
 _PIP_NAME = "mooncake-transfer-engine-non-cuda"  # or mooncake-transfer-engine on CUDA hosts
 
@@ -157,6 +176,40 @@ def mooncake_location(kind: MemoryKind | None) -> str:
     if kind is None or kind.device is None:
         return "*"
     return f"cuda:{kind.device}"
+
+
+def _listening() -> set[int] | None:
+    try:
+        return listening_ports()
+    except OSError:
+        return None
+
+
+def _rdma_possible() -> bool:
+    """Whether the engine may pick RDMA: an RDMA device is present and ``MC_FORCE_TCP`` is
+    not set (Mooncake uses RDMA whenever it finds a device)."""
+    if os.environ.get("MC_FORCE_TCP", "") not in ("", "0"):
+        return False
+    try:
+        return any(os.scandir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def _refuses(session: str) -> bool | None:
+    """Does the host of ``session`` (``"host:rpc_port"``) refuse a connection to that port?
+    True if it did, False if one connected (closed at once), None otherwise (unreachable, no
+    answer within :data:`FENCE_BOUND_S`, a session that does not parse, no descriptor)."""
+    parsed = _host_port(session)
+    if parsed is None:
+        return None
+    try:
+        with socket.create_connection(parsed, timeout=FENCE_BOUND_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return None
 
 
 @functools.cache
@@ -290,16 +343,25 @@ class MooncakeEngine(ClosesOnExit):
                 f"(or mooncake-transfer-engine on CUDA hosts): {exc}"
             ) from exc
         _quiet_info_logs()
-        engine: Any = _MooncakeTE()
-        rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
-        if rc != 0:
-            raise EngineError(
-                f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
-                f"returned {rc}",
-                code=rc,
-            )
+        with _build_lock:
+            before = _listening()
+            engine: Any = _MooncakeTE()
+            rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+            if rc != 0:
+                raise EngineError(
+                    f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
+                    f"returned {rc}",
+                    code=rc,
+                )
+            after = _listening()
         self._engine: Any = engine
-        self._session_id = f"{host}:{engine.get_rpc_port()}"
+        rpc_port = engine.get_rpc_port()
+        self._session_id = f"{host}:{rpc_port}"
+        #: the TCP transport's data port: the one listener, besides the RPC port, that
+        #: initialising opened (None if that cannot be told: then there is no fence)
+        new = (after - before - {rpc_port}) if before is not None and after is not None else set()
+        self._data_port: int | None = new.pop() if len(new) == 1 else None
+        self._rdma = _rdma_possible()
         self._lock = threading.Lock()  # registration book and close
         self._registered: dict[int, int] = {}  # base -> length
         self._closed = False
@@ -530,6 +592,51 @@ class MooncakeEngine(ClosesOnExit):
         """``send_probe`` answers at once for a live or a dead peer, but takes about 60 s for a
         hung one (stopped process, black-holed host): callers bound it."""
         return bool(self._live_engine().send_probe(peer) == 0)
+
+    def fence_writer(self, session: str, hosts: Sequence[str]) -> Fence:
+        """Make sure no write of the Mooncake engine ``session`` (``"host:rpc_port"``) on
+        ``hosts`` can land in our memory any more.
+
+        TCP transport: PROVEN once that engine refuses connections on its RPC port (it is
+        closed, or its process is gone: it can open no new connection for what it queued)
+        *and* every connection we accepted from ``hosts`` on our data port has been shut down
+        and then seen closed by our engine, or past the shutdown with nothing left unread
+        (:func:`~trio_pd._sendq.fence_accepted`): a byte that still comes on one meets a reset.
+        Every writer on those hosts loses its connections: a call of another writer in flight
+        then fails (-1, outcome unknown) and its next call reconnects (measured: about 1 s
+        later). UNPROVEN while the writer's engine still accepts connections (it may send what
+        it queued on a new one), when the data port of this engine is not known, and when the
+        engine may use RDMA, whose fence (deregistering the memory region, which invalidates
+        the rkey a stale write carries) trio_pd does not make. UNKNOWN when the writer's port
+        gives no answer, or the tables or sockets cannot be read or reached, or a connection
+        still holds unread bytes after :data:`FENCE_BOUND_S`."""
+        self._live_engine()
+        port = self._data_port
+        if self._rdma:
+            return Fence(FenceOutcome.UNPROVEN, "this engine may use RDMA (an RDMA device is "
+                         "present, MC_FORCE_TCP is not set): trio_pd makes no RDMA fence")
+        if port is None:
+            return Fence(FenceOutcome.UNPROVEN, "the TCP transport's data port of this engine "
+                         "is not known")
+        refused = _refuses(session)
+        if refused is None:
+            return Fence(FenceOutcome.UNKNOWN, f"the writer's engine port {session} gave no "
+                         "answer")
+        if not refused:
+            return Fence(FenceOutcome.UNPROVEN, f"the writer's engine at {session} still "
+                         "accepts connections: it may send what it queued on a new one")
+        try:
+            shut, left = fence_accepted(port, hosts, bound=FENCE_BOUND_S)
+        except OSError as exc:
+            return Fence(FenceOutcome.UNKNOWN, f"could not fence connections from "
+                         f"{', '.join(hosts)}: {exc}")
+        if left:
+            return Fence(FenceOutcome.UNKNOWN, f"{left} of {shut} connections from "
+                         f"{', '.join(hosts)} to data port {port} still readable after "
+                         f"{FENCE_BOUND_S:g} s", shut)
+        return Fence(FenceOutcome.PROVEN, f"the writer's engine at {session} refuses "
+                     f"connections, and the {shut} connection(s) from {', '.join(hosts)} to "
+                     f"data port {port} are shut and closed", shut)
 
     def close(self) -> None:
         """Deregister what is still registered and drop the engine. Idempotent.

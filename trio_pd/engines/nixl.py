@@ -55,6 +55,7 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,7 @@ import numpy.typing as npt
 from .._closing import ClosesOnExit
 from .._errors import EngineError
 from .._memory import HOST, MemoryKind
-from ._base import Addrs, Deferred, Lens, Pending, Region, check_lengths
+from ._base import Addrs, Deferred, Fence, FenceOutcome, Lens, Pending, Region, check_lengths
 
 _PIP_NAME = "nixl-cu12"  # pip install --no-deps nixl-cu12 (its torch requirement is not needed)
 
@@ -577,6 +578,19 @@ class NixlEngine(ClosesOnExit):
             with contextlib.suppress(Exception):
                 agent.get_new_notifs()
         return True
+
+    def fence_writer(self, session: str, hosts: Sequence[str]) -> Fence:
+        """UNPROVEN: NIXL over UCX offers no fence at the receiving end. Measured with
+        nixl-cu12 1.5.1 (UCX 1.23) on one host: UCX carries a write between two processes by
+        ``cma`` (``process_vm_writev`` made by the writer's own threads; the receiver takes
+        no part), and forced onto ``tcp`` by its put over TCP, written into our memory by our
+        progress thread; in both, a write made after we deregistered the region, and after
+        we registered it again, landed. Decode never loads a writer's metadata, so there is
+        no remote agent of it here to remove. The pages stay held until the writer's drain
+        ack (docs/lifetimes.md, "What proves a writer gone")."""
+        self._live_agent()
+        return Fence(FenceOutcome.UNPROVEN, "NIXL/UCX has no receiving-side fence (cma and tcp "
+                     "writes land whatever this agent registers)")
 
     def close(self) -> None:
         """Forget peers, deregister what is still registered, drop the agent. Idempotent.
