@@ -1,0 +1,294 @@
+"""A cancel never loses a page, on every host.
+
+A request's life on each side is a room's block: allocate the pages, enter the room's block,
+hand the pages over, wait for the outcome, use the KV (decode, after Success) or wait for the
+drain (after a failure), leave. These tests cancel one side's handler at the k-th schedule
+point of the run, for k = 1, 2, ... until a run ends without the cancel landing, and count
+every page back exactly once: the allocators refuse a double free and are empty at the end,
+and their sanitizer counts a write into a page after it went back.
+
+Real engines (both), real ZeroMQ, the real bootstrap service.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import trio
+import trio.lowlevel
+
+from trio_pd import AdmissionClosed, DecodeReceiver, KVPoll, PrefillSender
+from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostRows, PageAllocator, page_rows
+
+from .conftest import Pair, open_pair, poll_until
+
+BOUND = 15.0
+#: a sweep that has not ended by then is itself a failure (the handlers take a few dozen)
+MAX_STEPS = 3000
+PAGES = 3
+
+
+class CancelAt(trio.abc.Instrument):
+    """Calls ``cancel()`` just before the ``k``-th task step of the trio run, any task's:
+    the cancel then lands wherever the victim is waiting at that moment, and the step that
+    follows (a STATUS arriving, an engine call returning...) runs before the victim sees
+    it."""
+
+    def __init__(self, k: int, cancel: Callable[[], object]) -> None:
+        self.k, self.steps, self._cancel = k, 0, cancel
+        self.fired = False
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
+        if self.steps == self.k:
+            self.fired = True
+            self._cancel()
+
+
+@dataclass
+class Books:
+    """The allocators of one pair of agents, and every error a free raised (a double free,
+    or a row never handed out): on_release runs inside the agent, which logs and swallows
+    what it raises, so it is kept here."""
+
+    src: PageAllocator
+    dst: PageAllocator
+    aux: PageAllocator
+    errors: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, pair: Pair) -> Books:
+        return cls(
+            PageAllocator(page_rows(pair.src), SOURCE_POISON),
+            PageAllocator(page_rows(pair.dst), DEST_POISON),
+            PageAllocator(HostRows(pair.dst.aux), DEST_POISON),
+        )
+
+    def free(self, alloc: PageAllocator, ids: npt.NDArray[np.int64], who: str) -> None:
+        try:
+            alloc.free(ids)
+        except RuntimeError as exc:
+            self.errors.append(f"{who}: {exc}")
+
+    @property
+    def outstanding(self) -> int:
+        return self.src.outstanding + self.dst.outstanding + self.aux.outstanding
+
+    def check_all_back(self) -> None:
+        assert self.errors == []
+        assert self.outstanding == 0
+        for a in (self.src, self.dst, self.aux):
+            assert a.free_count == a.capacity
+            assert a.late_writes == a.late_in_free_rows() == 0
+
+
+@dataclass
+class Run:
+    """One request: its room, epoch and what each handler saw."""
+
+    k: int
+    room: int
+    #: "succeeds", or "prefill gives up" (aborts after its first chunk: decode fails, and
+    #: its pages wait for prefill's drain)
+    story: str = "succeeds"
+    epoch: int = field(default_factory=lambda: secrets.randbits(62))
+    sender: PrefillSender | None = None
+    receiver: DecodeReceiver | None = None
+    #: the victim ended without a handle, so its peer would wait for it until a deadline:
+    #: the router aborts the peer's room (the first handler to see this does)
+    orphaned: bool = False
+    succeeded: bool = False
+    corrupt: bool = False
+    #: where each handler is: the await it waits at (or last waited at)
+    at: dict[str, str] = field(default_factory=dict)
+
+
+async def decode_handler(pair: Pair, books: Books, run: Run) -> None:
+    """A decode request handler, written to the ownership rule: pages it never handed
+    over are its own to free; once handed to ``init`` they are the room's until Success is
+    delivered to it (then it frees them) or ``on_release`` runs."""
+    run.at["decode"] = "allocating"
+    pages = await books.dst.alloc(PAGES)
+    try:
+        aux = await books.aux.alloc(1)
+    except BaseException:
+        books.free(books.dst, pages, "decode handler, before init")
+        raise
+
+    def on_release() -> None:
+        books.free(books.dst, pages, "decode on_release")
+        books.free(books.aux, aux, "decode on_release (aux)")
+
+    async with pair.decode.receiver(run.room, bootstrap_url=pair.url, epoch=run.epoch) as rx:
+        run.receiver = rx
+        if run.orphaned:
+            rx.abort("test: the prefill handler never made its room")
+        rx.init(pages, int(aux[0]), on_release=on_release)
+        run.at["decode"] = "waiting"
+        if await rx.wait() is KVPoll.Success:
+            try:
+                run.succeeded = True
+                run.corrupt = not pair.verify(run.room, pages, int(aux[0]))
+                run.at["decode"] = "using the KV"
+                await trio.lowlevel.checkpoint()  # a cancel lands here too
+            finally:
+                books.free(books.dst, pages, "decode handler, after Success")
+                books.free(books.aux, aux, "decode handler, after Success (aux)")
+        else:
+            run.at["decode"] = "in the drain"
+            await rx.wait_released()
+
+
+async def prefill_handler(pair: Pair, books: Books, run: Run) -> None:
+    """A prefill request handler: the KV's pages are filled before the room exists (the
+    forward pass); from the sender's creation they come back through ``on_release``."""
+    run.at["prefill"] = "allocating"
+    src = await books.src.alloc(PAGES)
+    pair.src.fill(src, run.room)
+    aux_slot = run.k % pair.src.spec.aux_slots
+    pair.src.fill_aux(aux_slot, run.room)
+    async with pair.prefill.sender(
+        run.room, num_pages=PAGES, aux_slot=aux_slot, epoch=run.epoch,
+        on_release=lambda: books.free(books.src, src, "prefill on_release"),
+    ) as tx:
+        run.sender = tx
+        if run.orphaned:
+            tx.abort("test: the decode handler never made its room")
+        try:
+            tx.send(src[:1])
+            run.at["prefill"] = "between chunks"
+            await trio.lowlevel.checkpoint()
+            if run.story == "prefill gives up":
+                tx.abort("test: the prefill scheduler gives up")
+            tx.send(src[1:], last=True)
+        except AdmissionClosed:
+            pass  # the room failed meanwhile
+        run.at["prefill"] = "waiting"
+        await tx.wait()
+
+
+async def sweep_trio(
+    pair: Pair, victim: str, story: str,
+    handlers: dict[str, Callable[[Pair, Books, Run], Awaitable[None]]],
+) -> set[str]:
+    """Cancel ``victim``'s handler at step k = 1, 2, ... until a run ends uncancelled; after
+    each run, wait until every page is back. Returns the awaits the cancel landed at."""
+    books = Books.of(pair)
+    covered: set[str] = set()
+    for k in range(1, MAX_STEPS):
+        run = Run(k, (1 << 20) + k, story)
+        cancel, cancelled = await run_trio_once(pair, books, run, victim, handlers)
+        if cancelled:
+            covered.add(run.at.get(victim, "not started"))
+        with trio.move_on_after(BOUND):
+            await poll_until(lambda: books.outstanding == 0)
+        assert books.outstanding == 0 and books.errors == [], (
+            f"k={k}: {books.outstanding} page(s) not back, errors {books.errors}; "
+            f"decode {run.receiver and run.receiver.poll()!r}, "
+            f"prefill {run.sender and run.sender.poll()!r}, the cancel at {run.at}"
+        )
+        assert not run.corrupt, f"k={k}: a Success with the wrong bytes"
+        if not cancelled and not cancel.fired:  # the cancel came too late: every await tried
+            books.check_all_back()
+            return covered
+    raise AssertionError(f"no run ended uncancelled within {MAX_STEPS} steps")
+
+
+async def run_trio_once(
+    pair: Pair, books: Books, run: Run, victim: str,
+    handlers: dict[str, Callable[[Pair, Books, Run], Awaitable[None]]],
+) -> tuple[CancelAt, bool]:
+    """Both handlers of ``run``, ``victim``'s cancelled before step ``run.k``. Returns the
+    instrument and whether the cancel reached the victim."""
+    scopes = {side: trio.CancelScope() for side in handlers}
+
+    async def one(side: str) -> None:
+        with scopes[side]:
+            await handlers[side](pair, books, run)
+        if side == victim and (run.sender if side == "prefill" else run.receiver) is None:
+            run.orphaned = True  # (the router's abort of the room the peer holds)
+            peer = run.receiver if side == "prefill" else run.sender
+            if peer is not None:
+                peer.abort("test: the peer's handler never made its room")
+
+    cancel = CancelAt(run.k, scopes[victim].cancel)
+    trio.lowlevel.add_instrument(cancel)
+    try:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                for side in handlers:
+                    nursery.start_soon(one, side)
+    finally:
+        trio.lowlevel.remove_instrument(cancel)
+    return cancel, scopes[victim].cancelled_caught
+
+
+@pytest.mark.parametrize("free_at_first", [True, False])
+async def test_a_cancelled_alloc_takes_no_row(free_at_first: bool) -> None:
+    """``PageAllocator.alloc`` cancelled at any of its schedule points, with rows free at
+    once or only after another task frees them: the rows it took are exactly the rows it
+    returned. It used to take them and then checkpoint: a cancel there lost them."""
+    for k in range(1, 50):
+        if await alloc_once(k, free_at_first):
+            return
+    raise AssertionError("alloc never ran uncancelled")
+
+
+async def alloc_once(k: int, free_at_first: bool) -> bool:
+    """One ``alloc(2)`` of 4 rows, cancelled before step ``k``; True if it ran uncancelled."""
+    alloc = PageAllocator(np.zeros((4, 8), dtype=np.uint8), DEST_POISON)
+    held = None if free_at_first else alloc.alloc_nowait(4)
+    got: list[npt.NDArray[np.int64]] = []
+    scope = trio.CancelScope()
+
+    async def take() -> None:
+        with scope:
+            got.append(await alloc.alloc(2))
+
+    async def give_back() -> None:
+        await trio.lowlevel.checkpoint()
+        if held is not None:
+            alloc.free(held)
+
+    cancel = CancelAt(k, scope.cancel)
+    trio.lowlevel.add_instrument(cancel)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take)
+            nursery.start_soon(give_back)
+    finally:
+        trio.lowlevel.remove_instrument(cancel)
+    assert alloc.outstanding == sum(len(ids) for ids in got), f"k={k}: rows lost"
+    return not cancel.fired and not scope.cancelled_caught
+
+
+#: where the victim's cancel must have landed, by (victim, story)
+AWAITS = {
+    ("decode", "succeeds"): {"allocating", "waiting", "using the KV"},
+    ("decode", "prefill gives up"): {"allocating", "waiting", "in the drain"},
+    ("prefill", "succeeds"): {"allocating", "between chunks", "waiting"},
+    ("prefill", "prefill gives up"): {"allocating", "between chunks", "waiting"},
+}
+
+
+@pytest.mark.parametrize("story", ["succeeds", "prefill gives up"])
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+async def test_trio_a_cancel_at_every_schedule_point_loses_no_page(
+    engine_name: str, bootstrap_url: str, victim: str, story: str
+) -> None:
+    """The room's ``async with`` on the trio API: a cancel at any await of either side's
+    handler (allocating, waiting while the KV is written, using it after Success, waiting
+    for the drain after a failure) loses no page and frees none twice."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        handlers = {"decode": decode_handler, "prefill": prefill_handler}
+        covered = await sweep_trio(pair, victim, story, handlers)
+        assert covered == AWAITS[victim, story]
+        with trio.fail_after(BOUND):
+            await poll_until(lambda: pair.decode.statistics().pages_held == 0)
+        d = pair.decode.statistics()
+        assert d.rooms_unproven_at_close == d.released_by_timeout == 0
