@@ -220,6 +220,34 @@ def test_abort_from_asyncio() -> None:
     asyncio.run(scenario())
 
 
+def test_an_abort_from_asyncio_is_final_once_it_returns() -> None:
+    """The room has succeeded inside trio, unseen on the asyncio side, when the client goes
+    away: ``abort()`` decides there and then, although the agent acts on trio's next tick.
+    The room reads Failed from that call on, and its pages come back through ``on_release``,
+    once. Before, the abort only landed on trio's next tick, ``poll()`` said Success right
+    after it and Success stood: ``on_release`` never ran, and a handler that counted on it
+    lost the pages."""
+
+    async def scenario() -> None:
+        async with open_agents() as a:
+            released = asyncio.Event()
+            sender, receiver = await bound_room(a, 11, released)
+            await sender.send(np.arange(2), last=True)
+            async with asyncio.timeout(10):
+                await poll_until(lambda: a.decode.statistics().succeeded == 1)  # (unseen)
+            receiver.abort("the client went away")
+            assert receiver.poll() is KVPoll.Failed
+            assert isinstance(receiver.failure, TransferAborted)
+            async with asyncio.timeout(10):
+                await released.wait()
+                with pytest.raises(TransferAborted, match="the client went away"):
+                    await receiver.wait()
+            assert a.dst_pages.outstanding == 0 and a.dst_pages.late_writes == 0
+            assert a.decode.statistics().released_unclaimed == 1
+
+    asyncio.run(scenario())
+
+
 def test_cancelled_asyncio_task_awaiting_a_room_aborts_it() -> None:
     """A request handler awaiting ``receiver.wait()`` is cancelled: the room is aborted (not
     left open until its deadline), the prefill rank hears of it, and the pages come back

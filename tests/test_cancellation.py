@@ -12,9 +12,13 @@ Real engines (both), real ZeroMQ, the real bootstrap service.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -22,10 +26,19 @@ import pytest
 import trio
 import trio.lowlevel
 
-from trio_pd import AdmissionClosed, DecodeReceiver, KVPoll, PrefillSender
-from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostRows, PageAllocator, page_rows
+from trio_pd import AdmissionClosed, DecodeReceiver, KVPoll, PrefillSender, TransferError
+from trio_pd.aio import AioDecode, AioPrefill, AioReceiver, AioSender, TrioHost, open_trio_host
+from trio_pd.engines import make_engine
+from trio_pd.testing.pools import (
+    DEST_POISON,
+    SOURCE_POISON,
+    HostKVPool,
+    HostRows,
+    PageAllocator,
+    page_rows,
+)
 
-from .conftest import Pair, open_pair, poll_until
+from .conftest import Pair, host_pool, open_pair, poll_until, verify_room
 
 BOUND = 15.0
 #: a sweep that has not ended by then is itself a failure (the handlers take a few dozen)
@@ -62,11 +75,11 @@ class Books:
     errors: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, pair: Pair) -> Books:
+    def of(cls, src: HostKVPool, dst: HostKVPool) -> Books:
         return cls(
-            PageAllocator(page_rows(pair.src), SOURCE_POISON),
-            PageAllocator(page_rows(pair.dst), DEST_POISON),
-            PageAllocator(HostRows(pair.dst.aux), DEST_POISON),
+            PageAllocator(page_rows(src), SOURCE_POISON),
+            PageAllocator(page_rows(dst), DEST_POISON),
+            PageAllocator(HostRows(dst.aux), DEST_POISON),
         )
 
     def free(self, alloc: PageAllocator, ids: npt.NDArray[np.int64], who: str) -> None:
@@ -178,7 +191,7 @@ async def sweep_trio(
 ) -> set[str]:
     """Cancel ``victim``'s handler at step k = 1, 2, ... until a run ends uncancelled; after
     each run, wait until every page is back. Returns the awaits the cancel landed at."""
-    books = Books.of(pair)
+    books = Books.of(pair.src, pair.dst)
     covered: set[str] = set()
     for k in range(1, MAX_STEPS):
         run = Run(k, (1 << 20) + k, story)
@@ -292,3 +305,265 @@ async def test_trio_a_cancel_at_every_schedule_point_loses_no_page(
             await poll_until(lambda: pair.decode.statistics().pages_held == 0)
         d = pair.decode.statistics()
         assert d.rooms_unproven_at_close == d.released_by_timeout == 0
+
+
+# ------------------------------------------------------------------------ asyncio (trio_pd.aio)
+
+
+class Steps(trio.abc.Instrument):
+    """The schedule points of a run hosted in asyncio, on both loops: each trio task step
+    (this instrument, added to the guest run) and each suspension of the victim's
+    coroutine (:class:`Counted`). ``cancel()`` runs just before the ``k``-th."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.steps, self.fired = k, 0, False
+        self.cancel: Callable[[], object] = lambda: None
+
+    def tick(self) -> None:
+        self.steps += 1
+        if self.steps == self.k:
+            self.fired = True
+            self.cancel()
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.tick()
+
+
+class Counted:
+    """``await Counted(coro, steps)`` awaits ``coro``, ticking ``steps`` each time it
+    suspends (a cancel requested at that tick lands at that very await)."""
+
+    def __init__(self, coro: Coroutine[Any, Any, None], steps: Steps) -> None:
+        self._coro, self._steps = coro, steps
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        it = self._coro.__await__()
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                yielded = it.send(value) if error is None else it.throw(error)
+            except StopIteration:
+                return
+            self._steps.tick()
+            try:
+                value, error = (yield yielded), None
+            except BaseException as exc:  # (thrown in by the task: passed on to coro)
+                value, error = None, exc
+
+
+@dataclass
+class AioAgents:
+    host: TrioHost
+    url: str
+    prefill: AioPrefill
+    decode: AioDecode
+    src: HostKVPool
+    dst: HostKVPool
+
+
+@asynccontextmanager
+async def open_aio_agents(engine_name: str) -> AsyncIterator[AioAgents]:
+    src, dst = host_pool(), host_pool()
+    pe, de = make_engine(engine_name), make_engine(engine_name)
+    try:
+        async with (
+            open_trio_host() as host,
+            host.open_bootstrap_server() as boot,
+            host.open_prefill(engine=pe, pool=src.spec, bootstrap_url=boot.url) as prefill,
+            host.open_decode(engine=de, pool=dst.spec) as decode,
+        ):
+            yield AioAgents(host, boot.url, prefill, decode, src, dst)
+    finally:
+        pe.close()
+        de.close()
+
+
+async def decode_handler_aio(a: AioAgents, books: Books, run: AioRun) -> None:
+    """The decode handler of :func:`decode_handler`, on asyncio. ``init`` has run whenever
+    it returns or raises CancelledError: the pages are the room's from then on."""
+    run.at["decode"] = "allocating"
+    await asyncio.sleep(0)
+    pages, aux = books.dst.alloc_nowait(PAGES), books.aux.alloc_nowait(1)
+    assert pages is not None and aux is not None
+    handed = False
+
+    def on_release() -> None:
+        books.free(books.dst, pages, "decode on_release")
+        books.free(books.aux, aux, "decode on_release (aux)")
+
+    try:
+        run.at["decode"] = "making the room"
+        async with a.decode.receiver(run.room, bootstrap_url=a.url, epoch=run.epoch) as rx:
+            run.receiver = rx
+            if run.orphaned:
+                rx.abort("test: the prefill handler never made its room")
+            run.at["decode"] = "in init"
+            try:
+                await rx.init(pages, int(aux[0]), on_release=on_release)
+            except asyncio.CancelledError:
+                handed = True  # init ran whole before the cancel came out
+                raise
+            handed = True
+            run.at["decode"] = "waiting"
+            try:
+                await rx.wait()
+            except TransferError:
+                run.at["decode"] = "in the drain"
+                await rx.wait_released()
+                return
+            try:
+                run.succeeded = True
+                run.corrupt = not verify_room(a.src, a.dst, run.room, pages, int(aux[0]))
+                run.at["decode"] = "using the KV"
+                for _ in range(3):  # (tokens streamed to the client, say)
+                    await asyncio.sleep(0)
+            finally:
+                books.free(books.dst, pages, "decode handler, after Success")
+                books.free(books.aux, aux, "decode handler, after Success (aux)")
+    finally:
+        if not handed:
+            books.free(books.dst, pages, "decode handler, never handed over")
+            books.free(books.aux, aux, "decode handler, never handed over (aux)")
+
+
+async def prefill_handler_aio(a: AioAgents, books: Books, run: AioRun) -> None:
+    """The prefill handler of :func:`prefill_handler`, on asyncio: from the call to
+    ``sender()`` the pages are ``on_release``'s (a creation that is cancelled still creates
+    the sender, and aborts it)."""
+    run.at["prefill"] = "allocating"
+    await asyncio.sleep(0)
+    src = books.src.alloc_nowait(PAGES)
+    assert src is not None
+    a.src.fill(src, run.room)
+    aux_slot = run.k % a.src.spec.aux_slots
+    a.src.fill_aux(aux_slot, run.room)
+    run.at["prefill"] = "making the room"
+    async with a.prefill.sender(
+        run.room, num_pages=PAGES, aux_slot=aux_slot, epoch=run.epoch,
+        on_release=lambda: books.free(books.src, src, "prefill on_release"),
+    ) as tx:
+        run.sender = tx
+        if run.orphaned:
+            tx.abort("test: the decode handler never made its room")
+        try:
+            run.at["prefill"] = "sending"
+            await tx.send(src[:1])
+            run.at["prefill"] = "between chunks"
+            await asyncio.sleep(0)
+            if run.story == "prefill gives up":
+                tx.abort("test: the prefill scheduler gives up")
+            run.at["prefill"] = "sending"
+            await tx.send(src[1:], last=True)
+        except AdmissionClosed:
+            pass  # the room failed meanwhile
+        run.at["prefill"] = "waiting"
+        with contextlib.suppress(TransferError):
+            await tx.wait()
+
+
+@dataclass
+class AioRun(Run):
+    sender: AioSender | None = None  # type: ignore[assignment]
+    receiver: AioReceiver | None = None  # type: ignore[assignment]
+
+
+AioHandler = Callable[[AioAgents, Books, AioRun], Coroutine[Any, Any, None]]
+
+
+async def sweep_aio(a: AioAgents, victim: str, story: str) -> set[str]:
+    """:func:`sweep_trio` on asyncio: the victim is an asyncio task, cancelled at the
+    k-th schedule point of either loop."""
+    handlers: dict[str, AioHandler] = {"decode": decode_handler_aio,
+                                       "prefill": prefill_handler_aio}
+    books = Books.of(a.src, a.dst)
+    covered: set[str] = set()
+    for k in range(1, MAX_STEPS):
+        run = AioRun(k, (1 << 21) + k, story)
+        steps, cancelled = await run_aio_once(a, books, run, victim, handlers)
+        if cancelled:
+            covered.add(run.at.get(victim, "not started"))
+        async with asyncio.timeout(BOUND):
+            while books.outstanding:  # noqa: ASYNC110 - the allocators have no asyncio.Event
+                await asyncio.sleep(0.005)
+        assert books.errors == [], f"k={k}: {books.errors}"
+        assert not run.corrupt, f"k={k}: a Success with the wrong bytes"
+        if not cancelled and not steps.fired:
+            books.check_all_back()
+            return covered
+    raise AssertionError(f"no run ended uncancelled within {MAX_STEPS} steps")
+
+
+async def run_aio_once(
+    a: AioAgents, books: Books, run: AioRun, victim: str, handlers: dict[str, AioHandler]
+) -> tuple[Steps, bool]:
+    steps = Steps(run.k)
+    cancelled = False
+
+    async def the_victim() -> None:
+        nonlocal cancelled
+        task = asyncio.current_task()
+        assert task is not None
+        steps.cancel = task.cancel  # (from its first step: a cancel before it is no cancel)
+        try:
+            await Counted(handlers[victim](a, books, run), steps)
+        except asyncio.CancelledError:
+            cancelled = True
+        if (run.sender if victim == "prefill" else run.receiver) is None:
+            run.orphaned = True  # (the router's abort of the room the peer holds)
+            peer = run.receiver if victim == "prefill" else run.sender
+            if peer is not None:
+                peer.abort("test: the peer's handler never made its room")
+
+    await a.host.call(trio.lowlevel.add_instrument, steps)
+    try:
+        peer = "prefill" if victim == "decode" else "decode"
+        tasks = [
+            asyncio.create_task(the_victim()),
+            asyncio.create_task(handlers[peer](a, books, run)),
+        ]
+        done, _ = await asyncio.wait(tasks, timeout=BOUND)
+        assert len(done) == 2, f"k={run.k}: a handler hangs at {run.at}"
+        if tasks[0].cancelled():  # (cancelled as it returned: it ran uncancelled)
+            assert steps.fired
+        else:
+            tasks[0].result()
+        tasks[1].result()
+    finally:
+        await a.host.call(trio.lowlevel.remove_instrument, steps)
+    return steps, cancelled
+
+
+AIO_AWAITS = {
+    ("decode", "succeeds"): {"allocating", "making the room", "in init", "waiting",
+                             "using the KV"},
+    ("decode", "prefill gives up"): {"allocating", "making the room", "in init", "waiting",
+                                     "in the drain"},
+    ("prefill", "succeeds"): {"allocating", "making the room", "sending", "between chunks",
+                              "waiting"},
+    ("prefill", "prefill gives up"): {"allocating", "making the room", "sending",
+                                      "between chunks", "waiting"},
+}
+
+
+@pytest.mark.parametrize("story", ["succeeds", "prefill gives up"])
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_asyncio_a_cancel_at_every_schedule_point_loses_no_page(
+    engine_name: str, victim: str, story: str
+) -> None:
+    """The room's ``async with`` on ``trio_pd.aio``: a cancel at any schedule point of either
+    loop while one side's asyncio handler runs (allocating, making the room, in ``init``,
+    sending, waiting, using the KV, in the drain) loses no page and frees none twice."""
+
+    async def scenario() -> None:
+        async with open_aio_agents(engine_name) as a:
+            covered = await sweep_aio(a, victim, story)
+            print("AIO", victim, story, covered)
+            assert covered == AIO_AWAITS[victim, story]
+            async with asyncio.timeout(BOUND):
+                while a.decode.statistics().pages_held:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
+            d = a.decode.statistics()
+            assert d.rooms_unproven_at_close == d.released_by_timeout == 0
+
+    asyncio.run(scenario())
