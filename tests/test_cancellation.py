@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from trio_pd import AdmissionClosed, DecodeReceiver, KVPoll, PrefillSender, TransferError
+from trio_pd import AdmissionClosed, DecodeReceiver, KVPoll, PrefillSender, TransferError, sync
 from trio_pd.aio import AioDecode, AioPrefill, AioReceiver, AioSender, TrioHost, open_trio_host
 from trio_pd.engines import make_engine
 from trio_pd.testing.pools import (
@@ -39,6 +41,8 @@ from trio_pd.testing.pools import (
 )
 
 from .conftest import Pair, host_pool, open_pair, poll_until, verify_room
+from .test_sync import Agents as SyncAgents
+from .test_sync import agents as sync_agents
 
 BOUND = 15.0
 #: a sweep that has not ended by then is itself a failure (the handlers take a few dozen)
@@ -73,6 +77,12 @@ class Books:
     dst: PageAllocator
     aux: PageAllocator
     errors: list[str] = field(default_factory=list)
+    #: threads: the rows each room handed over, for whoever frees what pop_released returns
+    given: dict[int, list[tuple[PageAllocator, npt.NDArray[np.int64]]]] = field(
+        default_factory=dict)
+    src_given: dict[int, npt.NDArray[np.int64]] = field(default_factory=dict)
+    #: threads: the allocators are not thread-safe
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def of(cls, src: HostKVPool, dst: HostKVPool) -> Books:
@@ -83,10 +93,17 @@ class Books:
         )
 
     def free(self, alloc: PageAllocator, ids: npt.NDArray[np.int64], who: str) -> None:
-        try:
-            alloc.free(ids)
-        except RuntimeError as exc:
-            self.errors.append(f"{who}: {exc}")
+        with self.lock:
+            try:
+                alloc.free(ids)
+            except RuntimeError as exc:
+                self.errors.append(f"{who}: {exc}")
+
+    def alloc(self, alloc: PageAllocator, n: int) -> npt.NDArray[np.int64]:
+        with self.lock:
+            ids = alloc.alloc_nowait(n)
+        assert ids is not None
+        return ids
 
     @property
     def outstanding(self) -> int:
@@ -567,3 +584,246 @@ def test_asyncio_a_cancel_at_every_schedule_point_loses_no_page(
             assert d.rooms_unproven_at_close == d.released_by_timeout == 0
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------ threads (trio_pd.sync)
+
+
+class ClientGone(Exception):
+    """A thread's "cancel": the handler gives the request up at its next step."""
+
+
+class ThreadSteps(trio.abc.Instrument):
+    """Where a handler thread gives up. Two counts, one per sweep (``mode``): ``"own"``, the
+    victim's own steps (:meth:`point`; a wait loop is one step), so that it gives up at
+    each of them in turn; ``"trio"``, the task steps of the facades' trio thread (this
+    instrument), so that it gives up wherever the trio thread is at that moment (a STATUS
+    just handled, a release just published...). From the ``k``-th on, the victim's next
+    :meth:`point` or :meth:`check` raises :class:`ClientGone`."""
+
+    def __init__(self, k: int, victim: str, mode: str) -> None:
+        self.k, self.victim, self.mode, self.steps = k, victim, mode, 0
+        self.fired = False
+        self._lock = threading.Lock()
+
+    def _tick(self) -> None:
+        with self._lock:
+            self.steps += 1
+            if self.steps >= self.k:
+                self.fired = True
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self.mode == "trio":
+            self._tick()
+
+    def point(self, run: ThreadRun, side: str, where: str) -> None:
+        """A step of a handler thread at ``where``."""
+        run.at[side] = where
+        if side == self.victim and self.mode == "own":
+            self._tick()
+        self.check(side)
+
+    def check(self, side: str) -> None:
+        """A look, within a step, at whether the client has gone."""
+        if side == self.victim and self.fired:
+            raise ClientGone(side)
+
+
+@dataclass
+class ThreadRun(Run):
+    sender: sync.SyncSender | None = None  # type: ignore[assignment]
+    receiver: sync.SyncReceiver | None = None  # type: ignore[assignment]
+    #: set once the room's pages came out of pop_released (and were freed)
+    dst_back: threading.Event = field(default_factory=threading.Event)
+
+
+def wait_for(
+    pred: Callable[[], bool], steps: ThreadSteps, run: ThreadRun, side: str, where: str
+) -> None:
+    """A scheduler's wait for ``pred``: one step at ``where``, then a look at the client
+    before each poll; AssertionError after BOUND."""
+    steps.point(run, side, where)
+    deadline = time.monotonic() + BOUND
+    while not pred():
+        assert time.monotonic() < deadline, "a handler thread waited too long"
+        time.sleep(0.001)
+        steps.check(side)
+
+
+def decode_handler_thread(a: SyncAgents, books: Books, run: ThreadRun, steps: ThreadSteps) -> None:
+    """The decode handler on a thread of its own, with the facade's ``with receiver:``
+    block: the pages are the handler's once ``poll()`` returned Success, else they come out
+    of ``pop_released`` (freed by the collector)."""
+    steps.point(run, "decode", "allocating")
+    pages, aux = books.alloc(books.dst, PAGES), books.alloc(books.aux, 1)
+    handed = False
+    try:
+        steps.point(run, "decode", "making the room")
+        with a.decode.receiver(run.room, bootstrap_url=a.boot.url, epoch=run.epoch) as rx:
+            run.receiver = rx
+            if run.orphaned:
+                rx.abort("test: the prefill handler never made its room")
+            steps.point(run, "decode", "before init")
+            books.given[run.room] = [(books.dst, pages), (books.aux, aux)]
+            rx.init(pages, int(aux[0]))
+            handed = True
+            wait_for(lambda: rx.poll() in (KVPoll.Success, KVPoll.Failed),
+                     steps, run, "decode", "waiting")
+            if rx.poll() is KVPoll.Failed:
+                wait_for(run.dst_back.is_set, steps, run, "decode", "in the drain")
+                return
+            del books.given[run.room]  # the collector must not free them: they are ours
+            try:
+                run.succeeded = True
+                run.corrupt = not verify_room(a.src, a.dst, run.room, pages, int(aux[0]))
+                steps.point(run, "decode", "using the KV")
+            finally:
+                books.free(books.dst, pages, "decode handler, after Success")
+                books.free(books.aux, aux, "decode handler, after Success (aux)")
+    finally:
+        if not handed:
+            books.given.pop(run.room, None)
+            books.free(books.dst, pages, "decode handler, never handed over")
+            books.free(books.aux, aux, "decode handler, never handed over (aux)")
+
+
+def prefill_handler_thread(
+    a: SyncAgents, books: Books, run: ThreadRun, steps: ThreadSteps
+) -> None:
+    """The prefill handler on a thread, with ``with sender:``: from ``init`` the source
+    pages come out of ``pop_released`` whatever the outcome."""
+    steps.point(run, "prefill", "allocating")
+    src = books.alloc(books.src, PAGES)
+    a.src.fill(src, run.room)
+    aux_slot = run.k % a.src.spec.aux_slots
+    a.src.fill_aux(aux_slot, run.room)
+    handed = False
+    try:
+        steps.point(run, "prefill", "making the room")
+        with a.prefill.sender(run.room, epoch=run.epoch) as tx:
+            books.src_given[run.room] = src
+            tx.init(PAGES, aux_slot)
+            handed = True
+            run.sender = tx
+            if run.orphaned:
+                tx.abort("test: the decode handler never made its room")
+            steps.point(run, "prefill", "sending")
+            tx.send(src[:1])
+            steps.point(run, "prefill", "between chunks")
+            if run.story == "prefill gives up":
+                tx.abort("test: the prefill scheduler gives up")
+            tx.send(src[1:], last=True)
+            wait_for(lambda: tx.poll() in (KVPoll.Success, KVPoll.Failed),
+                     steps, run, "prefill", "waiting")
+    finally:
+        if not handed:
+            books.src_given.pop(run.room, None)
+            books.free(books.src, src, "prefill handler, never handed over")
+
+
+ThreadHandler = Callable[[SyncAgents, Books, ThreadRun, ThreadSteps], None]
+
+
+def collect(a: SyncAgents, books: Books, runs: dict[int, ThreadRun]) -> None:
+    """The schedulers' own step: free what ``pop_released`` hands back."""
+    for room in a.prefill.pop_released():
+        books.free(books.src, books.src_given.pop(room), "prefill pop_released")
+    for room in a.decode.pop_released():
+        for alloc, ids in books.given.pop(room):
+            books.free(alloc, ids, "decode pop_released")
+        runs[room].dst_back.set()
+
+
+def run_threads_once(
+    a: SyncAgents, books: Books, run: ThreadRun, victim: str, mode: str,
+    handlers: dict[str, ThreadHandler], runs: dict[int, ThreadRun],
+) -> tuple[ThreadSteps, bool]:
+    steps = ThreadSteps(run.k, victim, mode)
+    gone: list[ClientGone] = []
+    errors: list[BaseException] = []
+
+    def one(side: str) -> None:
+        try:
+            handlers[side](a, books, run, steps)
+        except ClientGone as exc:
+            gone.append(exc)
+        except BaseException as exc:
+            errors.append(exc)
+        if side == victim and (run.sender if side == "prefill" else run.receiver) is None:
+            run.orphaned = True  # (the router's abort of the room the peer holds)
+            peer = run.receiver if side == "prefill" else run.sender
+            if peer is not None:
+                peer.abort("test: the peer's handler never made its room")
+
+    a.prefill.thread.call(trio.lowlevel.add_instrument, steps)
+    try:
+        threads = [threading.Thread(target=one, args=(side,)) for side in handlers]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            collect(a, books, runs)
+            time.sleep(0.001)
+        for t in threads:
+            t.join()
+    finally:
+        a.prefill.thread.call(trio.lowlevel.remove_instrument, steps)
+    assert errors == [], errors
+    return steps, bool(gone)
+
+
+def sweep_threads(a: SyncAgents, victim: str, story: str, mode: str, base: int) -> set[str]:
+    handlers: dict[str, ThreadHandler] = {"decode": decode_handler_thread,
+                                          "prefill": prefill_handler_thread}
+    books = Books.of(a.src, a.dst)
+    covered: set[str] = set()
+    runs: dict[int, ThreadRun] = {}
+    for k in range(1, MAX_STEPS):
+        run = runs[base + k] = ThreadRun(k, base + k, story)
+        steps, gave_up = run_threads_once(a, books, run, victim, mode, handlers, runs)
+        if gave_up:
+            covered.add(run.at[victim])
+        deadline = time.monotonic() + BOUND
+        while books.outstanding and time.monotonic() < deadline:
+            collect(a, books, runs)
+            time.sleep(0.002)
+        assert books.outstanding == 0 and books.errors == [], (
+            f"k={k} ({mode}): {books.outstanding} page(s) not back, errors {books.errors}; "
+            f"decode {run.receiver and run.receiver.poll()!r}, "
+            f"prefill {run.sender and run.sender.poll()!r}, given up at {run.at}"
+        )
+        assert not run.corrupt, f"k={k}: a Success with the wrong bytes"
+        if not gave_up and not steps.fired:
+            books.check_all_back()
+            return covered
+    raise AssertionError(f"no run ended uncancelled within {MAX_STEPS} steps")
+
+
+THREAD_AWAITS = {
+    ("decode", "succeeds"): {"allocating", "making the room", "before init", "waiting",
+                             "using the KV"},
+    ("decode", "prefill gives up"): {"allocating", "making the room", "before init",
+                                     "waiting", "in the drain"},
+    ("prefill", "succeeds"): {"allocating", "making the room", "sending", "between chunks",
+                              "waiting"},
+    ("prefill", "prefill gives up"): {"allocating", "making the room", "sending",
+                                      "between chunks", "waiting"},
+}
+
+
+@pytest.mark.parametrize("story", ["succeeds", "prefill gives up"])
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_threads_a_handler_giving_up_at_every_step_loses_no_page(
+    engine_name: str, victim: str, story: str
+) -> None:
+    """The facade's ``with receiver:`` / ``with sender:`` from a handler thread that gives
+    the request up (an exception) at its own k-th step, then at the trio thread's k-th task
+    step, k = 1, 2, ...: every page comes back exactly once, to the handler (a Success
+    ``poll()`` returned) or through ``pop_released``."""
+    with sync_agents(engine_name, shared=True, num_pages=64, aux_slots=32) as a:
+        own = sweep_threads(a, victim, story, "own", 1 << 22)
+        assert own == THREAD_AWAITS[victim, story]
+        raced = sweep_threads(a, victim, story, "trio", 1 << 23)
+        print("THREADS", victim, story, raced)
+        assert raced <= THREAD_AWAITS[victim, story]
+        d = a.decode.statistics()
+        assert d.pages_held == d.rooms_unproven_at_close == d.released_by_timeout == 0
