@@ -554,7 +554,7 @@ def test_an_abort_is_final_once_it_returns() -> None:
     once. Before, Success stood (``poll()`` said Success after the abort) and the room never
     came out of ``pop_released()``: a scheduler that counted on it lost the pages. After
     ``poll()`` has returned Success, ``abort()`` does nothing: the pages are the
-    scheduler's."""
+    scheduler's; nor once the trio thread has ended (nobody could hand them back)."""
     with agents() as a:
         _, receiver = one_room(a, 21)
         poll_until(lambda: receiver._final is not None)  # published; poll() not yet called
@@ -573,6 +573,13 @@ def test_an_abort_is_final_once_it_returns() -> None:
         assert receiver.poll() is KVPoll.Success and receiver.failure is None
         assert a.decode.statistics().released_unclaimed == 1  # (after a hop: nothing came)
         assert a.decode.pop_released() == []
+
+        _, receiver = one_room(a, 23)
+        poll_until(lambda: receiver._final is not None)  # published, unseen
+        a.decode.close()
+        a.decode.thread.close()
+        receiver.abort()  # nobody is left to hand the pages back: it changes nothing
+        assert receiver.poll() is KVPoll.Success and a.decode.pop_released() == []
 
 
 def test_decode_pages_come_back_only_after_the_drain() -> None:

@@ -510,12 +510,7 @@ class _Handle:
         thread. Raises nothing (after the facade closed it does nothing: closing failed
         every open room).
         """
-        if self._withdraw(reason):
-            self._facade._thread.post(self._facade._abort, self, reason)
-
-    def _withdraw(self, reason: str) -> bool:
-        """The caller's side of :meth:`abort`: False if there is nothing to abort."""
-        return True
+        self._facade._thread.post(self._facade._abort, self, reason)
 
     def _leave(self, why: str) -> None:  # pragma: no cover - every user defines it
         raise NotImplementedError
@@ -707,18 +702,17 @@ class SyncReceiver(_Handle):
         drain, or at once if it had succeeded without :meth:`poll` saying so.
 
         Any thread, the trio thread included; never blocks (the rest is posted to the trio
-        thread). Raises nothing. Idempotent.
+        thread). Raises nothing. Idempotent. Once the trio thread has ended it changes
+        nothing: what the room published stands.
         """
-        super().abort(reason)
-
-    def _withdraw(self, reason: str) -> bool:
         with self._final_lock:
             if self._delivered:
-                return False
-            final = self._final
-            if final is None or final[0] is KVPoll.Success:
+                return
+            before = self._final
+            if before is None or before[0] is KVPoll.Success:
                 self._final = (KVPoll.Failed, TransferAborted(reason))
-        return True
+            if not self._facade._thread.post(self._facade._abort, self, reason):
+                self._final = before  # nobody is left to hand the pages back: nothing changes
 
     def _leave(self, why: str) -> None:
         if not self._delivered:
