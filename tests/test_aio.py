@@ -88,12 +88,14 @@ class Agents:
 
 
 @asynccontextmanager
-async def open_agents(ticker: Ticker | None = None) -> AsyncIterator[Agents]:
+async def open_agents(
+    ticker: Ticker | None = None, engine_name: str = "mooncake"
+) -> AsyncIterator[Agents]:
     """A host with a bootstrap service, a prefill and a decode agent. ``ticker`` runs from
     just before the host starts until it has closed (the engines are made and closed,
     synchronously, outside that window)."""
     src, dst = _pool(), _pool()
-    pe, de = make_engine("mooncake"), make_engine("mooncake")
+    pe, de = make_engine(engine_name), make_engine(engine_name)
     if ticker is not None:
         ticker.start()
         await asyncio.sleep(0)  # (it has started)

@@ -17,8 +17,7 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +28,7 @@ import trio
 import trio.lowlevel
 
 from trio_pd import AdmissionClosed, DecodeReceiver, KVPoll, PrefillSender, TransferError, sync
-from trio_pd.aio import AioDecode, AioPrefill, AioReceiver, AioSender, TrioHost, open_trio_host
-from trio_pd.engines import make_engine
+from trio_pd.aio import AioReceiver, AioSender
 from trio_pd.testing.pools import (
     DEST_POISON,
     SOURCE_POISON,
@@ -40,7 +38,9 @@ from trio_pd.testing.pools import (
     page_rows,
 )
 
-from .conftest import Pair, host_pool, open_pair, poll_until, verify_room
+from .conftest import Pair, open_pair, poll_until, verify_room
+from .test_aio import Agents as AioAgents
+from .test_aio import open_agents as open_aio_agents
 from .test_sync import Agents as SyncAgents
 from .test_sync import agents as sync_agents
 
@@ -109,6 +109,15 @@ class Books:
     def outstanding(self) -> int:
         return self.src.outstanding + self.dst.outstanding + self.aux.outstanding
 
+    def check_run(self, run: Run, where: str) -> None:
+        """After one run (``where`` names it): nothing outstanding, nothing freed twice,
+        no Success with the wrong bytes."""
+        assert self.outstanding == 0 and self.errors == [], (
+            f"{where}: {self.outstanding} page(s) not back, errors {self.errors}; "
+            f"the handlers were at {run.at}"
+        )
+        assert not run.corrupt, f"{where}: a Success with the wrong bytes"
+
     def check_all_back(self) -> None:
         assert self.errors == []
         assert self.outstanding == 0
@@ -137,6 +146,25 @@ class Run:
     #: where each handler is: the await it waits at (or last waited at)
     at: dict[str, str] = field(default_factory=dict)
 
+    def holds(self, side: str, handle: Any) -> None:
+        """``side``'s handler made its room's handle (aborted at once if its peer never
+        will make one)."""
+        if side == "prefill":
+            self.sender = handle
+        else:
+            self.receiver = handle
+        if self.orphaned:
+            handle.abort(f"test: the {side}'s peer never made its room")
+
+    def ended(self, side: str) -> None:
+        """``side``'s handler has ended. If it never made its room, the peer would wait for
+        it until a deadline: the router aborts the peer's room instead."""
+        if (self.sender if side == "prefill" else self.receiver) is None:
+            self.orphaned = True
+            peer = self.receiver if side == "prefill" else self.sender
+            if peer is not None:
+                peer.abort(f"test: the {side} handler never made its room")
+
 
 async def decode_handler(pair: Pair, books: Books, run: Run) -> None:
     """A decode request handler, written to the ownership rule: pages it never handed
@@ -155,9 +183,7 @@ async def decode_handler(pair: Pair, books: Books, run: Run) -> None:
         books.free(books.aux, aux, "decode on_release (aux)")
 
     async with pair.decode.receiver(run.room, bootstrap_url=pair.url, epoch=run.epoch) as rx:
-        run.receiver = rx
-        if run.orphaned:
-            rx.abort("test: the prefill handler never made its room")
+        run.holds("decode", rx)
         rx.init(pages, int(aux[0]), on_release=on_release)
         run.at["decode"] = "waiting"
         if await rx.wait() is KVPoll.Success:
@@ -174,21 +200,25 @@ async def decode_handler(pair: Pair, books: Books, run: Run) -> None:
             await rx.wait_released()
 
 
+def forward_pass(pool: HostKVPool, src: npt.NDArray[np.int64], run: Run) -> int:
+    """Write the request's KV into ``src`` and its aux row; returns the aux slot."""
+    pool.fill(src, run.room)
+    aux_slot = run.k % pool.spec.aux_slots
+    pool.fill_aux(aux_slot, run.room)
+    return aux_slot
+
+
 async def prefill_handler(pair: Pair, books: Books, run: Run) -> None:
     """A prefill request handler: the KV's pages are filled before the room exists (the
     forward pass); from the sender's creation they come back through ``on_release``."""
     run.at["prefill"] = "allocating"
     src = await books.src.alloc(PAGES)
-    pair.src.fill(src, run.room)
-    aux_slot = run.k % pair.src.spec.aux_slots
-    pair.src.fill_aux(aux_slot, run.room)
+    aux_slot = forward_pass(pair.src, src, run)
     async with pair.prefill.sender(
         run.room, num_pages=PAGES, aux_slot=aux_slot, epoch=run.epoch,
         on_release=lambda: books.free(books.src, src, "prefill on_release"),
     ) as tx:
-        run.sender = tx
-        if run.orphaned:
-            tx.abort("test: the decode handler never made its room")
+        run.holds("prefill", tx)
         try:
             tx.send(src[:1])
             run.at["prefill"] = "between chunks"
@@ -217,12 +247,7 @@ async def sweep_trio(
             covered.add(run.at.get(victim, "not started"))
         with trio.move_on_after(BOUND):
             await poll_until(lambda: books.outstanding == 0)
-        assert books.outstanding == 0 and books.errors == [], (
-            f"k={k}: {books.outstanding} page(s) not back, errors {books.errors}; "
-            f"decode {run.receiver and run.receiver.poll()!r}, "
-            f"prefill {run.sender and run.sender.poll()!r}, the cancel at {run.at}"
-        )
-        assert not run.corrupt, f"k={k}: a Success with the wrong bytes"
+        books.check_run(run, f"k={k}")
         if not cancelled and not cancel.fired:  # the cancel came too late: every await tried
             books.check_all_back()
             return covered
@@ -240,11 +265,8 @@ async def run_trio_once(
     async def one(side: str) -> None:
         with scopes[side]:
             await handlers[side](pair, books, run)
-        if side == victim and (run.sender if side == "prefill" else run.receiver) is None:
-            run.orphaned = True  # (the router's abort of the room the peer holds)
-            peer = run.receiver if side == "prefill" else run.sender
-            if peer is not None:
-                peer.abort("test: the peer's handler never made its room")
+        if side == victim:
+            run.ended(side)
 
     cancel = CancelAt(run.k, scopes[victim].cancel)
     trio.lowlevel.add_instrument(cancel)
@@ -297,12 +319,19 @@ async def alloc_once(k: int, free_at_first: bool) -> bool:
     return not cancel.fired and not scope.cancelled_caught
 
 
-#: where the victim's cancel must have landed, by (victim, story)
+#: where the victim's cancel must have landed, by (victim, story): the awaits of every host
 AWAITS = {
     ("decode", "succeeds"): {"allocating", "waiting", "using the KV"},
     ("decode", "prefill gives up"): {"allocating", "waiting", "in the drain"},
     ("prefill", "succeeds"): {"allocating", "between chunks", "waiting"},
     ("prefill", "prefill gives up"): {"allocating", "between chunks", "waiting"},
+}
+#: and the steps the other hosts add, where the trio API makes a plain call
+MORE_AWAITS = {
+    ("asyncio", "decode"): {"making the room", "in init"},
+    ("asyncio", "prefill"): {"making the room", "sending"},
+    ("threads", "decode"): {"making the room", "before init"},
+    ("threads", "prefill"): {"making the room", "sending"},
 }
 
 
@@ -369,40 +398,12 @@ class Counted:
                 value, error = None, exc
 
 
-@dataclass
-class AioAgents:
-    host: TrioHost
-    url: str
-    prefill: AioPrefill
-    decode: AioDecode
-    src: HostKVPool
-    dst: HostKVPool
-
-
-@asynccontextmanager
-async def open_aio_agents(engine_name: str) -> AsyncIterator[AioAgents]:
-    src, dst = host_pool(), host_pool()
-    pe, de = make_engine(engine_name), make_engine(engine_name)
-    try:
-        async with (
-            open_trio_host() as host,
-            host.open_bootstrap_server() as boot,
-            host.open_prefill(engine=pe, pool=src.spec, bootstrap_url=boot.url) as prefill,
-            host.open_decode(engine=de, pool=dst.spec) as decode,
-        ):
-            yield AioAgents(host, boot.url, prefill, decode, src, dst)
-    finally:
-        pe.close()
-        de.close()
-
-
 async def decode_handler_aio(a: AioAgents, books: Books, run: AioRun) -> None:
     """The decode handler of :func:`decode_handler`, on asyncio. ``init`` has run whenever
     it returns or raises CancelledError: the pages are the room's from then on."""
     run.at["decode"] = "allocating"
     await asyncio.sleep(0)
-    pages, aux = books.dst.alloc_nowait(PAGES), books.aux.alloc_nowait(1)
-    assert pages is not None and aux is not None
+    pages, aux = books.alloc(books.dst, PAGES), books.alloc(books.aux, 1)
     handed = False
 
     def on_release() -> None:
@@ -412,9 +413,7 @@ async def decode_handler_aio(a: AioAgents, books: Books, run: AioRun) -> None:
     try:
         run.at["decode"] = "making the room"
         async with a.decode.receiver(run.room, bootstrap_url=a.url, epoch=run.epoch) as rx:
-            run.receiver = rx
-            if run.orphaned:
-                rx.abort("test: the prefill handler never made its room")
+            run.holds("decode", rx)
             run.at["decode"] = "in init"
             try:
                 await rx.init(pages, int(aux[0]), on_release=on_release)
@@ -450,19 +449,14 @@ async def prefill_handler_aio(a: AioAgents, books: Books, run: AioRun) -> None:
     the sender, and aborts it)."""
     run.at["prefill"] = "allocating"
     await asyncio.sleep(0)
-    src = books.src.alloc_nowait(PAGES)
-    assert src is not None
-    a.src.fill(src, run.room)
-    aux_slot = run.k % a.src.spec.aux_slots
-    a.src.fill_aux(aux_slot, run.room)
+    src = books.alloc(books.src, PAGES)
+    aux_slot = forward_pass(a.src, src, run)
     run.at["prefill"] = "making the room"
     async with a.prefill.sender(
         run.room, num_pages=PAGES, aux_slot=aux_slot, epoch=run.epoch,
         on_release=lambda: books.free(books.src, src, "prefill on_release"),
     ) as tx:
-        run.sender = tx
-        if run.orphaned:
-            tx.abort("test: the decode handler never made its room")
+        run.holds("prefill", tx)
         try:
             run.at["prefill"] = "sending"
             await tx.send(src[:1])
@@ -503,8 +497,7 @@ async def sweep_aio(a: AioAgents, victim: str, story: str) -> set[str]:
         async with asyncio.timeout(BOUND):
             while books.outstanding:  # noqa: ASYNC110 - the allocators have no asyncio.Event
                 await asyncio.sleep(0.005)
-        assert books.errors == [], f"k={k}: {books.errors}"
-        assert not run.corrupt, f"k={k}: a Success with the wrong bytes"
+        books.check_run(run, f"k={k}")
         if not cancelled and not steps.fired:
             books.check_all_back()
             return covered
@@ -526,11 +519,7 @@ async def run_aio_once(
             await Counted(handlers[victim](a, books, run), steps)
         except asyncio.CancelledError:
             cancelled = True
-        if (run.sender if victim == "prefill" else run.receiver) is None:
-            run.orphaned = True  # (the router's abort of the room the peer holds)
-            peer = run.receiver if victim == "prefill" else run.sender
-            if peer is not None:
-                peer.abort("test: the peer's handler never made its room")
+        run.ended(victim)
 
     await a.host.call(trio.lowlevel.add_instrument, steps)
     try:
@@ -551,18 +540,6 @@ async def run_aio_once(
     return steps, cancelled
 
 
-AIO_AWAITS = {
-    ("decode", "succeeds"): {"allocating", "making the room", "in init", "waiting",
-                             "using the KV"},
-    ("decode", "prefill gives up"): {"allocating", "making the room", "in init", "waiting",
-                                     "in the drain"},
-    ("prefill", "succeeds"): {"allocating", "making the room", "sending", "between chunks",
-                              "waiting"},
-    ("prefill", "prefill gives up"): {"allocating", "making the room", "sending",
-                                      "between chunks", "waiting"},
-}
-
-
 @pytest.mark.parametrize("story", ["succeeds", "prefill gives up"])
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
 def test_asyncio_a_cancel_at_every_schedule_point_loses_no_page(
@@ -573,10 +550,9 @@ def test_asyncio_a_cancel_at_every_schedule_point_loses_no_page(
     sending, waiting, using the KV, in the drain) loses no page and frees none twice."""
 
     async def scenario() -> None:
-        async with open_aio_agents(engine_name) as a:
+        async with open_aio_agents(engine_name=engine_name) as a:
             covered = await sweep_aio(a, victim, story)
-            print("AIO", victim, story, covered)
-            assert covered == AIO_AWAITS[victim, story]
+            assert covered == AWAITS[victim, story] | MORE_AWAITS["asyncio", victim]
             async with asyncio.timeout(BOUND):
                 while a.decode.statistics().pages_held:  # noqa: ASYNC110
                     await asyncio.sleep(0.005)
@@ -660,9 +636,7 @@ def decode_handler_thread(a: SyncAgents, books: Books, run: ThreadRun, steps: Th
     try:
         steps.point(run, "decode", "making the room")
         with a.decode.receiver(run.room, bootstrap_url=a.boot.url, epoch=run.epoch) as rx:
-            run.receiver = rx
-            if run.orphaned:
-                rx.abort("test: the prefill handler never made its room")
+            run.holds("decode", rx)
             steps.point(run, "decode", "before init")
             books.given[run.room] = [(books.dst, pages), (books.aux, aux)]
             rx.init(pages, int(aux[0]))
@@ -694,9 +668,7 @@ def prefill_handler_thread(
     pages come out of ``pop_released`` whatever the outcome."""
     steps.point(run, "prefill", "allocating")
     src = books.alloc(books.src, PAGES)
-    a.src.fill(src, run.room)
-    aux_slot = run.k % a.src.spec.aux_slots
-    a.src.fill_aux(aux_slot, run.room)
+    aux_slot = forward_pass(a.src, src, run)
     handed = False
     try:
         steps.point(run, "prefill", "making the room")
@@ -704,9 +676,7 @@ def prefill_handler_thread(
             books.src_given[run.room] = src
             tx.init(PAGES, aux_slot)
             handed = True
-            run.sender = tx
-            if run.orphaned:
-                tx.abort("test: the decode handler never made its room")
+            run.holds("prefill", tx)
             steps.point(run, "prefill", "sending")
             tx.send(src[:1])
             steps.point(run, "prefill", "between chunks")
@@ -749,11 +719,8 @@ def run_threads_once(
             gone.append(exc)
         except BaseException as exc:
             errors.append(exc)
-        if side == victim and (run.sender if side == "prefill" else run.receiver) is None:
-            run.orphaned = True  # (the router's abort of the room the peer holds)
-            peer = run.receiver if side == "prefill" else run.sender
-            if peer is not None:
-                peer.abort("test: the peer's handler never made its room")
+        if side == victim:
+            run.ended(side)
 
     a.prefill.thread.call(trio.lowlevel.add_instrument, steps)
     try:
@@ -786,28 +753,11 @@ def sweep_threads(a: SyncAgents, victim: str, story: str, mode: str, base: int) 
         while books.outstanding and time.monotonic() < deadline:
             collect(a, books, runs)
             time.sleep(0.002)
-        assert books.outstanding == 0 and books.errors == [], (
-            f"k={k} ({mode}): {books.outstanding} page(s) not back, errors {books.errors}; "
-            f"decode {run.receiver and run.receiver.poll()!r}, "
-            f"prefill {run.sender and run.sender.poll()!r}, given up at {run.at}"
-        )
-        assert not run.corrupt, f"k={k}: a Success with the wrong bytes"
+        books.check_run(run, f"k={k} ({mode})")
         if not gave_up and not steps.fired:
             books.check_all_back()
             return covered
     raise AssertionError(f"no run ended uncancelled within {MAX_STEPS} steps")
-
-
-THREAD_AWAITS = {
-    ("decode", "succeeds"): {"allocating", "making the room", "before init", "waiting",
-                             "using the KV"},
-    ("decode", "prefill gives up"): {"allocating", "making the room", "before init",
-                                     "waiting", "in the drain"},
-    ("prefill", "succeeds"): {"allocating", "making the room", "sending", "between chunks",
-                              "waiting"},
-    ("prefill", "prefill gives up"): {"allocating", "making the room", "sending",
-                                      "between chunks", "waiting"},
-}
 
 
 @pytest.mark.parametrize("story", ["succeeds", "prefill gives up"])
@@ -821,9 +771,9 @@ def test_threads_a_handler_giving_up_at_every_step_loses_no_page(
     ``poll()`` returned) or through ``pop_released``."""
     with sync_agents(engine_name, shared=True, num_pages=64, aux_slots=32) as a:
         own = sweep_threads(a, victim, story, "own", 1 << 22)
-        assert own == THREAD_AWAITS[victim, story]
+        expected = AWAITS[victim, story] | MORE_AWAITS["threads", victim]
+        assert own == expected
         raced = sweep_threads(a, victim, story, "trio", 1 << 23)
-        print("THREADS", victim, story, raced)
-        assert raced <= THREAD_AWAITS[victim, story]
+        assert raced <= expected
         d = a.decode.statistics()
         assert d.pages_held == d.rooms_unproven_at_close == d.released_by_timeout == 0

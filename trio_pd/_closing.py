@@ -1,11 +1,11 @@
-"""Two context-manager shapes that many trio_pd objects share, written once.
+"""The context-manager shapes that many trio_pd objects share, written once.
 
 :class:`ClosesOnExit`: ``with obj:`` calls ``obj.close()`` when the block ends, however it ends
 (engines, the thread facade's agents and threads, device pools).
 
 :class:`AbortsOnExit`: ``async with handle:`` gives the room of a sender or receiver up when
 the block ends, so that a request handler that is cancelled or raises leaves no room open and
-no page behind.
+no page behind; :class:`LeavesOnExit` is the same for ``with handle:`` (the thread facade).
 
 Pure standard library: the engines import the first, which must not pull trio in.
 """
@@ -16,13 +16,20 @@ from types import TracebackType
 from typing import Self
 
 
-class ClosesOnExit:
-    """Mixin: leaving ``with obj:`` runs ``obj.close()``, whatever ended the block; the
-    block's exception, if any, propagates."""
+def how_ended(exc_type: type[BaseException] | None) -> str:
+    """How a block ended, for the reason a room given up on leaving it carries."""
+    return "" if exc_type is None else f" ({exc_type.__name__})"
+
+
+class LeavesOnExit:
+    """Mixin: leaving ``with obj:``, however the block ends, runs ``obj._leave(why)``, the
+    object's own exit rule (a plain call that never blocks); the block's exception, if any,
+    propagates. A room handle of the thread facade gives its room up there."""
 
     __slots__ = ()
 
-    def close(self) -> None:  # pragma: no cover - every user defines it
+    def _leave(self, why: str) -> None:  # pragma: no cover - every user defines it
+        """Give the room up as the block ends; ``why`` says how (empty, or `` (ValueError)``)."""
         raise NotImplementedError
 
     def __enter__(self) -> Self:
@@ -32,6 +39,19 @@ class ClosesOnExit:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._leave(how_ended(exc_type))
+
+
+class ClosesOnExit(LeavesOnExit):
+    """Mixin: leaving ``with obj:`` runs ``obj.close()``, whatever ended the block; the
+    block's exception, if any, propagates."""
+
+    __slots__ = ()
+
+    def close(self) -> None:  # pragma: no cover - every user defines it
+        raise NotImplementedError
+
+    def _leave(self, why: str) -> None:
         self.close()
 
 
@@ -66,5 +86,5 @@ class AbortsOnExit:
     ) -> None:
         import trio.lowlevel
 
-        self._leave("" if exc_type is None else f" ({exc_type.__name__})")
+        self._leave(how_ended(exc_type))
         await trio.lowlevel.cancel_shielded_checkpoint()

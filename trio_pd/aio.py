@@ -37,6 +37,7 @@ import trio
 import trio.lowlevel
 
 from ._bootstrap import BootstrapServer, open_bootstrap_server
+from ._closing import how_ended
 from ._decode import DecodeAgent, DecodeReceiver, open_decode
 from ._errors import TransferError
 from ._prefill import PrefillAgent, PrefillSender, open_prefill
@@ -493,7 +494,7 @@ class _AioRoom(Generic[H]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._leave("" if exc_type is None else f" ({exc_type.__name__})")
+        self._leave(how_ended(exc_type))
 
     def _leave(self, why: str) -> None:  # pragma: no cover - every user defines it
         raise NotImplementedError

@@ -31,8 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
-from types import TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +40,7 @@ import trio.lowlevel
 
 from ._bootstrap import BootstrapServer
 from ._bootstrap import open_bootstrap_server as _open_bootstrap_server
-from ._closing import ClosesOnExit
+from ._closing import ClosesOnExit, LeavesOnExit
 from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
 from ._decode import open_decode as _open_decode
 from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
@@ -426,7 +425,7 @@ class _Host(Generic[A]):
 # ---------------------------------------------------------------------------------- rooms
 
 
-class _Handle:
+class _Handle(LeavesOnExit):
     """What a room's handle shares between the scheduler's threads and the trio thread.
 
     Invariants: ``_final`` is written as one tuple (status and failure together), under
@@ -512,17 +511,6 @@ class _Handle:
         """
         self._facade._thread.post(self._facade._abort, self, reason)
 
-    def _leave(self, why: str) -> None:  # pragma: no cover - every user defines it
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._leave("" if exc_type is None else f" ({exc_type.__name__})")
 
 
 class SyncSender(_Handle):
