@@ -425,7 +425,10 @@ async def _outlast_cancellation(
 
 class _AioRoom(Generic[H]):
     """What a sender and a receiver share on the asyncio side: reads, abort, the waits, and
-    the room's ``async with`` block."""
+    the room's ``async with`` block.
+
+    **Cancellation:** entering and leaving the block never suspend, so neither is ever
+    cancelled: leaving always gives the room up by the handle's rule (``_leave``)."""
 
     def __init__(self, host: TrioHost, handle: H) -> None:
         self.host = host
@@ -595,7 +598,11 @@ R = TypeVar("R", AioSender, AioReceiver)
 
 class _Opening(Generic[R]):
     """What :meth:`AioPrefill.sender` and :meth:`AioDecode.receiver` return: ``await`` it
-    for the handle, or ``async with`` it to hold the room for a block."""
+    for the handle, or ``async with`` it to hold the room for a block.
+
+    **Cancellation:** entering makes the room, as awaiting does (a room made for a task
+    cancelled meanwhile is aborted, and CancelledError raised: the block never starts);
+    leaving never suspends."""
 
     __slots__ = ("_make", "_room")
 
