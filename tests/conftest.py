@@ -87,10 +87,15 @@ class Pair:
 
     def verify(self, room: int, dst_pages: np.ndarray, aux_slot: int) -> bool:
         """The destination holds exactly the source's bytes for ``room``."""
-        want = self.src.expected(room, len(dst_pages))
-        return bool((self.dst.kv[:, dst_pages, :] == want).all()) and self.dst.aux_ok(
-            aux_slot, room
-        )
+        return verify_room(self.src, self.dst, room, dst_pages, aux_slot)
+
+
+def verify_room(
+    src: HostKVPool, dst: HostKVPool, room: int, dst_pages: np.ndarray, aux_slot: int
+) -> bool:
+    """``dst`` holds exactly ``src``'s bytes for ``room`` in ``dst_pages`` and ``aux_slot``."""
+    want = src.expected(room, len(dst_pages))
+    return bool((dst.kv[:, dst_pages, :] == want).all()) and dst.aux_ok(aux_slot, room)
 
 
 @asynccontextmanager

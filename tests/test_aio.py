@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,12 +88,14 @@ class Agents:
 
 
 @asynccontextmanager
-async def open_agents(ticker: Ticker | None = None) -> AsyncIterator[Agents]:
+async def open_agents(
+    ticker: Ticker | None = None, engine_name: str = "mooncake"
+) -> AsyncIterator[Agents]:
     """A host with a bootstrap service, a prefill and a decode agent. ``ticker`` runs from
     just before the host starts until it has closed (the engines are made and closed,
     synchronously, outside that window)."""
     src, dst = _pool(), _pool()
-    pe, de = make_engine("mooncake"), make_engine("mooncake")
+    pe, de = make_engine(engine_name), make_engine(engine_name)
     if ticker is not None:
         ticker.start()
         await asyncio.sleep(0)  # (it has started)
@@ -220,6 +224,34 @@ def test_abort_from_asyncio() -> None:
     asyncio.run(scenario())
 
 
+def test_an_abort_from_asyncio_is_final_once_it_returns() -> None:
+    """The room has succeeded inside trio, unseen on the asyncio side, when the client goes
+    away: ``abort()`` decides there and then, although the agent acts on trio's next tick.
+    The room reads Failed from that call on, and its pages come back through ``on_release``,
+    once. Before, the abort only landed on trio's next tick, ``poll()`` said Success right
+    after it and Success stood: ``on_release`` never ran, and a handler that counted on it
+    lost the pages."""
+
+    async def scenario() -> None:
+        async with open_agents() as a:
+            released = asyncio.Event()
+            sender, receiver = await bound_room(a, 11, released)
+            await sender.send(np.arange(2), last=True)
+            async with asyncio.timeout(10):
+                await poll_until(lambda: a.decode.statistics().succeeded == 1)  # (unseen)
+            receiver.abort("the client went away")
+            assert receiver.poll() is KVPoll.Failed
+            assert isinstance(receiver.failure, TransferAborted)
+            async with asyncio.timeout(10):
+                await released.wait()
+                with pytest.raises(TransferAborted, match="the client went away"):
+                    await receiver.wait()
+            assert a.dst_pages.outstanding == 0 and a.dst_pages.late_writes == 0
+            assert a.decode.statistics().released_unclaimed == 1
+
+    asyncio.run(scenario())
+
+
 def test_cancelled_asyncio_task_awaiting_a_room_aborts_it() -> None:
     """A request handler awaiting ``receiver.wait()`` is cancelled: the room is aborted (not
     left open until its deadline), the prefill rank hears of it, and the pages come back
@@ -338,3 +370,14 @@ def test_asyncio_keeps_its_signal_handlers() -> None:
             loop.remove_signal_handler(signal.SIGUSR1)
 
     asyncio.run(scenario())
+
+
+def test_the_example_in_docs_asyncio_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/asyncio.md's complete example (room blocks included) runs as it is and prints
+    what the page shows."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "asyncio.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    shown = re.findall(r"^```\n(decode:.*?)^```", text, re.DOTALL | re.MULTILINE)
+    example = next(b for b in blocks if "asyncio.run(serve())" in b)
+    exec(compile(example, "docs/asyncio.md", "exec"), {"__name__": "docs_asyncio"})
+    assert capsys.readouterr().out == shown[0]

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import trio
 
-from trio_pd import KVPoll, TransferAborted
+from trio_pd import DecodeReceiver, KVPoll, TransferAborted
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import FaultEngine
 
-from .conftest import open_pair
+from .conftest import open_pair, poll_until
 
 BOUND = 15.0
 
@@ -143,6 +143,51 @@ async def test_a_room_that_ended_inside_its_block_is_left_alone(
         assert pair.verify(9, np.arange(10, 13), 3)
         p, d = pair.prefill.statistics(), pair.decode.statistics()
         assert p.aborted == d.aborted == 0 and p.succeeded == d.succeeded == 1
+
+
+@pytest.mark.parametrize("where", ["awaiting something else", "in wait()"])
+async def test_a_success_the_block_never_saw_comes_back_through_on_release(
+    engine_name: str, bootstrap_url: str, where: str
+) -> None:
+    """The KV arrives while the decode handler is elsewhere (awaiting its client), or just
+    as it calls ``wait()``; then it is cancelled (the client went away), and ``wait()``, if
+    it got there, raises Cancelled while the room has succeeded. Success was never delivered
+    to the block, so leaving it hands the pages back through ``on_release``, once and at
+    once (no write can land after Success), and the room reads Failed from then on. Before,
+    ``on_release`` never ran and nothing freed the pages."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        pair.src.fill(np.arange(3), 11)
+        pair.src.fill_aux(2, 11)
+        released: list[int] = []
+        sender = pair.prefill.sender(11, num_pages=3, aux_slot=2)
+        proceed = trio.Event()
+
+        async def handler(*, task_status: trio.TaskStatus[DecodeReceiver]) -> None:
+            async with pair.decode.receiver(11, bootstrap_url=bootstrap_url) as receiver:
+                receiver.init(np.arange(10, 13), 3, on_release=lambda: released.append(1))
+                task_status.started(receiver)
+                with trio.CancelScope(shield=where == "in wait()"):
+                    await proceed.wait()  # the handler's client, say
+                await receiver.wait()
+                raise AssertionError("not reached: the handler was cancelled")
+
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                receiver = await nursery.start(handler)
+                sender.send(np.arange(3), last=True)
+                assert await sender.wait() is KVPoll.Success
+                await poll_until(lambda: pair.decode.statistics().succeeded == 1)
+                nursery.cancel_scope.cancel("the client went away")
+                proceed.set()
+        assert released == [1]
+        assert receiver.poll() is KVPoll.Failed
+        assert isinstance(receiver.failure, TransferAborted)
+        assert "before Success was delivered (Cancelled)" in str(receiver.failure)
+        assert pair.verify(11, np.arange(10, 13), 3)  # (what came, came whole)
+        d = pair.decode.statistics()
+        assert d.released_unclaimed == 1 and d.pages_held == d.rooms_active == 0
+        receiver.abort()  # idempotent: nothing more
+        assert released == [1]
 
 
 def test_leaving_an_engine_block_closes_the_engine(engine_name: str) -> None:

@@ -547,6 +547,41 @@ def test_abort_from_another_thread_and_the_rules_of_send() -> None:
         assert a.prefill.statistics().rooms_active == a.decode.statistics().rooms_active == 0
 
 
+def test_an_abort_is_final_once_it_returns() -> None:
+    """The room has succeeded and the trio thread has published it, but ``poll()`` has not
+    returned it yet, when another thread aborts: ``abort()`` decides there and then. The
+    room reads Failed from that call on, and its pages come out of ``pop_released()``,
+    once. Before, Success stood (``poll()`` said Success after the abort) and the room never
+    came out of ``pop_released()``: a scheduler that counted on it lost the pages. After
+    ``poll()`` has returned Success, ``abort()`` does nothing: the pages are the
+    scheduler's; nor once the trio thread has ended (nobody could hand them back)."""
+    with agents() as a:
+        _, receiver = one_room(a, 21)
+        poll_until(lambda: receiver._final is not None)  # published; poll() not yet called
+        threading.Thread(target=receiver.abort, args=("the client went away",)).start()
+        poll_until(lambda: receiver._final is not None and receiver._final[0] is KVPoll.Failed)
+        assert receiver.poll() is KVPoll.Failed
+        assert isinstance(receiver.failure, TransferAborted)
+        popped: list[int] = []
+        poll_until(lambda: bool(popped.extend(a.decode.pop_released()) or popped))
+        assert popped == [21]
+        assert a.decode.statistics().released_unclaimed == 1
+
+        _, receiver = one_room(a, 22)
+        poll_until(lambda: receiver.poll() is KVPoll.Success)
+        receiver.abort()
+        assert receiver.poll() is KVPoll.Success and receiver.failure is None
+        assert a.decode.statistics().released_unclaimed == 1  # (after a hop: nothing came)
+        assert a.decode.pop_released() == []
+
+        _, receiver = one_room(a, 23)
+        poll_until(lambda: receiver._final is not None)  # published, unseen
+        a.decode.close()
+        a.decode.thread.close()
+        receiver.abort()  # nobody is left to hand the pages back: it changes nothing
+        assert receiver.poll() is KVPoll.Success and a.decode.pop_released() == []
+
+
 def test_decode_pages_come_back_only_after_the_drain() -> None:
     """An abort from another thread while prefill's write is in the engine: decode's room
     fails at once, but its pages come out of pop_released() only after the write returned
@@ -704,7 +739,7 @@ def test_poll_never_moves_back_when_two_threads_poll_one_handle() -> None:
     class Inner:
         status = KVPoll.WaitingForInput
 
-        def poll(self) -> KVPoll:
+        def _status(self) -> KVPoll:  # (what the facade reads: it delivers nothing)
             return self.status
 
     handle = sync.SyncReceiver.__new__(sync.SyncReceiver)

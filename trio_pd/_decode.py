@@ -165,6 +165,13 @@ class _Room:
     #: attention); None while it asks the bootstrap service (``instance`` is then a
     #: stand-in, known to no one), or if it failed before it learnt it
     dp_rank: int | None = None
+    #: Success was delivered to the scheduler (``wait()`` returned it, ``poll()`` reported
+    #: it): the pages are its. Becomes True once, never once ``withdrawn`` is set
+    delivered: bool = False
+    #: the scheduler gave the room up (``abort()``, or left its block) before Success was
+    #: delivered: the failure it reads from then on, whatever the room's machine decides
+    #: later. Set once, never once ``delivered`` is True
+    withdrawn: TransferError | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -192,9 +199,18 @@ class _DpRoute:
 class DecodeReceiver(AbortsOnExit):
     """The scheduler's handle for one room on a decode rank (≈ SGLang's ``KVReceiver``).
 
-    Ownership of the destination pages: from :meth:`init` they belong to trio_pd. After
-    Success they hold the request's KV and are the caller's again. After a failure,
-    ``on_release`` runs exactly once, when no prefill rank can still write them.
+    Ownership of the destination pages (and the aux row): from :meth:`init` they belong to
+    trio_pd, until one of two things happens, and only one ever does:
+
+    * Success is *delivered* to you: :meth:`wait` returned it or :meth:`poll` reported it.
+      The pages hold the request's KV and are yours; ``on_release`` never runs.
+    * ``on_release`` runs, exactly once: after a failure, when no prefill rank can still
+      write them; or, when you gave the room up (:meth:`abort`, or leaving its ``async
+      with`` block) before Success was delivered to you, at once if the room had succeeded.
+
+    ``async with`` the handle holds the room for the block: leaving the block before Success
+    was delivered gives the room up as :meth:`abort` does, however the block ends (an
+    exception, a cancellation landing at any await, a return).
     """
 
     def __init__(self, agent: DecodeAgent, room: _Room) -> None:
@@ -226,6 +242,9 @@ class DecodeReceiver(AbortsOnExit):
         state_slots: Sequence[npt.ArrayLike] = (),
     ) -> None:
         """Ask the prefill ranks for the room's KV into ``pages`` and aux row ``aux_slot``.
+        From here the pages are trio_pd's until Success is delivered to you or
+        ``on_release`` runs (see the class). Synchronous: the pages are handed over when it
+        returns; if it raises, they were not.
 
         ``prefix_pages``: this rank holds the request's first ``prefix_pages`` pages already
         (its own prefix cache hit); ``pages`` are for the request's pages after them, and the
@@ -243,43 +262,90 @@ class DecodeReceiver(AbortsOnExit):
         )
 
     def poll(self) -> KVPoll:
-        """The room's status now. Never blocks; a terminal status never changes again."""
-        return self._room.machine.status
+        """The room's status now. Never blocks; a terminal status never changes again.
+        Returning Success delivers it: the pages are yours from then on."""
+        return self._deliver(self._status())
 
     @property
     def failure(self) -> TransferError | None:
         """Why the room failed (None unless Failed)."""
-        return self._room.machine.failure
+        return self._room.withdrawn or self._room.machine.failure
 
     @property
     def propagated(self) -> bool:
         """True if this rank saw Failed only because another rank failed."""
         book = self._room.machine.book
-        return book is not None and book.cell.propagated
+        return book is not None and book.cell.propagated and self._room.withdrawn is None
 
     def abort(self, reason: str = "aborted by the decode scheduler") -> None:
-        """Fail the room and ask every prefill rank it contacted to drain. The pages stay held
-        until each has acked; then ``on_release`` runs. Idempotent."""
-        self._agent._carry(self._room, self._room.machine.fail(TransferAborted(reason)))
+        """Give the room up: it is Failed for you from now on, and the pages come back
+        through ``on_release``, exactly once: after every prefill rank it contacted acked
+        its drain (it asks them), or at once if it had already succeeded without your
+        knowing it (nothing can still write them then). After Success was delivered to
+        you (:meth:`wait` returned it, :meth:`poll` reported it) it does nothing: the pages
+        are yours. Idempotent."""
+        if self._withdraw(reason):
+            self._agent._abort(self._room, reason)
 
     def abort_from_thread(self, reason: str = "aborted from a thread") -> None:
         """:meth:`abort` for code that runs in a thread outside trio."""
         trio.from_thread.run_sync(self.abort, reason, trio_token=self._agent._token)
 
     async def wait(self) -> KVPoll:
-        """Wait until the room is terminal; return Success or Failed.
+        """Wait until the room is terminal; return Success or Failed. Returning Success
+        delivers it: the pages are yours from then on.
 
-        **Cancellation:** cancelling the wait does not abort the room.
+        **Cancellation:** cancelling the wait does not abort the room, and delivers
+        nothing: a room that succeeded meanwhile is not yours until :meth:`poll` or a
+        later :meth:`wait` says so (leaving the room's block, or :meth:`abort`, gives it
+        back through ``on_release``).
         """
         await self._room.terminal.wait()
-        return self._room.machine.status
+        return self._deliver(self._status())
 
     async def wait_released(self) -> None:
-        """Wait until a failed room's pages have been handed back.
+        """Wait until ``on_release`` has run (after a failure, or for a Success given up
+        unclaimed). A Success delivered to you is never released: this then waits forever.
 
         **Cancellation:** cancelling the wait changes nothing.
         """
         await self._room.released.wait()
+
+    # -------------------------------------------------------------- for the facades
+
+    def _status(self) -> KVPoll:
+        """:meth:`poll` without delivering anything (the facades publish what they read
+        and deliver it when their own caller reads it)."""
+        rec = self._room
+        return KVPoll.Failed if rec.withdrawn is not None else rec.machine.status
+
+    def _deliver(self, status: KVPoll) -> KVPoll:
+        if status is KVPoll.Success:
+            self._room.delivered = True
+        return status
+
+    async def _ended(self) -> None:
+        """Wait until the room is terminal, delivering nothing.
+
+        **Cancellation:** as :meth:`wait`.
+        """
+        await self._room.terminal.wait()
+
+    def _withdraw(self, reason: str) -> bool:
+        """The part of :meth:`abort` that decides, with plain writes only (the asyncio
+        facade calls it between trio's ticks, and has the rest done on trio's next tick):
+        False if Success was delivered already (nothing to do); else the room reads Failed
+        from now on, with ``TransferAborted(reason)`` unless it had failed already."""
+        rec = self._room
+        if rec.delivered:
+            return False
+        if rec.withdrawn is None and rec.machine.status is not KVPoll.Failed:
+            rec.withdrawn = TransferAborted(reason)
+        return True
+
+    def _leave(self, why: str) -> None:
+        if not self._room.delivered:
+            self.abort(f"the room's async with block was left before Success was delivered{why}")
 
 class DecodeAgent:
     """One decode rank. Make one with :func:`open_decode`."""
@@ -426,6 +492,15 @@ class DecodeAgent:
         self._carry(
             rec, rec.machine.init(pages.astype(np.int32), aux_slot, prefix_pages, slots)
         )
+
+    def _abort(self, rec: _Room, reason: str) -> None:
+        """The scheduler gave ``rec`` up (:meth:`DecodeReceiver.abort`): fail it, or, if it
+        had succeeded unseen, hand its pages back now."""
+        machine = rec.machine
+        if machine.status is KVPoll.Success:
+            self._carry(rec, machine.unclaimed())
+        else:
+            self._carry(rec, machine.fail(rec.withdrawn or TransferAborted(reason)))
 
     def _bind(self, rec: _Room) -> None:
         """The instance is resolved: the room knows its source ranks."""
@@ -681,6 +756,8 @@ class DecodeAgent:
                         self.counters.bump("released_peer_gone")
                     elif how == "timeout":
                         self.counters.bump("released_by_timeout")
+                    elif how == "unclaimed":
+                        self.counters.bump("released_unclaimed")
                     if rec.draining:
                         rec.draining = False
                         self.held.value -= 1

@@ -194,7 +194,12 @@ class PrefillSender(AbortsOnExit):
 
     Create with :meth:`PrefillAgent.sender`. Hand chunks over with :meth:`send`; the last one
     (``last=True``) also carries the aux row. The room's source pages belong to trio_pd from
-    the first ``send`` until ``on_release`` runs (exactly once, when nothing can read them).
+    the first ``send`` until ``on_release`` runs (exactly once, when nothing can read them),
+    whatever the outcome: Success or failure, seen or not.
+
+    ``async with`` the handle holds the room for the block: leaving the block before the
+    room ended aborts it, however the block ends (an exception, a cancellation landing at any
+    await, a return); ``on_release`` then runs once no engine call can still read the pages.
     """
 
     def __init__(self, agent: PrefillAgent, room: _Room) -> None:
@@ -262,6 +267,23 @@ class PrefillSender(AbortsOnExit):
         **Cancellation:** cancelling the wait changes nothing.
         """
         await self._room.released.wait()
+
+    # -------------------------------------------------------------- for the facades
+
+    def _status(self) -> KVPoll:
+        """:meth:`poll` (a sender's outcome decides nothing about its pages)."""
+        return self._room.machine.cell.status
+
+    async def _ended(self) -> None:
+        """Wait until the room is terminal.
+
+        **Cancellation:** as :meth:`wait`.
+        """
+        await self._room.terminal.wait()
+
+    def _leave(self, why: str) -> None:
+        if self._status() not in (KVPoll.Success, KVPoll.Failed):
+            self.abort(f"the room's async with block was left before the room ended{why}")
 
 class PrefillAgent:
     """One prefill rank. Make one with :func:`open_prefill`."""

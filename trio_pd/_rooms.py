@@ -148,7 +148,7 @@ class Succeeded:
 class Release:
     """Either side: run the room's ``on_release`` now (exactly once)."""
 
-    how: Literal["drained", "peer_gone", "timeout", "unsent"] = "drained"
+    how: Literal["drained", "peer_gone", "timeout", "unsent", "unclaimed"] = "drained"
 
 
 @dataclass(frozen=True, slots=True)
@@ -800,10 +800,11 @@ class DecodeRoom:
     is None (a failure then is kept in ``early_failure``: no prefill rank knows the room);
     after it, ``book`` holds the statuses and acks; ``pages`` is set by ``init``.
 
-    Invariants: ``on_release`` is due at most once and only for a Failed room, once every
-    contacted rank has acked or reported Success or is proven gone (``book.take_release``),
-    or at once when no rank was ever told of the pages. Success needs every required rank's
-    Success *and* the aux row stamped with this room and epoch (I6).
+    Invariants: ``on_release`` is due at most once: for a Failed room, once every contacted
+    rank has acked or reported Success or is proven gone (``book.take_release``), or at once
+    when no rank was ever told of the pages; for a room that succeeded, only if the
+    scheduler gives it up unclaimed (:meth:`unclaimed`). Success needs every required
+    rank's Success *and* the aux row stamped with this room and epoch (I6).
     """
 
     room: int
@@ -1003,7 +1004,18 @@ class DecodeRoom:
             return []
         return self._release(how)
 
-    def _release(self, how: Literal["drained", "peer_gone", "timeout", "unsent"]) -> Due:
+    def unclaimed(self) -> Due:
+        """The room succeeded, but the scheduler gave it up (aborted it, or left its block)
+        before Success was delivered to it: it will not take the pages, so they go back now.
+        No prefill rank can still write them: each reported Success only after every
+        engine call of the room had returned."""
+        if self.status is not KVPoll.Success:
+            return []
+        return self._release("unclaimed")
+
+    def _release(
+        self, how: Literal["drained", "peer_gone", "timeout", "unsent", "unclaimed"]
+    ) -> Due:
         if self.released:
             return []
         self.released = True

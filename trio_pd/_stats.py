@@ -100,6 +100,9 @@ class AgentStatistics:
     peers_refused: int = 0
     #: decode: receivers never given init within waiting_timeout, failed and forgotten
     rooms_reclaimed: int = 0
+    #: decode: rooms that succeeded but were given up (aborted, or their block left) before
+    #: Success was delivered to the scheduler: their pages went back through on_release
+    released_unclaimed: int = 0
 
 
 _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(AgentStatistics))
@@ -156,6 +159,7 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "engine_peers_removed": "prefill",
     "peers_refused": "prefill",
     "rooms_reclaimed": "decode",
+    "released_unclaimed": "decode",
 })
 
 

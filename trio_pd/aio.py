@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Generic, TypeVar, TypeVarTuple
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar, TypeVarTuple
 
 import numpy.typing as npt
 import outcome
@@ -36,6 +37,7 @@ import trio
 import trio.lowlevel
 
 from ._bootstrap import BootstrapServer, open_bootstrap_server
+from ._closing import how_ended
 from ._decode import DecodeAgent, DecodeReceiver, open_decode
 from ._errors import TransferError
 from ._prefill import PrefillAgent, PrefillSender, open_prefill
@@ -176,12 +178,14 @@ class TrioHost:
         next tick) and return its result, or raise its exception. Use ``functools.partial``
         for keyword arguments.
 
-        Raises RuntimeError if the host is closed.
+        Raises RuntimeError if the host is closed (``fn`` did not run).
 
-        **Cancellation:** if the awaiting task is cancelled before trio got to it, ``fn``
-        never runs; if after, it has run whole and its result is dropped.
+        **Cancellation:** once called, ``fn`` runs whole: a cancelled await waits until
+        trio has run it (its next tick), then raises CancelledError, or ``fn``'s own
+        exception if it raised one. So CancelledError means ``fn`` ran and returned (its
+        result is dropped); any other exception means what it means without a cancel.
         """
-        return _unwrap(await self._submit(partial(fn, *args)))
+        return await _whole(self._submit(partial(fn, *args)))
 
     async def run(self, async_fn: Callable[[*Ts], Awaitable[T]], *args: *Ts) -> T:
         """Run ``async_fn(*args)`` as a task of the trio run and return its result, or raise
@@ -367,6 +371,18 @@ async def _hold(
         await leave.wait()
 
 
+async def _whole(fut: _Done[T]) -> T:
+    """The result of a synchronous call handed to trio, waited for however often the
+    awaiting task is cancelled meanwhile (the call then still runs, once, on trio's next
+    tick); then CancelledError if it was cancelled and the call returned, else the call's
+    result or exception (RuntimeError if the host closed before it ran)."""
+    cancelled = await _outlast_cancellation(fut)
+    result = _unwrap(fut.result())
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
 def _settle(fut: asyncio.Future[T], value: T) -> None:
     if not fut.done():
         fut.set_result(value)
@@ -408,7 +424,11 @@ async def _outlast_cancellation(
 
 
 class _AioRoom(Generic[H]):
-    """What a sender and a receiver share on the asyncio side: reads, abort, the waits."""
+    """What a sender and a receiver share on the asyncio side: reads, abort, the waits, and
+    the room's ``async with`` block.
+
+    **Cancellation:** entering and leaving the block never suspend, so neither is ever
+    cancelled: leaving always gives the room up by the handle's rule (``_leave``)."""
 
     def __init__(self, host: TrioHost, handle: H) -> None:
         self.host = host
@@ -420,7 +440,8 @@ class _AioRoom(Generic[H]):
         return self.handle.room
 
     def poll(self) -> KVPoll:
-        """The room's status as trio's last tick left it. Never blocks."""
+        """The room's status as trio's last tick left it (and as :meth:`abort` left it).
+        Never blocks."""
         return self.handle.poll()
 
     @property
@@ -429,10 +450,18 @@ class _AioRoom(Generic[H]):
         return self.handle.failure
 
     def abort(self, reason: str = "aborted from asyncio") -> None:
-        """Abort the room, as the trio handle's ``abort`` does, on trio's next tick: until
-        then ``poll()`` still says what it said. Idempotent; nothing once the host closed."""
-        with contextlib.suppress(RuntimeError):
-            self.host._soon(partial(self.handle.abort, reason))
+        """Abort the room, as the trio handle's ``abort`` does; the agent does the rest on
+        trio's next tick (its ABORTs, its release). Idempotent; once the host has closed it
+        only hands back what a receiver still owes (see :meth:`AioReceiver.abort`)."""
+        self._post(partial(self.handle.abort, reason))
+
+    def _post(self, fn: Callable[[], object]) -> bool:
+        """Run ``fn`` inside trio on its next tick; False if the trio run is over."""
+        try:
+            self.host._soon(fn)
+        except RuntimeError:
+            return False
+        return True
 
     async def wait(self) -> KVPoll:
         """Wait until the room is terminal: return ``KVPoll.Success``, or raise the room's
@@ -444,10 +473,11 @@ class _AioRoom(Generic[H]):
         back through the usual release path (``on_release``) once that is safe.
         """
         try:
-            status = await self.host.run(self.handle.wait)
+            await self.host.run(self.handle._ended)
         except asyncio.CancelledError:
             self.abort(f"room {self.room}: the asyncio task waiting for it was cancelled")
             raise
+        status = self.handle.poll()  # (a receiver's Success is delivered here)
         failure = self.handle.failure
         if status is KVPoll.Failed and failure is not None:
             raise failure.with_traceback(None)
@@ -460,10 +490,27 @@ class _AioRoom(Generic[H]):
         """
         await self.host.run(self.handle.wait_released)
 
+    async def __aenter__(self) -> Self:
+        return self  # noqa: ASYNC910 - asyncio code; never suspends
+
+    async def __aexit__(  # noqa: ASYNC910 - asyncio code; never suspends
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._leave(how_ended(exc_type))
+
+    def _leave(self, why: str) -> None:  # pragma: no cover - every user defines it
+        raise NotImplementedError
+
 
 class AioSender(_AioRoom[PrefillSender]):
     """A :class:`~trio_pd.PrefillSender` seen from asyncio. Make one with
-    :meth:`AioPrefill.sender`."""
+    :meth:`AioPrefill.sender`.
+
+    ``async with`` it (or ``async with prefill.sender(...)``) holds the room for the block:
+    leaving the block before the room ended aborts it, however the block ends. The room's
+    source pages come back through ``on_release`` whatever the outcome.
+    """
 
     async def send(
         self, pages: npt.ArrayLike, *, last: bool = False,
@@ -473,16 +520,28 @@ class AioSender(_AioRoom[PrefillSender]):
         :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`): its errors
         (``AdmissionClosed``, ``ProtocolError``) are raised here.
 
-        **Cancellation:** the chunk was either not admitted or admitted whole; the room is
-        not aborted.
+        **Cancellation:** once called, the send runs whole on trio's next tick: a cancelled
+        await waits for it, then raises CancelledError (the chunk was admitted) or the
+        send's own error (it was not). The room is not aborted.
         """
         await self.host.call(partial(self.handle.send, pages, last=last,
                                      state_slots=state_slots))
 
+    def _leave(self, why: str) -> None:
+        if self.handle.poll() not in (KVPoll.Success, KVPoll.Failed):
+            self.abort(f"the room's async with block was left before the room ended{why}")
+
 
 class AioReceiver(_AioRoom[DecodeReceiver]):
     """A :class:`~trio_pd.DecodeReceiver` seen from asyncio. Make one with
-    :meth:`AioDecode.receiver`."""
+    :meth:`AioDecode.receiver`.
+
+    The pages given to :meth:`init` are trio_pd's until Success is delivered to you
+    (:meth:`wait` returned it, or :meth:`poll` said Success) or ``on_release`` runs, exactly
+    once. ``async with`` it (or ``async with decode.receiver(...)``) holds the room for the
+    block: leaving the block before Success was delivered gives the room up as
+    :meth:`abort` does, however the block ends.
+    """
 
     @property
     def epoch(self) -> int:
@@ -491,6 +550,20 @@ class AioReceiver(_AioRoom[DecodeReceiver]):
     @property
     def propagated(self) -> bool:
         return self.handle.propagated
+
+    def abort(self, reason: str = "aborted from asyncio") -> None:
+        """Give the room up, decided here and now: unless Success was delivered to you
+        already (then it does nothing), the room reads Failed from this call on, whatever
+        trio's next tick brings, and its pages come back through ``on_release``, exactly
+        once: after the drain, or at once if it had succeeded without your seeing it. The
+        agent does its part (ABORTs, the release) on trio's next tick. Idempotent."""
+        if not self.handle._withdraw(reason):
+            return
+        posted = self._post(partial(self.handle.abort, reason))
+        if not posted and self.handle._room.machine.status is KVPoll.Success:
+            # the trio run is over (the agent closed): only a Success left unclaimed still
+            # owes its pages, and handing them back touches nothing of trio's
+            self.handle.abort(reason)
 
     async def init(
         self, pages: npt.ArrayLike, aux_slot: int, *,
@@ -502,25 +575,68 @@ class AioReceiver(_AioRoom[DecodeReceiver]):
         thread: it may call asyncio's non-blocking methods (``fut.set_result``,
         ``queue.put_nowait``), not await.
 
-        **Cancellation:** ``init`` either did not happen or happened whole.
+        When it returns, the pages are trio_pd's; when it raises an error
+        (``ProtocolError``; RuntimeError once the host has closed), they were not taken.
+
+        **Cancellation:** once called, ``init`` runs whole on trio's next tick: a cancelled
+        await waits for it, then raises CancelledError, and the pages are trio_pd's (they
+        come back through ``on_release``, or as a Success delivered to you), or raises
+        ``init``'s own error, and they are still yours.
         """
         await self.host.call(partial(
             self.handle.init, pages, aux_slot, on_release=on_release,
             prefix_pages=prefix_pages, state_slots=state_slots,
         ))
 
+    def _leave(self, why: str) -> None:
+        if not self.handle._room.delivered:
+            self.abort(f"the room's async with block was left before Success was delivered{why}")
+
+
+R = TypeVar("R", AioSender, AioReceiver)
+
+
+class _Opening(Generic[R]):
+    """What :meth:`AioPrefill.sender` and :meth:`AioDecode.receiver` return: ``await`` it
+    for the handle, or ``async with`` it to hold the room for a block.
+
+    **Cancellation:** entering makes the room, as awaiting does (a room made for a task
+    cancelled meanwhile is aborted, and CancelledError raised: the block never starts);
+    leaving never suspends."""
+
+    __slots__ = ("_make", "_room")
+
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, R]]) -> None:
+        self._make: Callable[[], Coroutine[Any, Any, R]] = make
+        self._room: R | None = None
+
+    def __await__(self) -> Generator[Any, None, R]:
+        return self._make().__await__()
+
+    async def __aenter__(self) -> R:
+        self._room = await self._make()
+        return self._room
+
+    async def __aexit__(  # noqa: ASYNC910 - asyncio code; never suspends
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._room is not None
+        await self._room.__aexit__(exc_type, exc, tb)
+
 
 async def _new_room(host: TrioHost, make: Callable[[], H]) -> H:
-    """``make()`` inside trio. If the awaiting task is cancelled after it ran, nobody holds
-    the handle it made: abort that room rather than leave it to its deadline."""
+    """``make()`` inside trio. Once asked, it runs whole: if the awaiting task is cancelled
+    meanwhile, it waits for that, and the handle made is aborted (nobody holds it) before
+    CancelledError goes on. An error means nothing was made."""
     fut = host._submit(make)
-    try:
-        return _unwrap(await fut)
-    except asyncio.CancelledError:
-        if not fut.cancelled() and isinstance(made := fut.result(), outcome.Value):
-            with contextlib.suppress(RuntimeError):
-                host._soon(partial(made.value.abort, "cancelled while it was being created"))
-        raise
+    cancelled = await _outlast_cancellation(fut)
+    handle = _unwrap(fut.result())
+    if cancelled:
+        with contextlib.suppress(RuntimeError):
+            host._soon(partial(handle.abort, "cancelled while it was being created"))
+        raise asyncio.CancelledError
+    return handle
 
 
 class _AioAgent(Generic[_A]):
@@ -544,7 +660,7 @@ class AioPrefill(_AioAgent[PrefillAgent]):
     """A :class:`~trio_pd.PrefillAgent` seen from asyncio. Make one with
     :meth:`TrioHost.open_prefill`."""
 
-    async def sender(
+    def sender(
         self,
         room: int,
         *,
@@ -552,34 +668,48 @@ class AioPrefill(_AioAgent[PrefillAgent]):
         aux_slot: int,
         on_release: Callable[[], None] | None = None,
         epoch: int | None = None,
-    ) -> AioSender:
+    ) -> _Opening[AioSender]:
         """Create the room's sender (see :meth:`PrefillAgent.sender
-        <trio_pd.PrefillAgent.sender>`). ``on_release`` runs inside trio, on the loop's
-        thread (see :meth:`AioReceiver.init`).
+        <trio_pd.PrefillAgent.sender>`): ``await`` it for the :class:`AioSender`, or
+        ``async with`` it to hold the room for the block. ``on_release`` runs inside trio,
+        on the loop's thread (see :meth:`AioReceiver.init`), exactly once, whenever the
+        sender was created.
 
-        **Cancellation:** the sender was not created, or it was and is aborted at once.
+        **Cancellation:** once asked, the sender is created (or refused with its error): a
+        cancelled await waits for that, aborts the sender, and raises CancelledError; its
+        ``on_release`` then runs once nothing can read its pages.
         """
         make = partial(
             self.agent.sender, room, num_pages=num_pages, aux_slot=aux_slot,
             on_release=on_release, epoch=epoch,
         )
-        return AioSender(self.host, await _new_room(self.host, make))
+
+        async def opened() -> AioSender:
+            return AioSender(self.host, await _new_room(self.host, make))
+
+        return _Opening(opened)
 
 
 class AioDecode(_AioAgent[DecodeAgent]):
     """A :class:`~trio_pd.DecodeAgent` seen from asyncio. Make one with
     :meth:`TrioHost.open_decode`."""
 
-    async def receiver(
+    def receiver(
         self, room: int, *, bootstrap_url: str, epoch: int | None = None,
         dp_rank: int | None = None,
-    ) -> AioReceiver:
+    ) -> _Opening[AioReceiver]:
         """Create the room's receiver (see :meth:`DecodeAgent.receiver
-        <trio_pd.DecodeAgent.receiver>`).
+        <trio_pd.DecodeAgent.receiver>`): ``await`` it for the :class:`AioReceiver`, or
+        ``async with`` it to hold the room for the block.
 
-        **Cancellation:** the receiver was not created, or it was and is aborted at once.
+        **Cancellation:** once asked, the receiver is created (or refused with its error):
+        a cancelled await waits for that, aborts the receiver, and raises CancelledError.
         """
         make = partial(
             self.agent.receiver, room, bootstrap_url=bootstrap_url, epoch=epoch, dp_rank=dp_rank
         )
-        return AioReceiver(self.host, await _new_room(self.host, make))
+
+        async def opened() -> AioReceiver:
+            return AioReceiver(self.host, await _new_room(self.host, make))
+
+        return _Opening(opened)

@@ -40,7 +40,7 @@ import trio.lowlevel
 
 from ._bootstrap import BootstrapServer
 from ._bootstrap import open_bootstrap_server as _open_bootstrap_server
-from ._closing import ClosesOnExit
+from ._closing import ClosesOnExit, LeavesOnExit
 from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
 from ._decode import open_decode as _open_decode
 from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
@@ -425,14 +425,18 @@ class _Host(Generic[A]):
 # ---------------------------------------------------------------------------------- rooms
 
 
-class _Handle:
+class _Handle(LeavesOnExit):
     """What a room's handle shares between the scheduler's threads and the trio thread.
 
-    Invariants: ``_final`` is written once, by the trio thread, as one tuple (status and
-    failure together); every other thread reads it with one load, so a terminal status is
-    never seen without its failure. ``_inner`` (the trio handle) is written once, by the trio
-    thread, before the hop that made it returns. ``_reported`` (trio thread only) becomes
-    True once, when the room is handed to ``pop_released``.
+    Invariants: ``_final`` is written as one tuple (status and failure together), under
+    ``_final_lock``: once by the trio thread when the room ends, or first by a receiver's
+    :meth:`abort`, which may also replace a published Success that :meth:`poll` has not yet
+    returned (then the room reads Failed for good). Every other thread reads it with one
+    load, so a terminal status is never seen without its failure. ``_delivered`` becomes
+    True once, under the same lock, when :meth:`poll` returns a Success; after that nothing
+    replaces it. ``_inner`` (the trio handle) is written once, by the trio thread, before the
+    hop that made it returns. ``_reported`` (trio thread only) becomes True once, when the
+    room is handed to ``pop_released``.
     """
 
     #: what poll() says before the trio handle reports anything further
@@ -442,6 +446,9 @@ class _Handle:
         self._facade = facade
         self.room = room
         self._final: tuple[KVPoll, TransferError | None] | None = None
+        self._final_lock = threading.Lock()
+        #: poll() has returned Success (a receiver's pages are then the scheduler's)
+        self._delivered = False
         self._inner: PrefillSender | DecodeReceiver | None = None
         #: the furthest non-terminal status poll() has reported (poll never moves back)
         self._floor = self._START
@@ -461,11 +468,16 @@ class _Handle:
         """
         final = self._final
         if final is not None:
+            if final[0] is KVPoll.Success and not self._delivered:
+                with self._final_lock:  # (against an abort withdrawing it meanwhile)
+                    final = self._final
+                    assert final is not None
+                    self._delivered = final[0] is KVPoll.Success
             return final[0]
         inner = self._inner
         with self._floor_lock:  # (two threads polling must not lower it: read and raise as one)
             floor = self._floor
-            live = inner.poll() if inner is not None else floor
+            live = inner._status() if inner is not None else floor
             if live in _TERMINAL or live < floor:
                 return floor  # (terminal, not yet published with its failure)
             self._floor = live
@@ -489,14 +501,16 @@ class _Handle:
             raise error.with_traceback(None)
 
     def abort(self, reason: str = "aborted by the scheduler") -> None:
-        """Abort the room, as the trio handle's ``abort``. Idempotent. A room that ended
-        first (Success) keeps its outcome.
+        """Abort the room, as the trio handle's ``abort``. Idempotent. (Each side says what
+        it means for a room that has already ended: :meth:`SyncSender.abort`,
+        :meth:`SyncReceiver.abort`.)
 
         Any thread, the trio thread included; never blocks: the abort is posted to the trio
-        thread, and :meth:`poll` shows Failed once it has run there. Raises nothing (after
-        the facade closed it does nothing: closing failed every open room).
+        thread. Raises nothing (after the facade closed it does nothing: closing failed
+        every open room).
         """
         self._facade._thread.post(self._facade._abort, self, reason)
+
 
 
 class SyncSender(_Handle):
@@ -511,6 +525,11 @@ class SyncSender(_Handle):
 
     One thread at a time calls :meth:`init` and :meth:`send` (the scheduler's);
     :meth:`poll`, :meth:`abort` and the rest may come from any thread.
+
+    ``with sender:`` holds the room for the block: leaving it before the room ended aborts
+    the room, however the block ends. :meth:`abort` on a room that has ended changes
+    nothing: the pages come out of :meth:`SyncPrefill.pop_released` after Success or
+    failure alike.
     """
 
     _START = KVPoll.WaitingForInput
@@ -591,15 +610,25 @@ class SyncSender(_Handle):
             self._sent, self._last = end, last
             self._prefill._thread.post(self._prefill._send, self, ids, last, slots)
 
+    def _leave(self, why: str) -> None:
+        if self.poll() not in _TERMINAL:
+            self.abort(f"the room's with block was left before the room ended{why}")
+
 
 class SyncReceiver(_Handle):
     """The decode scheduler's handle for one room (≈ SGLang's ``KVReceiver``). Make it with
     :meth:`SyncDecode.receiver`; then :meth:`init` (alias :meth:`send_metadata`) once the
     pages are allocated, and :meth:`poll`.
 
-    After Success the destination pages hold the KV and are the scheduler's. After a
-    failure they stay trio_pd's until the room comes out of :meth:`SyncDecode.pop_released`
-    (when no prefill rank can still write them). One thread at a time calls :meth:`init`.
+    The pages given to :meth:`init` are trio_pd's until :meth:`poll` returns Success (then
+    they hold the KV and are the scheduler's) or the room comes out of
+    :meth:`SyncDecode.pop_released` (after a failure, when no prefill rank can still write
+    them; or after :meth:`abort` of a room whose Success :meth:`poll` had not yet returned),
+    exactly one of the two. One thread at a time calls :meth:`init`.
+
+    ``with receiver:`` holds the room for the block: leaving it before :meth:`poll` returned
+    Success aborts the room, however the block ends, and the pages come out of
+    ``pop_released``.
     """
 
     def __init__(self, facade: SyncDecode, room: int) -> None:
@@ -652,6 +681,30 @@ class SyncReceiver(_Handle):
             self._decode._released.append(self.room)  # never reached trio_pd: free already
 
     send_metadata = init
+
+    def abort(self, reason: str = "aborted by the scheduler") -> None:
+        """Give the room up, decided by this call: unless :meth:`poll` has returned Success
+        already (then it does nothing: the pages are the scheduler's), the room reads
+        Failed from now on, whatever the trio thread does next, and a room given pages by
+        :meth:`init` comes out of :meth:`SyncDecode.pop_released` exactly once: after its
+        drain, or at once if it had succeeded without :meth:`poll` saying so.
+
+        Any thread, the trio thread included; never blocks (the rest is posted to the trio
+        thread). Raises nothing. Idempotent. Once the trio thread has ended it changes
+        nothing: what the room published stands.
+        """
+        with self._final_lock:
+            if self._delivered:
+                return
+            before = self._final
+            if before is None or before[0] is KVPoll.Success:
+                self._final = (KVPoll.Failed, TransferAborted(reason))
+            if not self._facade._thread.post(self._facade._abort, self, reason):
+                self._final = before  # nobody is left to hand the pages back: nothing changes
+
+    def _leave(self, why: str) -> None:
+        if not self._delivered:
+            self.abort(f"the room's with block was left before Success was delivered{why}")
 
 
 # ---------------------------------------------------------------------------------- agents
@@ -774,14 +827,17 @@ class _Agent(ClosesOnExit, Generic[AG]):
     async def _watch(self, h: _Handle) -> None:
         inner = h._inner
         assert inner is not None
-        await inner.wait()
+        await inner._ended()
         self._finish(h)
 
     def _finish(self, h: _Handle) -> None:
-        """Publish the room's terminal status and failure, as one tuple."""
+        """Publish the room's terminal status and failure, as one tuple (unless an abort
+        published its own first)."""
         inner = h._inner
-        if h._final is None and inner is not None and inner.poll() in _TERMINAL:
-            h._final = (inner.poll(), inner.failure)
+        if h._final is None and inner is not None and inner._status() in _TERMINAL:
+            with h._final_lock:
+                if h._final is None:
+                    h._final = (inner._status(), inner.failure)
         self._settle(h)
 
     def _on_release(self, h: _Handle) -> None:
@@ -811,8 +867,9 @@ class _Agent(ClosesOnExit, Generic[AG]):
             return
         assert isinstance(h, SyncSender)  # (a receiver's trio handle exists from the start)
         h._abort_reason = reason
-        if h._final is None:
-            h._final = (KVPoll.Failed, TransferAborted(reason))
+        with h._final_lock:
+            if h._final is None:
+                h._final = (KVPoll.Failed, TransferAborted(reason))
 
     def _stopped(self, error: BaseException | None) -> None:
         """The agent has closed (or stopped with ``error``): publish what every room still
@@ -824,11 +881,12 @@ class _Agent(ClosesOnExit, Generic[AG]):
             gone = TransferError(f"{self._what} stopped: {error!r}")
         for h in list(self._live):
             inner = h._inner
-            if h._final is None:
-                if inner is not None and inner.poll() in _TERMINAL:
-                    h._final = (inner.poll(), inner.failure)
-                else:
-                    h._final = (KVPoll.Failed, gone)
+            with h._final_lock:
+                if h._final is None:
+                    if inner is not None and inner._status() in _TERMINAL:
+                        h._final = (inner._status(), inner.failure)
+                    else:
+                        h._final = (KVPoll.Failed, gone)
             self._settle(h)
         self._final_stats = self._statistics()
 
@@ -944,8 +1002,9 @@ class SyncDecode(_Agent[DecodeAgent]):
             )
         except TransferError as exc:  # (checked on the scheduler's side: not expected)
             inner.abort(f"trio_pd.sync: init was refused: {exc}")
-            if h._final is None:
-                h._final = (KVPoll.Failed, exc)
+            with h._final_lock:
+                if h._final is None:
+                    h._final = (KVPoll.Failed, exc)
             h._released = True  # the pages never became trio_pd's
         self._finish(h)
 

@@ -484,13 +484,16 @@ class PageAllocator:
     async def alloc(self, n: int) -> npt.NDArray[np.int64]:
         """Allocate ``n`` rows, waiting until enough are free.
 
-        **Cancellation:** nothing is allocated if cancelled.
+        **Cancellation:** nothing is allocated if cancelled. The rows are taken only after
+        the last point where a cancellation can land: what follows is a schedule point
+        that is never cancelled, so rows taken are always returned to the caller.
         """
         if n > self.capacity:
             raise ValueError(f"asked for {n} rows of {self.capacity}")
+        await trio.lowlevel.checkpoint_if_cancelled()
         while (ids := self.alloc_nowait(n)) is None:
             await self._freed.wait()
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return ids
 
     async def wait_all_returned(self) -> None:
