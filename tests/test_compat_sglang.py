@@ -707,6 +707,46 @@ def _watch(what: Callable[[], object], want: object, seconds: float = 0.3) -> No
         time.sleep(0.01)
 
 
+def test_decode_abort_is_failed_at_once_and_held_until_the_drain(
+    engine_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang 0.5.23's deferred decode KV release: a receiver aborted while prefill's write
+    is inside the engine says Failed at once (SGLang's scheduler then holds the pages), and
+    the manager's is_abort_release_safe stays False until trio_pd drained the room."""
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_ENV, "1")
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_TIMEOUT_ENV, "inf")
+    fault: list[FaultEngine] = []
+    with pair(engine_name, wrap=_stalled(fault)) as s:
+        try:
+            _sender, receiver = _one_room(s, 78)
+            assert fault[0].stalls.wait_stalled(1, timeout=BOUND)
+            receiver.abort()
+            assert receiver.poll() == KVPoll.Failed  # at once, as SGLang's receiver
+            assert receiver.abort_notified
+            _watch(lambda: s.decode.is_abort_release_safe(78, 1), False)
+        finally:
+            fault[0].stalls.release_all()
+        poll_until(lambda: s.decode.is_abort_release_safe(78, 1))
+        s.decode.clear_deferred_abort_state(78)
+        assert s.decode.released_before_drain == 0
+
+
+def test_prefill_poll_is_bootstrapping_until_decode_sent_its_metadata(engine_name: str) -> None:
+    """SGLang's back-pressure: a prefill sender says Bootstrapping (its bootstrap queue
+    holds the request) until decode has sent the request's metadata, then WaitingForInput."""
+    with pair(engine_name) as s:
+        sender = KVSender(s.prefill, s.addr, 79)
+        receiver = KVReceiver(s.decode, s.addr, 79)
+        receiver.init(0)
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)  # decode registered
+        _watch(sender.poll, KVPoll.Bootstrapping)
+        receiver.send_metadata(np.arange(2), 1)
+        poll_until(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.init(2, 1)
+        sender.send(np.arange(2))
+        poll_until(lambda: receiver.poll() == KVPoll.Success)
+
+
 def test_prefill_poll_holds_failure_until_the_source_pages_are_free(engine_name: str) -> None:
     """A sender aborted while its write is inside the engine reads Transferring, not Failed,
     until the write returned and trio_pd handed its source pages back: SGLang's loop frees

@@ -1682,6 +1682,9 @@ class KVReceiver(_Handle):
             return status
         return self._gated(status)
 
+    #: SGLang's pipeline-parallel polling reads this name (the same as poll())
+    poll_pp_consensus = poll
+
     def abort(self, reason: str = "aborted by the scheduler") -> None:
         """Abort the room (idempotent; a room that succeeded first keeps its Success). With
         deferred release, :meth:`poll` says Failed at once and, once the room's pages were
@@ -1771,6 +1774,29 @@ def sglang_plugin() -> None:
     HookRegistry.register(
         "sglang.srt.disaggregation.utils.get_kv_class", get_kv_class, HookType.AROUND
     )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.utils.setup_state_kv_args", with_decode_heads,
+        HookType.AROUND,
+    )
+
+
+def with_decode_heads(original: Callable[..., Any], kv_args: Any, token_to_kv_pool: Any,
+                      *args: Any, **kwargs: Any) -> Any:
+    """SGLang's ``setup_state_kv_args`` (which both schedulers call on their ``KVArgs``
+    right before building the manager), then, where SGLang left them unset (its decode
+    scheduler does), ``kv_head_num`` from the pool's ``head_num`` and
+    ``total_kv_head_num`` as that times the attention TP size: trio_pd's decode pool
+    needs its heads to pair with a prefill rank's head slices. (With GQA replication,
+    more decode ranks than KV heads, that total is too large; see docs/sglang.md.)"""
+    result = original(kv_args, token_to_kv_pool, *args, **kwargs)
+    heads = getattr(token_to_kv_pool, "head_num", None)
+    if isinstance(heads, int) and getattr(kv_args, "kv_head_num", None) is None:
+        kv_args.kv_head_num = heads
+        if getattr(kv_args, "total_kv_head_num", None) is None:
+            from sglang.srt.runtime_context import get_parallel
+
+            kv_args.total_kv_head_num = heads * int(get_parallel().attn_tp_size)
+    return result
 
 
 #: SGLang's ``KVClassType`` values -> the adapter's classes
