@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 import types
 import warnings
