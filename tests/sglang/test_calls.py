@@ -88,3 +88,47 @@ def test_sglang_deferred_release_deadline_must_be_inf() -> None:
     adapter.check_server_args(base, "decode", {adapter.DEFERRED_RELEASE_TIMEOUT_ENV: "inf"})
     adapter.check_server_args(base, "decode", {adapter.DEFERRED_RELEASE_ENV: "0"})
     adapter.check_server_args(base, "prefill", {})
+
+
+def test_the_plugin_makes_sglangs_class_mapping_answer_trio_pd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With TRIO_PD_SGLANG=1, the plugin SGLang loads (entry point ``trio_pd``) hooks
+    ``get_kv_class`` through SGLang's own HookRegistry, in every module that imported it;
+    KVArgs and the backends trio_pd does not run over stay SGLang's. Without the variable
+    it changes nothing."""
+    from importlib.metadata import entry_points
+
+    from sglang.srt.disaggregation import decode, prefill, utils
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+    from sglang.srt.managers import disagg_service
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    (ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "trio_pd"]
+    assert ep.load() is adapter.sglang_plugin
+    for mod in (utils, prefill, decode, disagg_service):  # (restored after the test)
+        monkeypatch.setattr(mod, "get_kv_class", mod.get_kv_class)
+    monkeypatch.setattr(utils, "setup_state_kv_args", utils.setup_state_kv_args)
+    for mod in (prefill, decode):
+        monkeypatch.setattr(mod, "setup_state_kv_args", mod.setup_state_kv_args)
+    monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    monkeypatch.delenv(adapter.PLUGIN_ENV, raising=False)
+    adapter.sglang_plugin()
+    assert not HookRegistry._hooks
+    monkeypatch.setenv(adapter.PLUGIN_ENV, "1")
+    monkeypatch.delenv(adapter.DEFERRED_RELEASE_TIMEOUT_ENV, raising=False)
+    adapter.sglang_plugin()
+    HookRegistry.apply_hooks()
+    import os
+
+    assert os.environ[adapter.DEFERRED_RELEASE_TIMEOUT_ENV] == "inf"
+    monkeypatch.delenv(adapter.DEFERRED_RELEASE_TIMEOUT_ENV)
+    for mod in (utils, prefill, decode, disagg_service):
+        get = mod.get_kv_class
+        assert get(TransferBackend.MOONCAKE, KVClassType.MANAGER) is adapter.KVManager
+        assert get(TransferBackend.NIXL, KVClassType.RECEIVER) is adapter.KVReceiver
+        assert get(TransferBackend.MOONCAKE, KVClassType.BOOTSTRAP_SERVER) is (
+            adapter.KVBootstrapServer)
+        assert get(TransferBackend.MOONCAKE, KVClassType.KVARGS) is not adapter.KVArgs
+        assert get(TransferBackend.FAKE, KVClassType.SENDER) is not adapter.KVSender
