@@ -35,7 +35,8 @@ def tests(session: nox.Session) -> None:
     """The full suite, both engines; GPU tests skip without a device."""
     session.run(
         "pytest", "-q", "-p", "no:cacheprovider", "-m",
-        "not slow and not gpu and not chaos and not fuzz", "--durations=15", *session.posargs,
+        "not slow and not gpu and not chaos and not fuzz and not sglang", "--durations=15",
+        *session.posargs,
     )
 
 
@@ -82,6 +83,42 @@ def soak(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """trio_pd vs direct engine calls; pass --json, --plot FILE, --engine nixl, --quick."""
     session.run("trio-pd", "bench", *session.posargs)
+
+
+#: what `nox -s sglang` installs beside trio_pd: SGLang 0.5.23 without its GPU dependency
+#: tree, torch's CPU build (pip takes the wheel the machine keeps), and the modules SGLang's
+#: PD scheduler code imports (found by importing it and reading the errors)
+SGLANG = "sglang==0.5.23"
+SGLANG_IMPORTS = [
+    "torch==2.13.0", "transformers==5.19.0", "orjson", "psutil", "pybase64", "triton",
+    "starlette", "pydantic", "tqdm", "ipython", "httpx2", "truststore", "dill",
+    "apache-tvm-ffi==0.1.11", "sentencepiece", "compressed-tensors", "loguru", "gguf",
+    "openai", "partial-json-parser", "einops", "pillow",
+]
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """The conformance suite against SGLang 0.5.23's own scheduler code (tests/sglang):
+    every call SGLang makes on the connector objects, listed from its installed source and
+    checked against the adapter's table, and SGLang's prefill and decode queues moving
+    verified requests with aborts over both engines. Builds its own virtual environment
+    (.nox/sglang-venv: trio_pd, torch's CPU build, SGLang with --no-deps and the few modules
+    its PD code imports); a second run reuses it."""
+    venv = Path(".nox/sglang-venv")
+    py = str(venv / "bin" / "python")
+    stamp = venv / ".installed"
+    wanted = "\n".join([SGLANG, *SGLANG_IMPORTS, Path("pyproject.toml").read_text()])
+    if not stamp.exists() or stamp.read_text() != wanted:
+        session.run("python3", "-m", "venv", "--clear", str(venv), external=True)
+        pip = [py, "-m", "pip", "install", "-q"]
+        session.run(*pip, "-U", "pip", external=True)
+        session.run(*pip, "-e", ".[cpu,nixl,test]", *SGLANG_IMPORTS, external=True)
+        session.run(*pip, "--no-deps", "nixl-cu12>=1.5", SGLANG, external=True)
+        stamp.write_text(wanted)
+    session.run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "sglang", "-rs",
+                "tests/sglang", *session.posargs, external=True,
+                env={"TRIO_PD_REQUIRE_SGLANG": "1"})
 
 
 @nox.session

@@ -54,6 +54,14 @@ from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator, sta
 from .test_sync import aborter, guarded, poll_until  # (any books with the fields they use)
 
 
+@pytest.fixture(autouse=True)
+def _frees_on_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests drive the adapter as a scheduler that frees a request's pages when
+    poll() says Failed: SGLang with its deferred decode KV release off. (The deferred
+    release itself: tests/sglang, against SGLang's own scheduler code.)"""
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_ENV, "0")
+
+
 def _abort_as_sglang(handle: Any) -> None:
     handle.abort()  # (SGLang's schedulers call abort() with no reason)
 
@@ -426,7 +434,7 @@ def prefill_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], bo
         assert time.monotonic() < deadline, f"prefill: {len(queued) + len(running)} hung"
         while pending and len(queued) + len(running) < CONCURRENCY:
             req = pending.popleft()
-            sender = KVSender(mgr, addr, req.room, [0], 0)
+            sender = KVSender(mgr, addr, req.room)
             queued[req.room] = _P(req, sender)
             if not req.late:
                 books.handles.put(("prefill", req, sender))
@@ -508,8 +516,7 @@ def decode_loop(mgr: KVManager, mem: Memory, addr: str, reqs: list[Request], boo
         while pending and len(queued) + len(transfer) + len(failed) < CONCURRENCY:
             req = pending.popleft()
             receiver = KVReceiver(mgr, addr, req.room)
-            if req.index % 2:
-                receiver.init(0)  # (the newer API: pick the prefill DP rank)
+            receiver.init(0)  # (SGLang picks the prefill DP rank before anything else)
             queued[req.room] = _D(req, receiver)
             if not req.late:
                 books.handles.put(("decode", req, receiver))
@@ -681,9 +688,10 @@ def _stalled(fault: list[FaultEngine]) -> Callable[[Any], FaultEngine]:
 def _one_room(s: Side, room: int, npages: int = 4) -> tuple[KVSender, KVReceiver]:
     pages = np.arange(npages)
     s.src.fill(room, pages, 1)
-    sender = KVSender(s.prefill, s.addr, room, [0], 0)
+    sender = KVSender(s.prefill, s.addr, room)
     sender.init(npages, 1)
     receiver = KVReceiver(s.decode, s.addr, room)
+    receiver.init(0)  # (SGLang picks the prefill DP rank first)
     poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
     receiver.send_metadata(pages + npages, 2)
     sender.send(pages[:1])
@@ -697,6 +705,46 @@ def _watch(what: Callable[[], object], want: object, seconds: float = 0.3) -> No
     while time.monotonic() < end:
         assert what() == want
         time.sleep(0.01)
+
+
+def test_decode_abort_is_failed_at_once_and_held_until_the_drain(
+    engine_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang 0.5.23's deferred decode KV release: a receiver aborted while prefill's write
+    is inside the engine says Failed at once (SGLang's scheduler then holds the pages), and
+    the manager's is_abort_release_safe stays False until trio_pd drained the room."""
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_ENV, "1")
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_TIMEOUT_ENV, "inf")
+    fault: list[FaultEngine] = []
+    with pair(engine_name, wrap=_stalled(fault)) as s:
+        try:
+            _sender, receiver = _one_room(s, 78)
+            assert fault[0].stalls.wait_stalled(1, timeout=BOUND)
+            receiver.abort()
+            assert receiver.poll() == KVPoll.Failed  # at once, as SGLang's receiver
+            assert receiver.abort_notified
+            _watch(lambda: s.decode.is_abort_release_safe(78, 1), False)
+        finally:
+            fault[0].stalls.release_all()
+        poll_until(lambda: s.decode.is_abort_release_safe(78, 1))
+        s.decode.clear_deferred_abort_state(78)
+        assert s.decode.released_before_drain == 0
+
+
+def test_prefill_poll_is_bootstrapping_until_decode_sent_its_metadata(engine_name: str) -> None:
+    """SGLang's back-pressure: a prefill sender says Bootstrapping (its bootstrap queue
+    holds the request) until decode has sent the request's metadata, then WaitingForInput."""
+    with pair(engine_name) as s:
+        sender = KVSender(s.prefill, s.addr, 79)
+        receiver = KVReceiver(s.decode, s.addr, 79)
+        receiver.init(0)
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)  # decode registered
+        _watch(sender.poll, KVPoll.Bootstrapping)
+        receiver.send_metadata(np.arange(2), 1)
+        poll_until(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.init(2, 1)
+        sender.send(np.arange(2))
+        poll_until(lambda: receiver.poll() == KVPoll.Success)
 
 
 def test_prefill_poll_holds_failure_until_the_source_pages_are_free(engine_name: str) -> None:
@@ -768,8 +816,9 @@ def test_an_abort_in_the_bootstrap_queue_fails_decode_at_once(engine_name: str) 
     never calls init) fails decode's request within a moment, not at its waiting deadline;
     an init and chunks after the abort are taken and dropped, and nothing is held."""
     with pair(engine_name, decode_config=DecodeConfig(waiting_timeout=60)) as s:
-        sender = KVSender(s.prefill, s.addr, 81, [0], 0)
+        sender = KVSender(s.prefill, s.addr, 81)
         receiver = KVReceiver(s.decode, s.addr, 81)
+        receiver.init(0)  # (SGLang picks the prefill DP rank first)
         sender.abort()
         poll_until(lambda: sender.poll() == KVPoll.Failed)
         poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
@@ -777,7 +826,7 @@ def test_an_abort_in_the_bootstrap_queue_fails_decode_at_once(engine_name: str) 
         poll_until(lambda: receiver.poll() == KVPoll.Failed, bound=5)
         with pytest.raises(TransferError, match="abort"):
             receiver.failure_exception()
-        late = KVSender(s.prefill, s.addr, 82, [0], 0)  # aborted from another thread ...
+        late = KVSender(s.prefill, s.addr, 82)  # aborted from another thread ...
         threading.Thread(target=late.abort).start()
         poll_until(lambda: late.poll() == KVPoll.Failed)
         late.init(2, aux_index=1)  # ... while the scheduler goes on: nothing breaks
@@ -824,10 +873,11 @@ def test_two_prefill_ranks_fill_one_decode_rank(engine_name: str) -> None:
             senders = []
             for r, (mgr, m) in enumerate(zip(prefills, srcs, strict=True)):
                 m.fill(room, pages, room, first_head=r)
-                sender = KVSender(mgr, addr, room, [0], 0)
+                sender = KVSender(mgr, addr, room)
                 sender.init(3, room)
                 senders.append(sender)
             receiver = KVReceiver(decode, addr, room)
+            receiver.init(0)  # (SGLang picks the prefill DP rank first)
             poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)  # noqa: B023
             receiver.send_metadata(pages, room)
             for sender in senders:
@@ -979,17 +1029,16 @@ def test_unsupported_manager_knobs_are_named(
 def test_unsupported_call_knobs_are_named() -> None:
     with pair(num_pages=16, aux_slots=4) as s:
         calls: list[tuple[str, Callable[[], object]]] = [
-            ("pp_rank=1", lambda: KVSender(s.prefill, s.addr, 1, [0], 1)),
             ("bootstrap_room=None", lambda: KVReceiver(s.decode, s.addr)),
-            ("aux_index=None", lambda: KVSender(s.prefill, s.addr, 2, [0], 0).init(1)),
+            ("aux_index=None", lambda: KVSender(s.prefill, s.addr, 2).init(1)),
             ("needs a decode KVManager", lambda: KVReceiver(s.prefill, s.addr, 3)),
         ]
-        sender = KVSender(s.prefill, s.addr, 4, [0], 0)
+        sender = KVSender(s.prefill, s.addr, 4)
         sender.init(2, 0)
         receiver = KVReceiver(s.decode, s.addr, 4)
+        receiver.init(0)  # (SGLang picks the prefill DP rank first)
         calls += [
             ("aux_index=None", lambda: receiver.send_metadata([0])),
-            ("prefill_dp_rank=1", lambda: receiver.init(1)),
         ]
         for knob, call in calls:
             with pytest.raises(ConfigurationError, match=r"not supported|needs a") as info:
@@ -1029,10 +1078,11 @@ def test_a_decode_prefix_is_skipped_by_the_prefill_rank(engine_name: str) -> Non
     with pair(engine_name) as s:
         room, pages = 83, np.arange(6)
         s.src.fill(room, pages, 1)
-        sender = KVSender(s.prefill, s.addr, room, [0], 0)
+        sender = KVSender(s.prefill, s.addr, room)
         assert sender.pop_decode_prefix_len() == 0
         sender.init(6, 1)
         receiver = KVReceiver(s.decode, s.addr, room)
+        receiver.init(0)  # (SGLang picks the prefill DP rank first)
         poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
         own = np.array([40, 41])  # the prefix pages decode holds (its cache): not written
         for rows in s.dst.pages:
@@ -1132,9 +1182,10 @@ def test_copying_aux_rows_still_work_and_do_not_pair_with_native(engine_name: st
         assert prefill.pool.extra_aux == () and prefill.aux.row_len == 16 + 64 + 64 + 80
         for room, decode in ((91, copying), (92, native)):
             src.fill(room, np.arange(4), 1)
-            sender = KVSender(prefill, addr, room, [0], 0)
+            sender = KVSender(prefill, addr, room)
             sender.init(4, 1)
             receiver = KVReceiver(decode, addr, room)
+            receiver.init(0)  # (SGLang picks the prefill DP rank first)
             if decode is native:
                 poll_until(lambda r=receiver: r.poll() == KVPoll.Failed, bound=5)
                 with pytest.raises(TransferError, match="aux row bytes"):
@@ -1249,9 +1300,10 @@ def test_state_indices_that_do_not_fit_are_refused_and_slots_move(engine_name: s
         dst_held = [np.array([0]), np.array([4, 11, 5])]
         s.src.fill(41, np.arange(3), 1)
         s.src_states.fill(41, src_held)
-        sender = KVSender(s.prefill, s.addr, 41, [0], 0)
+        sender = KVSender(s.prefill, s.addr, 41)
         sender.init(3, 1)
         receiver = KVReceiver(s.decode, s.addr, 41)
+        receiver.init(0)  # (SGLang picks the prefill DP rank first)
         poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
         bad: list[tuple[Any, str]] = [
             ([[0]], r"1 entries, but KVArgs.state_types names 2 state type\(s\) "
@@ -1280,9 +1332,10 @@ def test_state_indices_that_do_not_fit_are_refused_and_slots_move(engine_name: s
         assert s.dst.holds(41, np.arange(3, 6), 2) and s.dst_states.holds(41, dst_held)
         poll_until(lambda: sender.poll() == KVPoll.Success)
         # a sliding window one page longer on decode than on prefill: the room fails
-        sender = KVSender(s.prefill, s.addr, 42, [0], 0)
+        sender = KVSender(s.prefill, s.addr, 42)
         sender.init(1, 0)
         receiver = KVReceiver(s.decode, s.addr, 42)
+        receiver.init(0)  # (SGLang picks the prefill DP rank first)
         poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
         receiver.send_metadata([8], 3, [[1], [2, 3]])
         sender.send([5], state_indices=[[3], [10]])
@@ -1326,10 +1379,11 @@ def test_mamba_dims_let_two_prefill_ranks_fill_one_decode_rank(
         for r, (mgr, m, st) in enumerate(zip(prefills, srcs, src_states, strict=True)):
             m.fill(7, pages, 1, first_head=r)
             st.fill(7, [np.array([r + 1])])  # (each prefill rank's own slot)
-            sender = KVSender(mgr, addr, 7, [0], 0)
+            sender = KVSender(mgr, addr, 7)
             sender.init(3, 1)
             senders.append(sender)
         receiver = KVReceiver(decode, addr, 7)
+        receiver.init(0)  # (SGLang picks the prefill DP rank first)
         if not dims:
             poll_until(lambda: receiver.poll() == KVPoll.Failed, bound=5)
             with pytest.raises(TransferError, match="split by TP rank with no segments"):

@@ -581,11 +581,14 @@ async def test_prefill_refuses_a_dp_rank_outside_its_dp_size() -> None:
 # ------------------------------------------------------------------------------ SGLang
 
 
-def test_sglang_dp_attention_prefill_managers_route_by_the_bootstrap_service() -> None:
+def test_sglang_dp_attention_prefill_managers_route_by_the_bootstrap_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """SGLang's DP attention through the adapter: ``tp_size`` 2, ``dp_size`` 2,
     ``enable_dp_attention``: prefill managers of ``engine_rank`` 0 and 1 are DP ranks 0 and 1
     (attention TP 1, rank 0 each) behind one bootstrap service. A request on DP rank 1
     reaches the decode manager (which names no DP rank), bytes and metadata verified."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
     from trio_pd.compat.sglang import KVBootstrapServer, KVManager, KVReceiver, KVSender
 
     from .test_compat_sglang import Memory, poll_until, server_args
@@ -605,7 +608,7 @@ def test_sglang_dp_attention_prefill_managers_route_by_the_bootstrap_service() -
             assert boot._server.server.statistics().dp_size == 2
             room = 0x5EED
             srcs[1].fill(room, np.arange(4), 1)
-            sender = KVSender(p1, f"127.0.0.1:{boot.port}", room, [0], 0)
+            sender = KVSender(p1, f"127.0.0.1:{boot.port}", room)
             receiver = KVReceiver(decode, f"127.0.0.1:{boot.port}", room)
             receiver.init(None)
             poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
@@ -621,11 +624,14 @@ def test_sglang_dp_attention_prefill_managers_route_by_the_bootstrap_service() -
             assert boot._server.server.statistics().dp_rooms_registered == 1
 
 
-def test_sglang_system_dp_prefill_manager_registers_its_dp_rank() -> None:
+def test_sglang_system_dp_prefill_manager_registers_its_dp_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """DP without DP attention (``dp_size`` 2, each DP rank a full TP group): a prefill
     manager's DP rank is ``KVArgs.system_dp_rank``, registered with the bootstrap service. A
     system DP rank is still refused where it means nothing to trio_pd (prefill with
     ``dp_size`` 1; decode)."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
     from trio_pd.compat.sglang import KVBootstrapServer, KVManager
 
     from .test_compat_sglang import Memory, server_args

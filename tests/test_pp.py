@@ -505,11 +505,12 @@ async def test_the_demo_runs_pp_in_processes() -> None:
 # ------------------------------------------------------------------------------ SGLang
 
 
-def test_sglang_prefill_stages_map_to_pp(engine_name: str) -> None:
+def test_sglang_prefill_stages_map_to_pp(engine_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two SGLang prefill managers of ``server_args.pp_size=2``, each with the KV buffers of
     its layer only (``KVArgs.pp_rank``, ``prefill_start_layer``), and one decode manager of
     both layers: the request's every layer and metadata row arrive. A KVSender of another PP
     stage than its manager's is refused."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
     from contextlib import ExitStack
 
     from trio_pd.compat.sglang import KVBootstrapServer, KVManager, KVReceiver, KVSender
@@ -538,10 +539,8 @@ def test_sglang_prefill_stages_map_to_pp(engine_name: str) -> None:
         decode = stack.enter_context(KVManager(dst.kvargs(), "decode", server_args(), False,
                                                engine=de))
         addr = f"127.0.0.1:{boot.port}"
-        with pytest.raises(ConfigurationError, match="pp_rank=0"):
-            KVSender(managers[1], addr, 7, [0], 0)
         src.fill(7, np.array([0, 1]), 0)
-        senders = [KVSender(m, addr, 7, [0], m.pp_rank) for m in managers]
+        senders = [KVSender(m, addr, 7) for m in managers]
         for sender in senders:
             sender.init(2, 0)
         receiver = KVReceiver(decode, addr, 7)

@@ -430,6 +430,31 @@ class PrefillAgent:
                                  parked.state_slots)
         return PrefillSender(self, rec)
 
+    def decode_metadata(self, room: int, epoch: int | None) -> KVPoll:
+        """What decode has said so far about a room this rank has not created yet (no
+        :meth:`sender` for it): WaitingForInput once every decode rank this rank writes to
+        has sent its metadata for that use of the room (parked until :meth:`sender`),
+        Bootstrapping before, Failed if decode already aborted it. Read-only; for a
+        scheduler that holds a request back until decode has reserved its pages (SGLang's
+        bootstrap queue). A room this rank holds answers its own status."""
+        held = self._rooms.get(room)
+        if held is not None:
+            return held.machine.cell.status
+        if epoch is not None and (
+            self.book.tombstoned(room, epoch) or self.book.aborted_parked.get(room) == epoch
+        ):
+            return KVPoll.Failed
+        parked = [p for p in self.book.parked.get(room, {}).values()
+                  if epoch is None or p.epoch == epoch]
+        if not parked:
+            return KVPoll.Bootstrapping
+        peer = self.peers.get(parked[0].endpoint)
+        if peer is None:
+            return KVPoll.Bootstrapping
+        wanted = served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp)
+        got = {p.decode_rank for p in parked}
+        return KVPoll.WaitingForInput if got.issuperset(wanted) else KVPoll.Bootstrapping
+
     def statistics(self) -> AgentStatistics:
         rooms = [r.machine for r in self._rooms.values()]
         return self.counters.snapshot(

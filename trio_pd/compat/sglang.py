@@ -66,9 +66,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import enum
+import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -79,7 +81,7 @@ import numpy.typing as npt
 from .. import sync
 from .._closing import ClosesOnExit
 from .._decode import DecodeConfig
-from .._errors import ConfigurationError, ProtocolError, TransferError
+from .._errors import ConfigurationError, ProtocolError, TransferAborted, TransferError
 from .._memory import AUX_STAMP, PoolSpec, StateSpec, as_index, describe_pool, page_ids
 from .._prefill import PrefillAgent, PrefillConfig
 from .._state import KVPoll as KVPoll
@@ -96,9 +98,14 @@ __all__ = [
     "KVPoll",
     "KVReceiver",
     "KVSender",
+    "KVTransferMetric",
+    "PrefillInfo",
+    "check_server_args",
     "config_from_env",
+    "get_kv_class",
     "pool_from_kvargs",
     "room_epoch",
+    "sglang_plugin",
     "states_from_kvargs",
 ]
 
@@ -112,6 +119,7 @@ _HELD = KVPoll.Transferring
 #: SGLang's default bootstrap port (``--disaggregation-bootstrap-port``)
 DEFAULT_BOOTSTRAP_PORT = 8998
 _I63 = (1 << 63) - 1
+_log = logging.getLogger("trio_pd.compat.sglang")
 
 
 class DisaggregationMode(enum.Enum):
@@ -261,15 +269,102 @@ def check_kvargs(args: object, *, system_dp: bool = False, pipeline: bool = Fals
             raise _unsupported(f"KVArgs.{knob}", value, why)
 
 
-def _check_server_args(server_args: object, mode: str = "decode") -> None:
-    """Refuse the server arguments trio_pd has no equivalent for: ``pp_size`` other than 1
+#: SGLang's switch for its deferred decode KV release (default on) and the deadline after
+#: which its scheduler frees a failed request's pages without a drain (default 30 s)
+DEFERRED_RELEASE_ENV: Final = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
+DEFERRED_RELEASE_TIMEOUT_ENV: Final = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+#: the variable that turns the SGLang plugin (:func:`sglang_plugin`) on
+PLUGIN_ENV: Final = "TRIO_PD_SGLANG"
+
+
+def _env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """An SGLang boolean variable, parsed as SGLang parses it."""
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in ("true", "1", "yes", "y"):
+        return True
+    if value in ("false", "0", "no", "n"):
+        return False
+    raise ConfigurationError(f"{name}={raw!r}: not a boolean")
+
+
+#: the server arguments and variables whose SGLang code paths call the connector in ways
+#: trio_pd does not serve: (what, is it set?, why), checked when a manager is built
+_REFUSED_FLAGS: Final[tuple[tuple[str, str, Callable[[object, Mapping[str, str]], bool],
+                                  str], ...]] = (
+    ("both", "--disaggregation-decode-allocation-policy",
+     lambda a, e: str(getattr(a, "disaggregation_decode_allocation_policy", None) or "early")
+     != "early",
+     "only the 'early' policy: 'prefill_complete' calls mark_prefill_complete() and reads "
+     "conclude_state, which trio_pd's rooms do not have"),
+    ("both", "--disaggregation-enable-kv-checksum",
+     lambda a, e: bool(getattr(a, "disaggregation_enable_kv_checksum", False)),
+     "the KV checksum is SGLang's own CUDA digest of its pools (should_verify_kv_checksum)"),
+    ("both", "SGLANG_DISAGG_STAGING_BUFFER",
+     lambda a, e: _env_flag(e, "SGLANG_DISAGG_STAGING_BUFFER", False),
+     "SGLang's staging buffer hands its KV tensors to the manager (set_kv_buffer_tensors); "
+     "trio_pd stages head slices itself (PrefillConfig.staging_bytes)"),
+    ("both", "--enable-memory-saver",
+     lambda a, e: bool(getattr(a, "enable_memory_saver", False)),
+     "releasing the KV memory calls deregister_buffer_to_engine() on the manager; trio_pd's "
+     "pools stay registered while the manager lives"),
+    ("prefill", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX",
+     lambda a, e: _env_flag(e, "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", False),
+     "the early send of a cached prefix waits on a CUDA event set on the sender "
+     "(_early_send_wait_event)"),
+    ("decode", "--disaggregation-decode-host-receive-threshold",
+     lambda a, e: float(getattr(a, "disaggregation_decode_host_receive_threshold", 1.0)
+                        if getattr(a, "disaggregation_decode_host_receive_threshold", None)
+                        is not None else 1.0) < 1,
+     "host receive sends KV to host destinations (send_metadata(destination=HOST), "
+     "is_abort_release_safe() on the receiver)"),
+    ("decode", "--enable-hisparse",
+     lambda a, e: bool(getattr(a, "enable_hisparse", False)),
+     "HiSparse sends device_kv_indices beside the host pages (send_metadata("
+     "device_kv_indices=))"),
+)
+
+
+def check_server_args(
+    server_args: object, mode: str = "decode", environ: Mapping[str, str] | None = None
+) -> None:
+    """Refuse, naming the flag, the SGLang server arguments and environment variables under
+    which SGLang's scheduler would call the connector in a way trio_pd does not serve (the
+    call table in docs/sglang.md says which call each one brings), so that they fail when
+    the manager is built, never in the middle of a request; and ``pp_size`` other than 1
     on decode (pipeline parallelism on decode). A prefill manager's ``pp_size`` is its PP
-    size; decode's ``disaggregation_prefill_pp`` (the prefill side's PP size) is not needed:
-    a decode rank reads the stages from the bootstrap service."""
+    size; decode's ``disaggregation_prefill_pp`` is not needed: a decode rank reads the
+    stages from the bootstrap service.
+
+    On decode with SGLang's deferred KV release on (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_
+    KV_RELEASE``, default on), its scheduler frees a failed request's pages at its deadline
+    (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``, default 30 s) whether or
+    not the writers drained: anything but ``inf`` there is refused (:func:`sglang_plugin`
+    sets it when the variable is unset). Raises :class:`~trio_pd.ConfigurationError`."""
+    env = os.environ if environ is None else environ
     value = getattr(server_args, "pp_size", None)
     if mode != "prefill" and value not in (None, 1):
         raise _unsupported("server_args.pp_size", value,
                            "pipeline parallelism on decode (a decode rank holds every layer)")
+    for side, flag, is_set, why in _REFUSED_FLAGS:
+        if side in ("both", mode) and is_set(server_args, env):
+            raise ConfigurationError(f"{flag} is not supported by trio_pd: {why}")
+    if mode == "decode" and _env_flag(env, DEFERRED_RELEASE_ENV, True):
+        raw = env.get(DEFERRED_RELEASE_TIMEOUT_ENV)
+        try:
+            timeout = 30.0 if raw is None else float(raw)
+        except ValueError:
+            raise ConfigurationError(f"{DEFERRED_RELEASE_TIMEOUT_ENV}={raw!r}: not a "
+                                     "number") from None
+        if timeout != math.inf:
+            raise ConfigurationError(
+                f"{DEFERRED_RELEASE_TIMEOUT_ENV}={raw if raw is not None else '30 (unset)'}: "
+                "SGLang's scheduler would free a failed request's KV pages at that deadline "
+                "even while a prefill rank may still write them; with trio_pd set it to inf "
+                "(the pages are released when trio_pd proves the writers drained)"
+            )
 
 
 # ---------------------------------------------------------------------------------- aux rows
@@ -800,7 +895,7 @@ class KVManager(ClosesOnExit):
         dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
         check_kvargs(args, system_dp=self.mode == "prefill" and dp_size > 1 and not dp_attention,
                      pipeline=self.mode == "prefill")
-        _check_server_args(server_args, self.mode)
+        check_server_args(server_args, self.mode)
         #: prefill, pipeline parallelism: the PP stage (``KVArgs.pp_rank``), the PP size
         #: (``server_args.pp_size``) and the stage's first model layer
         #: (``KVArgs.prefill_start_layer``) the agent registers; 0, 1, 0 on decode
@@ -850,6 +945,22 @@ class KVManager(ClosesOnExit):
         self._held: dict[int, _Handle] = {}
         self._lock = threading.Lock()
         self._closed = False
+        #: SGLang's deferred decode KV release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_
+        #: RELEASE``, default on; always off on prefill): a decode receiver then says Failed
+        #: at once, and the scheduler holds the pages until :meth:`is_abort_release_safe`
+        self.enable_deferred_decode_kv_release = (
+            self.mode == "decode" and _env_flag(os.environ, DEFERRED_RELEASE_ENV, True)
+        )
+        #: decode, SGLang's ``prefill_info_table``: a :class:`PrefillInfo` per prefill
+        #: bootstrap address, from :meth:`try_ensure_parallel_info` on
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        #: bytes of one page in every KV buffer, and of one request's metadata items
+        #: (:meth:`KVSender.get_transfer_metric`)
+        self.page_bytes = sum(_ints(args, "kv_item_lens"))
+        self.aux_bytes = sum(self.aux.item_lens)
+        #: decode: rooms SGLang's scheduler released (``clear_deferred_abort_state``) before
+        #: trio_pd had proved them drained; never with the release deadline at inf
+        self.released_before_drain = 0
         self._owns_engine = engine is None
         if engine is None:
             engine = self._make_engine(server_args, args)
@@ -971,6 +1082,68 @@ class KVManager(ClosesOnExit):
                         other._freed = True
         return h._freed
 
+    # -------------------------------------------------------------- SGLang's decode calls
+
+    #: SGLang's capability flags: the adapter answers SGLang's deferred decode KV release
+    #: with trio_pd's drain; no host destinations, no runtime role switch
+    supports_deferred_decode_kv_release: Final = True
+    supports_host_destination: Final = False
+    supports_role_switch: Final = False
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode: SGLang's "is the prefill instance at ``bootstrap_addr`` known?". Always
+        True at once: each receiver resolves its prefill instance itself (and fails its
+        request, naming the address, if that cannot be done by ``DecodeConfig``'s bootstrap
+        deadline). Records the address in :attr:`prefill_info_table`. Any thread; never
+        blocks."""
+        self.prefill_info_table.setdefault(str(bootstrap_addr), _SELF_ROUTED)
+        return True
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """Decode, SGLang's deferred release: True once no prefill rank can still write the
+        pages of failed or aborted room ``bootstrap_room`` (trio_pd has drained it: every
+        prefill rank acknowledged the abort, or was proven gone), and for a room that holds
+        no pages here. ``required_acks`` is not needed: trio_pd's drain waits for every
+        prefill rank of the room. Needs ``free_on_terminal`` (the default; otherwise
+        :meth:`pop_released` says it, and this raises RuntimeError). Any thread; never
+        blocks."""
+        if not self.free_on_terminal:
+            raise RuntimeError("KVManager.is_abort_release_safe: with free_on_terminal=False "
+                               "the released rooms come out of pop_released()")
+        with self._lock:
+            held = self._held.get(int(bootstrap_room))
+        return held is None or self._released(held)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """Decode, SGLang's deferred release: the scheduler has released the room's pages.
+        Forgets the room. If trio_pd had not proved it drained (SGLang's deadline came
+        first, which :func:`check_server_args` refuses), the room is counted in
+        :attr:`released_before_drain` and logged. Any thread; never blocks."""
+        with self._lock:
+            held = self._held.get(int(bootstrap_room))
+        if held is not None and not self._released(held):
+            with self._lock:
+                self.released_before_drain += 1
+                self._held.pop(int(bootstrap_room), None)
+            _log.warning(
+                "room %s: SGLang released its KV pages before trio_pd proved the prefill "
+                "writers drained; set %s=inf", bootstrap_room, DEFERRED_RELEASE_TIMEOUT_ENV,
+            )
+
+    def submit_prefill_recompute(self, receiver: KVReceiver, payload: object = None) -> None:
+        """Decode, SGLang's PD rebootstrap (a retracted request whose prefix the prefill
+        instance recomputes: ``pause_generation(mode="retract")``, DeepSeek-V4 pools): not
+        served by trio_pd. The request fails cleanly (its room is aborted, so
+        :meth:`KVReceiver.poll` says Failed and the pages go through the drain) rather than
+        waiting for a recompute that never comes. Any thread; never blocks."""
+        receiver.abort("PD rebootstrap (prefill recompute) is not supported by trio_pd")
+
+    @property
+    def _gates_terminal(self) -> bool:
+        """Whether a terminal poll() waits for the pages (prefill: ``free_on_terminal``;
+        decode: the same, unless SGLang's deferred release holds them instead)."""
+        return self.free_on_terminal and not self.enable_deferred_decode_kv_release
+
     def _require(self, mode: str, what: str) -> None:
         if self.mode != mode:
             raise ConfigurationError(f"{what} needs a {mode} KVManager, this one is {self.mode}")
@@ -1034,6 +1207,35 @@ def _room(bootstrap_room: int | None) -> int:
     return room
 
 
+@dataclass
+class KVTransferMetric:
+    """SGLang's ``KVTransferMetric``: what :meth:`KVSender.get_transfer_metric` returns after
+    a request's transfer, read by SGLang's request metrics (same field names)."""
+
+    #: from the request's first chunk handed over to the first :meth:`KVSender.poll` that
+    #: saw Success (None until then)
+    transfer_latency_s: float | None = None
+    #: not measured by trio_pd (SGLang's backends may leave it None too)
+    alloc_latency_s: float | None = None
+    #: the KV, state and metadata bytes the request's chunks named, on this rank
+    transfer_total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class PrefillInfo:
+    """What ``KVManager.prefill_info_table`` holds for a prefill instance: the two fields
+    SGLang's decode scheduler reads to pick a prefill DP rank itself. The adapter's receivers
+    route themselves (with DP attention, to the DP rank the prefill side announced to the
+    bootstrap service), so the scheduler is told there is one: every request resolves to DP
+    rank 0 at once, and ``KVReceiver.init`` takes it as "route yourself"."""
+
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+
+_SELF_ROUTED: Final = PrefillInfo()
+
+
 class _Handle:
     """What the sender and receiver share: the facade's handle, the room, the gate."""
 
@@ -1041,6 +1243,8 @@ class _Handle:
 
     def __init__(self, mgr: KVManager, room: int) -> None:
         self._mgr = mgr
+        #: the manager, under the name SGLang's scheduler reads (``sender.kv_mgr``)
+        self.kv_mgr = mgr
         self.room = room
         self.bootstrap_room = room
         #: pages were handed to trio_pd (init / send_metadata ran)
@@ -1051,7 +1255,7 @@ class _Handle:
     def _gated(self, status: KVPoll) -> KVPoll:
         """``status``, or Transferring while a terminal one must wait for the pages."""
         if (
-            status in _TERMINAL and self._given and self._mgr.free_on_terminal
+            status in _TERMINAL and self._given and self._mgr._gates_terminal
             and not self._mgr._released(self)
         ):
             return _HELD
@@ -1079,14 +1283,15 @@ class _Handle:
 
 
 class KVSender(_Handle):
-    """SGLang's ``KVSender(mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank)``:
-    the prefill scheduler's handle for one request. Nothing reaches trio_pd before
-    :meth:`init`. ``bootstrap_addr`` and ``dest_tp_ranks`` are not needed (the rank's
-    bootstrap service is the manager's, and decode ranks announce themselves); ``pp_rank``
-    must be the manager's (``KVArgs.pp_rank``; None: the manager's).
+    """SGLang's ``KVSender(mgr, bootstrap_addr, bootstrap_room,
+    req_has_disagg_prefill_dp_rank=False)``: the prefill scheduler's handle for one request.
+    Nothing reaches trio_pd's room before :meth:`init`. ``bootstrap_addr`` is not needed
+    (the rank's bootstrap service is the manager's, and decode ranks announce themselves),
+    nor is ``req_has_disagg_prefill_dp_rank`` (with DP the sender announces the room's DP
+    rank to the bootstrap service either way).
 
-    Any thread; never blocks. Raises :class:`~trio_pd.ConfigurationError` for ``pp_rank``
-    other than the manager's, a ``bootstrap_room`` of None, or a decode manager.
+    Any thread; never blocks. Raises :class:`~trio_pd.ConfigurationError` for a
+    ``bootstrap_room`` of None, or a decode manager.
     """
 
     def __init__(
@@ -1094,13 +1299,9 @@ class KVSender(_Handle):
         mgr: KVManager,
         bootstrap_addr: str | None,
         bootstrap_room: int,
-        dest_tp_ranks: Sequence[int] | None = None,
-        pp_rank: int | None = 0,
+        req_has_disagg_prefill_dp_rank: bool = False,
     ) -> None:
         mgr._require("prefill", "KVSender")
-        if pp_rank not in (mgr.pp_rank, None):
-            raise _unsupported("pp_rank", pp_rank,
-                               f"a sender of another PP stage than its manager's ({mgr.pp_rank})")
         super().__init__(mgr, _room(bootstrap_room))
         facade = mgr.facade
         assert isinstance(facade, sync.SyncPrefill)
@@ -1113,6 +1314,12 @@ class KVSender(_Handle):
         self._claim = threading.Lock()  # init and abort decide here who came first
         #: aborted before init: the room never reaches trio_pd's facade
         self._early = False
+        #: before init: what decode has said about the room (written by the trio thread,
+        #: moves forward only: Bootstrapping, then WaitingForInput or Failed)
+        self._boot = KVPoll.Bootstrapping
+        self._probing = False  # a look at decode's metadata is on its way
+        self._started: float | None = None  # the first chunk handed over
+        self._latency: float | None = None  # until the first poll that saw Success
 
     def pop_decode_prefix_len(self) -> int:
         """How many of the request's first tokens the decode side holds already (its radix
@@ -1122,6 +1329,29 @@ class KVSender(_Handle):
         request, and the decode side names the prefix (``send_metadata(...,
         decode_prefix_len=)``). Any thread; never blocks."""
         return 0
+
+    def get_max_transfer_tokens(self) -> int | None:
+        """The most tokens one :meth:`send` may carry: None, no limit. trio_pd cuts and
+        coalesces a chunk's pages into engine calls itself (``PrefillConfig.coalesce_pages``,
+        ``batch_blocks``), so the scheduler sends each chunk whole. Any thread."""
+        return None
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """Whether the scheduler makes a :meth:`send` for a chunk of ``num_pages`` pages:
+        yes when it has pages, and always for the last one, which carries the metadata
+        rows and state slots even with no page (a request whose pages all went earlier).
+        Any thread."""
+        return num_pages > 0 or bool(last_chunk)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        """The request's transfer figures on this rank (:class:`KVTransferMetric`): latency
+        from the first chunk handed over to the first :meth:`poll` that saw Success, and the
+        bytes its chunks named (pages x the bytes of a page in every KV buffer, plus the
+        metadata items). SGLang's prefill loop reads it once a request succeeded. Any
+        thread; never blocks."""
+        mgr = self._mgr
+        total = self._sent * mgr.page_bytes + (mgr.aux_bytes if self._num is not None else 0)
+        return KVTransferMetric(transfer_latency_s=self._latency, transfer_total_bytes=total)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """Create the room: ``num_kv_indices`` source *pages* will come through :meth:`send`,
@@ -1169,14 +1399,18 @@ class KVSender(_Handle):
             facade.thread.post(_fail_early, facade, self.room, room_epoch(self.room), reason)
 
     def send(
-        self, kv_indices: npt.ArrayLike, state_indices: Sequence[Any] | None = None
+        self,
+        kv_indices: npt.ArrayLike,
+        state_indices: Sequence[Any] | None = None,
+        num_kv_tokens: int | None = None,
     ) -> None:
         """Hand the next chunk of source page ids over; the chunk that brings the total to
         ``num_kv_indices`` is the last, and carries the request's metadata rows (read in
         place by the engine; with ``native_aux=False`` gathered into the adapter's aux row
         first, :meth:`AuxRows.gather`): the scheduler must have written them by then, as
         SGLang's does, and leave them until the request's pages are free. The page ids are
-        copied.
+        copied. ``num_kv_tokens`` (the tokens the chunk covers) is not needed: trio_pd
+        moves whole pages, and a last page that is partly filled is moved whole.
 
         ``state_indices``, with the last chunk: the request's source slots of each state
         type, one list per entry of ``KVArgs.state_types`` (None for a type it has none of),
@@ -1192,6 +1426,8 @@ class KVSender(_Handle):
             raise ProtocolError(f"room {self.room}: send before init")
         slots = self._mgr._state_slots(state_indices, f"room {self.room}: send")
         ids = page_ids(kv_indices)
+        if self._started is None:
+            self._started = time.perf_counter()
         if self._early:
             self._sent += len(ids)
             return
@@ -1204,17 +1440,57 @@ class KVSender(_Handle):
         self._sent += len(ids)
 
     def poll(self) -> KVPoll:
-        """The request's :class:`KVPoll`. WaitingForInput from the start (trio_pd takes
-        chunks before decode's metadata came), then Transferring, then Success or Failed.
+        """The request's :class:`KVPoll`, as SGLang's: Bootstrapping until every decode rank
+        this rank writes to has sent its metadata for the request (decode has reserved its
+        pages; SGLang's bootstrap queue holds the request until then), then WaitingForInput
+        (call :meth:`init`), Transferring, Success or Failed. Failed before :meth:`init`
+        too, when decode aborted the request first.
 
         With ``free_on_terminal`` (the default) a terminal status shows only once trio_pd has
         handed the room's source pages back (until then it reads Transferring): SGLang's loop
         frees the pages and the metadata slot on a terminal status, and may then. Otherwise
         it shows at once and the pages come back through :meth:`KVManager.pop_released`.
 
-        Any thread; never blocks (no hop).
+        Any thread; never blocks: before :meth:`init` it reads what the trio thread last
+        found (and asks again, one look at a time), so a step that sees Bootstrapping may be
+        followed by one that sees WaitingForInput.
         """
-        return self._gated(self._sender.poll())
+        if self._num is None and not self._early:
+            boot = self._boot
+            if boot is KVPoll.Bootstrapping and not self._probing:
+                self._probing = True
+                if not self._mgr.facade.thread.post(_look_at_decode, self):
+                    self._probing = False
+            return boot
+        status = self._gated(self._sender.poll())
+        if status is KVPoll.Success and self._latency is None and self._started is not None:
+            self._latency = time.perf_counter() - self._started
+        return status
+
+    #: SGLang's prefill pipeline parallelism polls each sender through this name
+    poll_pp_consensus = poll
+
+    def failure_exception(self) -> None:
+        """Raise why the room failed (a :class:`~trio_pd.TransferError`); before
+        :meth:`init` a request decode aborted first raises
+        :class:`~trio_pd.TransferAborted`. Else return None. Any thread; never blocks."""
+        if self._num is None and not self._early and self._boot is KVPoll.Failed:
+            raise TransferAborted(f"room {self.room} was aborted by decode before prefill "
+                                  "created it")
+        super().failure_exception()
+
+
+def _look_at_decode(sender: KVSender) -> None:
+    """On the trio thread: what decode has said so far about ``sender``'s room
+    (:meth:`trio_pd.PrefillAgent.decode_metadata`), for its poll before init."""
+    agent = sender._mgr.facade.agent
+    assert isinstance(agent, PrefillAgent)
+    seen = agent.decode_metadata(sender.room, room_epoch(sender.room))
+    if seen is KVPoll.Failed:
+        sender._boot = KVPoll.Failed
+    elif seen >= KVPoll.WaitingForInput:
+        sender._boot = KVPoll.WaitingForInput
+    sender._probing = False
 
 
 def _announce(facade: sync.SyncPrefill, room: int, epoch: int) -> None:
@@ -1246,10 +1522,20 @@ class KVReceiver(_Handle):
     scheduler's handle for one request, served by the prefill instance whose bootstrap
     service is at ``bootstrap_addr`` (``host:port``, or a full URL).
 
+    The trio_pd room is made here, so the prefill instance is resolved while the request
+    waits in SGLang's queues; :meth:`poll` says Bootstrapping until :meth:`init` (or
+    :meth:`send_metadata`), as SGLang's receiver.
+
     The scheduler's thread (not a trio thread). Blocks for one hop (as
     :meth:`trio_pd.sync.SyncDecode.receiver`). Raises :class:`~trio_pd.ConfigurationError`
     for ``bootstrap_room=None`` or a prefill manager.
     """
+
+    #: SGLang asks before it would send a request's KV to host memory (its host receive,
+    #: which the manager refuses)
+    supports_host_destination: bool = False
+    #: SGLang's staging buffer (refused by the manager)
+    require_staging: bool = False
 
     def __init__(
         self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int | None = None
@@ -1258,6 +1544,7 @@ class KVReceiver(_Handle):
         super().__init__(mgr, _room(bootstrap_room))
         facade = mgr.facade
         assert isinstance(facade, sync.SyncDecode)
+        self.bootstrap_addr = bootstrap_addr
         self._h = self._receiver = facade.receiver(
             self.room, bootstrap_url=_bootstrap_url(bootstrap_addr),
             epoch=room_epoch(self.room),
@@ -1265,6 +1552,15 @@ class KVReceiver(_Handle):
         self._aux_index = 0
         self._delivered = False
         self._deliver_lock = threading.Lock()
+        self._started = False  # init(prefill_dp_rank) or send_metadata came
+        self._aborted = False  # abort() came (Failed at once with deferred release)
+        #: SGLang's deferred release: True once the room's pages were handed to trio_pd and
+        #: the room failed or was aborted, so the scheduler must hold the pages until
+        #: :meth:`KVManager.is_abort_release_safe` says trio_pd drained them
+        self.abort_notified = False
+        #: SGLang takes ``len(bootstrap_infos)`` as the acks its release waits for; trio_pd's
+        #: drain already waits for every prefill rank of the room, so it is one
+        self.bootstrap_infos: list[str] = [bootstrap_addr]
 
     def init(
         self,
@@ -1273,23 +1569,19 @@ class KVReceiver(_Handle):
         kv_indices: npt.ArrayLike | None = None,
         state_indices: Sequence[Any] | None = None,
     ) -> None:
-        """Both of SGLang's forms. ``init(prefill_dp_rank)``: pick the prefill DP rank; only
-        0 (or None) is supported, and nothing else happens: the receiver began to resolve its
-        prefill instance when it was made, and with DP attention the decode agent routes the
-        room by itself, to the DP rank the prefill side announced to the bootstrap service
-        (SGLang's scheduler need not resolve it: pass None). A DP rank named here cannot be
-        pinned any more. ``init(kv_indices, aux_index, state_indices)`` (older SGLang, the
-        three positionally, or by keyword): the same as :meth:`send_metadata`."""
+        """Both of SGLang's forms. ``init(prefill_dp_rank)``: the prefill DP rank SGLang
+        picked; any int (or None) is taken, and only ends Bootstrapping: the receiver routes
+        itself, with DP attention to the DP rank the prefill side announced to the bootstrap
+        service (``KVManager.prefill_info_table`` tells the scheduler there is one DP rank,
+        so it resolves none). ``init(kv_indices, aux_index, state_indices)`` (older SGLang,
+        the three positionally, or by keyword): the same as :meth:`send_metadata`."""
         if kv_indices is None and (
             prefill_dp_rank is None or isinstance(prefill_dp_rank, int | np.integer)
         ):
             if aux_index is not None or state_indices is not None:
                 raise ProtocolError("init(prefill_dp_rank): aux_index and state_indices go to "
                                     "send_metadata")
-            if prefill_dp_rank not in (None, 0):
-                raise _unsupported("prefill_dp_rank", prefill_dp_rank,
-                                   "naming a prefill DP rank other than 0 on decode (the "
-                                   "receiver routes itself by the bootstrap service: pass None)")
+            self._started = True
             return
         if kv_indices is None:
             pages = prefill_dp_rank
@@ -1309,19 +1601,24 @@ class KVReceiver(_Handle):
         aux_index: int | None = None,
         state_indices: Sequence[Any] | None = None,
         decode_prefix_len: int | None = None,
+        destination: object = None,
     ) -> None:
         """Ask for the request's KV into destination pages ``kv_indices`` and its metadata
         into slot ``aux_index`` of the metadata buffers, and its state slots into
         ``state_indices``: one list per entry of ``KVArgs.state_types`` (None for a type it
         has none of), prefill's slot ``i`` of a type into slot ``i`` here. From here the
-        pages and state slots are trio_pd's until Success (or, failed, until :meth:`poll`
-        says Failed with ``free_on_terminal``, else until :meth:`KVManager.pop_released`
-        returns the room).
+        pages and state slots are trio_pd's until Success (or, failed, until the drain:
+        :meth:`KVManager.is_abort_release_safe` with SGLang's deferred release, else a
+        Failed :meth:`poll` with ``free_on_terminal``, else :meth:`KVManager.pop_released`).
+
+        ``destination``: SGLang's ``KVTransferDestination``; only its device value (or
+        None) is taken, host destinations are refused when the manager is built.
 
         The scheduler's thread; never blocks. Raises :class:`~trio_pd.ProtocolError` as
         :meth:`trio_pd.sync.SyncReceiver.init` (bad page ids or aux slot; state slots outside
         their state type or repeated) and for ``state_indices`` that are not one list per
-        state type, and :class:`~trio_pd.ConfigurationError` for ``aux_index=None``.
+        state type, and :class:`~trio_pd.ConfigurationError` for ``aux_index=None`` or a host
+        destination.
 
         ``decode_prefix_len``: the request's first tokens this rank holds already (its radix
         cache; a multiple of ``KVArgs.page_size``, else :class:`~trio_pd.ProtocolError`);
@@ -1332,12 +1629,16 @@ class KVReceiver(_Handle):
         if aux_index is None:
             raise _unsupported("aux_index", None, "the request's metadata row travels with "
                                "its KV, in its aux slot")
+        if str(getattr(destination, "value", destination) or "device") != "device":
+            raise _unsupported("destination", destination, "trio_pd writes decode's device "
+                               "(registered) KV pages only")
         prefix_pages = _prefix_pages(decode_prefix_len, self._mgr.pool.page_size,
                                      f"room {self.room}")
         slots = self._mgr._state_slots(state_indices, f"room {self.room}: send_metadata")
         self._aux_index = int(aux_index)
         self._mgr._hold(self)
         self._given = True
+        self._started = True
         try:
             self._receiver.init(kv_indices, self._aux_index, prefix_pages=prefix_pages,
                                 state_slots=slots or ())
@@ -1347,25 +1648,72 @@ class KVReceiver(_Handle):
             raise
 
     def poll(self) -> KVPoll:
-        """The request's :class:`KVPoll`: Bootstrapping until the prefill instance is
-        resolved, WaitingForInput (call :meth:`send_metadata`), Transferring, then Success or
-        Failed.
+        """The request's :class:`KVPoll`: Bootstrapping until :meth:`init` and the prefill
+        instance is resolved, WaitingForInput (call :meth:`send_metadata`), Transferring,
+        then Success or Failed.
 
-        Success shows only once the request's metadata row has been scattered into the
-        metadata buffers (:meth:`AuxRows.scatter`, by the first poll that sees it); the
-        pages hold the KV and are the scheduler's. With ``free_on_terminal`` (the default)
+        Success shows only once the request's metadata is in the metadata buffers (with
+        ``native_aux=False``, scattered there by the first poll that sees it); the pages
+        hold the KV and are the scheduler's.
+
+        Failed: with SGLang's deferred decode KV release (its default, and the manager's
+        :attr:`KVManager.enable_deferred_decode_kv_release`) at once, after :meth:`abort`
+        too, while the pages stay held until :meth:`KVManager.is_abort_release_safe` says
+        trio_pd drained them. Without it, and with ``free_on_terminal`` (the default),
         Failed shows only once no prefill rank can still write the pages (until then it
-        reads Transferring), so the scheduler may free them on Failed as SGLang's loop does.
+        reads Transferring), so a scheduler that frees on Failed is right to.
 
         Any thread; never blocks on the trio thread (with ``native_aux=False`` the first
         Success copies the row).
         """
+        deferred = self._mgr.enable_deferred_decode_kv_release
+        if self._aborted and deferred and not self._delivered:
+            status = self._receiver.poll()
+            if status is not KVPoll.Success:  # (a room that succeeded first keeps it)
+                return KVPoll.Failed
         status = self._receiver.poll()
         if status is KVPoll.Success:
             if not self._delivered:
                 self._deliver()
             return status
+        if not self._started and status is not KVPoll.Failed:
+            return KVPoll.Bootstrapping
+        if status is KVPoll.Failed and deferred:
+            return status
         return self._gated(status)
+
+    #: SGLang's pipeline-parallel polling reads this name (the same as poll())
+    poll_pp_consensus = poll
+
+    def abort(self, reason: str = "aborted by the scheduler") -> None:
+        """Abort the room (idempotent; a room that succeeded first keeps its Success). With
+        deferred release, :meth:`poll` says Failed at once and, once the room's pages were
+        handed over, :attr:`abort_notified` is True: the pages stay held until
+        :meth:`KVManager.is_abort_release_safe`. Any thread; never blocks."""
+        self._aborted = True
+        self._receiver.abort(reason)
+        if self._given:
+            self.abort_notified = True
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """SGLang's call for a request that failed without the scheduler aborting it: make
+        sure every prefill rank stops writing, and hold the pages for the drain. The adapter
+        aborts the room (a no-op on a failed one: trio_pd drains it either way) and, if its
+        pages were handed over, sets :attr:`abort_notified`. ``force_arm`` changes nothing
+        (trio_pd always waits for the drain of a room that holds pages). Any thread."""
+        if self.abort_notified:
+            return
+        self._receiver.abort("failed: the scheduler releases the request")
+        if self._given:
+            self.abort_notified = True
+
+    def clear(self) -> None:
+        """SGLang's per-room cleanup, after Success, after a released failure, or for a
+        request dropped before it was given pages. A room still open that was never given
+        pages is aborted, so that it stops resolving its prefill instance (nothing to
+        drain). Any thread; never blocks."""
+        if not self._given and self._receiver.poll() not in _TERMINAL:
+            self._receiver.abort("dropped by the scheduler before its pages were allocated")
 
     def _deliver(self) -> None:
         with self._deliver_lock:
@@ -1401,3 +1749,71 @@ class KVBootstrapServer(ClosesOnExit):
     def close(self) -> None:
         """Stop the service (and its trio thread if it has its own). Idempotent."""
         self._server.close()
+
+
+# ---------------------------------------------------------------------------------- the plugin
+
+
+def sglang_plugin() -> None:
+    """SGLang's general plugin hook for trio_pd (entry point ``trio_pd`` of the group
+    ``sglang.srt.plugins``, which SGLang loads in each of its processes): with
+    ``TRIO_PD_SGLANG=1`` in the environment it makes SGLang's class mapping
+    (``sglang.srt.disaggregation.utils.get_kv_class``) answer this module's
+    :class:`KVManager`, :class:`KVSender`, :class:`KVReceiver` and
+    :class:`KVBootstrapServer` for the transfer backends trio_pd runs over (``mooncake``,
+    ``nixl``: ``--disaggregation-transfer-backend`` still picks the engine); SGLang's own
+    ``KVArgs`` stays. It also sets ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_
+    TIMEOUT=inf`` where it is unset (:func:`check_server_args` says why). Without the
+    variable it does nothing, so installing trio_pd beside SGLang changes nothing by itself.
+    """
+    if not _env_flag(os.environ, PLUGIN_ENV, False):
+        return
+    os.environ.setdefault(DEFERRED_RELEASE_TIMEOUT_ENV, "inf")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.utils.get_kv_class", get_kv_class, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.utils.setup_state_kv_args", with_decode_heads,
+        HookType.AROUND,
+    )
+
+
+def with_decode_heads(original: Callable[..., Any], kv_args: Any, token_to_kv_pool: Any,
+                      *args: Any, **kwargs: Any) -> Any:
+    """SGLang's ``setup_state_kv_args`` (which both schedulers call on their ``KVArgs``
+    right before building the manager), then, where SGLang left them unset (its decode
+    scheduler does), ``kv_head_num`` from the pool's ``head_num`` and
+    ``total_kv_head_num`` as that times the attention TP size: trio_pd's decode pool
+    needs its heads to pair with a prefill rank's head slices. (With GQA replication,
+    more decode ranks than KV heads, that total is too large; see docs/sglang.md.)"""
+    result = original(kv_args, token_to_kv_pool, *args, **kwargs)
+    heads = getattr(token_to_kv_pool, "head_num", None)
+    if isinstance(heads, int) and getattr(kv_args, "kv_head_num", None) is None:
+        kv_args.kv_head_num = heads
+        if getattr(kv_args, "total_kv_head_num", None) is None:
+            from sglang.srt.runtime_context import get_parallel
+
+            kv_args.total_kv_head_num = heads * int(get_parallel().attn_tp_size)
+    return result
+
+
+#: SGLang's ``KVClassType`` values -> the adapter's classes
+_CLASSES: Final[Mapping[str, type]] = {
+    "manager": KVManager, "sender": KVSender, "receiver": KVReceiver,
+    "bootstrap_server": KVBootstrapServer,
+}
+
+
+def get_kv_class(original: Callable[[Any, Any], Any], transfer_backend: Any,
+                 class_type: Any) -> Any:
+    """SGLang's ``get_kv_class(transfer_backend, class_type)`` with trio_pd's classes for
+    the backends trio_pd runs over (:func:`sglang_plugin` installs it around SGLang's own,
+    ``original``): the manager, sender, receiver and bootstrap server; ``KVArgs`` and every
+    other backend are SGLang's."""
+    backend = str(getattr(transfer_backend, "value", transfer_backend))
+    chosen = _CLASSES.get(str(getattr(class_type, "value", class_type)))
+    if backend in ENGINE_NAMES and chosen is not None:
+        return chosen
+    return original(transfer_backend, class_type)
