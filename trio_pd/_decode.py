@@ -67,6 +67,7 @@ from ._errors import (
     TransferAborted,
     TransferError,
     UnknownRoom,
+    one_error,
 )
 from ._lazy import LazyEvent
 from ._memory import (
@@ -871,6 +872,7 @@ async def _service(scope: trio.CancelScope, run: Callable[[], Awaitable[object]]
         await run()
 
 
+@one_error
 @asynccontextmanager
 async def open_decode(
     *,
@@ -904,6 +906,9 @@ async def open_decode(
     keeps serving, memory registered, until every held room is released on proof or
     ``config.close_timeout`` passes (then they are reported, not released), and only then
     deregisters its memory.
+
+    Errors come out as one exception, not in an ExceptionGroup, as for
+    :func:`~trio_pd.open_prefill`: an exception raised in the block comes out as itself.
 
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """

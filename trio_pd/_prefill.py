@@ -50,6 +50,7 @@ from ._errors import (
     ProtocolError,
     TransferAborted,
     TransferError,
+    one_error,
 )
 from ._lazy import LazyEvent
 from ._memory import (
@@ -713,6 +714,7 @@ class PrefillAgent:
             self._carry(rec, rec.machine.shutdown(CLOSED))
 
 
+@one_error
 @asynccontextmanager
 async def open_prefill(
     *,
@@ -770,6 +772,11 @@ async def open_prefill(
 
     On exit every task is cancelled; engine calls already running finish first (the nursery
     waits for them), then rooms still open are failed and their pages handed back.
+
+    Errors come out as one exception, not in an ExceptionGroup: a start that fails raises
+    its :class:`~trio_pd.TransferError` (the bootstrap service unreachable:
+    :class:`~trio_pd.BootstrapUnreachable`), and an exception raised in the block comes
+    out as itself. Only failures that are unrelated to each other stay a group.
 
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """

@@ -365,38 +365,35 @@ def _bootstrap_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Arg
 def _cmd_bootstrap(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prometheus_client import CollectorRegistry
 
-    from ._bootstrap import serve_bootstrap
+    from ._bootstrap import open_bootstrap_server
     from ._errors import BootstrapError, ConfigurationError
 
     registry = CollectorRegistry() if args.metrics else None
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(
-                partial(serve_bootstrap, args.host, args.port, metrics_registry=registry)
-            )
+        async with open_bootstrap_server(
+            args.host, args.port, metrics_registry=registry
+        ) as server:
             print(server.url, flush=True)
             if registry is not None:
                 print(f"metrics: {server.url}/metrics", file=sys.stderr, flush=True)
+            await trio.sleep_forever()
 
     try:
         trio.run(main)
-    except BaseException as exc:
-        leaf = _only(exc, (ConfigurationError, BootstrapError))
-        if leaf is None:
-            raise
-        if isinstance(leaf, ConfigurationError):
-            parser.error(str(leaf))
-        print(f"{parser.prog}: {leaf}", file=sys.stderr)
+    except ConfigurationError as exc:
+        parser.error(str(exc))
+    except BootstrapError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-def _only(exc: BaseException, types: tuple[type[BaseException], ...]) -> BaseException | None:
-    """``exc`` or, for an exception group, its one leaf, if it is one of ``types``."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, types) else None
+def _interrupted(exc: BaseException) -> bool:
+    """``exc`` is a KeyboardInterrupt, or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(KeyboardInterrupt)[1] is None
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def _cmd_worker(argv: Sequence[str]) -> int:
@@ -451,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _cmd_worker(argv[1:])
         except BaseException as exc:  # a SIGINT after the rank's report, while it exits
-            if _only(exc, (KeyboardInterrupt,)) is None:
+            if not _interrupted(exc):
                 raise
             return INTERRUPTED
     parser, commands = _parser()
@@ -472,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args, commands[args.command])
     except BaseException as exc:
-        if _only(exc, (KeyboardInterrupt,)) is None:
+        if not _interrupted(exc):
             raise
         print(f"trio-pd {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED
