@@ -147,6 +147,51 @@ def test_bench_plot_needs_matplotlib(
     assert "matplotlib" in line, line
 
 
+#: the module each engine's adapter imports; None in sys.modules makes its import fail
+_ENGINE_MODULES = {"mooncake": ("mooncake", "mooncake.engine"), "nixl": ("nixl_cu12",)}
+
+
+def _hide(monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    """Make ``engine``'s module look not installed (as after ``pip install trio-pd``)."""
+    for module in _ENGINE_MODULES[engine]:
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+@pytest.mark.usefixtures("nothing_starts")
+@pytest.mark.parametrize(
+    ("engine", "argv", "install"),
+    [
+        ("nixl", ["demo", "--engine", "nixl"], "pip install --no-deps nixl-cu12"),
+        ("nixl", ["demo", "--engine", "nixl", "--processes"], "pip install --no-deps nixl-cu12"),
+        ("mooncake", ["demo"], "pip install 'trio-pd[cpu]'"),
+        ("nixl", ["bench", "--quick", "--engine", "nixl"], "pip install --no-deps nixl-cu12"),
+        ("mooncake", ["bench", "--quick", "--preset", "peer"], "pip install 'trio-pd[cpu]'"),
+    ],
+)
+def test_a_missing_engine_module_is_one_line_with_the_install_hint(
+    engine: str, argv: list[str], install: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every command that builds an engine refuses a missing one up front: one line that
+    says what to install, exit 2 (before: a 120-line traceback, exit 1)."""
+    _hide(monkeypatch, engine)
+    line = _refused(argv, capsys, argv[0])
+    assert f"--engine {engine}: " in line and install in line, line
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_make_engine_without_its_module_raises_configuration_error(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library user gets the same hint from ``make_engine``, as a ConfigurationError."""
+    from trio_pd import ConfigurationError
+    from trio_pd.engines import make_engine
+
+    _hide(monkeypatch, engine)
+    with pytest.raises(ConfigurationError, match=r"pip install .*trio-pd"):
+        make_engine(engine)
+
+
 def test_bench_prints_json_before_plotting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

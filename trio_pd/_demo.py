@@ -216,7 +216,20 @@ class DemoOptions:
         if unknown or not self.fault_kinds:
             return (f"--fault-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; "
                     f"choose from {','.join(FAULT_KINDS)}")
-        return self._topology_problem() or self._device_problem() or self._memory_problem()
+        return (self._topology_problem() or self.engine_problem() or self._device_problem()
+                or self._memory_problem())
+
+    def engine_problem(self) -> str | None:
+        """Why ``--engine`` cannot be built here (its module is not installed or does not
+        load: :func:`trio_pd.engines.require_engine`, with what to install), or None."""
+        from ._errors import ConfigurationError
+        from .engines import require_engine
+
+        try:
+            require_engine(self.engine)
+        except ConfigurationError as exc:
+            return f"--engine {self.engine}: {exc}"
+        return None
 
     def _device_problem(self) -> str | None:
         """With ``--device cuda``: cuda-python, a CUDA device and an engine build that moves
