@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
@@ -15,7 +16,7 @@ from typing import Any, NoReturn
 
 import trio
 
-from . import __version__
+from . import __version__, _lifeline
 
 #: the exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it
 INTERRUPTED = 130
@@ -197,7 +198,7 @@ def _with_progress(total: int, quiet: bool, run: Callable[[Callable[[], None]], 
 
 
 def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ._demo import check, run_in_process, run_processes, run_sigint_aware
+    from ._demo import Interrupt, check, run_in_process, run_processes, run_sigint_aware
 
     opts = _options(args)
     problem = opts.option_problem()
@@ -213,22 +214,31 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             flush=True,
         )
 
+    interrupt = Interrupt()
+
     def run(tick: Callable[[], None]) -> Any:
-        # Ctrl-C stops the ranks; the summary of what they did still comes back
-        return trio.run(run_sigint_aware, lambda stop: runner(opts, tick, interrupt=stop))
+        # Ctrl-C (or SIGTERM) stops the ranks; the summary of what they did still comes back.
+        # A second one: rank processes are killed and the summary still comes; in one
+        # process (nothing can be killed apart from it) the process exits at once.
+        return trio.run(partial(
+            run_sigint_aware, lambda stop: runner(opts, tick, interrupt=stop), interrupt,
+            second="now" if args.processes else "exit",
+            notice="trio-pd demo: stopping; the ranks report what they did (interrupt again "
+            + ("to kill them now)" if args.processes else "to exit now)"),
+        ))
 
     summary = _with_progress(opts.requests, args.json, run)
     problems = check(opts, summary)
     if args.json:
         print(json.dumps(summary), flush=True)
     else:
-        _print_summary(summary, problems)
-    if summary.get("interrupted"):
-        return INTERRUPTED
+        _print_summary(summary, problems, interrupt.signal)
+    if interrupt.signal is not None:
+        return 128 + interrupt.signal
     return 1 if problems else 0
 
 
-def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
+def _print_summary(s: dict[str, Any], problems: list[str], signum: int | None = None) -> None:
     from ._demo import DEMO_DEVICE
 
     outcome = f"  succeeded {s['succeeded']}   failed {s['failed']}   aborted {s['aborted']}"
@@ -254,7 +264,8 @@ def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
             f"p99 {s['abort_release_ms']['p99']:.2f} ms"
         )
     if s.get("interrupted"):
-        lines.append(f"  interrupted (Ctrl-C): {s['unfinished']} requests unfinished"
+        by = "Ctrl-C" if signum in (None, signal.SIGINT) else signal.Signals(signum).name
+        lines.append(f"  interrupted ({by}): {s['unfinished']} requests unfinished"
                      + ("; PROBLEMS: " + "; ".join(problems) if problems else ""))
     else:
         lines.append("  OK" if not problems else "  PROBLEMS: " + "; ".join(problems))
@@ -410,12 +421,13 @@ def _cmd_worker(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.ERROR,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = DemoOptions(**json.loads(args.options))
-    # a terminal's Ctrl-C reaches every rank process, and the parent forwards it too:
-    # the second SIGINT must not cut the rank's report short
+    # the parent forwards its Ctrl-C: a second one (a terminal's, reaching the rank's
+    # process group too) must not cut the rank's report short; the parent kills the rank
+    # if it must
     trio.run(partial(
         run_sigint_aware,
         lambda stop: run_worker(args.role, args.rank, args.url, opts, interrupt=stop),
-        second_exits=False,
+        second="ignore",
     ))
     return 0
 
@@ -444,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trio-pd ARGV``; returns the exit status (argparse exits 0 for ``--help`` and
     ``--version`` and 2 for a usage error, through ``SystemExit``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _lifeline.hold()  # a child of demo --processes ends with its parent
     if argv[:1] == ["_worker"]:  # internal, so not in the parser (nor in its usage text)
         try:
             return _cmd_worker(argv[1:])
