@@ -128,7 +128,10 @@ class DecodeConfig:
     waiting_timeout: float = 120.0
     #: how long to wait for drain acks before re-sending ABORT and probing the writers
     ack_timeout: float = 10.0
+    #: how often each prefill rank this agent reads from is sent a PING
     heartbeat_interval: float = 1.0
+    #: PINGs in a row without a PONG after which the prefill rank is lost: the rooms it
+    #: serves fail (``peers_lost``)
     heartbeat_misses: int = 3
     #: "drain": pages of a failed room go back only on every ack, or when the writing peer is
     #: proven gone. "timeout": also when ``ack_timeout`` passes (counted released_by_timeout).
@@ -136,6 +139,8 @@ class DecodeConfig:
     #: how long closing the agent waits for the drain of the rooms it fails; what is still
     #: unproven then is reported, not released (``rooms_unproven_at_close``)
     close_timeout: float = 10.0
+    #: ZeroMQ send high-water mark of each PUSH socket (messages queued per prefill rank);
+    #: a send that finds it reached counts ``send_backpressure`` instead of blocking
     sndhwm: int = 10_000
     #: an ABORT that finds a prefill rank's socket full is retried this long, then dropped
     #: and counted (``outbox_dropped``); the pages stay held
