@@ -96,8 +96,9 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
         help="bootstrap + prefill + decode on loopback with a real engine; verifies every byte",
         description="Run N concurrent requests prefill -> decode over a real transfer engine on "
         "loopback, verify every Success byte for byte, and report. Exits 1 on any corrupt page, "
-        "late write, leaked page or hung request, 130 when stopped by Ctrl-C (after printing "
-        "what it did so far), 2 for an unusable option.",
+        "late write, leaked page or hung request, 130 when stopped by Ctrl-C (143 by SIGTERM; "
+        "after printing what it did so far), 2 for an unusable option or an engine that is "
+        "not installed.",
     )
     p.add_argument("--requests", type=int, default=d.requests, help="requests in all")
     p.add_argument("--concurrency", type=int, default=d.concurrency,
