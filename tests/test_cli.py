@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import os
 import re
 import signal
 import subprocess
@@ -147,6 +148,51 @@ def test_bench_plot_needs_matplotlib(
     assert "matplotlib" in line, line
 
 
+#: the module each engine's adapter imports; None in sys.modules makes its import fail
+_ENGINE_MODULES = {"mooncake": ("mooncake", "mooncake.engine"), "nixl": ("nixl_cu12",)}
+
+
+def _hide(monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    """Make ``engine``'s module look not installed (as after ``pip install trio-pd``)."""
+    for module in _ENGINE_MODULES[engine]:
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+@pytest.mark.usefixtures("nothing_starts")
+@pytest.mark.parametrize(
+    ("engine", "argv", "install"),
+    [
+        ("nixl", ["demo", "--engine", "nixl"], "pip install --no-deps nixl-cu12"),
+        ("nixl", ["demo", "--engine", "nixl", "--processes"], "pip install --no-deps nixl-cu12"),
+        ("mooncake", ["demo"], "pip install 'trio-pd[cpu]'"),
+        ("nixl", ["bench", "--quick", "--engine", "nixl"], "pip install --no-deps nixl-cu12"),
+        ("mooncake", ["bench", "--quick", "--preset", "peer"], "pip install 'trio-pd[cpu]'"),
+    ],
+)
+def test_a_missing_engine_module_is_one_line_with_the_install_hint(
+    engine: str, argv: list[str], install: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every command that builds an engine refuses a missing one up front: one line that
+    says what to install, exit 2 (before: a 120-line traceback, exit 1)."""
+    _hide(monkeypatch, engine)
+    line = _refused(argv, capsys, argv[0])
+    assert f"--engine {engine}: " in line and install in line, line
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_make_engine_without_its_module_raises_configuration_error(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library user gets the same hint from ``make_engine``, as a ConfigurationError."""
+    from trio_pd import ConfigurationError
+    from trio_pd.engines import make_engine
+
+    _hide(monkeypatch, engine)
+    with pytest.raises(ConfigurationError, match=r"pip install .*trio-pd"):
+        make_engine(engine)
+
+
 def test_bench_prints_json_before_plotting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -248,6 +294,108 @@ def test_ctrl_c_prints_partial_summary_and_exits_130(mode: list[str]) -> None:
     assert proc.returncode == 130, (proc.returncode, out, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     assert "trio_pd demo: 200000 requests" in out, out
+    assert re.search(r"interrupted .*: \d+ requests unfinished", out), out
+
+
+def _started_at(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None if it is gone or a
+    zombie (dead, not yet reaped): with the PID this names one process, whatever reuses
+    the number later."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _children(pid: int) -> dict[int, int]:
+    """The live child processes of ``pid``: PID -> start time."""
+    kids = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            started = _started_at(int(entry.name))
+            if int(fields[1]) == pid and started is not None:
+                kids[int(entry.name)] = started
+    return kids
+
+
+def _bootstrap_url(kids: dict[int, int]) -> str | None:
+    """The bootstrap URL on a rank process's command line (``_worker ROLE RANK URL ...``)."""
+    for pid in kids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"_worker" in argv:
+            return argv[argv.index(b"_worker") + 3].decode()
+    return None
+
+
+@pytest.mark.parametrize(
+    "signals", [("SIGINT", "SIGINT"), ("SIGTERM",), ("SIGKILL",)],
+    ids=["ctrl-c-twice", "sigterm", "sigkill"],
+)
+def test_no_child_outlives_the_demo_however_it_is_stopped(signals: tuple[str, ...]) -> None:
+    """``demo --processes`` stopped while its ranks run, by two Ctrl-Cs, SIGTERM or
+    SIGKILL: no child process (bootstrap service, ranks) is left running, checked by PID
+    (before: the bootstrap service went on listening with parent 1, and rank processes
+    spilled BrokenPipeError tracebacks). Stopped by a signal it can catch, it prints its
+    partial summary once and exits 128 + the first signal, with no traceback. The second
+    Ctrl-C goes once the first was taken (it prints a notice): trio delivers a signal that
+    arrives again before the first was taken once."""
+    proc = subprocess.Popen(
+        _cli("demo", "--processes", "--requests", "200000"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    kids: dict[int, int] = {}
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("security:")
+        deadline = time.monotonic() + 60
+        url = None
+        while url is None or len(kids) < 3:  # the bootstrap service and two ranks
+            assert time.monotonic() < deadline, f"the demo's processes did not start: {kids}"
+            time.sleep(0.1)
+            kids = _children(proc.pid)
+            url = _bootstrap_url(kids)
+        while httpx.get(url + "/route", timeout=10).status_code != 200:  # prefill serves
+            assert time.monotonic() < deadline, "the prefill rank did not register"
+            time.sleep(0.1)
+        assert proc.stderr is not None
+        heard = ""
+        for name in signals:
+            proc.send_signal(getattr(signal, name))
+            if name != signals[-1]:  # a second signal must come after the first was taken
+                while "trio-pd demo: stopping" not in heard:
+                    heard += proc.stderr.readline() or pytest.fail(f"no notice: {heard}")
+        out, err = proc.communicate(timeout=60)  # (the children hold its stderr too)
+        err = heard + err
+        deadline = time.monotonic() + 20
+        left = kids
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = {pid: t for pid, t in kids.items() if _started_at(pid) == t}
+        assert not left, f"child processes outlived the demo: {sorted(left)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid, started in kids.items():  # a failed run leaves nothing behind either
+            if _started_at(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in err, err[-3000:]
+    first = getattr(signal, signals[0])
+    if first == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        return
+    assert proc.returncode == 128 + first, (proc.returncode, out, err[-3000:])
+    assert out.count("trio_pd demo: 200000 requests") == 1, out
     assert re.search(r"interrupted .*: \d+ requests unfinished", out), out
 
 

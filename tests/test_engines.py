@@ -22,7 +22,7 @@ import numpy.typing as npt
 import pytest
 import trio
 
-from trio_pd._errors import EngineError
+from trio_pd._errors import ConfigurationError, EngineError
 from trio_pd.engines import Region, TransferEngine, make_engine, start_write
 from trio_pd.engines.fault import Fault, FaultEngine
 
@@ -449,7 +449,7 @@ def test_unregister(kind: str) -> None:
 
 
 def test_unknown_engine_name() -> None:
-    with pytest.raises(EngineError, match="unknown engine"):
+    with pytest.raises(ConfigurationError, match="unknown engine"):
         make_engine("carrier-pigeon")
 
 

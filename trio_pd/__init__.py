@@ -12,9 +12,11 @@ from ._decode import open_decode as open_decode
 from ._errors import AdmissionClosed as AdmissionClosed
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BootstrapError as BootstrapError
+from ._errors import BootstrapUnreachable as BootstrapUnreachable
 from ._errors import ConfigurationError as ConfigurationError
 from ._errors import EngineError as EngineError
 from ._errors import IncompatiblePeer as IncompatiblePeer
+from ._errors import NotReady as NotReady
 from ._errors import PeerLost as PeerLost
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RegionError as RegionError
@@ -22,6 +24,7 @@ from ._errors import RemoteFailure as RemoteFailure
 from ._errors import TransferAborted as TransferAborted
 from ._errors import TransferError as TransferError
 from ._errors import TransferTimeout as TransferTimeout
+from ._errors import UnknownRank as UnknownRank
 from ._errors import UnknownRoom as UnknownRoom
 from ._memory import MemoryKind as MemoryKind
 from ._memory import PoolSpec as PoolSpec

@@ -152,8 +152,10 @@ class BenchOptions:
             return f"--preset must be peer (or left out), got {self.preset!r}"
         from ._demo import DemoOptions
 
-        # the demo's own refusal: cuda-python, the device, an engine build for device memory
-        return DemoOptions(engine=self.engine, device=self.device)._device_problem()
+        # the demo's own refusals: the engine's module, and for device memory cuda-python,
+        # the device and an engine build that moves it
+        demo = DemoOptions(engine=self.engine, device=self.device)
+        return demo.engine_problem() or demo._device_problem()
 
     @property
     def num_buffers(self) -> int:

@@ -139,7 +139,7 @@ from ._bootstrap_client import (
     PrefillRankInfo,
     Topology,
 )
-from ._errors import BootstrapError, ConfigurationError
+from ._errors import BootstrapError, ConfigurationError, one_error
 from ._probe import port_refuses
 from ._security import resolve
 
@@ -1384,6 +1384,7 @@ async def serve_bootstrap(
         _release(server, sock)
 
 
+@one_error
 @asynccontextmanager
 async def open_bootstrap_server(
     host: str = "127.0.0.1",
@@ -1404,8 +1405,9 @@ async def open_bootstrap_server(
     Yields the :class:`BootstrapServer` once it accepts connections; see
     :func:`serve_bootstrap` for the arguments. Errors at start (the address cannot be
     bound...) are raised as they are. Leaving the block shuts the server down, well under a
-    second. As with any context manager that owns a nursery, an exception raised in the
-    block comes out inside an ``ExceptionGroup``.
+    second. An exception raised in the block comes out as itself, not in an
+    ExceptionGroup (so ``open_prefill``'s :class:`~trio_pd.ConfigurationError`, entered
+    inside the block, is caught by ``except ConfigurationError``).
 
     **Cancellation:** if the block is cancelled, the server shuts down as on a normal exit
     and the ``Cancelled`` propagates; the shutdown itself is shielded and bounded (see

@@ -67,6 +67,7 @@ from ._errors import (
     TransferAborted,
     TransferError,
     UnknownRoom,
+    one_error,
 )
 from ._lazy import LazyEvent
 from ._memory import (
@@ -128,7 +129,10 @@ class DecodeConfig:
     waiting_timeout: float = 120.0
     #: how long to wait for drain acks before re-sending ABORT and probing the writers
     ack_timeout: float = 10.0
+    #: how often each prefill rank this agent reads from is sent a PING
     heartbeat_interval: float = 1.0
+    #: PINGs in a row without a PONG after which the prefill rank is lost: the rooms it
+    #: serves fail (``peers_lost``)
     heartbeat_misses: int = 3
     #: "drain": pages of a failed room go back only on every ack, or when the writing peer is
     #: proven gone. "timeout": also when ``ack_timeout`` passes (counted released_by_timeout).
@@ -136,6 +140,8 @@ class DecodeConfig:
     #: how long closing the agent waits for the drain of the rooms it fails; what is still
     #: unproven then is reported, not released (``rooms_unproven_at_close``)
     close_timeout: float = 10.0
+    #: ZeroMQ send high-water mark of each PUSH socket (messages queued per prefill rank);
+    #: a send that finds it reached counts ``send_backpressure`` instead of blocking
     sndhwm: int = 10_000
     #: an ABORT that finds a prefill rank's socket full is retried this long, then dropped
     #: and counted (``outbox_dropped``); the pages stay held
@@ -944,6 +950,7 @@ def _dp_instance(base: str, dp_rank: int) -> str:
     return base if dp_rank == 0 else dp_url(base, dp_rank)
 
 
+@one_error
 @asynccontextmanager
 async def open_decode(
     *,
@@ -977,6 +984,9 @@ async def open_decode(
     keeps serving, memory registered, until every held room is released on proof or
     ``config.close_timeout`` passes (then they are reported, not released), and only then
     deregisters its memory.
+
+    Errors come out as one exception, not in an ExceptionGroup, as for
+    :func:`~trio_pd.open_prefill`: an exception raised in the block comes out as itself.
 
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """

@@ -31,6 +31,7 @@ import numpy.typing as npt
 import trio
 import trio.lowlevel
 
+from . import _lifeline
 from ._bootstrap import open_bootstrap_server
 from ._decode import DecodeConfig, open_decode
 from ._errors import AdmissionClosed
@@ -217,7 +218,20 @@ class DemoOptions:
         if unknown or not self.fault_kinds:
             return (f"--fault-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; "
                     f"choose from {','.join(FAULT_KINDS)}")
-        return self._topology_problem() or self._device_problem() or self._memory_problem()
+        return (self._topology_problem() or self.engine_problem() or self._device_problem()
+                or self._memory_problem())
+
+    def engine_problem(self) -> str | None:
+        """Why ``--engine`` cannot be built here (its module is not installed or does not
+        load: :func:`trio_pd.engines.require_engine`, with what to install), or None."""
+        from ._errors import ConfigurationError
+        from .engines import require_engine
+
+        try:
+            require_engine(self.engine)
+        except ConfigurationError as exc:
+            return f"--engine {self.engine}: {exc}"
+        return None
 
     def _device_problem(self) -> str | None:
         """With ``--device cuda``: cuda-python, a CUDA device and an engine build that moves
@@ -941,13 +955,13 @@ def _pct(values: list[float], p: float) -> float:
     return float(np.percentile(np.asarray(values), p))
 
 
-async def _until(interrupt: trio.Event | None, body: Callable[[], Awaitable[object]]) -> None:
-    """Run ``body``; if ``interrupt`` is set before it returns, cancel it."""
+async def _until(interrupt: Interrupt | None, body: Callable[[], Awaitable[object]]) -> None:
+    """Run ``body``; if ``interrupt`` asks to stop before it returns, cancel it."""
     async with trio.open_nursery() as nursery:
         if interrupt is not None:
 
             async def watch() -> None:
-                await interrupt.wait()
+                await interrupt.stop.wait()
                 nursery.cancel_scope.cancel(reason="the demo was interrupted")
 
             nursery.start_soon(watch)
@@ -955,23 +969,55 @@ async def _until(interrupt: trio.Event | None, body: Callable[[], Awaitable[obje
         nursery.cancel_scope.cancel(reason="the demo finished")
 
 
+@dataclass
+class Interrupt:
+    """What a run hears of the signals that stop it (:func:`run_sigint_aware`). Made
+    outside the run, so the caller can read :attr:`signal` once it has ended."""
+
+    #: set by the first SIGINT (Ctrl-C) or SIGTERM: stop the work, and still report it
+    stop: trio.Event = field(default_factory=trio.Event)
+    #: set by a second one where that does not end the process: stop at once
+    now: trio.Event = field(default_factory=trio.Event)
+    #: the number of the first signal, once there was one
+    signal: int | None = None
+
+    @property
+    def asked(self) -> bool:
+        """A signal asked the run to stop."""
+        return self.stop.is_set()
+
+
 async def run_sigint_aware(
-    run: Callable[[trio.Event], Awaitable[_T]], *, second_exits: bool = True
+    run: Callable[[Interrupt], Awaitable[_T]],
+    interrupt: Interrupt | None = None,
+    *,
+    second: Literal["exit", "now", "ignore"] = "exit",
+    notice: str | None = None,
 ) -> _T:
-    """``await run(interrupt)``, where ``interrupt`` is set by the first SIGINT (Ctrl-C)
-    instead of trio's ``KeyboardInterrupt``, so ``run`` can stop its work and still report.
-    With ``second_exits``, another SIGINT ends the process at once (exit status 130)."""
-    interrupt = trio.Event()
-    with trio.open_signal_receiver(signal.SIGINT) as signals:
+    """``await run(interrupt)``, where the first SIGINT (Ctrl-C) or SIGTERM sets
+    ``interrupt.stop`` instead of ending the process, so ``run`` can stop its work and still
+    report; ``notice``, if given, is printed on stderr then. A second signal, by ``second``:
+    ``"exit"`` ends the process at once (exit status 128 + the signal); ``"now"`` sets
+    ``interrupt.now`` (the run stops without waiting for what it would have waited for, and
+    still reports); ``"ignore"`` does nothing. (trio delivers a signal that arrives again
+    before the first was taken once.)"""
+    interrupt = interrupt or Interrupt()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
-                async for _ in signals:
-                    if interrupt.is_set() and second_exits:
+                async for signum in signals:
+                    if interrupt.signal is None:
+                        interrupt.signal = signum
+                        interrupt.stop.set()
+                        if notice is not None:
+                            print(notice, file=sys.stderr, flush=True)
+                    elif second == "exit":
                         print("trio-pd: interrupted again, exiting now", file=sys.stderr,
                               flush=True)
-                        os._exit(130)
-                    interrupt.set()
+                        os._exit(128 + signum)
+                    elif second == "now":
+                        interrupt.now.set()
 
             nursery.start_soon(watch)
             result = await run(interrupt)
@@ -983,9 +1029,9 @@ async def run_in_process(
     opts: DemoOptions,
     progress: Callable[[], None] = lambda: None,
     *,
-    interrupt: trio.Event | None = None,
+    interrupt: Interrupt | None = None,
 ) -> dict[str, Any]:
-    """Every rank as tasks of one trio run. If ``interrupt`` is set, the ranks stop, decode
+    """Every rank as tasks of one trio run. If ``interrupt`` asks, the ranks stop, decode
     first (closing, it fails its rooms and gets their drain acks from the still-running
     prefill ranks), then prefill, and the summary says what they had done (``interrupted``,
     ``unfinished``)."""
@@ -1026,7 +1072,7 @@ async def run_in_process(
         if interrupt is None:
             await trio.sleep_forever()  # cancelled once the ranks are done
             return
-        await interrupt.wait()
+        await interrupt.stop.wait()
         decode_scope.cancel(reason="the demo was interrupted")
         with trio.move_on_after(INTERRUPT_GRACE_S):
             await decode_done.wait()
@@ -1043,31 +1089,32 @@ async def run_in_process(
     return summarize(opts, results, seconds, interrupted=_is_set(interrupt))
 
 
-def _is_set(interrupt: trio.Event | None) -> bool:
-    return interrupt is not None and interrupt.is_set()
+def _is_set(interrupt: Interrupt | None) -> bool:
+    return interrupt is not None and interrupt.asked
 
 
 async def run_worker(
-    role: str, rank: int, url: str, opts: DemoOptions, *, interrupt: trio.Event | None = None
+    role: str, rank: int, url: str, opts: DemoOptions, *, interrupt: Interrupt | None = None
 ) -> None:
     """One rank in its own process (``--processes``): progress lines, then a JSON result
-    (also when ``interrupt`` stopped the rank early)."""
+    (also when ``interrupt`` stopped the rank early), on stdout, the parent's pipe. If the
+    parent is gone, the process ends quietly (:func:`trio_pd._lifeline.say`)."""
     done = 0
 
     def tick() -> None:
         nonlocal done
         done += 1
-        print(f"progress {done}", flush=True)
+        _lifeline.say(f"progress {done}")
 
     fn = run_prefill_rank if role == "prefill" else run_decode_rank
     owned = _Owned()
     results: list[RankResult] = []
     # from here on an interrupt stops the rank and still gets its report (run_processes
     # sends SIGINT only to ranks that said this; the others it kills)
-    print("started", flush=True)
+    _lifeline.say("started")
     try:
         await _until(interrupt, partial(fn, opts, rank, url, tick, owned=owned, sink=results))
-        print("result " + json.dumps(asdict(results[0])), flush=True)
+        _lifeline.say("result " + json.dumps(asdict(results[0])))
     finally:
         owned.close()
 
@@ -1076,28 +1123,36 @@ async def run_processes(
     opts: DemoOptions,
     progress: Callable[[], None] = lambda: None,
     *,
-    interrupt: trio.Event | None = None,
+    interrupt: Interrupt | None = None,
 ) -> dict[str, Any]:
     """Bootstrap, every prefill rank and every decode rank as separate OS processes.
 
     The child processes run in process groups of their own, so a terminal's Ctrl-C reaches
-    only this one. If ``interrupt`` is set, the rank processes that have started their run
-    are sent SIGINT, decode ranks first and prefill ranks once those ended (as in
+    only this one. If ``interrupt`` asks to stop, the rank processes that have started their
+    run are sent SIGINT, decode ranks first and prefill ranks once those ended (as in
     :func:`run_in_process`): each stops and reports what it did. Ranks that have not ended
-    within :data:`INTERRUPT_GRACE_S` are killed, and so is, at once, a rank process still
-    starting up (it has done nothing to report)."""
+    within :data:`INTERRUPT_GRACE_S`, or when ``interrupt.now`` is set, are killed, and so
+    is, at once, a rank process still starting up (it has done nothing to report).
+
+    Every child holds a :class:`~trio_pd._lifeline.Lifeline` to this process: however it
+    ends (SIGKILL included), they end with it."""
     exe = [sys.executable, "-m", "trio_pd.cli"]
     results: list[RankResult] = []
     procs: list[_RankProcess] = []
     start = time.perf_counter()
+    lifeline = _lifeline.Lifeline()
     # --secure: every process reads the token from TRIO_PD_TOKEN (kept out of argv)
-    env = dict(os.environ)
+    env = lifeline.env(os.environ)
     env.pop(TOKEN_ENV, None)
     if opts.secure:
         env[TOKEN_ENV] = secrets.token_urlsafe(24)
-    boot = await trio.lowlevel.open_process(
-        [*exe, "bootstrap", "--port", "0"], stdout=subprocess.PIPE, env=env, process_group=0
-    )
+    spawn = partial(trio.lowlevel.open_process, stdout=subprocess.PIPE, env=env,
+                    process_group=0, pass_fds=lifeline.pass_fds)
+    try:
+        boot = await spawn([*exe, "bootstrap", "--port", "0"])
+    except BaseException:
+        lifeline.close()
+        raise
     try:
         assert boot.stdout is not None
         url = (await _read_line(boot.stdout)).strip()
@@ -1111,8 +1166,8 @@ async def run_processes(
                 async with trio.open_nursery() as nursery:
                     for role, rank in workers:
                         nursery.start_soon(
-                            _worker_process, exe, role, rank, url, opts, results,
-                            progress if (role, rank) == ("decode", 0) else lambda: None, env,
+                            _worker_process, spawn, exe, role, rank, url, opts, results,
+                            progress if (role, rank) == ("decode", 0) else lambda: None,
                             procs, interrupt,
                         )
             outer.cancel_scope.cancel(reason="every rank process ended")
@@ -1120,6 +1175,7 @@ async def run_processes(
         boot.terminate()
         with trio.CancelScope(shield=True):
             await boot.wait()
+        lifeline.close()
     if len(results) != len(workers) and not _is_set(interrupt):
         raise RuntimeError(f"{len(workers) - len(results)} rank processes gave no result")
     return summarize(opts, results, time.perf_counter() - start,
@@ -1141,9 +1197,23 @@ class _RankProcess:
 
 
 async def _forward_interrupt(
-    interrupt: trio.Event, procs: list[_RankProcess], ranks: trio.CancelScope
+    interrupt: Interrupt, procs: list[_RankProcess], ranks: trio.CancelScope
 ) -> None:
-    await interrupt.wait()
+    """Stop the rank processes in order once ``interrupt`` asks; kill them (cancel
+    ``ranks``) past the grace period or when ``interrupt.now`` is set."""
+    await interrupt.stop.wait()
+    async with trio.open_nursery() as nursery:
+
+        async def hurry() -> None:
+            await interrupt.now.wait()
+            ranks.cancel(reason="interrupted again: the rank processes are killed")
+
+        nursery.start_soon(hurry)
+        await _stop_in_order(procs, ranks)
+        nursery.cancel_scope.cancel(reason="the rank processes ended")
+
+
+async def _stop_in_order(procs: list[_RankProcess], ranks: trio.CancelScope) -> None:
     with trio.move_on_after(INTERRUPT_GRACE_S) as grace:
         await trio.lowlevel.checkpoint()
         for side in ("decode", "prefill"):
@@ -1161,17 +1231,15 @@ async def _forward_interrupt(
 
 
 async def _worker_process(
-    exe: list[str], role: str, rank: int, url: str, opts: DemoOptions,
-    results: list[RankResult], progress: Callable[[], None], env: dict[str, str],
-    procs: list[_RankProcess], interrupt: trio.Event | None,
+    spawn: Callable[[list[str]], Awaitable[trio.Process]], exe: list[str], role: str,
+    rank: int, url: str, opts: DemoOptions, results: list[RankResult],
+    progress: Callable[[], None], procs: list[_RankProcess], interrupt: Interrupt | None,
 ) -> None:
     cmd = [*exe, "_worker", role, str(rank), url, json.dumps(asdict(opts))]
     await trio.lowlevel.checkpoint()
     if _is_set(interrupt):
         return
-    proc = await trio.lowlevel.open_process(
-        cmd, stdout=subprocess.PIPE, env=env, process_group=0
-    )
+    proc = await spawn(cmd)
     me = _RankProcess(role, proc)
     procs.append(me)
     try:

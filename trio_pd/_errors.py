@@ -1,12 +1,20 @@
 """The error family. Every failure a caller can see is a :class:`TransferError`.
 
 At the public boundary trio_pd raises one of these ``from`` the ExceptionGroup that carried
-it; nothing unwraps groups by hand.
+it; nothing unwraps groups by hand. :func:`one_error` is that boundary for the ``open_*``
+context managers, which own nurseries.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 class TransferError(Exception):
@@ -107,3 +115,64 @@ def copy_error(exc: BaseException) -> BaseException:
         new.__cause__ = exc
         return new
 
+
+
+def one_error(
+    opener: Callable[_P, AbstractAsyncContextManager[_T]],
+) -> Callable[_P, AbstractAsyncContextManager[_T]]:
+    """The public boundary of a context manager that owns a nursery (``open_prefill``,
+    ``open_decode``, ``open_bootstrap_server``): what leaves it is one error a caller can
+    catch by its type, as the docs promise, not the ExceptionGroup its nursery raised.
+
+    * The exception that ended the caller's own ``async with`` block comes out as itself
+      (the nursery around the block had wrapped it): ``except KeyError`` around the block
+      works as it would without trio_pd.
+    * A group of exactly one error of ours (a failed start, a background task that failed)
+      becomes a copy of that error (:func:`copy_error`: its type and attributes) raised
+      ``from`` the group, whose traceback says where it happened.
+    * Anything else stays the group it is: two unrelated failures, or the caller's error
+      beside one of ours, are not folded into one; nor is a lone ``Cancelled`` or
+      ``KeyboardInterrupt`` (trio's cancel scopes and ``trio.run`` take them in groups).
+
+    Nested context managers each apply the rule, so ``async with open_bootstrap_server()
+    as boot, open_prefill(...) as prefill:`` raises a :class:`ConfigurationError` from
+    ``open_prefill`` as itself, and the block's own exception as itself.
+
+    **Cancellation:** none of its own; the wrapped context manager's rules apply.
+    """
+
+    @functools.wraps(opener)
+    @asynccontextmanager
+    async def boundary(*args: _P.args, **kwargs: _P.kwargs) -> AsyncIterator[_T]:
+        theirs: BaseException | None = None  # what ended the caller's block, if anything
+        try:
+            async with opener(*args, **kwargs) as value:
+                try:
+                    yield value
+                except BaseException as exc:
+                    theirs = exc
+                    raise
+        except BaseExceptionGroup as group:
+            mine, rest = group.split(lambda exc: exc is theirs)
+            if mine is None:
+                leaves = _leaves(group)
+                if len(leaves) == 1 and isinstance(leaves[0], Exception):
+                    raise copy_error(leaves[0]) from group
+                raise
+            if rest is not None:
+                raise
+        else:
+            return
+        # the caller's exception alone: raised as itself, outside the except clause above
+        # so that it does not get the group that held it as its __context__
+        assert theirs is not None
+        raise theirs
+
+    return boundary
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions ``exc`` holds, through nested groups (``[exc]`` if it is none)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]

@@ -51,6 +51,7 @@ from ._errors import (
     ProtocolError,
     TransferAborted,
     TransferError,
+    one_error,
 )
 from ._lazy import LazyEvent
 from ._memory import (
@@ -104,6 +105,8 @@ CLOSED = "prefill agent closed"
 class PrefillConfig:
     """Knobs of a prefill agent. Deadlines are in seconds."""
 
+    #: tasks that take admitted chunks (and rooms due to publish their outcome) off the
+    #: agent's queue: at most this many rooms' chunks are being written at once
     workers: int = 8
     #: writes to one decode peer that may be in flight at once (started, not yet waited for):
     #: 2 keeps the engine's queue fed while the lane waits for the oldest
@@ -117,6 +120,7 @@ class PrefillConfig:
     #: what is already queued joins; a failure of the shared call fails each room in it
     #: (docs/lifetimes.md). The byte bound keeps it to small writes (docs/bench.md)
     batch_blocks: int = 1024
+    #: the bytes one such shared engine call may carry in all (see ``batch_blocks``)
     batch_bytes: int = 1 << 20
     #: host memory for gathering head slices for decode ranks of a larger TP (MHA, host
     #: pools), so each destination page goes as one block instead of one per token slot;
@@ -138,6 +142,8 @@ class PrefillConfig:
     close_timeout: float | None = None
     #: how long an ABORT for a (room, epoch) this rank does not hold refuses its TRANSFER
     tombstone_ttl: float = 120.0
+    #: ZeroMQ send high-water mark of each PUSH socket (messages queued per peer); a send
+    #: that finds it reached counts ``send_backpressure`` instead of blocking
     sndhwm: int = 10_000
     #: bounded queue of TRANSFER metadata for rooms the scheduler has not created yet
     max_pending_meta: int = 100_000
@@ -155,6 +161,9 @@ class PrefillConfig:
     #: decode peers registered at once; past it a REGISTER replaces one proven gone or idle
     #: for ``peer_idle_timeout`` (``peers_evicted``), or is refused (``peers_refused``)
     max_decode_peers: int = 1024
+    #: how long a registered decode peer must have been unused (no lookup, no engine call,
+    #: probe or quarantine) before a new REGISTER may replace it when ``max_decode_peers``
+    #: are held
     peer_idle_timeout: float = 300.0
 
 
@@ -814,6 +823,7 @@ class PrefillAgent:
             self._carry(rec, rec.machine.shutdown(CLOSED))
 
 
+@one_error
 @asynccontextmanager
 async def open_prefill(
     *,
@@ -874,6 +884,11 @@ async def open_prefill(
     fences can end and their drain acks reach decode (docs/lifetimes.md, "Shutdown"). Then
     every task is cancelled; engine calls already running finish first (the nursery waits for
     them), then rooms still open are failed and their pages handed back.
+
+    Errors come out as one exception, not in an ExceptionGroup: a start that fails raises
+    its :class:`~trio_pd.TransferError` (the bootstrap service unreachable:
+    :class:`~trio_pd.BootstrapUnreachable`), and an exception raised in the block comes
+    out as itself. Only failures that are unrelated to each other stay a group.
 
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """

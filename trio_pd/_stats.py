@@ -20,26 +20,45 @@ class AgentStatistics:
     ``leases_live``, ``leases_quarantined``, ``pages_held``) are current values. Which
     agent keeps which field: :data:`SIDES`, below."""
 
+    #: gauge: rooms the agent still tracks
     rooms_active: int = 0
+    #: prefill, gauge: chunk leases in flight (admitted, engine calls not all returned)
     leases_live: int = 0
+    #: prefill, gauge: chunk leases held in quarantine after an engine error
     leases_quarantined: int = 0
-    pages_held: int = 0  # decode: destination pages held for a drain ack
+    #: decode, gauge: destination pages of failed rooms held for their drain acks
+    pages_held: int = 0
+    #: rooms concluded with Success
     succeeded: int = 0
+    #: rooms failed by anything but an abort (a TransferTimeout included)
     failed: int = 0
+    #: rooms failed by a :class:`~trio_pd.TransferAborted` (the scheduler's or a peer's abort)
     aborted: int = 0
+    #: deadlines that fired: bootstrap (prefill); waiting, init and ack (decode)
     timeouts: int = 0
-    bad_messages: int = 0  # malformed / unknown-version / oversized input
-    refused_messages: int = 0  # well-formed, but about an unknown peer, a bad page, ...
-    late_messages: int = 0  # for an epoch or room no longer held: ignored
-    handler_errors: int = 0  # a message handler raised something not a TransferError
-    bad_endpoints: int = 0  # a send to an endpoint validate_endpoint refuses: nothing sent
+    #: undecodable input: malformed, of an unknown version, oversized, or with a reply endpoint that
+    #: is refused
+    bad_messages: int = 0
+    #: well-formed messages refused: about an unknown peer, a bad page, ...
+    refused_messages: int = 0
+    #: messages for a room or epoch no longer held: ignored
+    late_messages: int = 0
+    #: a message handler raised something not a :class:`~trio_pd.TransferError`: contained to that
+    #: message
+    handler_errors: int = 0
+    #: sends to an endpoint that is refused (by the endpoint check or libzmq): nothing sent, no
+    #: socket made
+    bad_endpoints: int = 0
     #: authentication on: a message or connection refused for its identity (a forged
     #: REGISTER, TRANSFER, ABORT, STATUS, ABORT_ACK, PING or PONG; a message without a
     #: CURVE key; a ZAP request that is not CURVE). Also counted in refused_messages
     #: when a handler refused it
     auth_refused: int = 0
+    #: prefill: engine writes completed
     engine_calls: int = 0
-    chunks_coalesced: int = 0  # prefill: chunks that joined an earlier chunk's engine call
+    #: prefill: chunks that joined the engine call of the room's chunk queued before them
+    #: (``PrefillConfig.coalesce_pages``)
+    chunks_coalesced: int = 0
     #: prefill: chunk writes that rode in another room's engine call to the same decode peer
     #: (a lane joins what is queued; see PrefillConfig.batch_blocks)
     chunks_batched: int = 0
@@ -48,14 +67,24 @@ class AgentStatistics:
     chunks_staged: int = 0
     #: prefill: chunks written in place, per token slot, because the staging area was full
     staging_full: int = 0
+    #: prefill: engine writes that failed
     engine_errors: int = 0
+    #: prefill: bytes of the engine writes completed
     bytes_written: int = 0
-    send_backpressure: int = 0  # a non-blocking send found the socket full
-    outbox_retried: int = 0  # send attempts made by the outbox's retry rounds
-    outbox_dropped: int = 0  # a queued control message given up (too old, or peer over bound)
+    #: non-blocking sends that found a socket full
+    send_backpressure: int = 0
+    #: send attempts made by the outbox's retry rounds
+    outbox_retried: int = 0
+    #: messages that must arrive (a Failed STATUS, an ABORT, an ABORT_ACK) given up: undelivered for
+    #: their deadline, or the oldest of an endpoint over its bound
+    outbox_dropped: int = 0
+    #: prefill: drain acks (ABORT_ACK) sent
     acks_sent: int = 0
+    #: decode: drain acks (ABORT_ACK) received
     acks_received: int = 0
+    #: prefill: leases quarantined by an engine error
     quarantined: int = 0
+    #: prefill: quarantined leases retired by the fence or a peer proven gone
     released_after_quarantine: int = 0
     #: prefill: a quarantine fence passed but a peer's liveness was unknown: pages kept out
     quarantine_unknown: int = 0
@@ -65,7 +94,10 @@ class AgentStatistics:
     #: decode: rooms still held, unproven, when the close deadline passed (pages not handed
     #: back: a write may still land there)
     rooms_unproven_at_close: int = 0
+    #: decode: failed rooms released at ``ack_timeout`` without every ack
+    #: (``release_policy="timeout"``)
     released_by_timeout: int = 0
+    #: decode: failed rooms released without every ack because a writer was proven gone
     released_peer_gone: int = 0
     #: decode: prefill ranks whose writes our engine fenced off (a target-side fence, after
     #: a refused connect hinted they were gone): their held pages may go back
@@ -84,7 +116,8 @@ class AgentStatistics:
     peers_failed: int = 0
     #: prefill: failed marks ended by a probe that answered ALIVE
     peers_back: int = 0
-    #: prefill: decode peers proven gone; decode: prefill ranks lost to the heartbeat
+    #: prefill: decode peers whose registration is over (a probe refused, or a new engine
+    #: session registered); decode: prefill ranks lost to the heartbeat
     peers_lost: int = 0
     #: prefill: rooms with a chunk in an engine call that raised (once per room): each fails,
     #: and quarantines that chunk's lease. Rooms failed beyond these were failed by their peer

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
@@ -15,7 +16,7 @@ from typing import Any, NoReturn
 
 import trio
 
-from . import __version__
+from . import __version__, _lifeline
 
 #: the exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it
 INTERRUPTED = 130
@@ -95,8 +96,9 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
         help="bootstrap + prefill + decode on loopback with a real engine; verifies every byte",
         description="Run N concurrent requests prefill -> decode over a real transfer engine on "
         "loopback, verify every Success byte for byte, and report. Exits 1 on any corrupt page, "
-        "late write, leaked page or hung request, 130 when stopped by Ctrl-C (after printing "
-        "what it did so far), 2 for an unusable option.",
+        "late write, leaked page or hung request, 130 when stopped by Ctrl-C (143 by SIGTERM; "
+        "after printing what it did so far), 2 for an unusable option or an engine that is "
+        "not installed.",
     )
     p.add_argument("--requests", type=int, default=d.requests, help="requests in all")
     p.add_argument("--concurrency", type=int, default=d.concurrency,
@@ -197,7 +199,7 @@ def _with_progress(total: int, quiet: bool, run: Callable[[Callable[[], None]], 
 
 
 def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ._demo import check, run_in_process, run_processes, run_sigint_aware
+    from ._demo import Interrupt, check, run_in_process, run_processes, run_sigint_aware
 
     opts = _options(args)
     problem = opts.option_problem()
@@ -213,22 +215,31 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             flush=True,
         )
 
+    interrupt = Interrupt()
+
     def run(tick: Callable[[], None]) -> Any:
-        # Ctrl-C stops the ranks; the summary of what they did still comes back
-        return trio.run(run_sigint_aware, lambda stop: runner(opts, tick, interrupt=stop))
+        # Ctrl-C (or SIGTERM) stops the ranks; the summary of what they did still comes back.
+        # A second one: rank processes are killed and the summary still comes; in one
+        # process (nothing can be killed apart from it) the process exits at once.
+        return trio.run(partial(
+            run_sigint_aware, lambda stop: runner(opts, tick, interrupt=stop), interrupt,
+            second="now" if args.processes else "exit",
+            notice="trio-pd demo: stopping; the ranks report what they did (interrupt again "
+            + ("to kill them now)" if args.processes else "to exit now)"),
+        ))
 
     summary = _with_progress(opts.requests, args.json, run)
     problems = check(opts, summary)
     if args.json:
         print(json.dumps(summary), flush=True)
     else:
-        _print_summary(summary, problems)
-    if summary.get("interrupted"):
-        return INTERRUPTED
+        _print_summary(summary, problems, interrupt.signal)
+    if interrupt.signal is not None:
+        return 128 + interrupt.signal
     return 1 if problems else 0
 
 
-def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
+def _print_summary(s: dict[str, Any], problems: list[str], signum: int | None = None) -> None:
     from ._demo import DEMO_DEVICE
 
     outcome = f"  succeeded {s['succeeded']}   failed {s['failed']}   aborted {s['aborted']}"
@@ -261,7 +272,8 @@ def _print_summary(s: dict[str, Any], problems: list[str]) -> None:
             f"p99 {s['abort_release_ms']['p99']:.2f} ms"
         )
     if s.get("interrupted"):
-        lines.append(f"  interrupted (Ctrl-C): {s['unfinished']} requests unfinished"
+        by = "Ctrl-C" if signum in (None, signal.SIGINT) else signal.Signals(signum).name
+        lines.append(f"  interrupted ({by}): {s['unfinished']} requests unfinished"
                      + ("; PROBLEMS: " + "; ".join(problems) if problems else ""))
     else:
         lines.append("  OK" if not problems else "  PROBLEMS: " + "; ".join(problems))
@@ -372,38 +384,35 @@ def _bootstrap_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Arg
 def _cmd_bootstrap(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prometheus_client import CollectorRegistry
 
-    from ._bootstrap import serve_bootstrap
+    from ._bootstrap import open_bootstrap_server
     from ._errors import BootstrapError, ConfigurationError
 
     registry = CollectorRegistry() if args.metrics else None
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(
-                partial(serve_bootstrap, args.host, args.port, metrics_registry=registry)
-            )
+        async with open_bootstrap_server(
+            args.host, args.port, metrics_registry=registry
+        ) as server:
             print(server.url, flush=True)
             if registry is not None:
                 print(f"metrics: {server.url}/metrics", file=sys.stderr, flush=True)
+            await trio.sleep_forever()
 
     try:
         trio.run(main)
-    except BaseException as exc:
-        leaf = _only(exc, (ConfigurationError, BootstrapError))
-        if leaf is None:
-            raise
-        if isinstance(leaf, ConfigurationError):
-            parser.error(str(leaf))
-        print(f"{parser.prog}: {leaf}", file=sys.stderr)
+    except ConfigurationError as exc:
+        parser.error(str(exc))
+    except BootstrapError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-def _only(exc: BaseException, types: tuple[type[BaseException], ...]) -> BaseException | None:
-    """``exc`` or, for an exception group, its one leaf, if it is one of ``types``."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, types) else None
+def _interrupted(exc: BaseException) -> bool:
+    """``exc`` is a KeyboardInterrupt, or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(KeyboardInterrupt)[1] is None
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def _cmd_worker(argv: Sequence[str]) -> int:
@@ -420,12 +429,13 @@ def _cmd_worker(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.ERROR,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = DemoOptions(**json.loads(args.options))
-    # a terminal's Ctrl-C reaches every rank process, and the parent forwards it too:
-    # the second SIGINT must not cut the rank's report short
+    # the parent forwards its Ctrl-C: a second one (a terminal's, reaching the rank's
+    # process group too) must not cut the rank's report short; the parent kills the rank
+    # if it must
     trio.run(partial(
         run_sigint_aware,
         lambda stop: run_worker(args.role, args.rank, args.url, opts, interrupt=stop),
-        second_exits=False,
+        second="ignore",
     ))
     return 0
 
@@ -454,11 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trio-pd ARGV``; returns the exit status (argparse exits 0 for ``--help`` and
     ``--version`` and 2 for a usage error, through ``SystemExit``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _lifeline.hold()  # a child of demo --processes ends with its parent
     if argv[:1] == ["_worker"]:  # internal, so not in the parser (nor in its usage text)
         try:
             return _cmd_worker(argv[1:])
         except BaseException as exc:  # a SIGINT after the rank's report, while it exits
-            if _only(exc, (KeyboardInterrupt,)) is None:
+            if not _interrupted(exc):
                 raise
             return INTERRUPTED
     parser, commands = _parser()
@@ -479,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args, commands[args.command])
     except BaseException as exc:
-        if _only(exc, (KeyboardInterrupt,)) is None:
+        if not _interrupted(exc):
             raise
         print(f"trio-pd {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED

@@ -335,20 +335,6 @@ class TrioThread(ClosesOnExit):
                 f"trio_pd.sync: the trio thread {self.name} did not end within {timeout:g} s"
             )
 
-def _ours(error: BaseException, what: str) -> BaseException:
-    """The error to raise at the boundary for a service that failed to start: one of the
-    :class:`~trio_pd.TransferError` family, ``from`` the group that carried it."""
-    if isinstance(error, TransferError) or not isinstance(error, BaseExceptionGroup):
-        return error
-    sub = error.subgroup(TransferError)
-    if sub is not None:
-        leaf: BaseException = sub
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
-        return leaf
-    return TransferError(f"trio_pd.sync: {what} did not start: {error!r}")
-
-
 class _Host(Generic[A]):
     """One trio_pd context manager (an ``open_*``) held open by a task of a TrioThread.
 
@@ -373,13 +359,9 @@ class _Host(Generic[A]):
         self.error: BaseException | None = None
 
     def start(self, timeout: float) -> A:
-        try:
-            value: A = self.thread.start_service(self._serve, what=self.what, timeout=timeout)
-        except BaseException as exc:
-            error = _ours(exc, self.what)
-            if error is exc:
-                raise
-            raise error from exc
+        """Start the service; raises what its ``open_*`` raised at start (one error, not a
+        group: the ``open_*`` functions are the public boundary)."""
+        value: A = self.thread.start_service(self._serve, what=self.what, timeout=timeout)
         return value
 
     async def _serve(  # noqa: ASYNC910 - a service task's end; every path is the opener's

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from .._errors import EngineError
+from .._errors import ConfigurationError
 from ._base import Addrs as Addrs
 from ._base import ClosingEngine as ClosingEngine
 from ._base import Deferred as Deferred
@@ -25,7 +25,8 @@ def make_engine(name: str, host: str = "127.0.0.1", **kw: Any) -> ClosingEngine:
     The adapters are imported here, so this package imports without either wheel. ``host`` is
     the address Mooncake peers reach this engine on (NIXL's UCX finds its own interfaces and
     ignores it). Other keywords go to the adapter's constructor. Raises
-    :class:`~trio_pd.EngineError` naming the pip package if the wheel is missing.
+    :class:`~trio_pd.ConfigurationError` for an unknown name, and, saying what to install,
+    when the engine's module is missing (:func:`require_engine`).
     """
     if name == "mooncake":
         from .mooncake import MooncakeEngine
@@ -35,4 +36,25 @@ def make_engine(name: str, host: str = "127.0.0.1", **kw: Any) -> ClosingEngine:
         from .nixl import NixlEngine
 
         return NixlEngine(**kw)
-    raise EngineError(f"unknown engine {name!r}; one of {', '.join(ENGINE_NAMES)}")
+    raise _unknown(name)
+
+
+def require_engine(name: str) -> None:
+    """Check, before anything starts, that :func:`make_engine` can build engine ``name``
+    here: its Python module is installed and loads. Raises
+    :class:`~trio_pd.ConfigurationError` with what to install otherwise (the command line
+    refuses ``--engine`` with it). Builds no engine."""
+    if name == "mooncake":
+        from .mooncake import import_engine_class
+
+        import_engine_class()
+    elif name == "nixl":
+        from .nixl import import_api
+
+        import_api()
+    else:
+        raise _unknown(name)
+
+
+def _unknown(name: str) -> ConfigurationError:
+    return ConfigurationError(f"unknown engine {name!r}; one of {', '.join(ENGINE_NAMES)}")

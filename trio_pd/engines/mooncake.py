@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._closing import ClosesOnExit
-from .._errors import EngineError
+from .._errors import ConfigurationError, EngineError
 from .._memory import MemoryKind
 from .._probe import _host_port
 from .._sendq import fence_accepted, listening_ports
@@ -106,6 +106,27 @@ _RATE_MIN_BYTES = 256 << 10
 #: that the link is faster than estimated, so the estimate is raised, not measured
 _DONE_ON_WAKE_S = 50e-6
 _MAX_RATE = 50e9
+
+
+def import_engine_class() -> Any:
+    """Mooncake's ``TransferEngine`` class. :class:`~trio_pd.ConfigurationError`, saying
+    what to install, if the ``mooncake`` module is missing (``pip install trio-pd`` without
+    an extra) or does not load (the Debian libraries it links against are missing)."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("mooncake", "mooncake.engine"):
+            raise
+        raise ConfigurationError(
+            "the Mooncake engine needs the `mooncake` module, which is not installed: pip "
+            f"install 'trio-pd[cpu]' (or {_PIP_NAME}; on CUDA hosts 'trio-pd[cuda]')"
+        ) from exc
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the `mooncake` module is installed but does not load ({exc}); it needs the "
+            "Debian libraries libibverbs1 librdmacm1 libnuma1, even for TCP"
+        ) from exc
+    return TransferEngine
 
 
 def _quiet_info_logs() -> None:
@@ -317,8 +338,8 @@ class MooncakeEngine(ClosesOnExit):
 
     Construction sets ``MC_TRANSFER_TIMEOUT`` to :data:`DEFAULT_TRANSFER_TIMEOUT_S` seconds if
     it is not set (see :func:`_set_env_defaults` for what that deadline does and does not
-    promise). Raises :class:`~trio_pd.EngineError` if the wheel is missing or initialisation
-    fails.
+    promise). Raises :class:`~trio_pd.ConfigurationError` if the wheel is missing
+    (:func:`import_engine_class`), :class:`~trio_pd.EngineError` if initialisation fails.
     """
 
     name = "mooncake"
@@ -335,13 +356,7 @@ class MooncakeEngine(ClosesOnExit):
             raise ValueError("max_blocks_in_flight_per_peer must be at least 1")
         check_advertised_host(host, "mooncake engine")  # (its session id is host:rpc_port)
         _set_env_defaults()
-        try:
-            from mooncake.engine import TransferEngine as _MooncakeTE
-        except ImportError as exc:
-            raise EngineError(
-                f"the Mooncake engine needs the `mooncake` module: pip install {_PIP_NAME} "
-                f"(or mooncake-transfer-engine on CUDA hosts): {exc}"
-            ) from exc
+        _MooncakeTE = import_engine_class()
         _quiet_info_logs()
         with _build_lock:
             before = _listening()

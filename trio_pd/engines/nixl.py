@@ -62,7 +62,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._closing import ClosesOnExit
-from .._errors import EngineError
+from .._errors import ConfigurationError, EngineError
 from .._memory import HOST, MemoryKind
 from ._base import Addrs, Deferred, Fence, FenceOutcome, Lens, Pending, Region, check_lengths
 
@@ -185,14 +185,20 @@ def _set_env_defaults() -> None:
             logger.setLevel(logging.WARNING)
 
 
-def _import_api() -> Any:
+def import_api() -> Any:
+    """NIXL's Python API module, with :func:`_set_env_defaults` applied first.
+    :class:`~trio_pd.ConfigurationError`, saying what to install, if ``nixl_cu12`` is
+    missing or does not load."""
     _set_env_defaults()
     try:
         from nixl_cu12 import _api
     except ImportError as exc:
-        raise EngineError(
-            f"the NIXL engine needs the `nixl_cu12` module: pip install --no-deps {_PIP_NAME} "
-            f"(plus numpy): {exc}"
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name == "nixl_cu12"
+        raise ConfigurationError(
+            "the NIXL engine needs the `nixl_cu12` module, which is "
+            + ("not installed" if missing else f"installed but does not load ({exc})")
+            + f": pip install 'trio-pd[nixl]' && pip install --no-deps {_PIP_NAME} (its "
+            "declared torch dependency is not needed)"
         ) from exc
     return _api
 
@@ -301,8 +307,8 @@ class NixlEngine(ClosesOnExit):
     CUDA device ordinal of VRAM pools (0 for DRAM). They apply to regions registered without
     a kind; a region's own :class:`~trio_pd._memory.MemoryKind` wins (module docstring).
     ``progress_delay_us``: see the module docstring. ``transfer_timeout_s``: see
-    :meth:`write`. Raises :class:`~trio_pd.EngineError` if the wheel is missing or the agent
-    cannot be built.
+    :meth:`write`. Raises :class:`~trio_pd.ConfigurationError` if the wheel is missing,
+    :class:`~trio_pd.EngineError` if the agent cannot be built.
     """
 
     name = "nixl"
@@ -318,7 +324,7 @@ class NixlEngine(ClosesOnExit):
     ) -> None:
         if mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"mem_type must be 'DRAM' or 'VRAM', not {mem_type!r}")
-        api = _import_api()
+        api = import_api()
         self._name = name if name is not None else f"trio-pd-{uuid.uuid4().hex}"
         #: the kind of a region registered without one
         self._default = HOST if mem_type == "DRAM" else MemoryKind.cuda(device_id)

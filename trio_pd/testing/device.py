@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from .. import _cuda
 from .._closing import ClosesOnExit
-from .._errors import EngineError
+from .._errors import ConfigurationError, EngineError
 from .._memory import (
     AUX_STAMP,
     HOST,
@@ -86,7 +86,7 @@ def _nixl_problem() -> str | None:
     try:
         with make_engine("nixl") as engine:
             mems = engine._agent.get_backend_mem_types("UCX")  # type: ignore[attr-defined]
-    except EngineError as exc:  # the wheel is missing, or the agent cannot be built
+    except (ConfigurationError, EngineError) as exc:  # no wheel, or the agent cannot be built
         return str(exc)
     except Exception as exc:
         return f"NIXL's UCX backend could not say which memory it moves: {exc!r}"
