@@ -1,0 +1,195 @@
+"""First contact between the parts of a deployment: start order, a bootstrap URL that is dead
+or not trusted, and the real reason in the error and the log when one cannot be reached."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from trio_pd import (
+    BootstrapError,
+    DecodeConfig,
+    KVPoll,
+    PrefillConfig,
+    open_bootstrap_server,
+    open_decode,
+    open_prefill,
+)
+from trio_pd._errors import BootstrapUnreachable
+from trio_pd.engines import TransferEngine, make_engine
+
+from .conftest import host_pool
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then closed at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[tuple[TransferEngine, TransferEngine]]:
+    pe, de = make_engine("mooncake"), make_engine("mooncake")
+    try:
+        yield pe, de
+    finally:
+        pe.close()
+        de.close()
+
+
+def self_signed(tmp: Path) -> tuple[str, str]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    return str(cert), str(key)
+
+
+def only_error(exc: BaseException) -> BaseException:
+    """The one exception ``exc`` carries, however deep in exception groups (``open_*``
+    nested in other blocks raises it wrapped)."""
+    while isinstance(exc, BaseExceptionGroup):
+        assert len(exc.exceptions) == 1, exc
+        exc = exc.exceptions[0]
+    return exc
+
+
+def records(caplog: pytest.LogCaptureFixture, logger: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == logger and r.levelno >= logging.WARNING]
+
+
+# ------------------------------------------------------------------------ start order
+
+
+async def test_prefill_waits_for_a_bootstrap_service_that_starts_later(
+    engines: tuple[TransferEngine, TransferEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``open_prefill`` before its bootstrap service is up: it retries (saying once that it
+    waits, and why), registers once the service starts, and a request then goes through."""
+    pe, de = engines
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    src, dst = host_pool(), host_pool()
+    src.fill(np.arange(2), room=5)
+    up = trio.Event()
+
+    async def prefill_side(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with open_prefill(engine=pe, pool=src.spec, bootstrap_url=url, kv_heads=2) as p:
+            task_status.started()
+            sender = p.sender(5, num_pages=2, aux_slot=0)
+            sender.send(np.arange(2), last=True)
+            await up.wait()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            started = nursery.start(prefill_side)
+            waiting = trio.Event()
+
+            async def serve_late() -> None:
+                # the prefill rank has tried and said so before the service exists
+                while not records(caplog, "trio_pd.bootstrap"):  # noqa: ASYNC110 - a log
+                    await trio.sleep(0.01)
+                waiting.set()
+                async with open_bootstrap_server(port=port):
+                    await up.wait()
+
+            nursery.start_soon(serve_late)
+            await started
+            assert waiting.is_set()
+            async with open_decode(engine=de, pool=dst.spec) as decode:
+                receiver = decode.receiver(5, bootstrap_url=url)
+                receiver.init(np.arange(10, 12), aux_slot=1)
+                assert await receiver.wait() is KVPoll.Success
+            up.set()
+    said = records(caplog, "trio_pd.bootstrap")
+    assert len(said) == 1, [r.getMessage() for r in said]  # once, not per retry
+    assert "connection refused" in said[0].getMessage()
+    assert "retrying" in said[0].getMessage()
+    assert (dst.kv[:, 10:12] == src.kv[:, 0:2]).all()
+
+
+async def test_prefill_gives_up_at_its_bootstrap_timeout_with_the_reason(
+    engines: tuple[TransferEngine, TransferEngine],
+) -> None:
+    pe, _ = engines
+    config = PrefillConfig(bootstrap_timeout=0.5)
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises((BootstrapError, BaseExceptionGroup)) as info:
+        with trio.fail_after(10):
+            async with open_prefill(engine=pe, pool=host_pool().spec, bootstrap_url=url,
+                                    kv_heads=2, config=config):
+                pytest.fail("registered with nobody")
+    error = only_error(info.value)
+    assert isinstance(error, BootstrapUnreachable), error
+    assert "no answer within 0.5 s" in str(error) and "connection refused" in str(error), error
+
+
+# ------------------------------------------------------------------------ dead or untrusted URLs
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["before-init", "after-init"])
+async def test_a_dead_bootstrap_url_fails_the_room_at_one_deadline_with_the_reason(
+    engines: tuple[TransferEngine, TransferEngine], caplog: pytest.LogCaptureFixture, init: bool
+) -> None:
+    """Nothing listens at the URL: the room fails at ``bootstrap_timeout`` (not twice that),
+    and the error and every warning say why: the connection was refused."""
+    _, de = engines
+    timeout = 1.5
+    url = f"http://127.0.0.1:{free_port()}"
+    async with open_decode(
+        engine=de, pool=host_pool().spec, config=DecodeConfig(bootstrap_timeout=timeout)
+    ) as decode:
+        t0 = trio.current_time()
+        receiver = decode.receiver(1, bootstrap_url=url)
+        if init:
+            receiver.init(np.arange(2), aux_slot=0)
+        with trio.fail_after(4 * timeout):
+            assert await receiver.wait() is KVPoll.Failed
+        took = trio.current_time() - t0
+    assert isinstance(receiver.failure, BootstrapError), receiver.failure
+    reason = str(receiver.failure)
+    assert "connection refused" in reason and f"within {timeout:g} s" in reason, reason
+    # one deadline: the second one, started when the first ran out, is gone (2 x 1.5 s)
+    assert took < 1.9 * timeout, took
+    warned = [r.getMessage() for r in records(caplog, "trio_pd.decode")]
+    assert warned and all("connection refused" in w for w in warned), warned
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a test cert")
+async def test_an_untrusted_bootstrap_certificate_fails_at_once_and_says_why(
+    engines: tuple[TransferEngine, TransferEngine], tmp_path: Path
+) -> None:
+    """A certificate the decode rank does not trust is not a service that has not started:
+    the room fails at once (its deadline is 30 s), and the error names the certificate
+    problem and the option that fixes it."""
+    pe, de = engines
+    cert, key = self_signed(tmp_path)
+    token = "t" * 32
+    async with open_bootstrap_server(token=token, certfile=cert, keyfile=key) as boot:
+        async with open_decode(engine=de, pool=host_pool().spec, token=token) as decode:
+            receiver = decode.receiver(1, bootstrap_url=boot.url)
+            with trio.fail_after(10):
+                assert await receiver.wait() is KVPoll.Failed
+        reason = str(receiver.failure)
+        assert "self-signed certificate" in reason and "bootstrap_verify" in reason, reason
+        with pytest.raises((BootstrapError, BaseExceptionGroup)) as info:
+            with trio.fail_after(10):
+                async with open_prefill(engine=pe, pool=host_pool().spec,
+                                        bootstrap_url=boot.url, kv_heads=2, token=token):
+                    pytest.fail("registered with an untrusted service")
+        error = only_error(info.value)
+        assert isinstance(error, BootstrapError), error
+        assert "self-signed certificate" in str(error), error
