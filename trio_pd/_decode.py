@@ -174,8 +174,9 @@ class _DpRoute:
     url: str
     #: the instance's DP size, once the service said (None: not known, or to learn again)
     dp_size: int | None = None
-    #: rooms still asking, oldest first (each until ``bootstrap_timeout`` after it joined)
-    pending: dict[_Room, None] = field(default_factory=dict)
+    #: rooms still asking, oldest first, and whether an ask included them yet (their
+    #: deadline runs from the first)
+    pending: dict[_Room, bool] = field(default_factory=dict)
     #: a task is asking for them (:meth:`DecodeAgent._route_loop`)
     running: bool = False
     #: set when a room joins ``pending``: ask again sooner
@@ -462,9 +463,10 @@ class DecodeAgent:
         route = self._dp_routes.get(inst.url)
         if route is not None:
             if route.dp_size is None:
-                # its rooms waited for this resolution to say the DP size: the service did
-                # not answer (or cannot pair) within the same deadline, so they fail now, with
-                # its reason, instead of asking it again for a deadline of their own
+                # its rooms waited for this resolution to say the DP size, and have not asked
+                # yet: the service did not answer (or cannot pair) within the deadline, so
+                # they fail now, with its reason, instead of asking it for a deadline of
+                # their own (which made a dead URL take twice ``bootstrap_timeout``)
                 for rec in list(route.pending):
                     del route.pending[rec]
                     self._carry(rec, rec.machine.fail(error))
@@ -519,12 +521,10 @@ class DecodeAgent:
         """Find the DP rank that holds the room. While the DP size of the service at ``base``
         is not known, its DP rank 0 (the whole instance, with one DP rank) is resolved first:
         its topology says the DP size, and with one DP rank the room goes there unasked.
-        Otherwise the service is asked (batched per service). Either way for at most
-        ``bootstrap_timeout`` from now, one deadline: a resolution that fails fails the room
-        with it (:meth:`_resolve_failed`)."""
+        Otherwise the service is asked (batched per service), for at most
+        ``bootstrap_timeout`` from the first ask that includes the room."""
         route = self._route_for(base)
-        route.pending[rec] = None
-        self.timers.after(self.config.bootstrap_timeout, partial(self._route_due, route, rec))
+        route.pending[rec] = False
         if route.dp_size is None:
             inst = self.sources.instance(base)
             if inst.ready:
@@ -583,6 +583,11 @@ class DecodeAgent:
             batch = [r for r in waiting[start:start + MAX_DP_BATCH] if r in route.pending]
             if not batch:
                 continue
+            for rec in batch:
+                if not route.pending[rec]:  # its first ask: its deadline starts
+                    route.pending[rec] = True
+                    due = partial(self._route_due, route, rec)
+                    self.timers.after(self.config.bootstrap_timeout, due)
             rooms = [DpRoom(r.machine.room, r.machine.epoch) for r in batch]
             try:
                 with trio.fail_after(_DP_ASK_TIMEOUT):
@@ -621,7 +626,7 @@ class DecodeAgent:
             inst.waiting.append(rec)
 
     def _route_due(self, route: _DpRoute, rec: _Room) -> None:
-        """``bootstrap_timeout`` after the room began to ask: if it still waits, it
+        """``bootstrap_timeout`` after the first ask for the room: if it still waits, it
         fails (counted ``timeouts``; nobody was told of it) with :class:`UnknownRoom`, or,
         if the service never answered, with a :class:`BootstrapError` as an instance that
         does not resolve."""
@@ -634,15 +639,10 @@ class DecodeAgent:
         timeout = self.config.bootstrap_timeout
         error: BootstrapError
         if route.dp_size is None:  # it never answered: as an instance that does not resolve
-            inst = self.sources.instances.get(route.url)
-            if inst is not None and inst.client is not None and inst.client.waiting:
-                # (its resolution is still waiting: the same error its deadline gives)
-                error = inst.client.no_answer(timeout, f"prefill instance {route.url}")
-            else:
-                error = BootstrapError(
-                    f"prefill instance {route.url}: no answer within {timeout:g} s "
-                    f"({route.last_error})"
-                )
+            error = BootstrapError(
+                f"prefill instance {route.url}: no answer within {timeout:g} s "
+                f"({route.last_error})"
+            )
         else:
             error = UnknownRoom(
                 f"room {rec.machine.room}: the bootstrap service at {route.url} did not say "

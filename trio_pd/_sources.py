@@ -86,8 +86,6 @@ class Instance:
     dp_size: int | None = None
     #: resolving it failed (the agent's DP routing then asks the service directly)
     failed: bool = False
-    #: the client resolving it, while it does (its ``waiting`` says why it still waits)
-    client: BootstrapClient | None = None
 
 
 class Sources:
@@ -145,14 +143,11 @@ class Sources:
         t0 = time.perf_counter()
         try:
             async with BootstrapClient(inst.url, token=self.token, verify=self.verify) as client:
-                inst.client = client
                 try:
                     with trio.fail_after(self.bootstrap_timeout):
                         topo = await client.wait_topology()
                 except trio.TooSlowError:  # (what the service last said, or why it did not)
                     raise client.no_answer(self.bootstrap_timeout) from None
-                finally:
-                    inst.client = None
             infos = self._source_infos(topo)
             inst.sources = [self._register_with(info) for info in infos]
         except Exception as exc:
