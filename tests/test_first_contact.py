@@ -4,9 +4,11 @@ or not trusted, and the real reason in the error and the log when one cannot be 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,14 +18,18 @@ import trio
 
 from trio_pd import (
     BootstrapError,
+    ConfigurationError,
     DecodeConfig,
     KVPoll,
     PrefillConfig,
+    _wire,
     open_bootstrap_server,
     open_decode,
     open_prefill,
 )
+from trio_pd._control import ControlPlane
 from trio_pd._errors import BootstrapUnreachable
+from trio_pd._stats import Counters
 from trio_pd.engines import TransferEngine, make_engine
 
 from .conftest import host_pool
@@ -193,3 +199,157 @@ async def test_an_untrusted_bootstrap_certificate_fails_at_once_and_says_why(
         error = only_error(info.value)
         assert isinstance(error, BootstrapError), error
         assert "self-signed certificate" in str(error), error
+
+
+# ------------------------------------------------------------------------ IPv6
+
+
+def _ipv6_loopback() -> str | None:
+    """None if this host has ``::1``, else why not."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as exc:
+        return f"no IPv6 loopback here: {exc}"
+    return None
+
+
+needs_ipv6 = pytest.mark.skipif(_ipv6_loopback() is not None, reason=str(_ipv6_loopback()))
+
+
+@needs_ipv6
+async def test_a_control_plane_on_ipv6_binds_and_is_reached() -> None:
+    """``host="::1"`` binds ``tcp://[::1]:PORT`` and another plane's PUSH reaches it; an IPv4
+    plane still publishes its plain address (not the v4-mapped ``[::ffff:127.0.0.1]``)."""
+    got: list[_wire.Message] = []
+    arrived = trio.Event()
+
+    def handle(msg: _wire.Message, _pages: object) -> None:
+        got.append(msg)
+        arrived.set()
+
+    a, b = ControlPlane("::1", Counters()), ControlPlane("[::1]", Counters())
+    v4 = ControlPlane("127.0.0.1", Counters())
+    try:
+        assert a.endpoint.startswith("tcp://[::1]:") and b.heartbeat_endpoint.startswith(
+            "tcp://[::1]:"
+        )
+        assert v4.endpoint.startswith("tcp://127.0.0.1:")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.serve, handle)
+            ping = _wire.Ping(v=_wire.WIRE_VERSION, nonce=7, endpoint=b.endpoint)
+            assert b.send_nowait(a.endpoint, ping)
+            with trio.fail_after(10):
+                await arrived.wait()
+            nursery.cancel_scope.cancel()
+        assert got == [ping]
+    finally:
+        for plane in (a, b, v4):
+            await plane.aclose()
+
+
+@needs_ipv6
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+async def test_ipv6_end_to_end(engine_name: str, secure: bool) -> None:
+    """Bootstrap service, prefill and decode on ``::1`` (CURVE too): a request succeeds and
+    its bytes arrive. The engines keep their default host here: a Mooncake engine on IPv6
+    needs a process of its own (``test_mooncake_on_ipv6_in_a_process_of_its_own``)."""
+    token = "ipv6-" + "t" * 32 if secure else None
+    src, dst = host_pool(), host_pool()
+    src.fill(np.arange(3), room=9)
+    pe, de = make_engine(engine_name), make_engine(engine_name)
+    try:
+        async with (
+            open_bootstrap_server(host="::1", token=token) as boot,
+            open_prefill(engine=pe, pool=src.spec, bootstrap_url=boot.url, host="::1",
+                         kv_heads=2, token=token, secure=secure) as prefill,
+            open_decode(engine=de, pool=dst.spec, host="::1", token=token,
+                        secure=secure) as decode,
+        ):
+            assert boot.url.startswith("http://[::1]:")
+            assert prefill.endpoint.startswith("tcp://[::1]:")
+            assert decode.endpoint.startswith("tcp://[::1]:")
+            sender = prefill.sender(9, num_pages=3, aux_slot=0)
+            receiver = decode.receiver(9, bootstrap_url=boot.url)
+            receiver.init(np.arange(20, 23), aux_slot=2)
+            sender.send(np.arange(3), last=True)
+            with trio.fail_after(20):
+                assert await receiver.wait() is KVPoll.Success, receiver.failure
+                assert await sender.wait() is KVPoll.Success, sender.failure
+    finally:
+        pe.close()
+        de.close()
+    assert (dst.kv[:, 20:23] == src.kv[:, 0:3]).all()
+
+
+_MOONCAKE_V6 = """
+import os, numpy as np, trio
+from trio_pd import ConfigurationError, KVPoll, open_bootstrap_server, open_decode, open_prefill
+from trio_pd.engines import make_engine
+from trio_pd.testing.pools import HostKVPool
+
+def pool():
+    return HostKVPool(layout="mha", num_pages=16, num_layers=2, page_size=4, head_bytes=16,
+                      heads=2)
+
+async def main():
+    src, dst = pool(), pool()
+    src.fill(np.arange(4), room=3)
+    pe, de = make_engine("mooncake", host="::1"), make_engine("mooncake", host="::1")
+    print("session", pe.session_id, os.environ.get("MC_USE_IPV6"))
+    try:
+        async with (
+            open_bootstrap_server(host="::1") as boot,
+            open_prefill(engine=pe, pool=src.spec, bootstrap_url=boot.url, host="::1") as p,
+            open_decode(engine=de, pool=dst.spec, host="::1") as d,
+        ):
+            s = p.sender(3, num_pages=4, aux_slot=0)
+            r = d.receiver(3, bootstrap_url=boot.url)
+            r.init(np.arange(8, 12), aux_slot=1)
+            s.send(np.arange(4), last=True)
+            with trio.fail_after(20):
+                print("status", (await r.wait()).name, r.failure)
+        print("bytes", bool((dst.kv[:, 8:12] == src.kv[:, 0:4]).all()))
+    finally:
+        pe.close()
+        de.close()
+    try:
+        make_engine("mooncake", host="127.0.0.1")
+    except ConfigurationError as exc:
+        print("refused", exc)
+
+trio.run(main)
+"""
+
+
+@needs_ipv6
+@pytest.mark.processes
+def test_mooncake_on_ipv6_in_a_process_of_its_own(tmp_path: Path) -> None:
+    """Mooncake reaches its peers over IPv6 only with ``MC_USE_IPV6``, read once per process:
+    the first engine on an IPv6 address sets it, a request then succeeds over ``[::1]``, and
+    an IPv4 engine in the same process is refused at once with the reason."""
+    env = {k: v for k, v in os.environ.items() if k != "MC_USE_IPV6"}
+    env["GLOG_minloglevel"] = "2"
+    script = tmp_path / "v6.py"
+    script.write_text(_MOONCAKE_V6)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+    )
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert lines[0].startswith("session [::1]:") and lines[0].endswith(" 1"), lines
+    assert "status Success None" in lines and "bytes True" in lines, lines
+    refused = [line for line in lines if line.startswith("refused ")]
+    assert refused and "'127.0.0.1' is an IPv4 address" in refused[0], lines
+    assert "MC_USE_IPV6" in refused[0]
+
+
+def test_mooncake_refuses_an_ipv6_host_after_an_ipv4_engine() -> None:
+    """This process's Mooncake engines are IPv4 (unless MC_USE_IPV6 was set before the
+    first): an engine on an IPv6 address is refused at once, saying why, instead of failing
+    every write to its peers."""
+    if "MC_USE_IPV6" in os.environ:
+        pytest.skip("MC_USE_IPV6 is set: this process's Mooncake engines are IPv6")
+    make_engine("mooncake").close()
+    with pytest.raises(ConfigurationError, match=r"'::1' is an IPv6 address.*MC_USE_IPV6"):
+        make_engine("mooncake", host="::1")

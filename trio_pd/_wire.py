@@ -110,19 +110,44 @@ def check_advertised_host(host: str, what: str) -> str:
     REGISTER, Mooncake's session id), so a wildcard such as ``0.0.0.0`` or ``::`` would send
     peers on other hosts to an address that means "this machine" to each of them. Give the
     address of the interface peers reach (docs/deployment.md)."""
-    name = host.strip()
-    if name.startswith("[") and name.endswith("]"):
-        name = name[1:-1]
-    try:
-        unspecified = ipaddress.ip_address(name.partition("%")[0]).is_unspecified
-    except ValueError:
-        unspecified = name in ("", "*")
-    if unspecified:
+    address = ip_literal(host)
+    if (address is not None and address.is_unspecified) or host.strip().strip("[]") in ("", "*"):
         raise ConfigurationError(
             f"{what}: host={host!r} is a wildcard; peers are told the address the agent binds, "
             "so give the address (or name) of the interface they reach this host on"
         )
     return host
+
+
+def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` is, when it is an IP literal (IPv6 with or without brackets, a
+    ``%zone`` dropped); None for a name. Pure: nothing is resolved."""
+    name = host.strip()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        return ipaddress.ip_address(name.partition("%")[0])
+    except ValueError:
+        return None
+
+
+def bracketed(host: str) -> str:
+    """``host`` as it goes in a ``tcp://HOST:PORT`` endpoint or a URL: an IPv6 literal in
+    brackets (``[::1]``), anything else as it is."""
+    name = host.strip()
+    if ":" in name and not name.startswith("["):
+        return f"[{name}]"
+    return name
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint (an IPv6 one without its brackets), or
+    None if ``endpoint`` is not of that form."""
+    match = _TCP_ENDPOINT.fullmatch(endpoint)
+    if match is None:
+        return None
+    host = match.group(1)
+    return host[1:-1] if host.startswith("[") else host
 
 
 @functools.lru_cache(maxsize=4096)  # endpoints repeat on every message; bounded, pure
