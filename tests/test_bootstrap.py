@@ -440,7 +440,9 @@ async def test_no_answer_says_what_the_service_last_said() -> None:
         assert str(error).startswith("prefill instance x: no answer within 0.2 s (")
         assert str(error).endswith("unreachable: connection refused)")
     async with open_bootstrap_server() as server, BootstrapClient(server.url) as client:
+        assert client.server_address is None
         await client.register(rank_info(0, tp_size=2))
+        assert client.server_address == "127.0.0.1"  # (where the answer came from)
         with trio.move_on_after(0.2):
             await client.wait_topology()
         error = client.no_answer(0.2)

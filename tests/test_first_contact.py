@@ -29,6 +29,7 @@ from trio_pd import (
 )
 from trio_pd._control import ControlPlane
 from trio_pd._errors import BootstrapUnreachable
+from trio_pd._sources import is_own_address, loopback_problem
 from trio_pd._stats import Counters
 from trio_pd.engines import TransferEngine, make_engine
 
@@ -353,3 +354,38 @@ def test_mooncake_refuses_an_ipv6_host_after_an_ipv4_engine() -> None:
     make_engine("mooncake").close()
     with pytest.raises(ConfigurationError, match=r"'::1' is an IPv6 address.*MC_USE_IPV6"):
         make_engine("mooncake", host="::1")
+
+
+# ------------------------------------------------------------------------ a loopback address seen
+# from another host (end to end across two network namespaces: tests/chaos/test_two_hosts.py)
+
+
+def test_own_addresses_are_told_without_sending_anything() -> None:
+    assert is_own_address("127.0.0.1") and is_own_address("127.0.0.2")
+    assert not is_own_address("192.0.2.1")  # TEST-NET-1: no host has it
+    assert not is_own_address("not-an-address")
+    if _ipv6_loopback() is None:
+        assert is_own_address("::1")
+        assert not is_own_address("2001:db8::1")  # documentation prefix
+
+
+def test_a_loopback_address_from_another_host_is_named_with_its_option() -> None:
+    published = [
+        ("this decode rank's control endpoint", "tcp://10.0.0.2:4000", "open_decode(host=)"),
+        ("this decode rank's engine session", "10.0.0.2:15001", "make_engine('mooncake', host=)"),
+        ("prefill rank 0's control endpoint", "tcp://127.0.0.1:5555", "open_prefill(host=)"),
+        ("prefill rank 0's engine session", "127.0.0.1:16000", "make_engine('mooncake', host=)"),
+        ("prefill rank 1's control endpoint", "tcp://[::1]:5556", "open_prefill(host=)"),
+        ("prefill rank 1's engine session", "trio-pd-0123abcd", "make_engine('nixl', host=)"),
+    ]
+    problem = loopback_problem(published, "10.0.0.1")
+    assert problem is not None
+    assert problem.startswith(
+        "prefill rank 0's control endpoint is tcp://127.0.0.1:5555; prefill rank 0's engine "
+        "session is 127.0.0.1:16000; prefill rank 1's control endpoint is tcp://[::1]:5556: a "
+        "loopback address, but the bootstrap service answered from 10.0.0.1, another host"
+    ), problem
+    assert "Set open_prefill(host=) and make_engine('mooncake', host=) to an address" in problem
+    assert loopback_problem(published[:2], "10.0.0.1") is None  # (a NIXL name has no host)
+    own = [("this decode rank's control endpoint", "tcp://127.0.0.1:4000", "open_decode(host=)")]
+    assert "Set open_decode(host=) to" in str(loopback_problem(own, "10.0.0.1"))

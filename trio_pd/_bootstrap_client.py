@@ -334,6 +334,9 @@ class BootstrapClient:
         headers = {} if token is None else {"authorization": f"Bearer {token}"}
         #: why the last :meth:`wait_ready` retried (None: it has not had to)
         self.waiting: BootstrapError | None = None
+        #: the IP address the last answer came from (None: none yet): where this host
+        #: reached the service, whatever name the URL gives
+        self.server_address: str | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=None, trust_env=False, verify=False if plain else verify,
             headers=headers,
@@ -565,6 +568,10 @@ class BootstrapClient:
         )
         try:
             async with self._http.stream(method, path, **kwargs) as streamed:
+                stream = streamed.extensions.get("network_stream")
+                server = stream.get_extra_info("server_addr") if stream is not None else None
+                if isinstance(server, tuple) and server:
+                    self.server_address = str(server[0])
                 declared = streamed.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
                     raise too_big

@@ -255,7 +255,7 @@ class ControlPlane:
         """A new PUSH socket for ``endpoint``, a CURVE client of its authorised key when
         CURVE is on (:class:`AuthenticationError` if it has none: we talk only to peers
         whose keys came from the bootstrap service or a verified REGISTER)."""
-        ipv6 = _is_ipv6(_wire.endpoint_host(endpoint) or "")
+        ipv6 = _is_ipv6(_wire.address_host(endpoint) or "")
         if self.keys is None:
             return open_socket(self._ctx, zmq.PUSH, sndhwm=self._sndhwm, ipv6=ipv6)
         server_key = self._server_keys.get(endpoint) or self._reply_keys.get(endpoint)

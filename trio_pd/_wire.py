@@ -140,10 +140,11 @@ def bracketed(host: str) -> str:
     return name
 
 
-def endpoint_host(endpoint: str) -> str | None:
-    """The host of a ``tcp://HOST:PORT`` endpoint (an IPv6 one without its brackets), or
-    None if ``endpoint`` is not of that form."""
-    match = _TCP_ENDPOINT.fullmatch(endpoint)
+def address_host(address: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint or a ``HOST:PORT`` engine session (an IPv6
+    host in brackets, returned without them), or None if ``address`` is neither (a NIXL
+    agent's name)."""
+    match = _TCP_ENDPOINT.fullmatch(address if "://" in address else f"tcp://{address}")
     if match is None:
         return None
     host = match.group(1)
