@@ -41,6 +41,7 @@ from ._errors import (
     NotReady,
     UnknownRank,
 )
+from ._memory import DTYPE_PATTERN, UNKNOWN_DTYPE
 from ._wire import MAX_STATES, StateWire
 
 __all__ = [
@@ -188,6 +189,10 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     #: the pool's state components, so that a decode rank can check that its own pair with
     #: them before it registers (empty: none, or an older prefill that does not say)
     states: Annotated[tuple[StateWire, ...], msgspec.Meta(max_length=MAX_STATES)] = ()
+    #: what its KV bytes hold (:attr:`~trio_pd.PoolSpec.kv_dtype`; "unknown": it does not
+    #: say, or an older prefill): a decode pool that names another fails to pair, and a
+    #: decode rank sends its own in REGISTER only to a rank that published one
+    kv_dtype: Annotated[str, msgspec.Meta(pattern=f"^{DTYPE_PATTERN}$")] = UNKNOWN_DTYPE
 
     @property
     def rank_id(self) -> int:

@@ -836,6 +836,7 @@ async def open_prefill(
                 buffer_head_bytes=pool.head_bytes_all,
                 aux_item_lens=pool.aux_item_lens,
                 states=tuple(_wire.StateWire.from_spec(st) for st in pool.states),
+                kv_dtype=pool.kv_dtype,
             )
             try:  # (a prefill rank may start before its bootstrap service: retried)
                 with trio.fail_after(config.bootstrap_timeout):

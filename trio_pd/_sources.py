@@ -33,7 +33,7 @@ from ._errors import (
     ProtocolError,
     TransferError,
 )
-from ._memory import PoolSpec, layer_view
+from ._memory import UNKNOWN_DTYPE, PoolSpec, layer_view
 from ._security import is_loopback, register_mac
 from ._state import Liveness
 from ._stats import Counters
@@ -236,6 +236,8 @@ class Sources:
                 first_layer=head.first_layer,
                 pp_rank=s,
                 pp_size=topo.pp_size,
+                kv_dtype=head.kv_dtype,
+                peer_kv_dtype=pool.kv_dtype,
             )
             problem = problem or _states_problem(head, pool, topo.tp_size, self.tp_size,
                                                  topo.pp_size)
@@ -308,7 +310,10 @@ class Sources:
             engine=self.engine.name,
             session=self.engine.session_id,
             engine_meta=self.engine.metadata(),
-            pool=_wire.PoolWire.from_spec(self.pool),
+            # (a rank that published no dtype may predate the field, and would refuse it)
+            pool=_wire.PoolWire.from_spec(
+                self.pool, with_dtype=info.kv_dtype != UNKNOWN_DTYPE
+            ),
             control_key=control_key,
             auth=auth,
         )
