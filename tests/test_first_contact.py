@@ -34,14 +34,8 @@ from trio_pd._stats import Counters
 from trio_pd.engines import TransferEngine, make_engine
 
 from .conftest import host_pool
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (bound, then closed at once)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
+from .test_auth import _self_signed
+from .test_bootstrap import free_port
 
 
 @pytest.fixture
@@ -52,17 +46,6 @@ async def engines() -> AsyncIterator[tuple[TransferEngine, TransferEngine]]:
     finally:
         pe.close()
         de.close()
-
-
-def self_signed(tmp: Path) -> tuple[str, str]:
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )
-    return str(cert), str(key)
 
 
 def only_error(exc: BaseException) -> BaseException:
@@ -183,7 +166,7 @@ async def test_an_untrusted_bootstrap_certificate_fails_at_once_and_says_why(
     the room fails at once (its deadline is 30 s), and the error names the certificate
     problem and the option that fixes it."""
     pe, de = engines
-    cert, key = self_signed(tmp_path)
+    cert, key = _self_signed(tmp_path)
     token = "t" * 32
     async with open_bootstrap_server(token=token, certfile=cert, keyfile=key) as boot:
         async with open_decode(engine=de, pool=host_pool().spec, token=token) as decode:
