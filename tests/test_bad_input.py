@@ -26,6 +26,7 @@ import zmq
 
 from trio_pd import (
     AdmissionClosed,
+    BootstrapError,
     EngineError,
     IncompatiblePeer,
     KVPoll,
@@ -653,9 +654,9 @@ async def test_an_answer_that_breaks_the_resolver_is_contained(
     bootstrap_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Whatever goes wrong while decode makes sense of a bootstrap service's answer (here an
-    IndexError, as a lying topology once raised) is that resolution's failure, logged; it
-    used to leave the one task that resolves every instance and close the agent with every
-    room on it. The next rooms are served."""
+    IndexError, as a lying topology once raised) is that resolution's failure, logged, and
+    the failure of the room waiting on it; it used to leave the one task that resolves every
+    instance and close the agent with every room on it. The next rooms are served."""
     from trio_pd import _sources
 
     real = _sources.Sources._source_infos
@@ -669,6 +670,11 @@ async def test_an_answer_that_breaks_the_resolver_is_contained(
 
     monkeypatch.setattr(_sources.Sources, "_source_infos", once)
     async with open_pair("mooncake", bootstrap_url) as pair:
+        first = pair.decode.receiver(1, bootstrap_url=bootstrap_url)
+        with trio.fail_after(10):
+            assert await first.wait() is KVPoll.Failed
+        assert isinstance(first.failure, BootstrapError), first.failure
+        assert "IndexError" in str(first.failure)
         sender, receiver, src = await good_room(pair, bootstrap_url, 2)
         await finish_good_room(pair, 2, sender, receiver, src)
     assert not broken  # the broken answer was met

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -23,7 +25,12 @@ from trio_pd._bootstrap import (
     open_bootstrap_server,
     serve_bootstrap,
 )
-from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo, Topology
+from trio_pd._bootstrap_client import (
+    BootstrapClient,
+    PrefillRankInfo,
+    Topology,
+    transport_reason,
+)
 from trio_pd._errors import (
     BootstrapError,
     BootstrapUnreachable,
@@ -367,7 +374,7 @@ async def test_wait_topology_obeys_the_callers_deadline(client: BootstrapClient)
 async def test_unreachable_service() -> None:
     async with BootstrapClient(f"http://127.0.0.1:{free_port()}/") as client:
         assert await client.health() is False
-        with pytest.raises(BootstrapUnreachable, match="unreachable") as info:
+        with pytest.raises(BootstrapUnreachable, match=r"unreachable: connection refused$") as info:
             await client.topology()
         assert isinstance(info.value, BootstrapError)
         assert isinstance(info.value, TransferError)
@@ -375,6 +382,72 @@ async def test_unreachable_service() -> None:
             await client.register(rank_info(0))
         with pytest.raises(BootstrapUnreachable):
             await client.rank(0)
+
+
+def test_a_transport_failure_is_told_by_its_real_cause() -> None:
+    """httpx says "all attempts to connect ... failed" for a refused connection and nothing
+    for a failed TLS handshake: the reason comes from the exceptions behind its error."""
+
+    def wrapped(cause: BaseException) -> httpx.ConnectError:
+        error = httpx.ConnectError(str(cause) if isinstance(cause, OSError) else "")
+        error.__cause__ = cause
+        return error
+
+    refused = OSError("all attempts to connect to 127.0.0.1:1 failed")
+    refused.__cause__ = ExceptionGroup("all attempts", [ConnectionRefusedError(111, "x")])
+    assert transport_reason(wrapped(refused)) == "connection refused"
+    dns = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    assert transport_reason(wrapped(dns)) == (
+        "cannot resolve the host name (Name or service not known)"
+    )
+    cert = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] ...")
+    cert.verify_message = "self-signed certificate"
+    broken = trio.BrokenResourceError()
+    broken.__context__ = cert
+    assert transport_reason(wrapped(broken)) == (
+        "TLS certificate verification failed: self-signed certificate"
+    )
+    unreachable = OSError(errno.EHOSTUNREACH, "No route to host")
+    assert transport_reason(wrapped(unreachable)) == "no route to host"
+    assert transport_reason(httpx.ReadError("")) == "ReadError"
+
+
+async def test_wait_register_waits_for_the_server_to_start_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = free_port()
+    async with BootstrapClient(f"http://127.0.0.1:{port}") as client:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.wait_register, rank_info(0, tp_size=1))
+                while client.waiting is None:  # noqa: ASYNC110 - no event to wait on
+                    await trio.sleep(0.01)
+                async with open_bootstrap_server(port=port) as server:
+                    stats = server.statistics
+                    while not stats().requests.get(("PUT", "/route", 200)):  # noqa: ASYNC110
+                        await trio.sleep(0.01)
+                    assert (await client.topology()).tp_size == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "trio_pd.bootstrap"]
+    assert len(said) == 1 and "connection refused; retrying for up to" in said[0], said
+
+
+async def test_no_answer_says_what_the_service_last_said() -> None:
+    async with BootstrapClient(f"http://127.0.0.1:{free_port()}") as client:
+        with trio.move_on_after(0.2):
+            await client.wait_topology()
+        error = client.no_answer(0.2, "prefill instance x")
+        assert isinstance(error, BootstrapUnreachable)
+        assert str(error).startswith("prefill instance x: no answer within 0.2 s (")
+        assert str(error).endswith("unreachable: connection refused)")
+    async with open_bootstrap_server() as server, BootstrapClient(server.url) as client:
+        assert client.server_address is None
+        await client.register(rank_info(0, tp_size=2))
+        assert client.server_address == "127.0.0.1"  # (where the answer came from)
+        with trio.move_on_after(0.2):
+            await client.wait_topology()
+        error = client.no_answer(0.2)
+        assert type(error) is BootstrapError and "not ready within 0.2 s" in str(error)
+        assert "503" in str(error)
 
 
 async def test_health_is_false_for_a_non_200_answer(server: BootstrapServer) -> None:

@@ -745,6 +745,7 @@ def test_pool_from_spec_copies_every_field() -> None:
         "buffer_head_bytes": (), "page_strides": (),
         "extra_aux": msgspec.UNSET,  # one aux buffer: left off the wire
         "states": msgspec.UNSET,  # no state components: left off the wire
+        "kv_dtype": msgspec.UNSET,  # "unknown": left off the wire
     }  # fmt: skip
     assert wire.to_spec() == spec
 

@@ -17,10 +17,14 @@ prefill DP rank creates; :meth:`BootstrapClient.query_dp_ranks` asks it.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import re
+import socket
 import ssl
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from http import HTTPStatus
 from types import TracebackType
 from typing import Annotated, Any, Final, TypeVar
@@ -37,6 +41,7 @@ from ._errors import (
     NotReady,
     UnknownRank,
 )
+from ._memory import DTYPE_PATTERN, UNKNOWN_DTYPE
 from ._wire import MAX_STATES, StateWire
 
 __all__ = [
@@ -184,6 +189,10 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     #: the pool's state components, so that a decode rank can check that its own pair with
     #: them before it registers (empty: none, or an older prefill that does not say)
     states: Annotated[tuple[StateWire, ...], msgspec.Meta(max_length=MAX_STATES)] = ()
+    #: what its KV bytes hold (:attr:`~trio_pd.PoolSpec.kv_dtype`; "unknown": it does not
+    #: say, or an older prefill): a decode pool that names another fails to pair, and a
+    #: decode rank sends its own in REGISTER only to a rank that published one
+    kv_dtype: Annotated[str, msgspec.Meta(pattern=f"^{DTYPE_PATTERN}$")] = UNKNOWN_DTYPE
 
     @property
     def rank_id(self) -> int:
@@ -238,6 +247,55 @@ class DpRanks(msgspec.Struct, frozen=True):
 # The client
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception behind it (causes, contexts, members of groups), nearest
+    first, each once."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return seen
+
+
+def _untrusted(exc: BaseException) -> str | None:
+    """What the certificate verification that failed under ``exc`` said, or None."""
+    for e in _causes(exc):
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return str(e.verify_message or e.reason or e)
+    return None
+
+
+def transport_reason(exc: BaseException) -> str:
+    """Why a connection failed, in words, from the most telling exception behind ``exc``:
+    httpx's own message says only "all attempts to connect ... failed" for a refused
+    connection, and nothing at all for a failed TLS handshake."""
+    causes = _causes(exc)
+    for e in causes:
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return f"TLS certificate verification failed: {e.verify_message or e.reason}"
+    for e in causes:
+        if isinstance(e, ssl.SSLError):
+            return f"TLS handshake failed: {e.reason or e}"
+        if isinstance(e, socket.gaierror):
+            return f"cannot resolve the host name ({e.strerror or e})"
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(e, TimeoutError):
+            return "connection timed out"
+        if isinstance(e, OSError) and e.errno:
+            return os.strerror(e.errno).lower()
+    for e in causes:
+        if str(e):
+            return f"{type(e).__name__}: {e}"
+    return type(exc).__name__
+
+
 def _phrase(status: int) -> str:
     try:
         return HTTPStatus(status).phrase
@@ -279,6 +337,11 @@ class BootstrapClient:
             verify = ssl.create_default_context(cafile=verify)
         #: the cluster token, sent as ``Authorization: Bearer`` with every request
         headers = {} if token is None else {"authorization": f"Bearer {token}"}
+        #: why the last :meth:`wait_ready` retried (None: it has not had to)
+        self.waiting: BootstrapError | None = None
+        #: the IP address the last answer came from (None: none yet): where this host
+        #: reached the service, whatever name the URL gives
+        self.server_address: str | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=None, trust_env=False, verify=False if plain else verify,
             headers=headers,
@@ -421,22 +484,66 @@ class BootstrapClient:
         return answer
 
     async def wait_topology(self) -> Topology:
-        """The complete topology, waiting for it as long as the caller lets it.
-
-        Retries, with a backoff from 20 ms up to 500 ms, while the service answers 503 or
-        cannot be reached (it may not have started yet). Any other error is raised at once.
+        """The complete topology, waiting for it as long as the caller lets it
+        (:meth:`wait_ready`).
 
         **Cancellation:** this only returns or fails on its own for a definite error; bound
         it with ``trio.fail_after``. Cancelling it is safe at any point.
         """
+        return await self.wait_ready(self.topology)
+
+    async def wait_register(self, info: PrefillRankInfo) -> None:
+        """:meth:`register`, retried as long as the caller lets it while the service cannot
+        be reached (:meth:`wait_ready`): a prefill rank may start before its bootstrap
+        service.
+
+        **Cancellation:** as :meth:`register`; bound it with ``trio.fail_after``.
+        """
+        await self.wait_ready(partial(self.register, info))
+
+    async def wait_ready(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        """``await call()`` until it succeeds: retried, with a backoff from 20 ms up to
+        500 ms, while the service answers 503 or cannot be reached (it may not have started
+        yet). Any other error (a refusal, a certificate the client does not trust) is raised
+        at once.
+
+        The first time the service cannot be reached it logs one warning saying why (at
+        debug level for a 503: ranks still registering is normal); :attr:`waiting` keeps the
+        last reason, for the error a caller whose deadline passes raises
+        (:meth:`no_answer`).
+
+        **Cancellation:** this only returns or fails on its own for a definite error; bound
+        it with ``trio.fail_after``. Cancelling it is safe at any point.
+        """
+        self.waiting = None
         delay = 0.02
         while True:
             try:
-                return await self.topology()
+                return await call()
             except (NotReady, BootstrapUnreachable) as exc:
-                logger.debug("bootstrap: waiting for topology at %s: %s", self.url, exc)
+                if self.waiting is None:
+                    self._say_waiting(exc)
+                self.waiting = exc
             await trio.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+    def _say_waiting(self, exc: BootstrapError) -> None:
+        left = trio.current_effective_deadline() - trio.current_time()
+        until = f"for up to {left:.3g} s" if left < math.inf else "until cancelled"
+        if isinstance(exc, NotReady):
+            logger.debug("%s; retrying %s", exc, until)
+        else:
+            logger.warning("%s; retrying %s", exc, until)
+
+    def no_answer(self, timeout: float, what: str = "") -> BootstrapError:
+        """The error for a :meth:`wait_ready` that a ``timeout``-second deadline ended
+        (``what`` in front of its text): what the service last said, or why it could not be
+        reached (:class:`BootstrapUnreachable` then)."""
+        last, head = self.waiting, f"{what}: " if what else ""
+        if isinstance(last, NotReady):
+            return BootstrapError(f"{head}not ready within {timeout:g} s ({last})")
+        kind = BootstrapUnreachable if isinstance(last, BootstrapUnreachable) else BootstrapError
+        return kind(f"{head}no answer within {timeout:g} s ({last or 'no request answered'})")
 
     async def health(self) -> bool:
         """Whether the service answers ``GET /health`` with 200.
@@ -466,6 +573,10 @@ class BootstrapClient:
         )
         try:
             async with self._http.stream(method, path, **kwargs) as streamed:
+                stream = streamed.extensions.get("network_stream")
+                server = stream.get_extra_info("server_addr") if stream is not None else None
+                if isinstance(server, tuple) and server:
+                    self.server_address = str(server[0])
                 declared = streamed.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
                     raise too_big
@@ -476,8 +587,15 @@ class BootstrapClient:
                         if len(body) > MAX_ANSWER_BYTES:
                             body = None  # (what is left is read and dropped)
         except httpx.TransportError as exc:
+            untrusted = _untrusted(exc)
+            if untrusted is not None:  # (not a service that has not started: no retry helps)
+                raise BootstrapError(
+                    f"bootstrap service at {self.url}: TLS certificate verification failed: "
+                    f"{untrusted} (trust its certificate with bootstrap_verify=, "
+                    "docs/security.md)"
+                ) from exc
             raise BootstrapUnreachable(
-                f"bootstrap service at {self.url} unreachable: {type(exc).__name__}: {exc}"
+                f"bootstrap service at {self.url} unreachable: {transport_reason(exc)}"
             ) from exc
         if body is None:
             raise too_big

@@ -71,6 +71,12 @@ def sweep_idle_sockets(timers: Timers, control: ControlPlane, idle: float) -> No
 Handler = Callable[..., None]
 
 
+def _is_ipv6(host: str) -> bool:
+    """Whether ``host`` is an IPv6 literal (a socket for it needs ``zmq.IPV6``)."""
+    address = _wire.ip_literal(host)
+    return address is not None and address.version == 6
+
+
 class ControlPlane:
     """One agent's sockets, bound when it is constructed; close them with :meth:`aclose`."""
 
@@ -124,14 +130,15 @@ class ControlPlane:
                 self._zap = open_socket(self._ctx, zmq.REP)
                 opened.append(self._zap)
                 self._zap.bind(ZAP_ENDPOINT)
-            self._pull = self._open_pull()
+            bind = f"tcp://{_wire.bracketed(host)}:*"
+            self._pull = self._open_pull(_is_ipv6(host))
             opened.append(self._pull)
-            self.endpoint = self._pull.bind(f"tcp://{host}:*")
+            self.endpoint = self._pull.bind(bind)
             # Heartbeats get their own socket: behind thousands of queued TRANSFERs on the
             # main one, a ping would wait long enough for a healthy peer to be declared lost.
-            self._ping_pull = self._open_pull()
+            self._ping_pull = self._open_pull(_is_ipv6(host))
             opened.append(self._ping_pull)
-            self.heartbeat_endpoint = self._ping_pull.bind(f"tcp://{host}:*")
+            self.heartbeat_endpoint = self._ping_pull.bind(bind)
         except BaseException:
             for sock in opened:
                 sock.close()  # LINGER 0, nothing queued: term() returns at once
@@ -235,8 +242,8 @@ class ControlPlane:
             table.popitem(last=False)
         table[endpoint] = raw
 
-    def _open_pull(self) -> Socket:
-        sock = open_socket(self._ctx, zmq.PULL, rcvhwm=0)
+    def _open_pull(self, ipv6: bool) -> Socket:
+        sock = open_socket(self._ctx, zmq.PULL, rcvhwm=0, ipv6=ipv6)
         if self.keys is not None:
             zsock = sock.zsock
             zsock.curve_secretkey = self.keys.secret
@@ -248,12 +255,13 @@ class ControlPlane:
         """A new PUSH socket for ``endpoint``, a CURVE client of its authorised key when
         CURVE is on (:class:`AuthenticationError` if it has none: we talk only to peers
         whose keys came from the bootstrap service or a verified REGISTER)."""
+        ipv6 = _is_ipv6(_wire.address_host(endpoint) or "")
         if self.keys is None:
-            return open_socket(self._ctx, zmq.PUSH, sndhwm=self._sndhwm)
+            return open_socket(self._ctx, zmq.PUSH, sndhwm=self._sndhwm, ipv6=ipv6)
         server_key = self._server_keys.get(endpoint) or self._reply_keys.get(endpoint)
         if server_key is None:
             raise AuthenticationError(f"no CURVE key is known for {endpoint}: not sending")
-        sock = open_socket(self._ctx, zmq.PUSH, sndhwm=self._sndhwm)
+        sock = open_socket(self._ctx, zmq.PUSH, sndhwm=self._sndhwm, ipv6=ipv6)
         try:
             zsock = sock.zsock
             zsock.curve_serverkey = server_key

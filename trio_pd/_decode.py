@@ -544,7 +544,15 @@ class DecodeAgent:
             self._carry(rec, rec.machine.fail(error))  # no rank was told: freed at once
         route = self._dp_routes.get(inst.url)
         if route is not None:
-            route.wake.set()  # (its rooms ask the service; they fail at their deadline)
+            if route.dp_size is None:
+                # its rooms waited for this resolution to say the DP size, and have not asked
+                # yet: the service did not answer (or cannot pair) within the deadline, so
+                # they fail now, with its reason, instead of asking it for a deadline of
+                # their own (which made a dead URL take twice ``bootstrap_timeout``)
+                for rec in list(route.pending):
+                    del route.pending[rec]
+                    self._carry(rec, rec.machine.fail(error))
+            route.wake.set()
 
     def _lost(self, rank: PrefillRank) -> None:
         for route in self._dp_routes.values():

@@ -14,6 +14,7 @@ import ctypes
 import itertools
 import math
 import operator
+import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass, fields
@@ -197,6 +198,35 @@ def _state_problem(state: StateSpec) -> str | None:
     return None
 
 
+#: :attr:`PoolSpec.kv_dtype` of a pool that does not say: never compared
+UNKNOWN_DTYPE: Final = "unknown"
+_DTYPE_ALIASES: Final = {
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+    "float": "float32", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+}
+#: what a dtype name looks like (a peer's is checked against it too)
+DTYPE_PATTERN: Final = r"[a-z][a-z0-9_]{0,31}"
+_DTYPE_NAME: Final = re.compile(DTYPE_PATTERN)
+
+
+def kv_dtype_name(dtype: object) -> str:
+    """The name :attr:`PoolSpec.kv_dtype` compares for ``dtype``: a torch or numpy dtype, or a
+    name (``torch.`` dropped, lower-cased, ``bf16``/``fp16``/``half``/``fp32``/``fp8_e4m3``/
+    ``fp8_e5m2`` spelled out); ``"unknown"`` for None. :class:`ConfigurationError` for
+    anything else."""
+    if dtype is None:
+        return UNKNOWN_DTYPE
+    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        name = np.dtype(dtype).name
+    else:  # a name, or a torch.dtype (whose str is "torch.bfloat16")
+        name = dtype if isinstance(dtype, str) else str(dtype)
+    name = name.strip().lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if _DTYPE_NAME.fullmatch(name) is None:
+        raise ConfigurationError(f"kv_dtype {dtype!r} is not a dtype name")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSpec(_KindSlot):
     """The layout of one rank's KV pool and aux buffer, as registered with its engine.
@@ -230,6 +260,12 @@ class PoolSpec(_KindSlot):
     pages): ``states`` lists them; each request names its slots of each, and they travel
     with its last chunk (empty, the default: a pool of KV and aux rows alone).
 
+    ``kv_dtype`` names what the KV bytes hold (``"bfloat16"``, ``"float16"``,
+    ``"float8_e4m3fn"``...; :func:`kv_dtype_name` normalises ``torch.bfloat16``, ``"bf16"``,
+    a numpy dtype). Two pools that both name one must name the same to pair: the same bytes
+    per head of another dtype are garbage. ``"unknown"`` (the default) skips that check, so
+    pools that say nothing pair as before.
+
     ``kinds`` says where each region of :meth:`regions` lives, in that order: one
     :class:`MemoryKind` per KV buffer, then one per aux buffer (the first, then each of
     ``extra_aux``), then one per buffer of each state component (a pool may mix them: KV
@@ -258,9 +294,11 @@ class PoolSpec(_KindSlot):
     page_strides: tuple[int, ...] = ()
     extra_aux: tuple[tuple[int, int], ...] = ()
     states: tuple[StateSpec, ...] = ()
+    kv_dtype: str = UNKNOWN_DTYPE
     kinds: InitVar[Sequence[MemoryKind] | None] = None
 
     def __post_init__(self, kinds: Sequence[MemoryKind] | None) -> None:
+        object.__setattr__(self, "kv_dtype", kv_dtype_name(self.kv_dtype))
         problem = _geometry_problem(self) or _extra_aux_problem(self.extra_aux)
         if problem is None and (not isinstance(self.states, tuple) or not all(
             isinstance(st, StateSpec) for st in self.states
@@ -627,6 +665,7 @@ def describe_pool(
     extra_aux: Sequence[tuple[object, int]] = (),
     states: Sequence[StateSpec] = (),
     state_kind: MemoryKind | None = None,
+    kv_dtype: object = None,
 ) -> PoolSpec:
     """The :class:`PoolSpec` of KV and aux buffers the caller allocated (a serving engine's
     own cache), with every region's :class:`MemoryKind` stated.
@@ -642,7 +681,10 @@ def describe_pool(
     the pages the smallest KV buffer holds, ``aux_slots`` to the rows the smallest aux buffer
     holds. ``page_layout``, ``buffer_head_bytes`` and
     ``page_strides`` are :class:`PoolSpec`'s (head-major pages; bytes per head and the
-    distance between pages, buffer by buffer). Raises :class:`~trio_pd.ConfigurationError`
+    distance between pages, buffer by buffer). ``kv_dtype`` is :attr:`PoolSpec.kv_dtype`
+    (a dtype or its name); left out, it is the KV buffers' own ``dtype`` when they all have
+    the same one and it is not a byte type (``uint8``/``int8``: a byte view, or fp8 stored as
+    bytes, says nothing), else ``"unknown"``. Raises :class:`~trio_pd.ConfigurationError`
     when the
     buffers cannot hold that layout: a wrong number of buffers, one too small for
     ``num_pages`` pages, aux rows shorter than trio_pd's 16-byte stamp, or overlapping
@@ -731,9 +773,20 @@ def describe_pool(
         aux_item_len=aux_item_len, aux_slots=slots, page_layout=page_layout,
         buffer_head_bytes=tuple(buffer_head_bytes), page_strides=tuple(page_strides),
         extra_aux=tuple((r.base, n) for r, n in extras), states=tuple(states),
+        kv_dtype=_buffers_dtype(buffers) if kv_dtype is None else kv_dtype_name(kv_dtype),
         kinds=(*(r.kind or HOST for r in kv), aux_region.kind or HOST,
                *(r.kind or HOST for r, _ in extras), *(r.kind or HOST for r in state_regions)),
     )
+
+
+def _buffers_dtype(buffers: Sequence[object]) -> str:
+    """The dtype every one of ``buffers`` (tensors, arrays) has, by name, unless it is a byte
+    type or they differ or do not say: then ``"unknown"`` (see :func:`describe_pool`)."""
+    names = {kv_dtype_name(d) for b in buffers if (d := getattr(b, "dtype", None)) is not None}
+    if len(names) != 1 or len(buffers) != sum(hasattr(b, "dtype") for b in buffers):
+        return UNKNOWN_DTYPE
+    (name,) = names
+    return UNKNOWN_DTYPE if name in ("uint8", "int8") else name
 
 
 # --------------------------------------------------------------------------------------------

@@ -243,6 +243,8 @@ class PeerRegistry:
             first_layer=self.first_layer,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
+            kv_dtype=self.pool.kv_dtype,
+            peer_kv_dtype=pool.kv_dtype,
         ) or state_problem(
             self.pool.states, pool.states, self.tp_size, msg.decode_tp, self.pp_size
         )

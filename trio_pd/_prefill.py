@@ -130,7 +130,9 @@ class PrefillConfig:
     #: raise the lanes' threads' nice value by this much (Linux; 0: leave them), so that on a
     #: host whose cores are all busy the event loop preempts threads waiting on engine calls
     lane_nice: int = 10
-    #: a room whose decode metadata has not arrived by then fails (it frees nothing)
+    #: a room whose decode metadata has not arrived by then fails (it frees nothing); and
+    #: how long ``open_prefill`` retries a bootstrap service it cannot reach (it may start
+    #: later): past it, :class:`~trio_pd.BootstrapError` with the reason
     bootstrap_timeout: float = 30.0
     #: how long after an engine error its pages stay quarantined before its peers are
     #: probed; None: the engine's own per-call deadline (``write_deadline_s``) plus a margin
@@ -935,31 +937,37 @@ async def open_prefill(
             nursery.start_soon(serve, services[2], agent.timers.run)
             for _ in range(config.workers):
                 nursery.start_soon(agent._worker)
-            await client.register(
-                PrefillRankInfo(
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    endpoint=agent.endpoint,
-                    engine=engine.name,
-                    engine_session=engine.session_id,
-                    layout=pool.layout,
-                    kv_heads=kv_heads,
-                    page_size=pool.page_size,
-                    heartbeat_endpoint=agent.control.heartbeat_endpoint,
-                    head_bytes=pool.head_bytes,
-                    num_layers=pool.num_layers,
-                    aux_item_len=pool.aux_item_len,
-                    control_key=agent.control.public_key,
-                    dp_rank=dp_rank,
-                    dp_size=dp_size,
-                    pp_rank=pp_rank,
-                    pp_size=pp_size,
-                    first_layer=first_layer,
-                    buffer_head_bytes=pool.head_bytes_all,
-                    aux_item_lens=pool.aux_item_lens,
-                    states=tuple(_wire.StateWire.from_spec(st) for st in pool.states),
-                )
+            info = PrefillRankInfo(
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                endpoint=agent.endpoint,
+                engine=engine.name,
+                engine_session=engine.session_id,
+                layout=pool.layout,
+                kv_heads=kv_heads,
+                page_size=pool.page_size,
+                heartbeat_endpoint=agent.control.heartbeat_endpoint,
+                head_bytes=pool.head_bytes,
+                num_layers=pool.num_layers,
+                aux_item_len=pool.aux_item_len,
+                control_key=agent.control.public_key,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                pp_rank=pp_rank,
+                pp_size=pp_size,
+                first_layer=first_layer,
+                buffer_head_bytes=pool.head_bytes_all,
+                aux_item_lens=pool.aux_item_lens,
+                states=tuple(_wire.StateWire.from_spec(st) for st in pool.states),
+                kv_dtype=pool.kv_dtype,
             )
+            try:  # (a prefill rank may start before its bootstrap service: retried)
+                with trio.fail_after(config.bootstrap_timeout):
+                    await client.wait_register(info)
+            except trio.TooSlowError:
+                raise client.no_answer(
+                    config.bootstrap_timeout, f"prefill rank {tp_rank}, registering"
+                ) from None
             agent.dp_rank, agent.dp_size = dp_rank, dp_size
             # one announcer per DP rank (docs/topologies.md): TP rank 0 of its first PP stage
             if dp_size > 1 and tp_rank == 0 and pp_rank == 0:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 from collections.abc import Iterable
@@ -46,6 +45,7 @@ import zmq.utils.z85
 
 from ._errors import ConfigurationError
 from ._stats import Counters
+from ._wire import ip_literal
 from ._zmq import Socket
 
 log = logging.getLogger("trio_pd.security")
@@ -74,15 +74,10 @@ Z85_KEY_CHARS: Final = 40
 def is_loopback(host: str) -> bool:
     """Is ``host`` a loopback address (127.0.0.0/8, ``::1``, optionally bracketed) or
     ``localhost``? A wildcard (``0.0.0.0``, ``::``, ``*``, ``""``) or any other name is not."""
-    name = host.strip()
-    if name.startswith("[") and name.endswith("]"):
-        name = name[1:-1]
-    if name.lower() == "localhost":
+    if host.strip().strip("[]").lower() == "localhost":
         return True
-    try:
-        return ipaddress.ip_address(name.partition("%")[0]).is_loopback
-    except ValueError:
-        return False
+    address = ip_literal(host)
+    return address is not None and address.is_loopback
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +38,8 @@ from ._errors import (
     ProtocolError,
     TransferError,
 )
-from ._memory import PoolSpec, layer_view
-from ._security import register_mac
+from ._memory import UNKNOWN_DTYPE, PoolSpec, layer_view
+from ._security import is_loopback, register_mac
 from ._state import Liveness
 from ._stats import Counters
 from ._topology import pairing_problem, source_ranks, state_problem
@@ -154,8 +155,16 @@ class Sources:
         t0 = time.perf_counter()
         try:
             async with BootstrapClient(inst.url, token=self.token, verify=self.verify) as client:
-                with trio.fail_after(self.bootstrap_timeout):
-                    topo = await client.wait_topology()
+                try:
+                    with trio.fail_after(self.bootstrap_timeout):
+                        topo = await client.wait_topology()
+                except trio.TooSlowError:  # (what the service last said, or why it did not)
+                    raise client.no_answer(self.bootstrap_timeout) from None
+            server = client.server_address
+            if server is not None and not is_own_address(server):
+                problem = loopback_problem(self._published(topo), server)
+                if problem is not None:
+                    raise IncompatiblePeer(f"prefill instance {inst.url}: {problem}")
             infos = self._source_infos(topo)
             inst.sources = [self._register_with(info) for info in infos]
         except Exception as exc:
@@ -165,7 +174,7 @@ class Sources:
             error: TransferError
             if isinstance(exc, IncompatiblePeer):
                 error = exc
-            elif isinstance(exc, (BootstrapError, trio.TooSlowError, ProtocolError, OSError)):
+            elif isinstance(exc, (BootstrapError, ProtocolError, OSError)):
                 error = BootstrapError(f"prefill instance {inst.url}: {exc}")
             else:
                 error = BootstrapError(f"prefill instance {inst.url}: {exc!r}")
@@ -183,6 +192,19 @@ class Sources:
         inst.ready = True
         inst.dp_size = topo.dp_size
         self._on_resolved(inst)
+
+    def _published(self, topo: Topology) -> list[tuple[str, str, str]]:
+        """Every address the instance's ranks and this rank publish, as ``(whose, address,
+        the option that sets it)``."""
+        engine = f"make_engine({self.engine.name!r}, host=)"
+        out = [("this decode rank's control endpoint", self.control.endpoint,
+                "open_decode(host=)"),
+               ("this decode rank's engine session", self.engine.session_id, engine)]
+        for r in topo.ranks:
+            out += [(f"prefill rank {r.rank_id}'s control endpoint", r.endpoint,
+                     "open_prefill(host=)"),
+                    (f"prefill rank {r.rank_id}'s engine session", r.engine_session, engine)]
+        return out
 
     def _source_infos(self, topo: Topology) -> list[PrefillRankInfo]:
         """The prefill ranks this decode rank reads from: its TP source ranks in every PP
@@ -225,6 +247,8 @@ class Sources:
                 first_layer=head.first_layer,
                 pp_rank=s,
                 pp_size=topo.pp_size,
+                kv_dtype=head.kv_dtype,
+                peer_kv_dtype=pool.kv_dtype,
             )
             problem = problem or _states_problem(head, pool, topo.tp_size, self.tp_size,
                                                  topo.pp_size)
@@ -297,7 +321,10 @@ class Sources:
             engine=self.engine.name,
             session=self.engine.session_id,
             engine_meta=self.engine.metadata(),
-            pool=_wire.PoolWire.from_spec(self.pool),
+            # (a rank that published no dtype may predate the field, and would refuse it)
+            pool=_wire.PoolWire.from_spec(
+                self.pool, with_dtype=info.kv_dtype != UNKNOWN_DTYPE
+            ),
             control_key=control_key,
             auth=auth,
         )
@@ -445,6 +472,41 @@ class Sources:
                 log.warning("the fence of prefill rank %d could not run: %r", rank.rank_id, exc)
                 await trio.lowlevel.checkpoint()
         return None
+
+
+def is_own_address(ip: str) -> bool:
+    """Whether ``ip`` (an IP literal) is an address of this host, as its network namespace
+    sees it: a loopback address, or one a socket can bind (nothing is sent or resolved)."""
+    address = _wire.ip_literal(ip)
+    if address is None:
+        return False
+    if address.is_loopback:
+        return True
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((ip, 0))
+    except OSError:
+        return False
+    return True
+
+
+def loopback_problem(published: Sequence[tuple[str, str, str]], server: str) -> str | None:
+    """Why the prefill instance whose bootstrap service answered from ``server``, an
+    address of another host, cannot be reached, or None: an address published there or here
+    (``(whose, address, option)`` triples, :meth:`Sources._published`) that is a loopback
+    address, which each host reads as itself. Pure."""
+    loops = [(who, addr, option) for who, addr, option in published
+             if (host := _wire.address_host(addr)) is not None and is_loopback(host)]
+    if not loops:
+        return None
+    options = list(dict.fromkeys(option for _, _, option in loops))
+    return (
+        f"{'; '.join(f'{who} is {addr}' for who, addr, _ in loops)}: a loopback address, "
+        f"but the bootstrap service answered from {server}, another host, and each host "
+        f"reads a loopback address as itself. Set {' and '.join(options)} to an address the "
+        "other hosts reach (docs/deployment.md)"
+    )
 
 
 def _pairs_tp(prefill_tp: int, decode_tp: int, decode_rank: int) -> bool:

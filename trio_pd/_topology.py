@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from ._memory import StateSpec, layer_buffers
+from ._memory import UNKNOWN_DTYPE, StateSpec, layer_buffers
 
 
 def _check_tp(prefill_tp: int, decode_tp: int) -> None:
@@ -217,6 +217,8 @@ def pairing_problem(
     first_layer: int = 0,
     pp_rank: int = 0,
     pp_size: int = 1,
+    kv_dtype: str = UNKNOWN_DTYPE,
+    peer_kv_dtype: str = UNKNOWN_DTYPE,
 ) -> str | None:
     """Why a decode rank's pool cannot take this prefill instance's KV, or None if it can.
 
@@ -233,7 +235,11 @@ def pairing_problem(
     ``pp_size == 1`` and ``first_layer == 0`` (the whole model) the layer counts must be
     equal, as always; otherwise the stage's layers must lie inside decode's, and per-buffer
     ``head_bytes`` tuples are compared with decode's buffers of those layers
-    (:func:`~trio_pd._memory.layer_buffers`): pairing is by layer id, not position."""
+    (:func:`~trio_pd._memory.layer_buffers`): pairing is by layer id, not position.
+
+    ``kv_dtype`` / ``peer_kv_dtype``: what each side's KV bytes hold; compared only when both
+    say (``"unknown"`` skips it: the same bytes per head of bf16 and fp16 would pass every
+    other check and move garbage)."""
     whole_model = pp_size == 1 and first_layer == 0
     if not whole_model and isinstance(peer_head_bytes, tuple) and (
         first_layer + num_layers <= peer_num_layers
@@ -254,6 +260,8 @@ def pairing_problem(
         )
         if ours != theirs
     ]
+    if UNKNOWN_DTYPE not in (kv_dtype, peer_kv_dtype) and kv_dtype != peer_kv_dtype:
+        mismatches.append(("KV dtype", kv_dtype, peer_kv_dtype))
     if not whole_model and not (first_layer >= 0 and first_layer + num_layers <= peer_num_layers):
         mismatches.append((
             "layers",

@@ -41,8 +41,15 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import ConfigurationError, ProtocolError
+from ._memory import (
+    DTYPE_PATTERN,
+    MAX_REQUEST_STATE_SLOTS,
+    MAX_STATE_NAME,
+    UNKNOWN_DTYPE,
+    PoolSpec,
+    StateSpec,
+)
 from ._memory import MAX_POOL_PAGES as _MAX_POOL_PAGES
-from ._memory import MAX_REQUEST_STATE_SLOTS, MAX_STATE_NAME, PoolSpec, StateSpec
 
 WIRE_VERSION: Final = 1
 """The only header version this module speaks; any other is refused."""
@@ -110,19 +117,45 @@ def check_advertised_host(host: str, what: str) -> str:
     REGISTER, Mooncake's session id), so a wildcard such as ``0.0.0.0`` or ``::`` would send
     peers on other hosts to an address that means "this machine" to each of them. Give the
     address of the interface peers reach (docs/deployment.md)."""
-    name = host.strip()
-    if name.startswith("[") and name.endswith("]"):
-        name = name[1:-1]
-    try:
-        unspecified = ipaddress.ip_address(name.partition("%")[0]).is_unspecified
-    except ValueError:
-        unspecified = name in ("", "*")
-    if unspecified:
+    address = ip_literal(host)
+    if (address is not None and address.is_unspecified) or host.strip().strip("[]") in ("", "*"):
         raise ConfigurationError(
             f"{what}: host={host!r} is a wildcard; peers are told the address the agent binds, "
             "so give the address (or name) of the interface they reach this host on"
         )
     return host
+
+
+def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` is, when it is an IP literal (IPv6 with or without brackets, a
+    ``%zone`` dropped); None for a name. Pure: nothing is resolved."""
+    name = host.strip()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        return ipaddress.ip_address(name.partition("%")[0])
+    except ValueError:
+        return None
+
+
+def bracketed(host: str) -> str:
+    """``host`` as it goes in a ``tcp://HOST:PORT`` endpoint or a URL: an IPv6 literal in
+    brackets (``[::1]``), anything else as it is."""
+    name = host.strip()
+    if ":" in name and not name.startswith("["):
+        return f"[{name}]"
+    return name
+
+
+def address_host(address: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint or a ``HOST:PORT`` engine session (an IPv6
+    host in brackets, returned without them), or None if ``address`` is neither (a NIXL
+    agent's name)."""
+    match = _TCP_ENDPOINT.fullmatch(address if "://" in address else f"tcp://{address}")
+    if match is None:
+        return None
+    host = match.group(1)
+    return host[1:-1] if host.startswith("[") else host
 
 
 @functools.lru_cache(maxsize=4096)  # endpoints repeat on every message; bounded, pure
@@ -252,16 +285,27 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Annotated[tuple[StateWire, ...], msgspec.Meta(max_length=MAX_STATES)]
         | msgspec.UnsetType
     ) = msgspec.UNSET
+    #: what the KV bytes hold (:attr:`PoolSpec.kv_dtype`); UNSET: "unknown", the field off
+    #: the wire. A peer that predates it sends none (and is read as "unknown"), and refuses
+    #: a pool with it (unknown fields are refused): :meth:`from_spec` leaves it off unless
+    #: told the peer published a dtype of its own, so no wire version bump is needed
+    kv_dtype: (
+        Annotated[str, msgspec.Meta(pattern=f"^{DTYPE_PATTERN}$")] | msgspec.UnsetType
+    ) = msgspec.UNSET
 
     @classmethod
-    def from_spec(cls, spec: PoolSpec) -> PoolWire:
+    def from_spec(cls, spec: PoolSpec, *, with_dtype: bool = True) -> PoolWire:
         """Copy ``spec`` field by field (the two classes have the same fields; an empty
-        ``extra_aux`` becomes UNSET). Checking happens in :meth:`to_spec` / :func:`encode`."""
+        ``extra_aux``, no ``states`` and an "unknown" ``kv_dtype`` become UNSET, and so does
+        ``kv_dtype`` with ``with_dtype=False``: for a peer that may predate the field).
+        Checking happens in :meth:`to_spec` / :func:`encode`."""
         values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
         values["extra_aux"] = spec.extra_aux or msgspec.UNSET
         values["states"] = (
             tuple(StateWire.from_spec(st) for st in spec.states) or msgspec.UNSET
         )
+        known = with_dtype and spec.kv_dtype != UNKNOWN_DTYPE
+        values["kv_dtype"] = spec.kv_dtype if known else msgspec.UNSET
         return cls(**values)
 
     def to_spec(self) -> PoolSpec:
@@ -340,6 +384,7 @@ class PoolWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return PoolSpec(**(msgspec.structs.asdict(self) | {
                 "buffer_bases": tuple(bases), "buffer_head_bytes": tuple(self.buffer_head_bytes),
                 "page_strides": tuple(self.page_strides), "extra_aux": extra, "states": states,
+                "kv_dtype": UNKNOWN_DTYPE if self.kv_dtype is msgspec.UNSET else self.kv_dtype,
             }))
         except ConfigurationError as exc:  # (what only the whole pool can tell: names)
             raise ProtocolError(str(exc)) from None

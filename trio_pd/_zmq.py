@@ -368,17 +368,24 @@ def open_socket(
     *,
     sndhwm: int | None = None,
     rcvhwm: int | None = None,
+    ipv6: bool = False,
 ) -> Socket:
     """Create a zmq socket of *socket_type* in *ctx* and wrap it in a :class:`Socket`.
 
     *sndhwm* / *rcvhwm* set the high-water marks (messages) before the socket is bound or
-    connected, which is when libzmq reads them. ``LINGER`` is set to ``0`` as described in
-    :class:`Socket`. Use the result as an async context manager, or close it.
+    connected, which is when libzmq reads them. *ipv6* sets ``zmq.IPV6``, without which
+    libzmq refuses an IPv6 address (``No such device``); it is off otherwise because a socket
+    with it on that binds an IPv4 address reports it in its v4-mapped IPv6 form
+    (``tcp://[::ffff:127.0.0.1]:PORT``), which is not the endpoint peers were told.
+    ``LINGER`` is set to ``0`` as described in :class:`Socket`. Use the result as an async
+    context manager, or close it.
 
     A plain (non-asyncio) socket is created whatever the context's default socket class.
     """
     zsock = cast("zmq.Socket[bytes]", ctx.socket(socket_type, socket_class=zmq.Socket))
     try:
+        if ipv6:
+            zsock.set(zmq.IPV6, 1)
         if sndhwm is not None:
             zsock.set(zmq.SNDHWM, sndhwm)
         if rcvhwm is not None:

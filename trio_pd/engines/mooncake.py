@@ -59,7 +59,7 @@ from .._errors import ConfigurationError, EngineError
 from .._memory import MemoryKind
 from .._probe import _host_port
 from .._sendq import fence_accepted, listening_ports
-from .._wire import check_advertised_host
+from .._wire import bracketed, check_advertised_host, ip_literal
 from ._base import Addrs, Deferred, Fence, FenceOutcome, Lens, Pending, Region, check_lengths
 
 #: the most blocks one ``batch_transfer_sync_write`` call carries
@@ -177,6 +177,48 @@ def _set_env_defaults() -> None:
     """
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S)
     os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", DEFAULT_QUEUED_PER_PEER)
+
+
+#: whether this process's Mooncake engines reach their peers over IPv6: fixed when the first
+#: one is built (None: none built yet), because Mooncake reads ``MC_USE_IPV6`` once per process
+_ipv6_process: bool | None = None
+_family_lock = threading.Lock()
+
+
+def _check_family(host: str) -> None:
+    """Fix, or check, the address family of this process's Mooncake engines.
+
+    Mooncake (0.3.13) resolves the peers its handshake dials as IPv4 unless ``MC_USE_IPV6``
+    is set (to any value: ``0`` turns it on too), and then as IPv6 only; it reads the variable
+    once per process. So the first engine built decides: an IPv6 literal ``host`` sets
+    ``MC_USE_IPV6=1`` when it is not set, and every engine of the process must then be of the
+    family the variable says. One that is not is refused here, with
+    :class:`~trio_pd.ConfigurationError`, instead of failing every write to its peers. A
+    host given as a name is not checked (nothing is resolved here)."""
+    global _ipv6_process
+    address = ip_literal(host)
+    with _family_lock:
+        if _ipv6_process is None:
+            if address is not None and address.version == 6:
+                os.environ.setdefault("MC_USE_IPV6", "1")
+            _ipv6_process = "MC_USE_IPV6" in os.environ
+        ipv6 = _ipv6_process
+    if address is None or (address.version == 6) == ipv6:
+        return
+    if ipv6:
+        raise ConfigurationError(
+            f"mooncake engine: host {host!r} is an IPv4 address, but this process's Mooncake "
+            "engines reach their peers over IPv6 (MC_USE_IPV6 was set, to any value, when "
+            "the first was built; Mooncake reads it once per process): give every Mooncake "
+            "engine of the process an IPv6 address, or none of them and leave MC_USE_IPV6 "
+            "unset"
+        )
+    raise ConfigurationError(
+        f"mooncake engine: host {host!r} is an IPv6 address, but this process's Mooncake "
+        "engines reach their peers over IPv4 (the first was built without MC_USE_IPV6, "
+        "which Mooncake reads once per process): give every Mooncake engine of the process "
+        "an IPv6 address from the first on, or an IPv4 one"
+    )
 
 
 def _queue_cap() -> int:
@@ -331,7 +373,12 @@ class _InFlight:
 class MooncakeEngine(ClosesOnExit):
     """A Mooncake Transfer Engine over the P2P handshake.
 
-    ``host`` is the address peers reach this engine on. ``protocol`` is passed to
+    ``host`` is the address peers reach this engine on: an IPv4 or IPv6 address (an IPv6 one
+    with or without brackets; the session id brackets it, ``[::1]:PORT``) or a name. IPv6
+    needs ``MC_USE_IPV6``, which Mooncake reads once per process: the first engine on an IPv6
+    address sets it, and the process's engines must then all be IPv6 (see
+    :func:`_check_family`; :class:`~trio_pd.ConfigurationError` otherwise). ``protocol`` is
+    passed to
     ``initialize`` ("tcp" or "rdma"); note that it does not force the transport: the engine
     uses RDMA when it finds an RDMA NIC (set ``MC_FORCE_TCP=1`` to force TCP). ``device`` is the
     RDMA device filter ("" for all).
@@ -355,13 +402,15 @@ class MooncakeEngine(ClosesOnExit):
         if max_blocks_in_flight_per_peer < 1:
             raise ValueError("max_blocks_in_flight_per_peer must be at least 1")
         check_advertised_host(host, "mooncake engine")  # (its session id is host:rpc_port)
+        _check_family(host)
         _set_env_defaults()
         _MooncakeTE = import_engine_class()
         _quiet_info_logs()
+        bare = host.strip().removeprefix("[").removesuffix("]")
         with _build_lock:
             before = _listening()
             engine: Any = _MooncakeTE()
-            rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+            rc = engine.initialize(bare, "P2PHANDSHAKE", protocol, device)
             if rc != 0:
                 raise EngineError(
                     f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
@@ -371,7 +420,7 @@ class MooncakeEngine(ClosesOnExit):
             after = _listening()
         self._engine: Any = engine
         rpc_port = engine.get_rpc_port()
-        self._session_id = f"{host}:{rpc_port}"
+        self._session_id = f"{bracketed(bare)}:{rpc_port}"
         #: the TCP transport's data port: the one listener, besides the RPC port, that
         #: initialising opened (None if that cannot be told: then there is no fence)
         new = (after - before - {rpc_port}) if before is not None and after is not None else set()

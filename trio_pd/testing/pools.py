@@ -77,6 +77,9 @@ class HostKVPool:
     (1, pages, bytes of a page over every buffer, token-major), so that pools of different
     layouts verify against each other.
 
+    ``kv_dtype`` is the spec's :attr:`PoolSpec.kv_dtype` (what the bytes stand for; they are
+    bytes here whatever it says).
+
     Several aux buffers: ``extra_aux_lens`` gives the row bytes of each aux buffer after the
     first (:attr:`PoolSpec.extra_aux`), kept in ``extra_aux``, one (aux_slots, row bytes)
     array each. :meth:`fill_aux` and :meth:`aux_ok` cover every aux buffer's row of a slot,
@@ -104,6 +107,7 @@ class HostKVPool:
         states: tuple[StateShape, ...] = (),
         state_slots: tuple[int, ...] = (),
         tp_rank: int = 0,
+        kv_dtype: str = "unknown",
     ) -> None:
         buffers = 2 * num_layers if layout == "mha" else num_layers
         #: state components: their shapes, slots and, per component, one (slots, slot
@@ -164,6 +168,7 @@ class HostKVPool:
                 )
                 for shape, arrays in zip(states, self.state_arrays, strict=True)
             ),
+            kv_dtype=kv_dtype,
             # numpy memory: host (staging may read it)
             kinds=(HOST,) * (buffers + 1 + len(self.extra_aux)
                              + sum(len(a) for a in self.state_arrays)),
