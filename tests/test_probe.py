@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 import trio
 
-from trio_pd._probe import _host_port, port_refuses, probe, wait_idle
+from trio_pd._probe import ProbeThreads, _host_port, port_refuses, probe, wait_idle
 from trio_pd._state import Liveness
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import FaultEngine
@@ -108,11 +108,11 @@ def mooncake() -> Iterator[TransferEngine]:
 
 
 async def _probe(
-    engine: TransferEngine, peer: Peer, limiter: trio.CapacityLimiter, seconds: float = 1.0
+    engine: TransferEngine, peer: Peer, threads: ProbeThreads, seconds: float = 1.0
 ) -> tuple[Liveness, float]:
     t0 = time.monotonic()
     answer = await probe(
-        engine, peer.session, control_endpoint=peer.endpoint, timeout=seconds, limiter=limiter
+        engine, peer.session, control_endpoint=peer.endpoint, timeout=seconds, threads=threads
     )
     return answer, time.monotonic() - t0
 
@@ -159,7 +159,7 @@ async def test_an_endpoint_that_does_not_answer_is_unknown(mooncake: TransferEng
                 mooncake.session_id,
                 control_endpoint=f"tcp://127.0.0.1:{port}",
                 timeout=0.5,
-                limiter=trio.CapacityLimiter(1),
+                threads=ProbeThreads(),
             )
             elapsed = time.monotonic() - t0
     assert answer is Liveness.UNKNOWN
@@ -168,50 +168,50 @@ async def test_an_endpoint_that_does_not_answer_is_unknown(mooncake: TransferEng
 
 
 async def test_engine_errors_and_false_are_unknown(mooncake: TransferEngine) -> None:
-    limiter = trio.CapacityLimiter(1)
+    threads = ProbeThreads()
     fe = FaultEngine(mooncake, probe_override=False)  # "UCX saw a disconnect": no proof
     assert (
-        await probe(fe, mooncake.session_id, control_endpoint=None, timeout=1.0, limiter=limiter)
+        await probe(fe, mooncake.session_id, control_endpoint=None, timeout=1.0, threads=threads)
         is Liveness.UNKNOWN
     )
     # A session the engine cannot parse makes Mooncake's probe fail: no proof either.
     assert (
-        await probe(mooncake, "not-a-session", control_endpoint=None, timeout=1.0, limiter=limiter)
+        await probe(mooncake, "not-a-session", control_endpoint=None, timeout=1.0, threads=threads)
         is Liveness.UNKNOWN
     )
     assert (
         await probe(
-            mooncake, mooncake.session_id, control_endpoint=None, timeout=1.0, limiter=limiter
+            mooncake, mooncake.session_id, control_endpoint=None, timeout=1.0, threads=threads
         )
         is Liveness.ALIVE
     )
 
 
 async def test_a_hung_probe_holds_its_one_thread() -> None:
-    """A probe that hangs is abandoned at the deadline; the next one waits on the limiter
-    (whose token the hung thread keeps) and is UNKNOWN too, without a second thread."""
-    limiter = trio.CapacityLimiter(1)
+    """A probe that hangs is abandoned at the deadline; the next one of the same peer waits
+    for that thread (which keeps its token) and is UNKNOWN too, without a second thread."""
+    threads = ProbeThreads()
     inner = make_engine("mooncake")
     fe = FaultEngine(inner, probe_override=True, probe_hang=5.0)
     try:
         t0 = time.monotonic()
         first = await probe(
-            fe, inner.session_id, control_endpoint=None, timeout=0.5, limiter=limiter
+            fe, inner.session_id, control_endpoint=None, timeout=0.5, threads=threads
         )
         assert first is Liveness.UNKNOWN
         assert time.monotonic() - t0 < 0.75
-        threads = threading.active_count()
+        n_threads = threading.active_count()
         second = await probe(
-            fe, inner.session_id, control_endpoint=None, timeout=0.5, limiter=limiter
+            fe, inner.session_id, control_endpoint=None, timeout=0.5, threads=threads
         )
         assert second is Liveness.UNKNOWN
         assert fe.statistics().probes_hung == 1  # the second never reached the engine
-        assert limiter.borrowed_tokens == 1
-        assert threading.active_count() <= threads
-        assert await wait_idle(limiter, 0.1) is False
-        assert limiter.borrowed_tokens == 1  # wait_idle gave back what it took
-        assert await wait_idle(limiter, 6.0) is True  # the hung thread returned at last
-        assert limiter.borrowed_tokens == 0
+        assert threads.limiter.borrowed_tokens == 1
+        assert threading.active_count() <= n_threads
+        assert await wait_idle(threads.limiter, 0.1) is False
+        assert threads.limiter.borrowed_tokens == 1  # wait_idle gave back what it took
+        assert await wait_idle(threads.limiter, 6.0) is True  # the hung thread returned at last
+        assert threads.limiter.borrowed_tokens == 0
     finally:
         inner.close()
 
@@ -222,7 +222,7 @@ async def test_a_hung_probe_holds_its_one_thread() -> None:
 @pytest.mark.processes
 async def test_a_live_peer_is_alive(mooncake: TransferEngine) -> None:
     with peer_process("mooncake") as peer:
-        answer, _ = await _probe(mooncake, peer, trio.CapacityLimiter(1))
+        answer, _ = await _probe(mooncake, peer, ProbeThreads())
         assert answer is Liveness.ALIVE
 
 
@@ -230,7 +230,7 @@ async def test_a_live_peer_is_alive(mooncake: TransferEngine) -> None:
 async def test_a_killed_peer_is_refused_at_once(mooncake: TransferEngine) -> None:
     with peer_process("mooncake") as peer:
         peer.kill()
-        answer, elapsed = await _probe(mooncake, peer, trio.CapacityLimiter(1))
+        answer, elapsed = await _probe(mooncake, peer, ProbeThreads())
         assert answer is Liveness.REFUSED  # (a hint: only a fence at the target proves GONE)
         assert elapsed < 2.0
         # Either port is a hint on its own.
@@ -240,7 +240,7 @@ async def test_a_killed_peer_is_refused_at_once(mooncake: TransferEngine) -> Non
                 peer.session,
                 control_endpoint=None,
                 timeout=1.0,
-                limiter=trio.CapacityLimiter(1),
+                threads=ProbeThreads(),
             )
             is Liveness.REFUSED
         )
@@ -251,20 +251,42 @@ async def test_a_stopped_peer_is_unknown_then_alive_again(mooncake: TransferEngi
     """SIGSTOP: the kernel still accepts connections to its ports (no refusal) and
     Mooncake's send_probe hangs (no answer, no ALIVE): UNKNOWN at the deadline. SIGCONT: the
     abandoned probe thread returns, and the next probe is ALIVE."""
-    limiter = trio.CapacityLimiter(1)
+    threads = ProbeThreads()
     with peer_process("mooncake") as peer:
         peer.stop()
         try:
-            for _ in range(2):  # the second waits on the limiter the hung thread keeps
-                answer, elapsed = await _probe(mooncake, peer, limiter, seconds=1.0)
+            for _ in range(2):  # the second waits for the hung thread of this peer
+                answer, elapsed = await _probe(mooncake, peer, threads, seconds=1.0)
                 assert answer is Liveness.UNKNOWN
                 assert 0.9 < elapsed < 2.0
             assert await port_refuses(peer.endpoint) is False
         finally:
             peer.cont()
-        assert await wait_idle(limiter, 10.0)
-        answer, _ = await _probe(mooncake, peer, limiter)
+        assert await wait_idle(threads.limiter, 10.0)
+        answer, _ = await _probe(mooncake, peer, threads)
         assert answer is Liveness.ALIVE
+
+
+@pytest.mark.processes
+async def test_a_hung_probe_of_one_peer_holds_up_no_other(mooncake: TransferEngine) -> None:
+    """Mooncake's send_probe hangs about a minute against a stopped peer, and its abandoned
+    thread keeps running. A live peer probed meanwhile still answers ALIVE at once: with one
+    probe thread for all peers it waited behind the hung one and came back UNKNOWN, and
+    prefill then marked a live decode peer failed and failed its rooms (SPEC §5.7)."""
+    threads = ProbeThreads()
+    with peer_process("mooncake") as stopped, peer_process("mooncake") as live:
+        stopped.stop()
+        try:
+            answer, _ = await _probe(mooncake, stopped, threads, seconds=0.5)
+            assert answer is Liveness.UNKNOWN
+            assert stopped.session in threads.running  # its thread still hangs
+            answer, elapsed = await _probe(mooncake, live, threads, seconds=3.0)
+            assert answer is Liveness.ALIVE
+            assert elapsed < 2.0
+        finally:
+            stopped.cont()
+        assert await wait_idle(threads.limiter, 10.0)
+        assert not threads.running
 
 
 @pytest.mark.processes
@@ -273,38 +295,38 @@ async def test_a_stopped_then_killed_peer_is_refused_while_a_probe_hangs(
 ) -> None:
     """The refused ports need no thread: REFUSED is seen even while a hung probe thread keeps
     the limiter's token."""
-    limiter = trio.CapacityLimiter(1)
+    threads = ProbeThreads()
     with peer_process("mooncake") as peer:
         peer.stop()
-        answer, _ = await _probe(mooncake, peer, limiter, seconds=0.5)
+        answer, _ = await _probe(mooncake, peer, threads, seconds=0.5)
         assert answer is Liveness.UNKNOWN
-        assert limiter.borrowed_tokens == 1
+        assert threads.limiter.borrowed_tokens == 1
         peer.kill()
-        answer, elapsed = await _probe(mooncake, peer, limiter)
+        answer, elapsed = await _probe(mooncake, peer, threads)
         assert answer is Liveness.REFUSED
         assert elapsed < 2.0
-        assert await wait_idle(limiter, 10.0)  # the hung send_probe failed once it died
+        assert await wait_idle(threads.limiter, 10.0)  # the hung send_probe failed once it died
 
 
 @pytest.mark.processes
 @pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 not installed")
 async def test_nixl_killed_peer_is_refused_via_its_control_endpoint() -> None:
     engine = make_engine("nixl")
-    limiter = trio.CapacityLimiter(1)
+    threads = ProbeThreads()
     try:
         with peer_process("nixl") as peer:
             engine.add_peer(peer.session, peer.metadata)
             try:
-                answer, _ = await _probe(engine, peer, limiter)
+                answer, _ = await _probe(engine, peer, threads)
                 assert answer is Liveness.ALIVE
                 peer.kill()
-                answer, elapsed = await _probe(engine, peer, limiter)
+                answer, elapsed = await _probe(engine, peer, threads)
                 assert answer is Liveness.REFUSED
                 assert elapsed < 2.0
                 # Without the control endpoint nothing proves it: the session is a name.
                 assert (
                     await probe(
-                        engine, peer.session, control_endpoint=None, timeout=1.0, limiter=limiter
+                        engine, peer.session, control_endpoint=None, timeout=1.0, threads=threads
                     )
                     is Liveness.UNKNOWN
                 )
@@ -320,7 +342,7 @@ async def test_nixl_killed_peer_is_refused_via_its_control_endpoint() -> None:
 _PROBE_WITHOUT_DESCRIPTORS = NO_DESCRIPTORS + """
 import json, socket
 import trio
-from trio_pd._probe import probe
+from trio_pd._probe import ProbeThreads, probe
 from trio_pd._stats import Counters
 
 class NoEngine:  # (the probe cannot get as far as the engine)
@@ -337,7 +359,7 @@ async def main():
     taken = take_every_descriptor()
     try:
         answer = await probe(NoEngine(), "w", control_endpoint=f"tcp://127.0.0.1:{port}",
-                             timeout=2.0, limiter=trio.CapacityLimiter(1), counters=counters)
+                             timeout=2.0, threads=ProbeThreads(), counters=counters)
     finally:
         give_back(taken)
     print(json.dumps({"answer": answer.value, "checks_unknown": counters["checks_unknown"]}))

@@ -1037,7 +1037,7 @@ async def open_decode(
     finally:
         agent.sources.nursery = None
         with trio.CancelScope(shield=True), trio.move_on_after(10):
-            await wait_idle(agent.sources.probe_limiter, config.ack_timeout)
+            await wait_idle(agent.sources.probe_threads.limiter, config.ack_timeout)
             if registered:
                 await trio.to_thread.run_sync(engine.unregister, regions)
             for route in agent._dp_routes.values():

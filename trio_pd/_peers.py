@@ -177,8 +177,8 @@ class PeerRegistry:
         #: how an engine call reaches its lane's thread (the schedule explorer swaps it)
         self.run_engine_call: EngineCall = Lane.run_sync
         #: probes get their own thread: one of a hung peer can take a minute and must not
-        #: hold up a lane; one token bounds them (see _probe)
-        self.probe_limiter = trio.CapacityLimiter(1)
+        #: hold up a lane or another peer's probe; bounded, one per peer (see _probe)
+        self.probe_threads = _probe.ProbeThreads()
         self.nursery: trio.Nursery | None = None
         self._peers: dict[str, DecodePeer] = {}
         self._fences: dict[Lease, _Fence] = {}
@@ -430,7 +430,7 @@ class PeerRegistry:
             peer.session,
             control_endpoint=peer.endpoint,
             timeout=self.fence,
-            limiter=self.probe_limiter,
+            threads=self.probe_threads,
             counters=self.counters,
         )
         if state is Liveness.ALIVE:

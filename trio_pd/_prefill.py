@@ -988,7 +988,7 @@ async def open_prefill(
         agent.peers.close()  # every call has returned: the nursery waited for them
         agent._shutdown_rooms()
         with trio.CancelScope(shield=True), trio.move_on_after(10):
-            await wait_idle(agent.peers.probe_limiter, agent.peers.fence)
+            await wait_idle(agent.peers.probe_threads.limiter, agent.peers.fence)
             if registered:
                 await trio.to_thread.run_sync(engine.unregister, regions)
             await agent.runner.close_staging()

@@ -40,7 +40,40 @@ from .engines import TransferEngine
 
 log = logging.getLogger("trio_pd.probe")
 
-__all__ = ["peer_hosts", "port_refuses", "probe", "wait_idle"]
+__all__ = ["ProbeThreads", "peer_hosts", "port_refuses", "probe", "wait_idle"]
+
+#: how often a probe looks whether the hung probe thread of its peer has returned
+_RUNNING_POLL = 0.05
+
+
+class ProbeThreads:
+    """The engine-probe threads of one agent: at most ``limit`` at once (``limiter``), and at
+    most one per peer session (``running``).
+
+    A probe thread may hang (Mooncake's ``send_probe`` takes about 60 s against a stopped
+    process) and is then abandoned, keeping its token until it returns. One per session means
+    that a later probe of that same peer waits for it instead of starting another thread (and
+    ends UNKNOWN at its own deadline if it does not return), while probes of every other peer
+    still get a thread: one hung peer never makes a live one look silent. ``limit`` bounds the
+    threads when many peers hang at once."""
+
+    __slots__ = ("limiter", "running")
+
+    def __init__(self, limit: int = 16) -> None:
+        self.limiter = trio.CapacityLimiter(limit)
+        #: sessions with a probe thread started and not yet returned (a hung one included);
+        #: the thread removes its own session when it returns
+        self.running: set[str] = set()
+
+
+def _probe_in_thread(
+    engine: TransferEngine, session: str, running: set[str], started: list[bool]
+) -> bool:
+    started.append(True)
+    try:
+        return engine.probe(session)
+    finally:
+        running.discard(session)
 
 
 def _host_port(endpoint: str) -> tuple[str, int] | None:
@@ -164,7 +197,7 @@ async def probe(
     *,
     control_endpoint: str | None,
     timeout: float,  # noqa: ASYNC109 (its expiry is an answer, UNKNOWN, not an error)
-    limiter: trio.CapacityLimiter,
+    threads: ProbeThreads,
     counters: Counters | None = None,
 ) -> Liveness:
     """What can be said of the peer whose engine session is ``session``, within ``timeout``
@@ -185,20 +218,22 @@ async def probe(
     An unreachable host ends in UNKNOWN: its connect hangs until the deadline, and its engine
     probe would hang too.
 
-    The engine probe runs in a thread, ``trio.to_thread.run_sync(engine.probe, session,
-    limiter=limiter, abandon_on_cancel=True)``. This is the one exception to "never abandon an
-    engine call": a probe touches no page, so an abandoned one that returns later changes
-    nothing. ``limiter`` (the agent's own, one token) bounds the threads: trio acquires the
-    token before it starts the thread and gives it back only when the thread really returns,
-    also after the call was abandoned. A probe that hangs (Mooncake's ``send_probe`` takes
-    about 60 s against a stopped process) therefore keeps the token, and later probes wait on
-    the limiter and end as UNKNOWN at their deadline instead of starting more threads. Their
-    GONE evidence (step 1) needs no thread and still works meanwhile. Before the agent closes
-    its engine it waits for that thread with :func:`wait_idle`.
+    The engine probe runs in a thread, ``trio.to_thread.run_sync(..., limiter=threads.limiter,
+    abandon_on_cancel=True)``. This is the one exception to "never abandon an engine call": a
+    probe touches no page, so an abandoned one that returns later changes nothing. ``threads``
+    (the agent's :class:`ProbeThreads`) bounds them: trio acquires a token before it starts
+    the thread and gives it back only when the thread really returns, also after the call was
+    abandoned; and while a probe thread of ``session`` is still running (a hung one: Mooncake's
+    ``send_probe`` takes about 60 s against a stopped process), a new probe of that session
+    waits for it to return rather than start another, and ends UNKNOWN at its deadline if it
+    does not. Probes of other peers are not held up by it. The REFUSED hint (step 1) needs no
+    thread and still works meanwhile. Before the agent closes its engine it waits for every
+    probe thread with :func:`wait_idle` on ``threads.limiter``.
 
     **Cancellation:** cancellable at any point. A pending connect is closed; a probe thread
-    already started is abandoned (it keeps the limiter's token until it returns); one still
-    waiting for the limiter never starts. Cancelled propagates; no Liveness is returned.
+    already started is abandoned (it keeps its token, and its session stays running, until it
+    returns); one still waiting for the limiter never starts. Cancelled propagates; no
+    Liveness is returned.
     """
     await trio.lowlevel.checkpoint()
     endpoints = [control_endpoint] if control_endpoint is not None else []
@@ -217,9 +252,15 @@ async def probe(
             if refused:
                 log.debug("probe of %s: %s refused a connection", session, endpoint)
                 return Liveness.REFUSED
+        # (its last probe thread still hangs: a worker thread has no trio event to set)
+        while session in threads.running:  # noqa: ASYNC110
+            await trio.sleep(_RUNNING_POLL)
+        started: list[bool] = []
+        threads.running.add(session)
         try:
             answered = await trio.to_thread.run_sync(
-                engine.probe, session, limiter=limiter, abandon_on_cancel=True
+                _probe_in_thread, engine, session, threads.running, started,
+                limiter=threads.limiter, abandon_on_cancel=True,
             )
         except (RuntimeError, OSError) as exc:  # no thread for it: the check did not run
             log.warning("probe of %s could not run: %r: unknown", session, exc)
@@ -229,6 +270,9 @@ async def probe(
         except Exception as exc:
             log.debug("probe of %s raised %r: unknown", session, exc)
             return Liveness.UNKNOWN
+        finally:
+            if not started:  # the thread never ran (cancelled, or no thread): none is running
+                threads.running.discard(session)
         if answered:
             return Liveness.ALIVE
         log.debug("probe of %s: the engine said no answer: unknown", session)

@@ -132,8 +132,9 @@ class Sources:
         self.instances: dict[str, Instance] = {}
         self.ranks: dict[str, PrefillRank] = {}  # endpoint -> rank we registered with
         self._ping_ids = itertools.count(1)
-        #: probes run in their own thread, one at a time (see _probe)
-        self.probe_limiter = trio.CapacityLimiter(1)
+        #: probes (and fences) run in their own threads: bounded, one probe per rank at a
+        #: time, so a hung rank holds up no other (see _probe)
+        self.probe_threads = _probe.ProbeThreads()
         self.nursery: trio.Nursery | None = None
         #: the cluster token: sent to bootstrap services, and the key of REGISTER proofs
         self.token: str | None = None
@@ -397,7 +398,7 @@ class Sources:
             rank.session,
             control_endpoint=rank.endpoint,
             timeout=self.probe_timeout,
-            limiter=self.probe_limiter,
+            threads=self.probe_threads,
             counters=self.counters,
         )
         refused = state is Liveness.REFUSED
@@ -466,7 +467,7 @@ class Sources:
                 # until the thread returns, as for a probe)
                 return await trio.to_thread.run_sync(
                     fence_writer, self.engine, rank.session, hosts,
-                    limiter=self.probe_limiter, abandon_on_cancel=True,
+                    limiter=self.probe_threads.limiter, abandon_on_cancel=True,
                 )
             except Exception as exc:  # (no thread, a closed engine: it did not run)
                 log.warning("the fence of prefill rank %d could not run: %r", rank.rank_id, exc)
