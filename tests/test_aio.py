@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -370,14 +368,3 @@ def test_asyncio_keeps_its_signal_handlers() -> None:
             loop.remove_signal_handler(signal.SIGUSR1)
 
     asyncio.run(scenario())
-
-
-def test_the_example_in_docs_asyncio_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/asyncio.md's complete example (room blocks included) runs as it is and prints
-    what the page shows."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "asyncio.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
-    shown = re.findall(r"^```\n(decode:.*?)^```", text, re.DOTALL | re.MULTILINE)
-    example = next(b for b in blocks if "asyncio.run(serve())" in b)
-    exec(compile(example, "docs/asyncio.md", "exec"), {"__name__": "docs_asyncio"})
-    assert capsys.readouterr().out == shown[0]
