@@ -932,54 +932,58 @@ async def open_prefill(
             # cancellation of the block: closing waits for quarantined writes to be proven
             # over (_wait_quarantines), which needs them, and stops them when done.
             services = [trio.CancelScope(shield=True) for _ in range(3)]
-            agent.peers.nursery = await nursery.start(serve_nursery, services[0])
-            nursery.start_soon(serve, services[1], partial(agent.control.serve, agent._handle))
-            nursery.start_soon(serve, services[2], agent.timers.run)
-            for _ in range(config.workers):
-                nursery.start_soon(agent._worker)
-            info = PrefillRankInfo(
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                endpoint=agent.endpoint,
-                engine=engine.name,
-                engine_session=engine.session_id,
-                layout=pool.layout,
-                kv_heads=kv_heads,
-                page_size=pool.page_size,
-                heartbeat_endpoint=agent.control.heartbeat_endpoint,
-                head_bytes=pool.head_bytes,
-                num_layers=pool.num_layers,
-                aux_item_len=pool.aux_item_len,
-                control_key=agent.control.public_key,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-                pp_rank=pp_rank,
-                pp_size=pp_size,
-                first_layer=first_layer,
-                buffer_head_bytes=pool.head_bytes_all,
-                aux_item_lens=pool.aux_item_lens,
-                states=tuple(_wire.StateWire.from_spec(st) for st in pool.states),
-                kv_dtype=pool.kv_dtype,
-            )
-            try:  # (a prefill rank may start before its bootstrap service: retried)
-                with trio.fail_after(config.bootstrap_timeout):
-                    await client.wait_register(info)
-            except trio.TooSlowError:
-                raise client.no_answer(
-                    config.bootstrap_timeout, f"prefill rank {tp_rank}, registering"
-                ) from None
-            agent.dp_rank, agent.dp_size = dp_rank, dp_size
-            # one announcer per DP rank (docs/topologies.md): TP rank 0 of its first PP stage
-            if dp_size > 1 and tp_rank == 0 and pp_rank == 0:
-                agent.dp_announcer = DpAnnouncer(
-                    client, dp_rank, give_up_after=config.bootstrap_timeout
-                )
-                nursery.start_soon(agent.dp_announcer.run)
             try:
-                yield agent
+                agent.peers.nursery = await nursery.start(serve_nursery, services[0])
+                nursery.start_soon(serve, services[1], partial(agent.control.serve, agent._handle))
+                nursery.start_soon(serve, services[2], agent.timers.run)
+                for _ in range(config.workers):
+                    nursery.start_soon(agent._worker)
+                info = PrefillRankInfo(
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    endpoint=agent.endpoint,
+                    engine=engine.name,
+                    engine_session=engine.session_id,
+                    layout=pool.layout,
+                    kv_heads=kv_heads,
+                    page_size=pool.page_size,
+                    heartbeat_endpoint=agent.control.heartbeat_endpoint,
+                    head_bytes=pool.head_bytes,
+                    num_layers=pool.num_layers,
+                    aux_item_len=pool.aux_item_len,
+                    control_key=agent.control.public_key,
+                    dp_rank=dp_rank,
+                    dp_size=dp_size,
+                    pp_rank=pp_rank,
+                    pp_size=pp_size,
+                    first_layer=first_layer,
+                    buffer_head_bytes=pool.head_bytes_all,
+                    aux_item_lens=pool.aux_item_lens,
+                    states=tuple(_wire.StateWire.from_spec(st) for st in pool.states),
+                    kv_dtype=pool.kv_dtype,
+                )
+                try:  # (a prefill rank may start before its bootstrap service: retried)
+                    with trio.fail_after(config.bootstrap_timeout):
+                        await client.wait_register(info)
+                except trio.TooSlowError:
+                    raise client.no_answer(
+                        config.bootstrap_timeout, f"prefill rank {tp_rank}, registering"
+                    ) from None
+                agent.dp_rank, agent.dp_size = dp_rank, dp_size
+                # one announcer per DP rank (docs/topologies.md): TP rank 0 of its first PP stage
+                if dp_size > 1 and tp_rank == 0 and pp_rank == 0:
+                    agent.dp_announcer = DpAnnouncer(
+                        client, dp_rank, give_up_after=config.bootstrap_timeout
+                    )
+                    nursery.start_soon(agent.dp_announcer.run)
+                try:
+                    yield agent
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await agent._wait_quarantines()
             finally:
-                with trio.CancelScope(shield=True):
-                    await agent._wait_quarantines()
+                # (also when starting failed, the registration refused say: the services
+                # are shielded, so the nursery's own cancellation would not reach them)
                 for scope in services:
                     scope.cancel("prefill agent closing")
                 nursery.cancel_scope.cancel("prefill agent closing")
