@@ -88,3 +88,37 @@ async def test_a_long_burst_still_lets_other_tasks_run() -> None:
     counts, _ = await _between_steps(_aborts(n, "tcp://127.0.0.1:1"))
     assert counts - {0, n}, "the whole burst was handled in one step"
     assert counts <= {0, batch, 2 * batch, n}, f"yielded after {sorted(counts)} messages"
+
+
+async def test_a_closing_agent_handles_what_its_listener_left_unread() -> None:
+    """drain_nowait: every message already waiting is handed to the handler at once, with
+    no checkpoint, a malformed one counted and skipped; a socket with nothing waiting gives
+    none. A closing prefill agent answers the TRANSFERs it finds this way instead of
+    dropping them with its socket (tests/test_sync.py::
+    test_close_fails_open_rooms_and_stops_the_thread failed 3 runs in 6 without it: decode
+    held the room's pages, as nothing proves a closed agent's live engine quiet)."""
+    counters = Counters()
+    cp = ControlPlane("127.0.0.1", counters)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(cp.endpoint)
+    seen: list[_wire.Message] = []
+    try:
+        waiting = _aborts(5, "tcp://127.0.0.1:1")
+        waiting.insert(2, [b"garbage"])
+        for frames in waiting:
+            push.send_multipart(frames)
+        deadline = time.monotonic() + 10
+        while cp._pull.zsock.get(zmq.EVENTS) & zmq.POLLIN == 0:
+            assert time.monotonic() < deadline, "messages never arrived"
+            await trio.sleep(0.001)
+        await trio.sleep(0.05)  # the rest of them land behind the first
+        assert cp.drain_nowait(lambda msg, _pages: seen.append(msg)) == 6
+        assert [m.room for m in seen if isinstance(m, _wire.Abort)] == list(range(5))
+        assert counters["bad_messages"] == 1
+        assert cp.drain_nowait(lambda msg, _pages: seen.append(msg)) == 0
+    finally:
+        push.close(linger=0)
+        ctx.term()
+        with trio.CancelScope(shield=True):
+            await cp.aclose(linger=0)

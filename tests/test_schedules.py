@@ -119,9 +119,11 @@ def inline_run_sync(trace: Trace, *, duration: int = 1) -> Callable[..., Awaitab
         abandon_on_cancel: bool = False,
         thread_name: str | None = None,
     ) -> Any:
-        # trio_pd never abandons an engine call; a probe (which touches no page) is the one
-        # call it may abandon (trio_pd._probe)
-        assert not abandon_on_cancel or getattr(fn, "__name__", "") == "probe", fn
+        # trio_pd never abandons an engine call; a probe or a fence (which touch no page) are
+        # the calls it may abandon (trio_pd._probe: the probe's thread function; decode's
+        # fence_writer)
+        abandonable = {"probe", "_probe_in_thread", "fence_writer"}
+        assert not abandon_on_cancel or getattr(fn, "__name__", "") in abandonable, fn
         await trio.lowlevel.checkpoint_if_cancelled()  # cancelled: never started
         token = object()
         if limiter is not None:

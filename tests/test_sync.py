@@ -16,13 +16,11 @@ import collections
 import heapq
 import queue
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -716,15 +714,6 @@ def test_a_failed_start_raises_and_leaves_no_thread() -> None:
         with pytest.raises(ConfigurationError):
             sync.open_prefill(engine=engine, pool=pool.spec, bootstrap_url=boot.url, kv_heads=3)
         assert {t.name for t in threading.enumerate()} - before == {"trio_pd-bootstrap"}
-
-
-def test_the_example_in_docs_threads_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/threads.md's complete example runs as it is and prints what the page shows."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "threads.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
-    shown = re.findall(r"^```\n(decode:.*?)^```", text, re.DOTALL | re.MULTILINE)
-    exec(compile(blocks[0], "docs/threads.md", "exec"), {"__name__": "docs_threads"})
-    assert capsys.readouterr().out == shown[0]
 
 
 def test_poll_never_moves_back_when_two_threads_poll_one_handle() -> None:

@@ -349,6 +349,24 @@ class ControlPlane:
                     break
                 self._dispatch_curve(frames, handle)
 
+    def drain_nowait(self, handle: Handler, limit: int = 100_000) -> int:
+        """Handle every message already waiting on the control socket (not the heartbeat
+        one), at most ``limit``, without a checkpoint; return how many. For a closing agent
+        whose listener has stopped: what peers sent before it closed (a TRANSFER naming pages,
+        an ABORT) is answered rather than dropped with the socket. Errors are contained and
+        counted as in :meth:`serve`."""
+        n = 0
+        while n < limit:
+            try:
+                if self._zap is not None:
+                    self._dispatch_curve(self._pull.recv_frames_nowait(), handle)
+                else:
+                    self._dispatch(self._pull.recv_multipart_nowait(), handle)
+            except trio.WouldBlock:
+                break
+            n += 1
+        return n
+
     def _dispatch_curve(self, frames: list[zmq.Frame], handle: Handler) -> None:
         """The sender is the connection's User-Id, set by our ZAP handler to the client's
         public key; a message without one (no ZAP answer took part) is dropped, counted

@@ -630,6 +630,15 @@ class PrefillAgent:
         else:
             raise ProtocolError(f"prefill does not take {type(msg).__name__}")
 
+    def _handle_closing(
+        self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None, sender: str | None = None
+    ) -> None:
+        """:meth:`_handle` for the messages still unread when the agent closes: a TRANSFER or
+        an ABORT is taken (so :meth:`_shutdown_rooms` answers it: nothing of ours will write
+        those pages), anything else is dropped."""
+        if isinstance(msg, (_wire.Transfer, _wire.Abort)):
+            self._handle(msg, pages, sender)
+
     def _authenticate(self, msg: _wire.Message, sender: str) -> None:
         """With authentication on, may ``sender`` (a CURVE key) send ``msg``? Raises
         :class:`AuthenticationError` (counted ``auth_refused`` by the listener) if not:
@@ -990,6 +999,9 @@ async def open_prefill(
     finally:
         agent.peers.nursery = None
         agent.peers.close()  # every call has returned: the nursery waited for them
+        # what the listener left unread (a decode rank's TRANSFER sent as we closed) is
+        # answered too: its room fails here and that rank hears a Failed STATUS and an ack
+        agent.control.drain_nowait(agent._handle_closing)
         agent._shutdown_rooms()
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await wait_idle(agent.peers.probe_threads.limiter, agent.peers.fence)
