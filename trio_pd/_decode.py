@@ -43,7 +43,7 @@ import trio
 import trio.lowlevel
 import trio_util
 
-from . import _wire
+from . import _descriptors, _wire
 from ._bootstrap_client import (
     MAX_DP_BATCH,
     MAX_DP_SIZE,
@@ -1001,6 +1001,7 @@ async def open_decode(
     config = config or DecodeConfig()
     _wire.check_advertised_host(host, f"decode rank {tp_rank}")
     security = resolve(what=f"decode rank {tp_rank}", hosts=[host], token=token, secure=secure)
+    _descriptors.prepare(f"decode rank {tp_rank}")
     if kv_heads is not None or pool.layout == "mla" or tp_size == 1 or pool.heads > 1:
         try:
             model_kv_heads(pool.layout, pool.heads, pool.first_head, tp_rank, tp_size, kv_heads)

@@ -33,7 +33,7 @@ import trio
 import trio.lowlevel
 import trio_util
 
-from . import _wire
+from . import _descriptors, _wire
 from ._bootstrap_client import (
     BootstrapClient,
     DpAnnouncer,
@@ -906,6 +906,7 @@ async def open_prefill(
     security = resolve(
         what=f"prefill rank {tp_rank}", hosts=[host], token=token, secure=secure
     )
+    _descriptors.prepare(f"prefill rank {tp_rank}")
     try:
         kv_heads = model_kv_heads(
             pool.layout, pool.heads, pool.first_head, tp_rank, tp_size, kv_heads

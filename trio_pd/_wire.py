@@ -71,6 +71,9 @@ MAX_AUX_BUFFERS: Final = 64
 holds at most one fewer)."""
 MAX_TRANSFER_PAGES: Final = 1 << 22
 """Most page ids one :class:`Transfer` may carry."""
+MAX_FRAME_BYTES: Final = max(MAX_HEADER_BYTES, MAX_TRANSFER_PAGES * 4)
+"""The largest frame a legal message has (a :class:`Transfer`'s page ids, int32 each): the
+control plane's sockets refuse a larger one (``zmq.MAXMSGSIZE``) before it is read whole."""
 MAX_STATES: Final = 16
 """Most state components one pool may register (:attr:`PoolWire.states`)."""
 MAX_STATE_SEGMENTS: Final = 1024
