@@ -3,14 +3,16 @@
 :data:`CHILD` runs in its own process with ``RLIMIT_NOFILE`` lowered (argv: soft limit,
 ``hard`` to lower the hard limit as well, so that the agents cannot raise theirs). It starts
 a bootstrap service, a prefill agent (Mooncake behind a :class:`FaultEngine`) and a decode
-agent, prints their four control endpoints (before any request: no socket to a peer is
-made yet), and then obeys one JSON command a line on stdin: ``{"requests": N}`` moves N one-page requests and prints their
-outcomes; ``{"fault": true}`` makes the next prefill engine call fail; ``{"stats": true}``
-prints both agents' counters; ``{"quit": true}`` closes the agents and prints
-``{"closed": true}``. Should an agent's block end with an error, it prints ``{"died": ...}``.
+agent, prints their four control endpoints (before any request: no socket to a peer is made
+yet), and then obeys one JSON command a line on stdin: ``{"requests": N}`` moves N one-page
+requests and prints their outcomes; ``{"fault": true}`` makes the next prefill engine call
+fail; ``{"stats": true}`` prints both agents' counters; ``{"quit": true}`` closes the agents
+and prints ``{"closed": true}``. Should an agent's block end with an error, it prints
+``{"died": ...}``.
 
 :class:`Flood` is the attacker: raw TCP connections (no ZeroMQ greeting, no key) to the
-endpoints, as many as the child's process will accept, held until closed.
+endpoints, as many as the child's process will accept, held (and, sustained, reopened)
+until closed.
 """
 
 from __future__ import annotations
