@@ -7,7 +7,7 @@ never delays messages to another (I7). Receiving decodes strictly; a bad message
 counted and the listener goes on (SPEC §6).
 
 Whatever arrives, the listener survives it. A message that does not decode (a reply endpoint
-that :func:`~trio_pd._wire.validate_endpoint` refuses included) counts as ``bad_messages``;
+that :func:`~trio_pd._wire.numeric_endpoint` refuses included) counts as ``bad_messages``;
 a handler that refuses one with a :class:`TransferError` counts ``refused_messages``; a handler
 that raises anything else (a bug, or input nobody foresaw) counts ``handler_errors``. Each is
 contained to its message, and logged at most once per kind of error per
@@ -166,7 +166,9 @@ class ControlPlane:
         counted ``resources_exhausted``: a local failure of that send (its room fails, a
         heartbeat counts a miss), never an error that escapes into the caller's task. The
         endpoint is checked first with
-        :func:`~trio_pd._wire.validate_endpoint`: one it refuses raises :class:`ProtocolError`
+        :func:`~trio_pd._wire.numeric_endpoint` (a host name is refused: libzmq would
+        resolve it on its I/O thread, and a resolver that never answers would stall every
+        socket of the agent): one it refuses raises :class:`ProtocolError`
         (counted as ``bad_endpoints``) and no socket is made. It raises rather than answer
         ``False`` because it is a bad argument, not back-pressure: retrying cannot help, and
         the callers that take endpoints from peers run inside the listener, which contains
@@ -186,7 +188,7 @@ class ControlPlane:
             self._push.move_to_end(endpoint)
         else:
             try:
-                _wire.validate_endpoint(endpoint)
+                _wire.numeric_endpoint(endpoint)
             except ProtocolError:
                 self._counters.bump("bad_endpoints")
                 raise

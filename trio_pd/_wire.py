@@ -219,6 +219,22 @@ def validate_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+def numeric_endpoint(endpoint: str) -> str:
+    """:func:`validate_endpoint`, and its host must be an IP literal: the endpoints that
+    travel in control messages and reach a ZeroMQ socket. A name is refused with
+    :class:`ProtocolError`: libzmq would resolve it on its I/O thread, where a resolver that
+    never answers stalls every socket of the agent (``_names`` resolves configured names
+    before they get here). Every endpoint trio_pd publishes is numeric (libzmq's
+    ``LAST_ENDPOINT``)."""
+    validate_endpoint(endpoint)
+    if ip_literal(address_host(endpoint) or "") is None:
+        shown = endpoint if len(endpoint) <= 80 else endpoint[:77] + "..."
+        raise ProtocolError(
+            f"endpoint {shown!r} names a host; control endpoints are numeric addresses"
+        )
+    return endpoint
+
+
 _Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
 
 
@@ -535,7 +551,7 @@ class Pong(_Header, frozen=True, tag="pong"):
 Message: TypeAlias = Register | Transfer | Status | Abort | AbortAck | Ping | Pong
 _MESSAGE_TYPES: Final = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong)
 _WITH_ENDPOINT: Final = (Register, Transfer, Abort, Ping)
-"""The messages that name a reply endpoint: each is checked by :func:`validate_endpoint`."""
+"""The messages that name a reply endpoint: each is checked by :func:`numeric_endpoint`."""
 
 
 class _Probe(msgspec.Struct):
@@ -588,7 +604,7 @@ def _decode_header(header: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"unsupported wire version {msg.v} (this side speaks {WIRE_VERSION})")
     if isinstance(msg, _WITH_ENDPOINT):
         try:
-            validate_endpoint(msg.endpoint)
+            numeric_endpoint(msg.endpoint)
         except ProtocolError as exc:
             raise ProtocolError(f"{type(msg).__name__}: {exc}") from None
     if isinstance(msg, Register):
