@@ -122,3 +122,39 @@ async def test_a_closing_agent_handles_what_its_listener_left_unread() -> None:
         ctx.term()
         with trio.CancelScope(shield=True):
             await cp.aclose(linger=0)
+
+
+async def test_a_frame_larger_than_any_message_is_refused_at_the_socket() -> None:
+    """A frame one byte over the wire's largest legal frame (``MAX_FRAME_BYTES``) is refused
+    by libzmq as it arrives: the sender's connection is dropped, nothing reaches the
+    listener, and what comes later on a new connection is handled. (Before: no bound at the
+    socket; libzmq read any frame whole first, and one of 256 MiB grew the process from 62 to
+    575 MB before the decoder refused it.)"""
+    counters = Counters()
+    cp = ControlPlane("127.0.0.1", counters)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    big = ctx.socket(zmq.PUSH)
+    events = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    good = ctx.socket(zmq.PUSH)
+    seen: list[_wire.Message] = []
+    try:
+        big.connect(cp.endpoint)
+        big.send(b"\0" * (_wire.MAX_FRAME_BYTES + 1))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cp.serve, lambda msg, _pages: seen.append(msg))
+            with trio.fail_after(10):
+                while not events.poll(0):  # noqa: ASYNC110 - a zmq socket, polled
+                    await trio.sleep(0.02)
+            good.connect(cp.endpoint)
+            good.send_multipart(_aborts(1, cp.endpoint)[0])
+            with trio.fail_after(10):
+                while not seen:  # noqa: ASYNC110 - the listener's doing
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        assert len(seen) == 1 and counters["bad_messages"] == 0
+    finally:
+        big.disable_monitor()
+        for sock in (events, big, good):
+            sock.close(linger=0)
+        ctx.term()
+        await cp.aclose()

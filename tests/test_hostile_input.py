@@ -89,6 +89,11 @@ GOOD_ENDPOINTS = [
     "tcp://[::1]:5555",
     "tcp://[fe80::1%eth0]:7",
     "tcp://[::ffff:10.1.2.3]:9",
+]
+
+#: well-formed, but naming a host: configuration may give these (``_names`` resolves them),
+#: a control message may not (libzmq would resolve them on its I/O thread)
+NAMED_ENDPOINTS = [
     "tcp://localhost:80",
     "tcp://prefill-0.cluster.local:31000",
     "tcp://x:1",
@@ -148,6 +153,21 @@ def test_validate_endpoint_accepts(endpoint: str) -> None:
     assert _wire.decode(_wire.encode(ping))[0] == ping
 
 
+@pytest.mark.parametrize("endpoint", NAMED_ENDPOINTS)
+def test_a_control_message_naming_a_host_is_refused(endpoint: str) -> None:
+    """A name is a well-formed endpoint, but no control message may carry one: decode and
+    encode refuse it, and so does the control plane's send (counted ``bad_endpoints``, no
+    socket made). (Before: it reached libzmq, which resolved it on its I/O thread; with a
+    resolver that never answers, one PING naming such a host stalled every peer's control
+    traffic: tests/chaos/test_dns.py.)"""
+    assert validate_endpoint(endpoint) == endpoint
+    ping = {"t": "ping", "v": V, "nonce": 1, "endpoint": endpoint}
+    with pytest.raises(ProtocolError, match="names a host"):
+        _wire.decode([enc(ping)])
+    with pytest.raises(ProtocolError, match="names a host"):
+        _wire.encode(_wire.Ping(v=V, nonce=1, endpoint=endpoint))
+
+
 @pytest.mark.parametrize("endpoint", BAD_ENDPOINTS)
 def test_validate_endpoint_refuses(endpoint: str) -> None:
     """Refused by the check itself, and as a field of every message that names a reply
@@ -199,10 +219,10 @@ async def test_send_nowait_refuses_a_bad_endpoint_and_makes_no_socket() -> None:
     cp = ControlPlane("127.0.0.1", counters)
     try:
         pong = _wire.Pong(v=V, nonce=1, rank=0)
-        for bad in ("garbage", "tcp://", "tcp://*:1", "inproc://x"):
+        for bad in ("garbage", "tcp://", "tcp://*:1", "inproc://x", "tcp://stall.invalid:1"):
             with pytest.raises(ProtocolError):
                 cp.send_nowait(bad, pong)
-        assert counters["bad_endpoints"] == 4
+        assert counters["bad_endpoints"] == 5
         assert not cp._push
         assert live_sockets(cp) == 2  # the two PULL sockets, nothing else
     finally:

@@ -7,7 +7,7 @@ never delays messages to another (I7). Receiving decodes strictly; a bad message
 counted and the listener goes on (SPEC §6).
 
 Whatever arrives, the listener survives it. A message that does not decode (a reply endpoint
-that :func:`~trio_pd._wire.validate_endpoint` refuses included) counts as ``bad_messages``;
+that :func:`~trio_pd._wire.numeric_endpoint` refuses included) counts as ``bad_messages``;
 a handler that refuses one with a :class:`TransferError` counts ``refused_messages``; a handler
 that raises anything else (a bug, or input nobody foresaw) counts ``handler_errors``. Each is
 contained to its message, and logged at most once per kind of error per
@@ -31,6 +31,7 @@ only for an endpoint :meth:`ControlPlane.authorize` gave a key, as a CURVE clien
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -64,6 +65,12 @@ def sweep_idle_sockets(timers: Timers, control: ControlPlane, idle: float) -> No
             timers.after(period, sweep)
 
     timers.after(period, sweep)
+
+#: errnos that mean "out of a resource" (descriptors, memory, buffers), not "a bad address":
+#: a socket that cannot be made for them is a counted, local failure of that one send
+EXHAUSTED_ERRNOS: frozenset[int] = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+)
 
 #: ``handle(msg, pages)``; with CURVE on, ``handle(msg, pages, sender)``, where ``sender`` is
 #: the z85 public key the message came from (the ZAP handler's User-Id). A handler for a
@@ -154,8 +161,14 @@ class ControlPlane:
         """Queue ``msg`` for ``endpoint`` without waiting. False if the peer's socket is full
         (back-pressure: the peer is not reading) or closed.
 
-        A first send to an endpoint makes its socket. The endpoint is checked first with
-        :func:`~trio_pd._wire.validate_endpoint`: one it refuses raises :class:`ProtocolError`
+        A first send to an endpoint makes its socket. Should the process be out of
+        descriptors or memory for it (``EMFILE`` and the like), the send answers ``False``,
+        counted ``resources_exhausted``: a local failure of that send (its room fails, a
+        heartbeat counts a miss), never an error that escapes into the caller's task. The
+        endpoint is checked first with
+        :func:`~trio_pd._wire.numeric_endpoint` (a host name is refused: libzmq would
+        resolve it on its I/O thread, and a resolver that never answers would stall every
+        socket of the agent): one it refuses raises :class:`ProtocolError`
         (counted as ``bad_endpoints``) and no socket is made. It raises rather than answer
         ``False`` because it is a bad argument, not back-pressure: retrying cannot help, and
         the callers that take endpoints from peers run inside the listener, which contains
@@ -175,17 +188,26 @@ class ControlPlane:
             self._push.move_to_end(endpoint)
         else:
             try:
-                _wire.validate_endpoint(endpoint)
+                _wire.numeric_endpoint(endpoint)
             except ProtocolError:
                 self._counters.bump("bad_endpoints")
                 raise
             while len(self._push) >= self.max_peers:  # before opening: never over the cap
                 self._evict(next(iter(self._push)))
-            sock = self._open_push(endpoint)
+            try:
+                sock = self._open_push(endpoint)
+            except zmq.ZMQError as exc:
+                if exc.errno not in EXHAUSTED_ERRNOS:
+                    raise
+                self._exhausted(endpoint, exc)
+                return False
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as exc:
                 sock.close()
+                if exc.errno in EXHAUSTED_ERRNOS:
+                    self._exhausted(endpoint, exc)
+                    return False
                 self._counters.bump("bad_endpoints")
                 raise ProtocolError(f"cannot connect to {endpoint!r}: {exc}") from exc
             except BaseException:
@@ -242,10 +264,19 @@ class ControlPlane:
             table.popitem(last=False)
         table[endpoint] = raw
 
+    #: seconds a connection to our sockets may take to finish its ZeroMQ handshake (CURVE's
+    #: included, and the ZAP handler's answer) before libzmq closes it: what a connection
+    #: that never speaks (or never proves a key we admit) holds a descriptor for
+    HANDSHAKE_TIMEOUT = 5.0
+
     def _open_pull(self, ipv6: bool) -> Socket:
         sock = open_socket(self._ctx, zmq.PULL, rcvhwm=0, ipv6=ipv6)
+        zsock = sock.zsock
+        # A frame larger than any legal message's is refused as it arrives (the connection
+        # is dropped), before libzmq allocates it whole.
+        zsock.set(zmq.MAXMSGSIZE, _wire.MAX_FRAME_BYTES)
+        zsock.set(zmq.HANDSHAKE_IVL, int(self.HANDSHAKE_TIMEOUT * 1000))
         if self.keys is not None:
-            zsock = sock.zsock
             zsock.curve_secretkey = self.keys.secret
             zsock.curve_publickey = self.keys.public
             zsock.curve_server = True
@@ -283,6 +314,12 @@ class ControlPlane:
     def peer_sockets(self) -> int:
         """How many PUSH sockets are open now (a gauge; at most :attr:`max_peers`)."""
         return len(self._push)
+
+    def _exhausted(self, endpoint: str, exc: zmq.ZMQError) -> None:
+        self._counters.bump("resources_exhausted")
+        self._log_limited(
+            "resources_exhausted", exc, "no socket for a send to %s: %s", endpoint, exc
+        )
 
     def _evict(self, endpoint: str) -> None:
         """Close one endpoint's socket, with ``LINGER=0``, and count it."""

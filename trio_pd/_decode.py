@@ -43,7 +43,7 @@ import trio
 import trio.lowlevel
 import trio_util
 
-from . import _wire
+from . import _descriptors, _names, _wire
 from ._bootstrap_client import (
     MAX_DP_BATCH,
     MAX_DP_SIZE,
@@ -1001,13 +1001,16 @@ async def open_decode(
     config = config or DecodeConfig()
     _wire.check_advertised_host(host, f"decode rank {tp_rank}")
     security = resolve(what=f"decode rank {tp_rank}", hosts=[host], token=token, secure=secure)
+    _descriptors.prepare(f"decode rank {tp_rank}")
+    # (a name is resolved here, once, off the I/O thread: libzmq would resolve it there)
+    bind = await _names.bind_address(host, f"decode rank {tp_rank}")
     if kv_heads is not None or pool.layout == "mla" or tp_size == 1 or pool.heads > 1:
         try:
             model_kv_heads(pool.layout, pool.heads, pool.first_head, tp_rank, tp_size, kv_heads)
         except ValueError as exc:
             raise ConfigurationError(f"decode rank {tp_rank}: {exc}") from None
     agent = DecodeAgent(
-        engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, host=host, config=config,
+        engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, host=bind, config=config,
         security=security,
     )
     agent.sources.verify = bootstrap_verify

@@ -33,7 +33,7 @@ import trio
 import trio.lowlevel
 import trio_util
 
-from . import _wire
+from . import _descriptors, _names, _wire
 from ._bootstrap_client import (
     BootstrapClient,
     DpAnnouncer,
@@ -915,6 +915,9 @@ async def open_prefill(
     security = resolve(
         what=f"prefill rank {tp_rank}", hosts=[host], token=token, secure=secure
     )
+    _descriptors.prepare(f"prefill rank {tp_rank}")
+    # (a name is resolved here, once, off the I/O thread: libzmq would resolve it there)
+    bind = await _names.bind_address(host, f"prefill rank {tp_rank}")
     try:
         kv_heads = model_kv_heads(
             pool.layout, pool.heads, pool.first_head, tp_rank, tp_size, kv_heads
@@ -923,7 +926,7 @@ async def open_prefill(
         raise ConfigurationError(f"prefill rank {tp_rank}: {exc}") from None
     agent = PrefillAgent(
         engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, kv_heads=kv_heads,
-        host=host, config=config, security=security, pp_rank=pp_rank, pp_size=pp_size,
+        host=bind, config=config, security=security, pp_rank=pp_rank, pp_size=pp_size,
         first_layer=first_layer,
     )
     if metrics is not None:

@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import trio
 import trio_util
 
-from . import _probe, _wire
+from . import _names, _probe, _wire
 from ._bootstrap_client import BootstrapClient, PrefillRankInfo, Topology
 from ._control import ControlPlane
 from ._errors import (
@@ -166,7 +167,7 @@ class Sources:
                 problem = loopback_problem(self._published(topo), server)
                 if problem is not None:
                     raise IncompatiblePeer(f"prefill instance {inst.url}: {problem}")
-            infos = self._source_infos(topo)
+            infos = [await _numeric(info) for info in self._source_infos(topo)]
             inst.sources = [self._register_with(info) for info in infos]
         except Exception as exc:
             # Whatever the service's answer made go wrong fails this instance's rooms, not
@@ -175,7 +176,7 @@ class Sources:
             error: TransferError
             if isinstance(exc, IncompatiblePeer):
                 error = exc
-            elif isinstance(exc, (BootstrapError, ProtocolError, OSError)):
+            elif isinstance(exc, (BootstrapError, ProtocolError, OSError, TimeoutError)):
                 error = BootstrapError(f"prefill instance {inst.url}: {exc}")
             else:
                 error = BootstrapError(f"prefill instance {inst.url}: {exc!r}")
@@ -473,6 +474,22 @@ class Sources:
                 log.warning("the fence of prefill rank %d could not run: %r", rank.rank_id, exc)
                 await trio.lowlevel.checkpoint()
         return None
+
+
+async def _numeric(info: PrefillRankInfo) -> PrefillRankInfo:
+    """``info`` with its control endpoints numeric: a host name a bootstrap record gives is
+    resolved here, off the I/O thread and bounded in time (``_names``), before any socket
+    sees it. OSError or TimeoutError fail the instance's rooms with the reason.
+
+    **Cancellation:** as :func:`trio_pd._names.resolve_endpoint`.
+    """
+    endpoint = await _names.resolve_endpoint(info.endpoint)
+    heartbeat = info.heartbeat_endpoint
+    if heartbeat:
+        heartbeat = await _names.resolve_endpoint(heartbeat)
+    if endpoint == info.endpoint and heartbeat == info.heartbeat_endpoint:
+        return info
+    return msgspec.structs.replace(info, endpoint=endpoint, heartbeat_endpoint=heartbeat)
 
 
 def is_own_address(ip: str) -> bool:

@@ -108,6 +108,10 @@ class AgentStatistics:
     #: a liveness, drain or fence check that could not run (no descriptor, no thread, the
     #: kernel's tables unreadable): taken as unknown, never as proof
     checks_unknown: int = 0
+    #: a socket, descriptor or thread the agent needed could not be had (EMFILE, ENFILE,
+    #: ENOMEM, a thread that would not start): the send or call that needed it failed
+    #: there, locally, and the agent serves on
+    resources_exhausted: int = 0
     #: prefill: rooms still quarantined when a closing agent stopped waiting for their fences
     #: (close_timeout): their drain acks are withheld, so decode keeps their pages
     rooms_unacked_at_close: int = 0
@@ -182,6 +186,7 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "writers_fenced": "decode",  # the prefill-rank sources (_sources)
     "writers_unfenced": "decode",
     "checks_unknown": "both",  # probes (both), send-queue checks (prefill), fences (decode)
+    "resources_exhausted": "both",  # the control plane's sockets, the lanes' threads
     "rooms_unacked_at_close": "prefill",
     "peers_failed": "prefill",
     "peers_back": "prefill",

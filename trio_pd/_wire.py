@@ -71,6 +71,9 @@ MAX_AUX_BUFFERS: Final = 64
 holds at most one fewer)."""
 MAX_TRANSFER_PAGES: Final = 1 << 22
 """Most page ids one :class:`Transfer` may carry."""
+MAX_FRAME_BYTES: Final = max(MAX_HEADER_BYTES, MAX_TRANSFER_PAGES * 4)
+"""The largest frame a legal message has (a :class:`Transfer`'s page ids, int32 each): the
+control plane's sockets refuse a larger one (``zmq.MAXMSGSIZE``) before it is read whole."""
 MAX_STATES: Final = 16
 """Most state components one pool may register (:attr:`PoolWire.states`)."""
 MAX_STATE_SEGMENTS: Final = 1024
@@ -212,6 +215,22 @@ def validate_endpoint(endpoint: str) -> str:
     ):
         raise ProtocolError(
             f"endpoint {shown!r}: {host!r} is not an IPv4 address, [IPv6] or hostname"
+        )
+    return endpoint
+
+
+def numeric_endpoint(endpoint: str) -> str:
+    """:func:`validate_endpoint`, and its host must be an IP literal: the endpoints that
+    travel in control messages and reach a ZeroMQ socket. A name is refused with
+    :class:`ProtocolError`: libzmq would resolve it on its I/O thread, where a resolver that
+    never answers stalls every socket of the agent (``_names`` resolves configured names
+    before they get here). Every endpoint trio_pd publishes is numeric (libzmq's
+    ``LAST_ENDPOINT``)."""
+    validate_endpoint(endpoint)
+    if ip_literal(address_host(endpoint) or "") is None:
+        shown = endpoint if len(endpoint) <= 80 else endpoint[:77] + "..."
+        raise ProtocolError(
+            f"endpoint {shown!r} names a host; control endpoints are numeric addresses"
         )
     return endpoint
 
@@ -532,7 +551,7 @@ class Pong(_Header, frozen=True, tag="pong"):
 Message: TypeAlias = Register | Transfer | Status | Abort | AbortAck | Ping | Pong
 _MESSAGE_TYPES: Final = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong)
 _WITH_ENDPOINT: Final = (Register, Transfer, Abort, Ping)
-"""The messages that name a reply endpoint: each is checked by :func:`validate_endpoint`."""
+"""The messages that name a reply endpoint: each is checked by :func:`numeric_endpoint`."""
 
 
 class _Probe(msgspec.Struct):
@@ -585,7 +604,7 @@ def _decode_header(header: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"unsupported wire version {msg.v} (this side speaks {WIRE_VERSION})")
     if isinstance(msg, _WITH_ENDPOINT):
         try:
-            validate_endpoint(msg.endpoint)
+            numeric_endpoint(msg.endpoint)
         except ProtocolError as exc:
             raise ProtocolError(f"{type(msg).__name__}: {exc}") from None
     if isinstance(msg, Register):

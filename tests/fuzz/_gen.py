@@ -30,7 +30,7 @@ from trio_pd._wire import (
     MAX_SESSION_CHARS,
     MAX_TRANSFER_PAGES,
     WIRE_VERSION,
-    validate_endpoint,
+    numeric_endpoint,
 )
 
 V = WIRE_VERSION
@@ -46,20 +46,14 @@ def rand_endpoint(rng: random.Random, *, loopback_only: bool = False) -> str:
     port = rng.choice([1, 2, 80, 5555, 65535, rng.randint(1, 65535)])
     if loopback_only:
         return f"tcp://127.0.0.1:{port}"
-    kind = rng.randrange(4)
+    # (numeric only: a name in a control message is refused, see HOSTILE's named hosts)
+    kind = rng.randrange(3)
     if kind == 0:
         host = ".".join(str(rng.randrange(256)) for _ in range(4))
     elif kind == 1:
         host = "[" + ":".join(f"{rng.randrange(1 << 16):x}" for _ in range(8)) + "]"
-    elif kind == 2:
-        host = rng.choice(["[::1]", "[fe80::1%eth0]", "localhost", "127.0.0.1"])
     else:
-        labels = rng.randint(1, 3)
-        host = ".".join(
-            rng.choice("abcdefgh") + "".join(rng.choices("abc019-", k=rng.randint(0, 8)))
-            + rng.choice("xyz9")
-            for _ in range(labels)
-        )
+        host = rng.choice(["[::1]", "[fe80::1%eth0]", "127.0.0.1"])
     return f"tcp://{host}:{port}"
 
 
@@ -168,6 +162,9 @@ HOSTILE: list[Any] = [
     "", "x", "1", "garbage", "tcp://", "tcp://*:1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:1",
     "ipc:///tmp/x", "tcp://[::1]:1", "tcp://127.0.0.1:65536", "tcp://127.0.0.1:1\x00",
     "x" * (MAX_ENDPOINT_CHARS + 1), "tcp://" + "a" * (MAX_ENDPOINT_CHARS - 8) + ":1",
+    # well-formed names: libzmq would resolve them on its I/O thread (a resolver that never
+    # answers stalled every peer), so a control message may not carry one
+    "tcp://localhost:1", "tcp://stall.invalid:5555", "tcp://a-9.example:80",
     "é" * MAX_NAME_CHARS, "é" * (MAX_NAME_CHARS + 1), "y" * (MAX_SESSION_CHARS + 1),
     "r" * MAX_REASON_CHARS, "r" * (MAX_REASON_CHARS + 1), "\U0010ffff",
     "mha", "mla", "gqa", *TAGS, "PING", "transfer\x00",
@@ -511,7 +508,7 @@ class Mutator:
 
 def _is_bad_endpoint(endpoint: str) -> bool:
     try:
-        validate_endpoint(endpoint)
+        numeric_endpoint(endpoint)
     except Exception:
         return True
     return False
@@ -545,7 +542,7 @@ def bound_violations(
     if isinstance(msg, (_wire.Register, _wire.Transfer, _wire.Abort, _wire.Ping)):
         text("endpoint", 1, MAX_ENDPOINT_CHARS)
         if _is_bad_endpoint(msg.endpoint):
-            out.append(f"endpoint {msg.endpoint!r} refused by validate_endpoint")
+            out.append(f"endpoint {msg.endpoint!r} refused by numeric_endpoint")
     if isinstance(msg, _wire.Register):
         ints(decode_rank=(0, MAX_RANKS - 1), decode_tp=(1, MAX_RANKS))
         if not out and msg.decode_rank >= msg.decode_tp:

@@ -404,6 +404,11 @@ class Fuzzer:
             frames = [bytes(f) for f in frames]
             if not frames:
                 frames = [b""]
+        if any(len(f) > _wire.MAX_FRAME_BYTES for f in frames):
+            # refused by the socket itself (MAXMSGSIZE), with the connection and what it still
+            # carried (tests/test_control.py: a frame larger than any message)
+            self.withheld["frame over MAX_FRAME_BYTES"] += 1
+            return None
         try:
             msg, _ = _wire.decode(frames)
         except ProtocolError:
