@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from hypothesis import HealthCheck, settings
 
 from trio_pd import (
     DecodeAgent,
@@ -24,6 +25,13 @@ from trio_pd import (
 )
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
+
+# Property tests check what comes out, not how fast: a per-example deadline (200 ms by default)
+# measures the box, and the suite shares two cores with its own parallel workers.
+settings.register_profile(
+    "trio_pd", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("trio_pd")
 
 HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 ENGINES = [

@@ -145,6 +145,7 @@ async def bound_room(
 # ------------------------------------------------------------------------ the tests
 
 
+@pytest.mark.serial
 def test_twenty_verified_transfers_while_asyncio_keeps_ticking() -> None:
     """20 rooms from asyncio, five at a time, each in two chunks: every byte arrives, no page
     is written after its release, and an asyncio task ticks throughout, never held up more

@@ -602,6 +602,7 @@ async def test_reply_endpoints_cannot_push_out_registered_keys() -> None:
         await plane.aclose(linger=0)
 
 
+@pytest.mark.serial
 async def test_transfer_from_a_dropped_peer_fails_its_room_at_once(engine_name: str) -> None:
     """With authentication on and room for one decode peer: decode A registers, decode B's
     REGISTER drops A (idle), then A sends a TRANSFER for a new room. It comes from the key of

@@ -16,6 +16,9 @@ from trio_pd import KVPoll, _bench, _demo, cli
 
 from .conftest import ENGINES
 
+# CPU and timing figures: measured alone, after the parallel pass
+pytestmark = pytest.mark.serial
+
 
 @pytest.mark.parametrize("engine", ["mooncake"])
 def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:

@@ -30,8 +30,9 @@ from .conftest import ENGINES
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: cli.main sets engine log variables (GLOG_minloglevel): keep them out of other tests
-pytestmark = pytest.mark.usefixtures("keep_environ")
+#: cli.main sets engine log variables (GLOG_minloglevel): keep them out of other tests; CPU
+#: and timing figures are measured alone, after the parallel pass
+pytestmark = [pytest.mark.usefixtures("keep_environ"), pytest.mark.serial]
 
 
 # ------------------------------------------------------------------ refused up front

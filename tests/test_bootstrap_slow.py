@@ -138,6 +138,7 @@ async def test_a_body_trickle_is_closed_at_the_deadline() -> None:
         assert stats.total_requests == 0 and stats.registered_ranks == 0
 
 
+@pytest.mark.serial
 async def test_beyond_the_cap_the_oldest_slow_clients_make_room_and_health_answers() -> None:
     cap, slow, deadline = 4, 6, 2.0
     registry = CollectorRegistry()

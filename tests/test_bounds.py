@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
 from trio_pd import DecodeConfig, KVPoll, PrefillConfig, _wire
@@ -216,6 +217,7 @@ async def test_lane_thread_exits_when_idle_and_comes_back() -> None:
 # ------------------------------------------------------------------------ rooms reclaimed
 
 
+@pytest.mark.serial
 async def test_receivers_dropped_before_init_are_reclaimed(
     engine_name: str, bootstrap_url: str
 ) -> None:
@@ -258,6 +260,7 @@ async def test_senders_never_given_metadata_are_forgotten(
 # ------------------------------------------------------------------------ big page arrays
 
 
+@pytest.mark.serial
 async def test_big_transfers_for_unknown_rooms_are_cheap(bootstrap_url: str) -> None:
     """40 TRANSFERs of 4M page ids for rooms prefill does not hold: what cannot be parked is
     refused before its ids are looked at, parked ids are kept as sent (int32), and the loop

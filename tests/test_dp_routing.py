@@ -280,6 +280,7 @@ async def test_one_dp_rank_is_never_asked_and_announces_nothing() -> None:
     c.assert_no_late_writes()
 
 
+@pytest.mark.serial
 async def test_unknown_room_fails_at_the_bootstrap_deadline() -> None:
     """A room no prefill DP rank announced: the decode receiver stays Bootstrapping, asking,
     then fails with UnknownRoom at its bootstrap deadline (counted ``timeouts``); no prefill

@@ -120,6 +120,7 @@ def test_mooncake_fence_proves_nothing_while_the_writer_engine_listens() -> None
         writer.write(target.session_id, *one)  # (raises if its connections were cut)
 
 
+@pytest.mark.serial
 def test_mooncake_fence_costs_other_writers_on_the_host_their_call_in_flight() -> None:
     """What the fence does to another writer on the same host (measured for the docs): its
     connections are cut too, so a call of it in flight fails (outcome unknown), and its next

@@ -679,6 +679,7 @@ async def test_prefill_bootstrap_deadline_is_a_timeout(
         assert transfer_timeout is not None and isinstance(failure, transfer_timeout)
 
 
+@pytest.mark.serial
 async def test_decode_waiting_deadline_is_a_timeout(
     engine_name: str, bootstrap_url: str
 ) -> None:

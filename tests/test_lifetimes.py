@@ -1221,6 +1221,7 @@ async def test_failed_is_absorbing_and_cached(engine_name: str, bootstrap_url: s
 # ------------------------------------------------------------------------------ I9, timeouts
 
 
+@pytest.mark.serial
 async def test_waiting_timeout_fails_but_holds_pages(
     engine_name: str, bootstrap_url: str
 ) -> None:
@@ -1256,6 +1257,7 @@ async def test_waiting_timeout_fails_but_holds_pages(
         assert pair.decode.statistics().released_by_timeout == 0
 
 
+@pytest.mark.serial
 async def test_bootstrap_timeout_fails_only_rooms_without_metadata(
     engine_name: str, bootstrap_url: str
 ) -> None:

@@ -639,6 +639,10 @@ def test_close_fails_open_rooms_and_stops_the_thread() -> None:
     with agents() as a:
         sender, receiver = one_room(a, 21, send=False)
         sender.send(np.arange(2))  # half of the room
+        # prefill has decode's TRANSFER (init is posted: it may still be on its way). One
+        # that reaches a closed agent is never answered, and decode then keeps the pages:
+        # nothing proves that agent's engine, alive in this process, quiet.
+        poll_until(lambda: sender.poll() is KVPoll.Transferring)
         t = time.perf_counter()
         a.prefill.close()
         assert time.perf_counter() - t < 5

@@ -389,6 +389,7 @@ async def test_cli_demo_processes_json(engine_name: str) -> None:
 # ------------------------------------------------------------------------ deadlines (scenario 10)
 
 
+@pytest.mark.serial
 async def test_waiting_timeout_fails_silent_room_only(
     engine_name: str, bootstrap_url: str
 ) -> None:

@@ -574,7 +574,10 @@ class BootstrapClient:
         try:
             async with self._http.stream(method, path, **kwargs) as streamed:
                 stream = streamed.extensions.get("network_stream")
-                server = stream.get_extra_info("server_addr") if stream is not None else None
+                try:
+                    server = stream.get_extra_info("server_addr") if stream else None
+                except OSError:  # (the service answered and closed already: ENOTCONN)
+                    server = None
                 if isinstance(server, tuple) and server:
                     self.server_address = str(server[0])
                 declared = streamed.headers.get("content-length", "")
