@@ -147,6 +147,16 @@ def sglang_calls(session: nox.Session) -> None:
 
 
 @nox.session
+def sglang_bench(session: nox.Session) -> None:
+    """SGLang's own Mooncake classes against trio_pd.compat.sglang in SGLang's scheduler
+    shape (tools/sglang_bench.py; docs/bench.md): the ranks run in .nox/sglang-venv (built
+    as for `nox -s sglang`), the tool itself here (it plots with matplotlib). Pass the
+    tool's options after --, e.g. `-- --runs 5 --json out.json --plot out.png`."""
+    py = _sglang_venv(session)
+    session.run("python", "tools/sglang_bench.py", "--python", py, *session.posargs)
+
+
+@nox.session
 def docs(session: nox.Session) -> None:
     """The documentation: the pages' code snippets run (tests/test_docs.py), then the site
     (mkdocs-material, with the API reference generated from the docstrings by mkdocstrings)
