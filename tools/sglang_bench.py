@@ -411,29 +411,44 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
+class Arrivals:
+    """The requests arriving at a rank, in room order: the first ``warmup`` untimed; the
+    timed part's :class:`Clock` starts with the first timed one."""
+
+    def __init__(self, rank: Rank, rooms: list[int]) -> None:
+        self.rank, self.rooms, self.todo = rank, rooms, deque(rooms)
+        self.clock: Clock | None = None
+
+    def admit(self, busy: int) -> list[Flight]:
+        """The requests that arrive while the rank holds ``busy`` (and what arrives)
+        below its ``in_flight``."""
+        new = []
+        while self.todo and busy + len(new) < self.rank.work.in_flight:
+            room = self.todo.popleft()
+            timed = len(self.rooms) - len(self.todo) > self.rank.work.warmup
+            if timed and self.clock is None:
+                self.clock = Clock(self.rank)
+            new.append(Flight(room, timed))
+            new[-1].mark("admitted")
+        return new
+
+
 def run_prefill(rank: Rank, rooms: list[int]) -> dict[str, Any]:
     """SGLang's prefill scheduler loop over ``rooms`` (the first ``warmup`` untimed)."""
     w = rank.work
-    todo = deque(rooms)
+    arrivals = Arrivals(rank, rooms)
     boot: list[Flight] = []  # the bootstrap queue
     running: list[Flight] = []  # bootstrapped, chunks still to compute and send
     inflight: list[Flight] = []  # every chunk sent
     done_timed = 0
     failed = 0
     finished: list[Flight] = []
-    clock: Clock | None = None
     left_timed = w.requests
     while left_timed:
-        while todo and len(boot) + len(running) + len(inflight) < w.in_flight:
-            room = todo.popleft()
-            timed = len(rooms) - len(todo) > w.warmup
-            if timed and clock is None:
-                clock = Clock(rank)
-            f = Flight(room, timed)
-            f.mark("admitted")
+        for f in arrivals.admit(len(boot) + len(running) + len(inflight)):
             f.handle = rank.sender_class(
                 mgr=rank.manager, bootstrap_addr=rank.boot_addr,
-                bootstrap_room=room, req_has_disagg_prefill_dp_rank=False,
+                bootstrap_room=f.room, req_has_disagg_prefill_dp_rank=False,
             )
             boot.append(f)
         # pop_bootstrapped
@@ -484,8 +499,8 @@ def run_prefill(rank: Rank, rooms: list[int]) -> dict[str, Any]:
                     left_timed -= 1
                     finished.append(f)
         time.sleep(w.step_ms / 1000)
-    assert clock is not None
-    return {**clock.since(), "succeeded": done_timed - failed, "failed": failed,
+    assert arrivals.clock is not None
+    return {**arrivals.clock.since(), "succeeded": done_timed - failed, "failed": failed,
             "stages_ms": _stages(finished, ["admitted", "bootstrapped", "sent", "done"])}
 
 
@@ -493,25 +508,18 @@ def run_decode(rank: Rank, rooms: list[int], bootstrap_addr: str) -> dict[str, A
     """SGLang's decode scheduler loop over ``rooms`` (the first ``warmup`` untimed)."""
     w = rank.work
     mgr = rank.manager
-    todo = deque(rooms)
+    arrivals = Arrivals(rank, rooms)
     pending: list[Flight] = []  # receivers made, prefill DP rank not resolved
     prealloc: list[Flight] = []  # init(dp_rank) done, waiting for WaitingForInput
     transfer: list[Flight] = []  # send_metadata done
     verified = corrupt = failed = 0
     finished: list[Flight] = []
-    clock: Clock | None = None
     last_ensure = -1e9
     left_timed = w.requests
     while left_timed:
-        while todo and len(pending) + len(prealloc) + len(transfer) < w.in_flight:
-            room = todo.popleft()
-            timed = len(rooms) - len(todo) > w.warmup
-            if timed and clock is None:
-                clock = Clock(rank)
-            f = Flight(room, timed)
-            f.mark("admitted")
+        for f in arrivals.admit(len(pending) + len(prealloc) + len(transfer)):
             f.handle = rank.receiver_class(mgr=mgr, bootstrap_addr=bootstrap_addr,
-                                           bootstrap_room=room)
+                                           bootstrap_room=f.room)
             pending.append(f)
         # _resolve_pending_reqs: the prefill instance known, every request is DP rank 0
         if pending:
@@ -559,8 +567,9 @@ def run_decode(rank: Rank, rooms: list[int], bootstrap_addr: str) -> dict[str, A
                 if f.timed:
                     finished.append(f)
         time.sleep(w.step_ms / 1000)
-    assert clock is not None
-    return {**clock.since(), "verified": verified, "corrupt": corrupt, "failed": failed,
+    assert arrivals.clock is not None
+    return {**arrivals.clock.since(), "verified": verified, "corrupt": corrupt,
+            "failed": failed,
             "stages_ms": _stages(finished, ["admitted", "resolved", "waiting", "done"])}
 
 
