@@ -107,14 +107,10 @@ SGLANG_IMPORTS = [
 ]
 
 
-@nox.session
-def sglang(session: nox.Session) -> None:
-    """The conformance suite against SGLang 0.5.23's own scheduler code (tests/sglang):
-    every call SGLang makes on the connector objects, listed from its installed source and
-    checked against the adapter's table, and SGLang's prefill and decode queues moving
-    verified requests with aborts over both engines. Builds its own virtual environment
-    (.nox/sglang-venv: trio_pd, torch's CPU build, SGLang with --no-deps and the few modules
-    its PD code imports); a second run reuses it."""
+def _sglang_venv(session: nox.Session) -> str:
+    """The python of .nox/sglang-venv (trio_pd from this tree, torch's CPU build, SGLang
+    with --no-deps and the few modules its PD code imports), built on first use and again
+    when what it installs changes."""
     venv = Path(".nox/sglang-venv")
     py = str(venv / "bin" / "python")
     stamp = venv / ".installed"
@@ -126,9 +122,48 @@ def sglang(session: nox.Session) -> None:
         session.run(*pip, "-e", ".[cpu,nixl,test]", *SGLANG_IMPORTS, external=True)
         session.run(*pip, "--no-deps", "nixl-cu12>=1.5", SGLANG, external=True)
         stamp.write_text(wanted)
+    return py
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """The conformance suite against SGLang 0.5.23's own scheduler code (tests/sglang):
+    every call SGLang makes on the connector objects, listed from its installed source and
+    checked against the adapter's table, and SGLang's prefill and decode queues moving
+    verified requests with aborts over both engines. Runs in .nox/sglang-venv (built on
+    first use, a few minutes; a second run reuses it)."""
+    py = _sglang_venv(session)
     session.run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "sglang", "-rs",
                 "tests/sglang", *session.posargs, external=True,
                 env={"TRIO_PD_REQUIRE_SGLANG": "1"})
+
+
+@nox.session
+def sglang_calls(session: nox.Session) -> None:
+    """The part of `nox -s sglang` that needs SGLang's source only (what .ci/run runs):
+    SGLang 0.5.23's wheel alone, unpacked with --no-deps (no torch) into .nox/sglang-source,
+    and the tests that read it with ast: the call list against the adapter's table, the
+    flags it refuses, the variables and server arguments it reads, its plugin's hook
+    targets. The tests that run SGLang's code are skipped here (-rs lists them)."""
+    target = Path(".nox/sglang-source")
+    stamp = target / ".installed"
+    if not stamp.exists() or stamp.read_text() != SGLANG:
+        session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                    "--upgrade", "--target", str(target), SGLANG)
+        stamp.write_text(SGLANG)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "-m", "sglang", "-rs",
+                "tests/sglang", *session.posargs,
+                env={"TRIO_PD_REQUIRE_SGLANG": "1", "TRIO_PD_SGLANG_SOURCE": str(target)})
+
+
+@nox.session
+def sglang_bench(session: nox.Session) -> None:
+    """SGLang's own Mooncake classes against trio_pd.compat.sglang in SGLang's scheduler
+    shape (tools/sglang_bench.py; docs/bench.md): the ranks run in .nox/sglang-venv (built
+    as for `nox -s sglang`), the tool itself here (it plots with matplotlib). Pass the
+    tool's options after --, e.g. `-- --runs 5 --json out.json --plot out.png`."""
+    py = _sglang_venv(session)
+    session.run("python", "tools/sglang_bench.py", "--python", py, *session.posargs)
 
 
 @nox.session

@@ -32,7 +32,14 @@ import pytest
 
 import trio_pd
 import trio_pd._cuda
-from trio_pd import ConfigurationError, DecodeConfig, PrefillConfig, ProtocolError, TransferError
+from trio_pd import (
+    ConfigurationError,
+    DecodeConfig,
+    PrefillConfig,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+)
 from trio_pd._memory import MemoryKind
 from trio_pd.compat import sglang
 from trio_pd.compat.sglang import (
@@ -729,6 +736,51 @@ def test_decode_abort_is_failed_at_once_and_held_until_the_drain(
         poll_until(lambda: s.decode.is_abort_release_safe(78, 1))
         s.decode.clear_deferred_abort_state(78)
         assert s.decode.released_before_drain == 0
+
+
+def test_decode_abort_before_success_was_polled_fails_the_request_and_frees_at_once(
+    engine_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SGLang's deferred release: a request whose KV has all arrived but whose Success
+    poll() has not returned is the scheduler's to give up. Aborted, it reads Failed (what
+    SGLang's scheduler then sees), its pages are held for the release check, and that check
+    says safe at once, with no drain: every write had landed before Success, so trio_pd
+    hands the pages back unclaimed."""
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_ENV, "1")
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_TIMEOUT_ENV, "inf")
+    with pair(engine_name) as s:
+        _sender, receiver = _one_room(s, 83)
+        poll_until(lambda: s.decode.statistics().succeeded == 1)  # done, not yet polled
+        receiver.abort()
+        assert receiver.poll() == KVPoll.Failed
+        with pytest.raises(TransferAborted):
+            receiver.failure_exception()
+        assert receiver.abort_notified
+        poll_until(lambda: s.decode.is_abort_release_safe(83, 1))
+        assert s.decode.statistics().released_unclaimed == 1
+        assert s.decode.statistics().acks_received == 0  # no drain was needed
+        s.decode.clear_deferred_abort_state(83)
+        assert s.decode.released_before_drain == 0
+
+
+def test_decode_abort_after_success_was_polled_changes_nothing(
+    engine_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once poll() has returned Success the pages are the scheduler's: an abort then leaves
+    Success standing, arms no deferred release and hands nothing back."""
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_ENV, "1")
+    monkeypatch.setenv(sglang.DEFERRED_RELEASE_TIMEOUT_ENV, "inf")
+    with pair(engine_name) as s:
+        _sender, receiver = _one_room(s, 84)
+        poll_until(lambda: receiver.poll() == KVPoll.Success)
+        receiver.abort()
+        receiver.ensure_abort_notified(force_arm=True)
+        assert receiver.poll() == KVPoll.Success
+        assert receiver.failure is None
+        assert not receiver.abort_notified
+        assert s.decode.is_abort_release_safe(84, 1)
+        _watch(lambda: s.decode.statistics().released_unclaimed, 0)
+        assert s.dst.holds(84, np.arange(4, 8), 2)
 
 
 def test_prefill_poll_is_bootstrapping_until_decode_sent_its_metadata(engine_name: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 from pathlib import Path
 
 #: the modules whose calls count (as the issue lists them): the prefill and decode queues,
@@ -42,10 +43,31 @@ _CLASSES = {
 }
 
 
-def sglang_root() -> Path:
+#: where SGLang's source is read from when it is not installed (``nox -s sglang_calls``
+#: unpacks the wheel there): the folder that holds the ``sglang`` package
+SOURCE_ENV = "TRIO_PD_SGLANG_SOURCE"
+
+
+def sglang_root() -> Path | None:
+    """The folder holding SGLang's ``sglang`` package: :data:`SOURCE_ENV` if set, else where
+    it is installed (found, not imported); None if neither."""
+    given = os.environ.get(SOURCE_ENV)
+    if given:
+        return Path(given)
     spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations, "sglang is not installed"
+    if spec is None or not spec.submodule_search_locations:
+        return None
     return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def _root(root: Path | None) -> Path:
+    found = root or sglang_root()
+    assert found is not None, "sglang is not installed"
+    return found
+
+
+def _parse(rel: str, root: Path | None = None) -> ast.Module:
+    return ast.parse((_root(root) / rel).read_text(encoding="utf-8"), filename=rel)
 
 
 def _role(node: ast.expr) -> str | None:
@@ -100,10 +122,68 @@ def call_forms_in(tree: ast.AST) -> set[str]:
 
 def call_forms(root: Path | None = None) -> dict[str, set[str]]:
     """Every call form in :data:`SOURCES`, with the modules it appears in."""
-    root = root or sglang_root()
     found: dict[str, set[str]] = {}
     for rel in SOURCES:
-        tree = ast.parse((root / rel).read_text(encoding="utf-8"), filename=rel)
-        for form in call_forms_in(tree):
+        for form in call_forms_in(_parse(rel, root)):
             found.setdefault(form, set()).add(rel.rsplit("/", 1)[-1])
     return found
+
+
+# ---------------------------------------------------------------------------------- names
+# What else the adapter and its plugin rely on by name, read from the source the same way.
+
+
+def server_arg_fields(root: Path | None = None) -> set[str]:
+    """Every server argument (``ServerArgs`` field): the annotated names of the field
+    namespaces ``ServerArgs`` is assembled from (``sglang/srt/arg_groups/fields/``)."""
+    names: set[str] = set()
+    for path in sorted((_root(root) / "sglang/srt/arg_groups/fields").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                names |= {
+                    item.target.id for item in node.body
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                }
+    return names
+
+
+def environment_variables(root: Path | None = None) -> set[str]:
+    """Every environment variable SGLang declares (the attributes of ``sglang.srt.environ``'s
+    ``Envs`` classes)."""
+    names: set[str] = set()
+    for node in ast.walk(_parse("sglang/srt/environ.py", root)):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.Assign):
+                    names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def module_functions(rel: str, root: Path | None = None) -> set[str]:
+    """The functions defined at the top of module ``rel`` (a path under the root)."""
+    return {n.name for n in _parse(rel, root).body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+def class_constants(rel: str, cls: str, root: Path | None = None) -> dict[str, object]:
+    """The constant class attributes of class ``cls`` in module ``rel`` (an enum's
+    members and values), by name."""
+    for node in ast.walk(_parse(rel, root)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {
+                t.id: item.value.value
+                for item in node.body if isinstance(item, ast.Assign)
+                and isinstance(item.value, ast.Constant)
+                for t in item.targets if isinstance(t, ast.Name)
+            }
+    raise AssertionError(f"class {cls} not found in {rel}")
+
+
+def module_constants(rel: str, root: Path | None = None) -> dict[str, object]:
+    """The constant assignments at the top of module ``rel``, by name."""
+    return {
+        t.id: node.value.value
+        for node in _parse(rel, root).body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for t in node.targets if isinstance(t, ast.Name)
+    }

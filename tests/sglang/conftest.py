@@ -1,69 +1,54 @@
-"""The SGLang conformance suite runs only where SGLang 0.5.23 is installed (``nox -s
-sglang`` makes such an environment); elsewhere every test here is skipped.
-
-SGLang's scheduler modules import its multimodal code, which imports torchvision at import
-time. PyPI's torchvision wheels need a CUDA build of torch; beside the CPU build this suite
-installs, ``import torchvision`` fails. Nothing on the PD paths uses it, so where it cannot
-be imported an empty stand-in module answers for it (only for the import)."""
+"""The SGLang conformance suite. Its tests read SGLang 0.5.23's source (installed, or
+unpacked where ``TRIO_PD_SGLANG_SOURCE`` says: ``nox -s sglang_calls``), and those that
+also run SGLang's code need its PD modules to import (``nox -s sglang`` makes such an
+environment: the ``sglang_runtime`` fixture, and test_queues.py). Without SGLang every test
+here is skipped, and without its runtime those; with ``TRIO_PD_REQUIRE_SGLANG=1`` (what
+the nox sessions set) either is an error instead. A torchvision that cannot load beside
+torch's CPU build is answered by a stand-in (tests/sglang/standins.py)."""
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-import types
+import os
 import warnings
-from typing import Any
 
 import pytest
 
+from .callforms import sglang_root
+from .standins import stand_in_torchvision
 
-class _Anything:
-    def __init__(self, *a: Any, **k: Any) -> None:
-        pass
+#: the nox sessions set it: what this suite needs must be there, not skipped
+REQUIRE = os.environ.get("TRIO_PD_REQUIRE_SGLANG") == "1"
+#: why SGLang's PD modules cannot be imported here (None: they can)
+NO_RUNTIME: str | None = None
 
-    def __call__(self, *a: Any, **k: Any) -> _Anything:
-        return _Anything()
-
-    def __getattr__(self, name: str) -> _Anything:
-        return _Anything()
-
-
-class _NoTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: Any) -> types.ModuleType:
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        module.__version__ = "0.0.0"  # (transformers asks; too old for it to use)
-        module.__getattr__ = lambda attr: _Anything()  # type: ignore[method-assign]
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-try:
-    import sglang
-except ImportError:
+if sglang_root() is None:
+    if REQUIRE:
+        raise RuntimeError("TRIO_PD_REQUIRE_SGLANG=1, but SGLang is neither installed nor "
+                           "unpacked where TRIO_PD_SGLANG_SOURCE says")
     collect_ignore_glob = ["test_*.py"]
 else:
     try:
-        import torchvision  # noqa: F401
-    except Exception:  # (RuntimeError: operator torchvision::nms does not exist)
-        for mod in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
-            del sys.modules[mod]
-        sys.meta_path.insert(0, _NoTorchvision())
-    # SGLang's and torch's import-time warnings (deprecations, "only CUDA supports...")
-    # are theirs: import the modules the suite uses once, with them silenced
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import sglang.srt.disaggregation.decode
-        import sglang.srt.disaggregation.prefill
-        import sglang.srt.mem_cache.memory_pool  # noqa: F401
+        stand_in_torchvision()
+        # SGLang's and torch's import-time warnings (deprecations, "only CUDA
+        # supports...") are theirs: import the modules the suite uses once, silenced
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import sglang.srt.disaggregation.decode
+            import sglang.srt.disaggregation.prefill
+            import sglang.srt.mem_cache.memory_pool  # noqa: F401
+    except ImportError as exc:
+        NO_RUNTIME = f"SGLang's PD modules do not import here ({exc})"
+        if REQUIRE and not os.environ.get("TRIO_PD_SGLANG_SOURCE"):
+            raise
+        collect_ignore_glob = ["test_queues.py"]
+
+
+@pytest.fixture
+def sglang_runtime() -> None:
+    """The test runs SGLang's own code: skipped where it does not import (only its source
+    is there)."""
+    if NO_RUNTIME is not None:
+        pytest.skip(NO_RUNTIME)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

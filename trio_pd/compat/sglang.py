@@ -1272,11 +1272,6 @@ class _Handle:
         blocks."""
         self._h.failure_exception()
 
-    def abort(self, reason: str = "aborted by the scheduler") -> None:
-        """Abort the room (idempotent; a room that succeeded first keeps its Success). Any
-        thread; never blocks."""
-        self._h.abort(reason)
-
     def clear(self) -> None:
         """SGLang's per-room cleanup. Nothing to do: the adapter forgets a room by itself
         once its pages are free (or, on decode, once it succeeded). Any thread."""
@@ -1382,8 +1377,14 @@ class KVSender(_Handle):
         self._num, self._aux_index = num, slot
 
     def abort(self, reason: str = "aborted by the scheduler") -> None:
-        """Abort the room (idempotent; a room that succeeded first keeps its Success). Any
-        thread; never blocks.
+        """Abort the room. Idempotent. Any thread; never blocks.
+
+        What :meth:`poll` then says: Failed (:meth:`failure_exception` raises
+        :class:`~trio_pd.TransferAborted`), unless the room had already succeeded on this
+        rank (every decode rank it writes to was sent its Success): that Success stands,
+        and poll() shows it, with ``free_on_terminal``, once the source pages are back, as
+        it would have without the abort. Either way the pages come back once no engine
+        call can still read them.
 
         An abort before :meth:`init` (SGLang aborts requests still in its bootstrap queue,
         whose loop then never calls init) still reaches the decode side at once: the adapter
@@ -1669,7 +1670,7 @@ class KVReceiver(_Handle):
         deferred = self._mgr.enable_deferred_decode_kv_release
         if self._aborted and deferred and not self._delivered:
             status = self._receiver.poll()
-            if status is not KVPoll.Success:  # (a room that succeeded first keeps it)
+            if status is not KVPoll.Success:  # (unless the facade had handed Success out)
                 return KVPoll.Failed
         status = self._receiver.poll()
         if status is KVPoll.Success:
@@ -1686,25 +1687,36 @@ class KVReceiver(_Handle):
     poll_pp_consensus = poll
 
     def abort(self, reason: str = "aborted by the scheduler") -> None:
-        """Abort the room (idempotent; a room that succeeded first keeps its Success). With
-        deferred release, :meth:`poll` says Failed at once and, once the room's pages were
-        handed over, :attr:`abort_notified` is True: the pages stay held until
-        :meth:`KVManager.is_abort_release_safe`. Any thread; never blocks."""
+        """Give the request up. Idempotent. Any thread; never blocks.
+
+        Once :meth:`poll` has returned Success the abort changes nothing: the pages hold the
+        KV and are the scheduler's. Before that, it decides, whatever the transfer does
+        next: :meth:`poll` says Failed from now on (:meth:`failure_exception` raises
+        :class:`~trio_pd.TransferAborted`), also for a room whose KV had all arrived but
+        whose Success poll() had not yet returned. Pages given by :meth:`send_metadata`
+        then stay trio_pd's until no prefill rank can write them: after the drain (every
+        prefill rank acknowledged the abort, or was proven gone), or at once for a room
+        that had succeeded unseen (its writers were done: trio_pd hands the pages back
+        unclaimed, counted ``released_unclaimed``). With SGLang's deferred release (its
+        default) :attr:`abort_notified` is then True, and
+        :meth:`KVManager.is_abort_release_safe` says when the scheduler may free the pages;
+        without it a Failed poll() shows only then (with ``free_on_terminal``)."""
         self._aborted = True
         self._receiver.abort(reason)
-        if self._given:
+        if self._given and not self._delivered:
             self.abort_notified = True
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         """SGLang's call for a request that failed without the scheduler aborting it: make
         sure every prefill rank stops writing, and hold the pages for the drain. The adapter
-        aborts the room (a no-op on a failed one: trio_pd drains it either way) and, if its
-        pages were handed over, sets :attr:`abort_notified`. ``force_arm`` changes nothing
-        (trio_pd always waits for the drain of a room that holds pages). Any thread."""
+        aborts the room (on a failed one this changes nothing: trio_pd drains it either
+        way) and, if its pages were handed over and Success was not delivered, sets
+        :attr:`abort_notified`. ``force_arm`` changes nothing (trio_pd always waits for the
+        drain of a room that holds pages). Any thread."""
         if self.abort_notified:
             return
         self._receiver.abort("failed: the scheduler releases the request")
-        if self._given:
+        if self._given and not self._delivered:
             self.abort_notified = True
 
     def clear(self) -> None:
