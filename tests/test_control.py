@@ -5,6 +5,8 @@ ahead of it while the loop is busy."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
 import zmq
@@ -22,16 +24,35 @@ def _aborts(n: int, endpoint: str) -> list[list[bytes]]:
     ]
 
 
-async def _between_steps(waiting: list[list[bytes]]) -> tuple[set[int], Counters]:
-    """Queue ``waiting`` on a ControlPlane's socket before its listener starts, then serve.
-    A busy sibling task, scheduled once per scheduling round, records how many messages had
-    been handled each time it ran: a count strictly between 0 and all of them means the
-    listener yielded there. Returns those counts and the plane's counters."""
+@asynccontextmanager
+async def _queued(waiting: list[list[bytes]]) -> AsyncIterator[tuple[ControlPlane, Counters]]:
+    """A ControlPlane with ``waiting`` already queued on its socket, none of it read yet."""
     counters = Counters()
     cp = ControlPlane("127.0.0.1", counters)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(cp.endpoint)
+    try:
+        for frames in waiting:
+            push.send_multipart(frames)
+        deadline = time.monotonic() + 10
+        while cp._pull.zsock.get(zmq.EVENTS) & zmq.POLLIN == 0:
+            assert time.monotonic() < deadline, "messages never arrived"
+            await trio.sleep(0.001)
+        await trio.sleep(0.05)  # the rest of them land behind the first
+        yield cp, counters
+    finally:
+        push.close(linger=0)
+        ctx.term()
+        with trio.CancelScope(shield=True):
+            await cp.aclose(linger=0)
+
+
+async def _between_steps(waiting: list[list[bytes]]) -> tuple[set[int], Counters]:
+    """Queue ``waiting`` on a ControlPlane's socket before its listener starts, then serve.
+    A busy sibling task, scheduled once per scheduling round, records how many messages had
+    been handled each time it ran: a count strictly between 0 and all of them means the
+    listener yielded there. Returns those counts and the plane's counters."""
     seen: list[_wire.Message] = []
     counts: set[int] = set()
     good = sum(1 for f in waiting if f != [b"garbage"])
@@ -47,26 +68,13 @@ async def _between_steps(waiting: list[list[bytes]]) -> tuple[set[int], Counters
             counts.add(len(seen))
             await trio.lowlevel.checkpoint()
 
-    try:
-        for frames in waiting:
-            push.send_multipart(frames)
-        # all of them in the listener's socket before it first looks
-        deadline = time.monotonic() + 10
-        while cp._pull.zsock.get(zmq.EVENTS) & zmq.POLLIN == 0:
-            assert time.monotonic() < deadline, "messages never arrived"
-            await trio.sleep(0.001)
-        await trio.sleep(0.05)  # the rest of the burst lands behind the first
+    async with _queued(waiting) as (cp, counters):
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(busy)
                 nursery.start_soon(cp.serve, handle)
                 await done.wait()
                 nursery.cancel_scope.cancel()
-    finally:
-        push.close(linger=0)
-        ctx.term()
-        with trio.CancelScope(shield=True):
-            await cp.aclose(linger=0)
     assert len(seen) == good
     return counts, counters
 
@@ -97,31 +105,14 @@ async def test_a_closing_agent_handles_what_its_listener_left_unread() -> None:
     dropping them with its socket (tests/test_sync.py::
     test_close_fails_open_rooms_and_stops_the_thread failed 3 runs in 6 without it: decode
     held the room's pages, as nothing proves a closed agent's live engine quiet)."""
-    counters = Counters()
-    cp = ControlPlane("127.0.0.1", counters)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(cp.endpoint)
     seen: list[_wire.Message] = []
-    try:
-        waiting = _aborts(5, "tcp://127.0.0.1:1")
-        waiting.insert(2, [b"garbage"])
-        for frames in waiting:
-            push.send_multipart(frames)
-        deadline = time.monotonic() + 10
-        while cp._pull.zsock.get(zmq.EVENTS) & zmq.POLLIN == 0:
-            assert time.monotonic() < deadline, "messages never arrived"
-            await trio.sleep(0.001)
-        await trio.sleep(0.05)  # the rest of them land behind the first
+    waiting = _aborts(5, "tcp://127.0.0.1:1")
+    waiting.insert(2, [b"garbage"])
+    async with _queued(waiting) as (cp, counters):
         assert cp.drain_nowait(lambda msg, _pages: seen.append(msg)) == 6
         assert [m.room for m in seen if isinstance(m, _wire.Abort)] == list(range(5))
         assert counters["bad_messages"] == 1
         assert cp.drain_nowait(lambda msg, _pages: seen.append(msg)) == 0
-    finally:
-        push.close(linger=0)
-        ctx.term()
-        with trio.CancelScope(shield=True):
-            await cp.aclose(linger=0)
 
 
 async def test_a_frame_larger_than_any_message_is_refused_at_the_socket() -> None:
