@@ -320,8 +320,9 @@ async def test_forged_transfer_is_refused(engine_name: str) -> None:
 
 
 async def test_forged_status_and_ack_are_refused(engine_name: str) -> None:
-    """A STATUS (Failed, and Success) and an ABORT_ACK claiming prefill rank 0, for a live
-    room, from a key that is not the rank's: refused and counted; the room then succeeds."""
+    """A STATUS (Failed, and Success), an ABORT_ACK and a BYE claiming prefill rank 0, for a
+    live room, from a key that is not the rank's: refused and counted; the room then
+    succeeds."""
     async with secure_pair(engine_name) as pair:
         assert await request(pair, 1) is KVPoll.Success
         room = 5
@@ -333,6 +334,7 @@ async def test_forged_status_and_ack_are_refused(engine_name: str) -> None:
             _wire.Status(v=V, room=room, epoch=epoch, rank=0, ok=False, reason="forged"),
             _wire.Status(v=V, room=room, epoch=epoch, rank=0, ok=True),
             _wire.AbortAck(v=V, room=room, epoch=epoch, rank=0),
+            _wire.Bye(v=V, rank=0, endpoint=pair.prefill.endpoint),
         ]
         async with curve_push(
             pair.decode.endpoint, pair.decode.control.public_key, Keypair.generate()

@@ -262,6 +262,7 @@ async def test_a_writer_that_cannot_be_fenced_keeps_its_pages_held(bootstrap_url
                     with trio.fail_after(BOUND):
                         await poll_until(lambda: prefill.statistics().engine_calls >= 1)
                     prefill._shutdown_rooms = lambda: None  # type: ignore[method-assign]
+                    prefill._say_goodbye = lambda: None  # type: ignore[method-assign]
                     scope.cancel()  # a crash says nothing: no STATUS, no ack
             with trio.fail_after(BOUND):
                 assert await receiver.wait() is KVPoll.Failed

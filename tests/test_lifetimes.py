@@ -941,6 +941,51 @@ async def test_closing_prefill_tells_the_decode_rooms_it_knows(
         de.close()
 
 
+async def test_closing_prefill_says_goodbye_for_rooms_it_will_never_read(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A decode room is made after its prefill agent closed (engine up), its TRANSFER to
+    a socket nobody reads any more: the BYE the agent sent after its last engine call
+    counts it drained, so the room fails (PeerLost) and its pages go back at once. Before,
+    the room failed on the heartbeat and then held its pages until decode closed. Rooms
+    after it are refused before any TRANSFER: the service still publishes the closed rank,
+    and decode remembers that record as closed."""
+    src, dst = host_pool("mha"), host_pool("mha")
+    pe, de = make_engine(engine_name), make_engine(engine_name)
+    released: list[int] = []
+    try:
+        async with open_decode(engine=de, pool=dst.spec) as decode:
+            async with open_prefill(
+                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS
+            ) as prefill:
+                transfers = Handled(prefill, "_on_transfer")
+                warm = decode.receiver(40, bootstrap_url=bootstrap_url)  # resolves, registers
+                warm.init(np.arange(2), 0, on_release=lambda: released.append(40))
+                with trio.fail_after(BOUND):
+                    await transfers.wait(1)
+                assert len(prefill.peers.all()) == 1
+            receivers = []
+            for room in (41, 42):
+                rx = decode.receiver(room, bootstrap_url=bootstrap_url)
+                rx.init(np.arange(2) + 2 * (room - 40), room - 40,
+                        on_release=lambda room=room: released.append(room))  # type: ignore[misc]
+                receivers.append(rx)
+                await trio.sleep(0.05)
+            with trio.fail_after(BOUND / 2):  # (well before the heartbeat could say anything)
+                for rx in [warm, *receivers]:
+                    assert await rx.wait() is KVPoll.Failed
+                    await rx.wait_released()
+            assert sorted(released) == [40, 41, 42]
+            assert isinstance(receivers[-1].failure, PeerLost)
+            assert "closed" in str(receivers[-1].failure), receivers[-1].failure
+            stats = decode.statistics()
+            assert stats.peers_closed == 1 and stats.peers_lost == 0, stats
+            assert stats.rooms_unproven_at_close == 0
+    finally:
+        pe.close()
+        de.close()
+
+
 async def test_closing_prefill_does_not_ack_a_quarantined_room(
     engine_name: str, bootstrap_url: str
 ) -> None:
@@ -972,6 +1017,7 @@ async def test_closing_prefill_does_not_ack_a_quarantined_room(
             assert prefill.statistics().rooms_unacked_at_close == 1
             await stays_pending(receiver.wait_released, "decode's release after a failed write")
             assert decode.statistics().acks_received == 0
+            assert decode.statistics().peers_closed == 0  # (no BYE: a write is not proven over)
     finally:
         pe.close()
         de.close()

@@ -504,8 +504,9 @@ async def test_heartbeat_loss_then_reregistered_prefill_works(
                     await poll_until(lambda: agent.statistics().engine_calls >= 1)
                 assert receiver.poll() is KVPoll.WaitingForInput
                 lost_at = trio.current_time()
-                # a crash says nothing: no goodbye (a closing agent tells its decode rooms)
+                # a crash says nothing: no STATUS, ack or BYE (as a closing agent sends)
                 agent._shutdown_rooms = lambda: None  # type: ignore[method-assign]
+                agent._say_goodbye = lambda: None  # type: ignore[method-assign]
                 scope.cancel()  # the prefill agent closes: no STATUS, no ACK, no PONG
             with trio.fail_after(10):
                 assert await receiver.wait() is KVPoll.Failed

@@ -24,6 +24,7 @@ from trio_pd._wire import (
     WIRE_VERSION,
     Abort,
     AbortAck,
+    Bye,
     Message,
     Ping,
     Pong,
@@ -35,7 +36,7 @@ from trio_pd._wire import (
     encode,
 )
 
-MESSAGE_TYPES = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong)
+MESSAGE_TYPES = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong, Bye)
 I64_MAX = 2**63 - 1
 U64_MAX = 2**64 - 1
 
@@ -139,6 +140,7 @@ aborts = st.builds(Abort, st.just(WIRE_VERSION), room=ids, epoch=ids, endpoint=e
 abort_acks = st.builds(AbortAck, st.just(WIRE_VERSION), room=ids, epoch=ids, rank=ranks)
 pings = st.builds(Ping, st.just(WIRE_VERSION), nonce=ids, endpoint=endpoints)
 pongs = st.builds(Pong, st.just(WIRE_VERSION), nonce=ids, rank=ranks)
+byes = st.builds(Bye, st.just(WIRE_VERSION), rank=ranks, endpoint=endpoints)
 
 
 def _no_pages(s: st.SearchStrategy[Any]) -> st.SearchStrategy[tuple[Any, None]]:
@@ -153,6 +155,7 @@ STRATEGIES: dict[str, st.SearchStrategy[tuple[Message, np.ndarray[Any, Any] | No
     "abort_ack": _no_pages(abort_acks),
     "ping": _no_pages(pings),
     "pong": _no_pages(pongs),
+    "bye": _no_pages(byes),
 }
 any_message = st.one_of(*STRATEGIES.values())
 

@@ -884,6 +884,8 @@ class DecodeAgent:
             self._on_ack(msg, sender)
         elif isinstance(msg, _wire.Pong):
             self.sources.on_pong(msg.nonce, sender)
+        elif isinstance(msg, _wire.Bye):
+            self._on_bye(msg, sender)
         else:
             raise ProtocolError(f"decode does not take {type(msg).__name__}")
 
@@ -923,6 +925,35 @@ class DecodeAgent:
             self._check_source(rec, msg, sender)
             self.counters.bump("acks_received")
             self._carry(rec, rec.machine.on_ack(msg.rank))
+
+    def _on_bye(self, msg: _wire.Bye, sender: str | None = None) -> None:
+        """The prefill rank at ``msg.endpoint`` closed after its last engine call (a BYE): it
+        counts as drained for every room that names it, those rooms not yet complete fail
+        (``PeerLost``), and its bootstrap record is not used again (``Sources.close``). With
+        authentication on, only that rank's own key may say so."""
+        ranks = {id(r): r for rec in self._rooms.values() for r in rec.sources
+                 if r.endpoint == msg.endpoint and r.rank_id == msg.rank}
+        known = self.sources.ranks.get(msg.endpoint)
+        if known is not None and known.rank_id == msg.rank:
+            ranks[id(known)] = known
+        if not ranks:
+            self.counters.bump("late_messages")  # (no room or registration names it)
+            return
+        for rank in ranks.values():
+            if sender is not None and sender != rank.key:
+                raise AuthenticationError(
+                    f"BYE as prefill rank {msg.rank} at {msg.endpoint} from {sender}: not "
+                    "that rank's key"
+                )
+        for rank in ranks.values():
+            self.sources.close(rank)
+            for room_id in list(rank.rooms):
+                rec = self._rooms.get(room_id)
+                if rec is not None:
+                    self._carry(rec, rec.machine.peer_lost(
+                        rank.rank_id, f"prefill rank {rank.rank_id} closed"
+                    ))
+                    self._carry(rec, rec.machine.writer_gone(rank.rank_id))
 
     # ------------------------------------------------------------------ closing
 

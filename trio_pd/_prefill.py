@@ -815,6 +815,23 @@ class PrefillAgent:
                 len(left), ", ".join(str(r.machine.room) for r in left[:20]),
             )
 
+    def _unproven(self) -> bool:
+        """Whether a failed write of ours is not proven over: a lease still quarantined."""
+        return bool(self.quarantines.value) or any(
+            r.machine.leases.quarantined for r in self._rooms.values()
+        )
+
+    def _say_goodbye(self) -> None:
+        """Closing, once every engine call has returned, every failed write is proven over
+        and the control socket is read no more: tell each registered decode rank (a BYE), so
+        that it counts us drained for every room of ours, also those whose TRANSFER we will
+        never read. An agent with a write not proven over says nothing: decode keeps those
+        pages until it acks (it will not) or is proven gone. Best effort, like the STATUSes
+        before it: ``aclose``'s linger delivers it."""
+        bye = _wire.Bye(v=_wire.WIRE_VERSION, rank=self.rank_id, endpoint=self.endpoint)
+        for peer in self.peers.all():
+            self.control.send_nowait(peer.endpoint, bye)
+
     def _shutdown_rooms(self) -> None:
         """After every task (and so every engine call) has finished: tell the decode ranks
         still waiting on us, fail what is left, hand every source page back. TRANSFERs that
@@ -1005,7 +1022,10 @@ async def open_prefill(
         # what the listener left unread (a decode rank's TRANSFER sent as we closed) is
         # answered too: its room fails here and that rank hears a Failed STATUS and an ack
         agent.control.drain_nowait(agent._handle_closing)
+        proven = not agent._unproven()  # (before the rooms are shut down and forgotten)
         agent._shutdown_rooms()
+        if proven:
+            agent._say_goodbye()
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await wait_idle(agent.peers.probe_threads.limiter, agent.peers.fence)
             if registered:

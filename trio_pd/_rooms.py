@@ -982,12 +982,12 @@ class DecodeRoom:
         late = tuple(r for r in book.contacted if r not in book.acked and r not in book.succeeded)
         return [SendAborts(late), ProbeWriters(late), ArmAckDeadline()]
 
-    def peer_lost(self, rank: int) -> Due:
-        """Rank ``rank`` stopped answering heartbeats: fail, and probe it (a loss is not a
-        proof: its writes may still land)."""
+    def peer_lost(self, rank: int, why: str = "") -> Due:
+        """Rank ``rank`` stopped answering heartbeats (or closed: ``why``): fail, and probe it
+        (a loss is not a proof: its writes may still land)."""
         if self.book is None or rank in self.book.succeeded or self.forgotten:
             return []
-        error = PeerLost(f"prefill rank {rank} stopped answering")
+        error = PeerLost(why or f"prefill rank {rank} stopped answering")
         return [*self.fail(error), ProbeWriters((rank,))]
 
     def writer_gone(self, rank: int) -> Due:

@@ -21,6 +21,7 @@ import logging
 import socket
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from ._errors import (
     AuthenticationError,
     BootstrapError,
     IncompatiblePeer,
+    PeerLost,
     ProtocolError,
     TransferError,
 )
@@ -50,6 +52,9 @@ if TYPE_CHECKING:
     from .metrics import AgentMetrics
 
 log = logging.getLogger("trio_pd.decode")
+
+#: how many closed prefill ranks' bootstrap records a decode rank remembers (``Sources``)
+MAX_CLOSED_RANKS = 1024
 
 
 @dataclass(eq=False, slots=True)
@@ -80,6 +85,9 @@ class PrefillRank:
     fenced: bool = False
     #: a fence of it is being made (probes of several rooms share it)
     fencing: trio.Event | None = None
+    #: it closed and said so (a BYE, sent after its last engine call): no write of it can
+    #: land any more; it counts as drained for every room here
+    closed: bool = False
 
     def __post_init__(self) -> None:
         if self.rank_id < 0:
@@ -132,6 +140,10 @@ class Sources:
         self._metrics = metrics  # the agent's metrics, if attached (bootstrap_resolve_seconds)
         self.instances: dict[str, Instance] = {}
         self.ranks: dict[str, PrefillRank] = {}  # endpoint -> rank we registered with
+        #: the bootstrap records, ``(endpoint, engine session, key)``, of ranks that closed
+        #: (a BYE): the service still publishes them, but a room routed there would wait on
+        #: an agent that reads nothing. The newest :data:`MAX_CLOSED_RANKS` are kept
+        self.closed_records: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._ping_ids = itertools.count(1)
         #: probes (and fences) run in their own threads: bounded, one probe per rank at a
         #: time, so a hung rank holds up no other (see _probe)
@@ -174,7 +186,7 @@ class Sources:
             # the agent: this task resolves every instance (an answer that slipped past
             # the client's checks once raised IndexError here and closed the agent)
             error: TransferError
-            if isinstance(exc, IncompatiblePeer):
+            if isinstance(exc, (IncompatiblePeer, PeerLost)):
                 error = exc
             elif isinstance(exc, (BootstrapError, ProtocolError, OSError, TimeoutError)):
                 error = BootstrapError(f"prefill instance {inst.url}: {exc}")
@@ -280,6 +292,11 @@ class Sources:
 
     def _register_with(self, info: PrefillRankInfo) -> PrefillRank:
         p = info.rank_id
+        if (info.endpoint, info.engine_session, info.control_key) in self.closed_records:
+            raise PeerLost(
+                f"prefill rank {p} at {info.endpoint} closed (it said so); the bootstrap "
+                "service still publishes it: a rank that takes its place must register anew"
+            )
         rank = self.ranks.get(info.endpoint)
         if (
             rank is not None and rank.session == info.engine_session and not rank.lost
@@ -384,6 +401,30 @@ class Sources:
                 del self.instances[url]  # the next receiver re-resolves the instance
         self._on_lost(rank)
 
+    def close(self, rank: PrefillRank) -> None:
+        """``rank`` closed and said so (a BYE): it counts as drained for its rooms here (the
+        caller carries that out), is pinged no more, and the instances that name it are
+        resolved anew; its bootstrap record is remembered as closed."""
+        if rank.closed:
+            return
+        rank.closed = True
+        self.counters.bump("peers_closed")
+        log.info(
+            "prefill rank %d at %s closed (it said so after its last engine call): its %d "
+            "rooms here fail, and none of its writes can land any more",
+            rank.rank_id, rank.endpoint, len(rank.rooms),
+        )
+        record = (rank.endpoint, rank.session, rank.key)
+        self.closed_records[record] = None
+        while len(self.closed_records) > MAX_CLOSED_RANKS:
+            self.closed_records.popitem(last=False)
+        if self.ranks.get(rank.endpoint) is rank:
+            del self.ranks[rank.endpoint]
+        self.control.forget(rank.heartbeat_endpoint)
+        for url, inst in list(self.instances.items()):
+            if rank in inst.sources:
+                del self.instances[url]
+
     async def liveness(self, rank: PrefillRank) -> Liveness:
         """Probe a prefill rank (a writer of our pages). GONE only once our own engine has
         fenced it off: a probe that is refused (REFUSED) makes the fence worth trying, and
@@ -391,7 +432,7 @@ class Sources:
         change of what its probes answer is logged once (unknown, answering again; the fence
         logs its own outcome), not every probe: a held room's writers are probed at every ack
         timeout."""
-        if rank.fenced:
+        if rank.fenced or rank.closed:
             await trio.lowlevel.checkpoint()
             return Liveness.GONE
         state = await _probe.probe(

@@ -123,6 +123,8 @@ class AgentStatistics:
     #: prefill: decode peers whose registration is over (a probe refused, or a new engine
     #: session registered); decode: prefill ranks lost to the heartbeat
     peers_lost: int = 0
+    #: decode: prefill ranks that closed and said so (a BYE): drained for their rooms here
+    peers_closed: int = 0
     #: prefill: rooms with a chunk in an engine call that raised (once per room): each fails,
     #: and quarantines that chunk's lease. Rooms failed beyond these were failed by their peer
     #: (PeerLost), an abort or a deadline, not by the call
@@ -191,6 +193,7 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "peers_failed": "prefill",
     "peers_back": "prefill",
     "peers_lost": "both",  # prefill: decode peers proven gone; decode: lost to the heartbeat
+    "peers_closed": "decode",
     "rooms_in_failed_calls": "prefill",
     "sockets_evicted": "both",
     "peers_evicted": "prefill",

@@ -10,7 +10,7 @@ Who sends what:
 
 - decode → prefill: :class:`Register` (once per decode rank and prefill rank),
   :class:`Transfer`, :class:`Abort`, :class:`Ping`;
-- prefill → decode: :class:`Status`, :class:`AbortAck`, :class:`Pong`.
+- prefill → decode: :class:`Status`, :class:`AbortAck`, :class:`Pong`, :class:`Bye`.
 
 Decoding is strict and bounded. Whatever arrives (a wrong frame count, an oversized header,
 bytes that are not msgpack, a truncated or extended header, an unknown type or version, a
@@ -548,9 +548,21 @@ class Pong(_Header, frozen=True, tag="pong"):
     rank: _Rank
 
 
-Message: TypeAlias = Register | Transfer | Status | Abort | AbortAck | Ping | Pong
-_MESSAGE_TYPES: Final = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong)
-_WITH_ENDPOINT: Final = (Register, Transfer, Abort, Ping)
+class Bye(_Header, frozen=True, tag="bye"):
+    """prefill → decode: rank ``rank``, the agent at ``endpoint``, has closed. Sent after its
+    last engine call returned and every quarantine of its failed writes ended on proof, and
+    after it stopped reading its control socket: no write of it can start or land any more,
+    so it counts as drained for every room that names it (a drain ack for all of them). A
+    rank that closes with a write not proven over sends none."""
+
+    v: _Version
+    rank: _Rank
+    endpoint: _Endpoint
+
+
+Message: TypeAlias = Register | Transfer | Status | Abort | AbortAck | Ping | Pong | Bye
+_MESSAGE_TYPES: Final = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong, Bye)
+_WITH_ENDPOINT: Final = (Register, Transfer, Abort, Ping, Bye)
 """The messages that name a reply endpoint: each is checked by :func:`numeric_endpoint`."""
 
 

@@ -36,7 +36,7 @@ from trio_pd._wire import (
 V = WIRE_VERSION
 I64_MAX = (1 << 63) - 1
 U64_MAX = (1 << 64) - 1
-TAGS = ("register", "transfer", "status", "abort", "abort_ack", "ping", "pong")
+TAGS = ("register", "transfer", "status", "abort", "abort_ack", "ping", "pong", "bye")
 Frames = list[Any]
 
 # ------------------------------------------------------------------------ valid messages
@@ -146,6 +146,8 @@ def rand_message(rng: random.Random) -> tuple[_wire.Message, np.ndarray[Any, Any
                               rank=rng.randrange(MAX_RANKS)), None
     if kind == "ping":
         return _wire.Ping(V, nonce=rand_id(rng), endpoint=rand_endpoint(rng)), None
+    if kind == "bye":
+        return _wire.Bye(V, rank=rng.randrange(MAX_RANKS), endpoint=rand_endpoint(rng)), None
     return _wire.Pong(V, nonce=rand_id(rng), rank=rng.randrange(MAX_RANKS)), None
 
 
