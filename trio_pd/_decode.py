@@ -8,13 +8,8 @@
   runs the heartbeat and probes writers (three-valued liveness).
 * :class:`~trio_pd._outbox.Outbox` carries the ABORTs: one retry policy, one pending ABORT per
   (rank, room, epoch) however often it is re-sent.
-
-DP attention (docs/topologies.md, "DP-attention routing"): a bootstrap service may serve
-several DP ranks of one prefill instance, each its own TP group. A room is then routed to the
-prefill ranks of the DP rank that holds it: the one ``receiver(dp_rank=)`` names, or the one
-the bootstrap service says (``POST /query_dp_ranks``, asked in batches per service, retried
-until ``bootstrap_timeout``; then the room fails with :class:`~trio_pd._bootstrap_client.
-UnknownRoom`). A DP rank is then resolved like any prefill instance, at ``url?dp_rank=K``.
+* :class:`~trio_pd._dp_router.DpRouter` finds which prefill DP rank holds a room the caller
+  did not route (DP attention, docs/topologies.md).
 
 Closing the agent fails its rooms the normal way (ABORT to every prefill rank contacted) and
 keeps serving, with its memory registered, until their drain acks come or the writers are
@@ -26,7 +21,6 @@ write may still land in those pages. Deadlines report; they do not free.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import ssl
 import time
@@ -45,28 +39,20 @@ import trio_util
 
 from . import _descriptors, _names, _wire
 from ._bootstrap_client import (
-    MAX_DP_BATCH,
     MAX_DP_SIZE,
-    UNKNOWN_DP_RANK,
-    BootstrapClient,
-    DpRoom,
     check_dp,
-    dp_url,
     split_dp_url,
 )
 from ._closing import AbortsOnExit
 from ._control import ControlPlane, sweep_idle_sockets
+from ._dp_router import DpRouter, dp_instance
 from ._errors import (
     AuthenticationError,
-    BootstrapError,
-    BootstrapUnreachable,
     ConfigurationError,
-    NotReady,
     PeerLost,
     ProtocolError,
     TransferAborted,
     TransferError,
-    UnknownRoom,
     one_error,
 )
 from ._lazy import LazyEvent
@@ -108,15 +94,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trio_pd.decode")
 
 CLOSING = "decode agent closing"
-
-# DP attention: how often a bootstrap service is asked again for rooms it does not know yet
-# (from the first to the last, doubling while nothing new is learnt), the bound of one ask,
-# and how many bootstrap URLs the agent keeps DP-routing state for.
-_DP_ASK_MIN = 0.005
-_DP_ASK_MAX = 0.1
-_DP_ASK_TIMEOUT = 5.0
-_MAX_DP_ROUTES = 4096
-
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
@@ -178,28 +155,6 @@ class _Room:
     #: delivered: the failure it reads from then on, whatever the room's machine decides
     #: later. Set once, never once ``delivered`` is True
     withdrawn: TransferError | None = None
-
-
-@dataclass(eq=False, slots=True)
-class _DpRoute:
-    """DP attention: the rooms of one bootstrap URL waiting to learn their DP rank, and what
-    the service said of its DP size."""
-
-    url: str
-    #: the instance's DP size, once the service said (None: not known, or to learn again)
-    dp_size: int | None = None
-    #: rooms still asking, oldest first, and whether an ask included them yet (their
-    #: deadline runs from the first)
-    pending: dict[_Room, bool] = field(default_factory=dict)
-    #: a task is asking for them (:meth:`DecodeAgent._route_loop`)
-    running: bool = False
-    #: set when a room joins ``pending``: ask again sooner
-    wake: trio.Event = field(default_factory=trio.Event)
-    client: BootstrapClient | None = None
-    #: why the last ask routed nothing (for the error of a room whose deadline passes)
-    last_error: str = "no answer yet"
-    #: when a room's deadline was last logged (one warning a second per service)
-    warned_at: float = -math.inf
 
 
 class DecodeReceiver(AbortsOnExit):
@@ -395,8 +350,12 @@ class DecodeAgent:
         )
         self.sources.token = self.security.token
         self._rooms: dict[int, _Room] = {}
-        #: DP attention: per bootstrap URL, the rooms asking for their DP rank (bounded)
-        self._dp_routes: dict[str, _DpRoute] = {}
+        #: DP attention: which prefill DP rank holds a room the caller did not say
+        self.router: DpRouter[_Room] = DpRouter(
+            sources=self.sources, timers=self.timers, counters=self.counters,
+            bootstrap_timeout=config.bootstrap_timeout, token=self.security.token,
+            on_routed=self._routed, on_failed=self._fail,
+        )
         #: rooms whose pages are held for a drain (failed, named to a prefill rank)
         self.held = trio_util.AsyncValue(0)
         self._token = trio.lowlevel.current_trio_token()
@@ -442,7 +401,7 @@ class DecodeAgent:
             check_dp(dp_rank, MAX_DP_SIZE, f"decode rank {self.tp_rank}: room {room}")
         if epoch is None:
             epoch = secrets.randbits(62)
-        url = self._dp_target(bootstrap_url, dp_rank)
+        url = self.router.target(bootstrap_url, dp_rank)
         # (a stand-in Instance while the room asks for its DP rank: nobody resolves it)
         inst = Instance(bootstrap_url) if url is None else self.sources.instance(url)
         rec = _Room(DecodeRoom(room, epoch), inst, dp_rank=None if url is None else dp_rank or 0)
@@ -451,7 +410,7 @@ class DecodeAgent:
         self._rooms[room] = rec
         self.timers.after(self.config.waiting_timeout, partial(self._init_due, rec))
         if url is None:
-            self._route(rec, bootstrap_url)
+            self.router.route(rec, bootstrap_url)
         elif inst.ready:
             self._bind(rec)
         else:
@@ -523,218 +482,32 @@ class DecodeAgent:
             # also rooms already failed and forgotten here: their prefill ranks must hear the
             # ABORT, or their senders would wait for the bootstrap deadline
             self._bind(rec)
-        route = self._dp_routes.get(inst.url)
-        if route is not None:
-            self._learn_dp_size(route, inst)
-
-    def _learn_dp_size(self, route: _DpRoute, inst: Instance) -> None:
-        """The topology of the instance at ``route``'s URL says its DP size: with one DP
-        rank, every room asking goes to it, unasked."""
-        if route.dp_size is not None or inst.dp_size is None:
-            return
-        route.dp_size = inst.dp_size
-        if inst.dp_size == 1:
-            for rec in list(route.pending):
-                del route.pending[rec]
-                self._routed(rec, route.url, 0)
-        route.wake.set()
+        self.router.resolved(inst)
 
     def _resolve_failed(self, inst: Instance, error: TransferError) -> None:
         for rec in [r for r in self._rooms.values() if r.instance is inst]:
             self._carry(rec, rec.machine.fail(error))  # no rank was told: freed at once
-        route = self._dp_routes.get(inst.url)
-        if route is not None:
-            if route.dp_size is None:
-                # its rooms waited for this resolution to say the DP size, and have not asked
-                # yet: the service did not answer (or cannot pair) within the deadline, so
-                # they fail now, with its reason, instead of asking it for a deadline of
-                # their own (which made a dead URL take twice ``bootstrap_timeout``)
-                for rec in list(route.pending):
-                    del route.pending[rec]
-                    self._carry(rec, rec.machine.fail(error))
-            route.wake.set()
+        self.router.resolve_failed(inst, error)
 
-    def _lost(self, rank: PrefillRank) -> None:
-        for route in self._dp_routes.values():
-            route.dp_size = None  # (a restarted instance may have another DP size)
-        for room_id in list(rank.rooms):
-            rec = self._rooms.get(room_id)
-            if rec is not None:
-                self._carry(rec, rec.machine.peer_lost(rank.rank_id))
-
-    # ------------------------------------------------------------------ DP attention
-
-    def _dp_target(self, base: str, dp_rank: int | None) -> str | None:
-        """The instance URL a new room of the service at ``base`` goes to: the DP rank it
-        names, DP rank 0 when the service has one DP rank, else None (ask the service)."""
-        route = self._dp_routes.get(base)
-        if dp_rank is not None:
-            self._route_for(base)  # rooms that name no DP rank will ask (mixed routing)
-            return _dp_instance(base, dp_rank)
-        if route is None:
-            inst = self.sources.instances.get(base)
-            if inst is not None and inst.ready:
-                return base  # resolved outside DP routing (set up by hand): as before
-            return None
-        return base if route.dp_size == 1 else None
-
-    def _route_for(self, base: str) -> _DpRoute:
-        route = self._dp_routes.get(base)
-        if route is None:
-            if len(self._dp_routes) >= _MAX_DP_ROUTES:
-                self._evict_route()
-            route = self._dp_routes[base] = _DpRoute(base)
-        return route
-
-    def _evict_route(self) -> None:
-        """Drop the oldest idle route (none idle: keep them all; each holds waiting rooms)."""
-        for url, route in self._dp_routes.items():
-            if route.pending or route.running:
-                continue
-            del self._dp_routes[url]
-            if route.dp_size != 1:
-                # its DP rank 0 must not be taken for the whole instance by a later room
-                self.sources.instances.pop(url, None)
-            if route.client is not None and self.sources.nursery is not None:
-                self.sources.nursery.start_soon(route.client.aclose)
-            return
-
-    def _route(self, rec: _Room, base: str) -> None:
-        """Find the DP rank that holds the room. While the DP size of the service at ``base``
-        is not known, its DP rank 0 (the whole instance, with one DP rank) is resolved first:
-        its topology says the DP size, and with one DP rank the room goes there unasked.
-        Otherwise the service is asked (batched per service), for at most
-        ``bootstrap_timeout`` from the first ask that includes the room."""
-        route = self._route_for(base)
-        route.pending[rec] = False
-        if route.dp_size is None:
-            inst = self.sources.instance(base)
-            if inst.ready:
-                self._learn_dp_size(route, inst)
-                if rec not in route.pending:
-                    return
-        route.wake.set()
-        if not route.running:
-            assert self.sources.nursery is not None, "the decode agent is closed"
-            route.running = True
-            self.sources.nursery.start_soon(self._route_loop, route)
-
-    async def _route_loop(self, route: _DpRoute) -> None:
-        """Ask until no room of ``route`` is waiting: at once, then again after 5 ms,
-        doubling up to 100 ms while nothing new is learnt (sooner when a room joins).
-        Bounded: every waiting room leaves at its deadline (``_route_due``).
-
-        **Cancellation:** safe at any point (the agent is closing).
-        """
-        delay = _DP_ASK_MIN
-        try:
-            await trio.lowlevel.checkpoint()
-            if route.client is None:
-                route.client = BootstrapClient(
-                    route.url, token=self.security.token, verify=self.sources.verify
-                )
-            while route.pending and route.dp_size is None and not self._resolving_ended(route):
-                # first learn the DP size from the topology being resolved: with one DP
-                # rank (the common case) no room is ever asked for
-                route.wake = trio.Event()
-                await route.wake.wait()
-            while route.pending:
-                route.wake = trio.Event()
-                learnt = await self._ask_dp(route, route.client)
-                if not route.pending:
-                    break
-                delay = _DP_ASK_MIN if learnt else min(2 * delay, _DP_ASK_MAX)
-                with trio.move_on_after(delay):
-                    await route.wake.wait()
-                await trio.sleep(_DP_ASK_MIN)
-        finally:
-            route.running = False
-
-    def _resolving_ended(self, route: _DpRoute) -> bool:
-        """Whether the instance at ``route``'s URL (DP rank 0's group) resolved or failed."""
-        inst = self.sources.instances.get(route.url)
-        return inst is None or inst.ready or inst.failed
-
-    async def _ask_dp(self, route: _DpRoute, client: BootstrapClient) -> bool:
-        """One round: ask for every waiting room (:data:`MAX_DP_BATCH` a request) and route
-        those the service knows. True if any room left ``pending``."""
-        await trio.lowlevel.checkpoint()
-        learnt = False
-        waiting = list(route.pending)
-        for start in range(0, len(waiting), MAX_DP_BATCH):
-            batch = [r for r in waiting[start:start + MAX_DP_BATCH] if r in route.pending]
-            if not batch:
-                continue
-            for rec in batch:
-                if not route.pending[rec]:  # its first ask: its deadline starts
-                    route.pending[rec] = True
-                    due = partial(self._route_due, route, rec)
-                    self.timers.after(self.config.bootstrap_timeout, due)
-            rooms = [DpRoom(r.machine.room, r.machine.epoch) for r in batch]
-            try:
-                with trio.fail_after(_DP_ASK_TIMEOUT):
-                    answer = await client.query_dp_ranks(rooms)
-            except (NotReady, BootstrapUnreachable, trio.TooSlowError) as exc:
-                route.last_error = f"{type(exc).__name__}: {exc}"
-                return learnt  # (the service may not be up yet: ask again later)
-            except BootstrapError as exc:  # a definite refusal (401, 400...): fail them now
-                error = BootstrapError(f"prefill instance {route.url}: {exc}")
-                log.warning("%s", error)
-                for rec in list(route.pending):
-                    del route.pending[rec]
-                    self._carry(rec, rec.machine.fail(error))
-                return True
-            route.dp_size = answer.dp_size
-            for rec, k in zip(batch, answer.dp_ranks, strict=True):
-                if k == UNKNOWN_DP_RANK or rec not in route.pending:
-                    continue
-                del route.pending[rec]
-                self._routed(rec, route.url, k)
-                learnt = True
-            if UNKNOWN_DP_RANK in answer.dp_ranks:
-                route.last_error = (
-                    f"DP size {answer.dp_size}; no prefill DP rank announced the room"
-                )
-        return learnt
+    def _fail(self, rec: _Room, error: TransferError) -> None:
+        self._carry(rec, rec.machine.fail(error))
 
     def _routed(self, rec: _Room, base: str, dp_rank: int) -> None:
         """The room's DP rank is known: it joins that DP rank's instance. (A room that
         failed meanwhile joins too: its prefill ranks must hear the ABORT.)"""
-        inst = self.sources.instance(_dp_instance(base, dp_rank))
+        inst = self.sources.instance(dp_instance(base, dp_rank))
         rec.instance, rec.dp_rank = inst, dp_rank
         if inst.ready:
             self._bind(rec)
         else:
             inst.waiting.append(rec)
 
-    def _route_due(self, route: _DpRoute, rec: _Room) -> None:
-        """``bootstrap_timeout`` after the first ask for the room: if it still waits, it
-        fails (counted ``timeouts``; nobody was told of it) with :class:`UnknownRoom`, or,
-        if the service never answered, with a :class:`BootstrapError` as an instance that
-        does not resolve."""
-        if rec not in route.pending:
-            return
-        del route.pending[rec]
-        if rec.machine.status is KVPoll.Failed:
-            return  # failed meanwhile (aborted): there is nobody to tell
-        self.counters.bump("timeouts")
-        timeout = self.config.bootstrap_timeout
-        error: BootstrapError
-        if route.dp_size is None:  # it never answered: as an instance that does not resolve
-            error = BootstrapError(
-                f"prefill instance {route.url}: no answer within {timeout:g} s "
-                f"({route.last_error})"
-            )
-        else:
-            error = UnknownRoom(
-                f"room {rec.machine.room}: the bootstrap service at {route.url} did not say "
-                f"which DP rank holds it within {timeout:g} s ({route.last_error})"
-            )
-        now = trio.current_time()
-        if now - route.warned_at >= 1.0:
-            route.warned_at = now
-            log.warning("%s", error)
-        self._carry(rec, rec.machine.fail(error))
+    def _lost(self, rank: PrefillRank) -> None:
+        self.router.forget_sizes()
+        for room_id in list(rank.rooms):
+            rec = self._rooms.get(room_id)
+            if rec is not None:
+                self._carry(rec, rec.machine.peer_lost(rank.rank_id))
 
     # ------------------------------------------------------------------ doing what is due
 
@@ -983,12 +756,6 @@ class DecodeAgent:
             rec.terminal.set()
 
 
-def _dp_instance(base: str, dp_rank: int) -> str:
-    """The URL DP rank ``dp_rank`` of the service at ``base`` is resolved at (``base`` itself
-    for DP rank 0, as a room without DP attention)."""
-    return base if dp_rank == 0 else dp_url(base, dp_rank)
-
-
 @one_error
 @asynccontextmanager
 async def open_decode(
@@ -1074,7 +841,5 @@ async def open_decode(
             await wait_idle(agent.sources.probe_threads.limiter, config.ack_timeout)
             if registered:
                 await trio.to_thread.run_sync(engine.unregister, regions)
-            for route in agent._dp_routes.values():
-                if route.client is not None:
-                    await route.client.aclose()
+            await agent.router.aclose()
             await agent.control.aclose()
