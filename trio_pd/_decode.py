@@ -59,6 +59,7 @@ from ._lazy import LazyEvent
 from ._memory import (
     PoolSpec,
     as_index,
+    check_aux_slot,
     check_prefix_pages,
     check_state_slots,
     page_ids,
@@ -439,15 +440,13 @@ class DecodeAgent:
         if rec.machine.pages is not None:
             raise ProtocolError(f"room {rec.machine.room}: init called twice")
         prefix_pages = check_prefix_pages(prefix_pages)
-        aux_slot = as_index(aux_slot, "aux slot")
+        aux_slot = check_aux_slot(aux_slot, self.pool.aux_slots)
         validate_pages(pages, self.pool.num_pages)
         if len(pages) > _wire.MAX_TRANSFER_PAGES:  # (its TRANSFER could not carry them)
             raise ProtocolError(
                 f"{len(pages)} pages in one request; a TRANSFER carries at most "
                 f"{_wire.MAX_TRANSFER_PAGES}"
             )
-        if not 0 <= aux_slot < self.pool.aux_slots:
-            raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
         slots = check_state_slots(
             [st.slots for st in self.pool.states], state_slots, "destination"
         )

@@ -865,6 +865,16 @@ def as_index(value: object, what: str) -> int:
     raise ProtocolError(f"{what} must be an int, not {value!r}")
 
 
+def check_aux_slot(slot: object, slots: int, what: str = "aux slot") -> int:
+    """``slot`` as a slot of an aux buffer of ``slots`` rows: an int (:func:`as_index`) in
+    ``[0, slots)``. Raises :class:`~trio_pd.ProtocolError` naming ``what``. The one check of
+    an aux slot, wherever one comes in (a sender, a receiver's ``init``, a TRANSFER)."""
+    index = as_index(slot, what)
+    if not 0 <= index < slots:
+        raise ProtocolError(f"{what} {index} outside [0, {slots})")
+    return index
+
+
 def page_ids(pages: object) -> npt.NDArray[np.int64]:
     """``pages`` (a sequence or array of page ids, any shape) as a flat int64 array, without
     changing a value: integers only, so floats, bools, strings and ids past 2**63 are a

@@ -57,6 +57,7 @@ from ._lazy import LazyEvent
 from ._memory import (
     PoolSpec,
     as_index,
+    check_aux_slot,
     check_num_pages,
     check_state_slots,
     page_ids,
@@ -410,9 +411,7 @@ class PrefillAgent:
         room = as_index(room, "room")
         if room in self._rooms:
             raise TransferError(f"room {room} is still in use on prefill rank {self.tp_rank}")
-        aux_slot = as_index(aux_slot, "aux slot")
-        if not 0 <= aux_slot < self.pool.aux_slots:
-            raise ProtocolError(f"aux slot {aux_slot} outside [0, {self.pool.aux_slots})")
+        aux_slot = check_aux_slot(aux_slot, self.pool.aux_slots)
         num_pages = check_num_pages(num_pages)
         machine = PrefillRoom(
             room, num_pages, aux_slot, self.pool.num_pages,
@@ -727,8 +726,7 @@ class PrefillAgent:
                 msg.room, msg.decode_rank, len(pages) + sum(len(s) for s in state_slots)
             )
             validate_pages(pages, peer.pool.num_pages)
-            if not 0 <= msg.aux_slot < peer.pool.aux_slots:
-                raise ProtocolError(f"aux slot {msg.aux_slot} outside the decode aux buffer")
+            check_aux_slot(msg.aux_slot, peer.pool.aux_slots, "decode aux slot")
             checked = check_state_slots(
                 [st.slots for st in peer.pool.states], state_slots, "destination"
             )

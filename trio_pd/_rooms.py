@@ -54,7 +54,7 @@ from ._errors import (
     TransferError,
     TransferTimeout,
 )
-from ._memory import check_state_slots, validate_pages
+from ._memory import check_aux_slot, check_state_slots, validate_pages
 from ._state import (
     AckBook,
     DecodeBook,
@@ -442,8 +442,7 @@ class PrefillRoom:
                     f"{self.num_pages}"
                 )
             validate_pages(dst_pages, peer.num_pages)
-            if not 0 <= aux_slot < peer.aux_slots:
-                raise ProtocolError(f"aux slot {aux_slot} outside the decode aux buffer")
+            check_aux_slot(aux_slot, peer.aux_slots, "decode aux slot")
             dst_slots = check_state_slots(peer.state_slots, state_slots, "destination")
         except ProtocolError as exc:
             return [Refused(exc), *self.close(exc), SendFailed(endpoint, epoch, reason_of(exc))]

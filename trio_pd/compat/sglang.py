@@ -82,7 +82,15 @@ from .. import sync
 from .._closing import ClosesOnExit
 from .._decode import DecodeConfig
 from .._errors import ConfigurationError, ProtocolError, TransferAborted, TransferError
-from .._memory import AUX_STAMP, PoolSpec, StateSpec, as_index, describe_pool, page_ids
+from .._memory import (
+    AUX_STAMP,
+    PoolSpec,
+    StateSpec,
+    as_index,
+    check_aux_slot,
+    describe_pool,
+    page_ids,
+)
 from .._prefill import PrefillAgent, PrefillConfig
 from .._state import KVPoll as KVPoll
 from .._stats import AgentStatistics
@@ -437,14 +445,10 @@ class AuxRows:
         """Bytes :meth:`gather` (prefill) or :meth:`scatter` (decode) copies per request."""
         return self.row_len - AUX_STAMP.size
 
-    def _check(self, slot: int) -> None:
-        if not 0 <= slot < self.slots:
-            raise ProtocolError(f"aux slot {slot} outside [0, {self.slots})")
-
     def _copies(self, slot: int) -> list[tuple[int, int, int]]:
         """``(row part, metadata item, bytes)`` of slot ``slot`` for each metadata buffer,
         after checking the slot; none when native (the engine moves the buffers in place)."""
-        self._check(slot)
+        check_aux_slot(slot, self.slots)
         if self.native:
             return []
         row = self._base + slot * self.row_len
