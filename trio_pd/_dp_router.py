@@ -181,6 +181,7 @@ class DpRouter(Generic[R]):
 
     async def aclose(self) -> None:
         """The agent is closing (its tasks have ended): close the services' clients."""
+        await trio.lowlevel.checkpoint()
         for route in self._routes.values():
             if route.client is not None:
                 await route.client.aclose()
