@@ -900,6 +900,28 @@ async def test_refused_transfer_is_retried_when_the_socket_is_full(
         assert pair.prefill.statistics().late_messages == 1
 
 
+@asynccontextmanager
+async def decode_beside(
+    engine_name: str, bootstrap_url: str
+) -> AsyncIterator[tuple[DecodeAgent, Callable[[], Any]]]:
+    """A decode agent, and a way to open a prefill agent beside it (``async with
+    open_one() as prefill``) whose engine outlives it, as an embedding may keep it."""
+    src, dst = host_pool("mha"), host_pool("mha")
+    pe, de = make_engine(engine_name), make_engine(engine_name)
+
+    def open_one() -> Any:
+        return open_prefill(
+            engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS
+        )
+
+    try:
+        async with open_decode(engine=de, pool=dst.spec) as decode:
+            yield decode, open_one
+    finally:
+        pe.close()
+        de.close()
+
+
 async def test_closing_prefill_tells_the_decode_rooms_it_knows(
     engine_name: str, bootstrap_url: str
 ) -> None:
@@ -909,36 +931,28 @@ async def test_closing_prefill_tells_the_decode_rooms_it_knows(
     more, so their pages go back now. Before, they failed on the heartbeat and then waited for
     the writer to be proven gone, which never happens while its engine is up. Both kinds of
     room: one the scheduler created, one whose TRANSFER came before any sender existed."""
-    src, dst = host_pool("mha"), host_pool("mha")
-    pe, de = make_engine(engine_name), make_engine(engine_name)
     released: list[int] = []
-    try:
-        async with open_decode(engine=de, pool=dst.spec) as decode:
-            async with open_prefill(
-                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS
-            ) as prefill:
-                transfers = Handled(prefill, "_on_transfer")
-                prefill.sender(31, num_pages=2, aux_slot=0)  # created, nothing sent yet
-                receivers = []
-                for room in (31, 32):
-                    rx = decode.receiver(room, bootstrap_url=bootstrap_url)
-                    rx.init(
-                        np.arange(2) + 2 * (room - 31), room - 31,
-                        on_release=lambda room=room: released.append(room),  # type: ignore[misc]
-                    )
-                    receivers.append(rx)
-                await transfers.wait(2)
-            # the prefill agent is closed; its engine is not
-            with trio.fail_after(BOUND):
-                for rx in receivers:
-                    assert await rx.wait() is KVPoll.Failed
-                    await rx.wait_released()
-            assert sorted(released) == [31, 32]
-            assert all("prefill agent closed" in str(rx.failure) for rx in receivers)
-            assert decode.statistics().acks_received == 2
-    finally:
-        pe.close()
-        de.close()
+    async with decode_beside(engine_name, bootstrap_url) as (decode, open_one):
+        async with open_one() as prefill:
+            transfers = Handled(prefill, "_on_transfer")
+            prefill.sender(31, num_pages=2, aux_slot=0)  # created, nothing sent yet
+            receivers = []
+            for room in (31, 32):
+                rx = decode.receiver(room, bootstrap_url=bootstrap_url)
+                rx.init(
+                    np.arange(2) + 2 * (room - 31), room - 31,
+                    on_release=lambda room=room: released.append(room),  # type: ignore[misc]
+                )
+                receivers.append(rx)
+            await transfers.wait(2)
+        # the prefill agent is closed; its engine is not
+        with trio.fail_after(BOUND):
+            for rx in receivers:
+                assert await rx.wait() is KVPoll.Failed
+                await rx.wait_released()
+        assert sorted(released) == [31, 32]
+        assert all("prefill agent closed" in str(rx.failure) for rx in receivers)
+        assert decode.statistics().acks_received == 2
 
 
 async def test_closing_prefill_says_goodbye_for_rooms_it_will_never_read(
@@ -950,40 +964,32 @@ async def test_closing_prefill_says_goodbye_for_rooms_it_will_never_read(
     the room failed on the heartbeat and then held its pages until decode closed. Rooms
     after it are refused before any TRANSFER: the service still publishes the closed rank,
     and decode remembers that record as closed."""
-    src, dst = host_pool("mha"), host_pool("mha")
-    pe, de = make_engine(engine_name), make_engine(engine_name)
     released: list[int] = []
-    try:
-        async with open_decode(engine=de, pool=dst.spec) as decode:
-            async with open_prefill(
-                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS
-            ) as prefill:
-                transfers = Handled(prefill, "_on_transfer")
-                warm = decode.receiver(40, bootstrap_url=bootstrap_url)  # resolves, registers
-                warm.init(np.arange(2), 0, on_release=lambda: released.append(40))
-                with trio.fail_after(BOUND):
-                    await transfers.wait(1)
-                assert len(prefill.peers.all()) == 1
-            receivers = []
-            for room in (41, 42):
-                rx = decode.receiver(room, bootstrap_url=bootstrap_url)
-                rx.init(np.arange(2) + 2 * (room - 40), room - 40,
-                        on_release=lambda room=room: released.append(room))  # type: ignore[misc]
-                receivers.append(rx)
-                await trio.sleep(0.05)
-            with trio.fail_after(BOUND / 2):  # (well before the heartbeat could say anything)
-                for rx in [warm, *receivers]:
-                    assert await rx.wait() is KVPoll.Failed
-                    await rx.wait_released()
-            assert sorted(released) == [40, 41, 42]
-            assert isinstance(receivers[-1].failure, PeerLost)
-            assert "closed" in str(receivers[-1].failure), receivers[-1].failure
-            stats = decode.statistics()
-            assert stats.peers_closed == 1 and stats.peers_lost == 0, stats
-            assert stats.rooms_unproven_at_close == 0
-    finally:
-        pe.close()
-        de.close()
+    async with decode_beside(engine_name, bootstrap_url) as (decode, open_one):
+        async with open_one() as prefill:
+            transfers = Handled(prefill, "_on_transfer")
+            warm = decode.receiver(40, bootstrap_url=bootstrap_url)  # resolves, registers
+            warm.init(np.arange(2), 0, on_release=lambda: released.append(40))
+            with trio.fail_after(BOUND):
+                await transfers.wait(1)
+            assert len(prefill.peers.all()) == 1
+        receivers = []
+        for room in (41, 42):
+            rx = decode.receiver(room, bootstrap_url=bootstrap_url)
+            rx.init(np.arange(2) + 2 * (room - 40), room - 40,
+                    on_release=lambda room=room: released.append(room))  # type: ignore[misc]
+            receivers.append(rx)
+            await trio.sleep(0.05)
+        with trio.fail_after(BOUND / 2):  # (well before the heartbeat could say anything)
+            for rx in [warm, *receivers]:
+                assert await rx.wait() is KVPoll.Failed
+                await rx.wait_released()
+        assert sorted(released) == [40, 41, 42]
+        assert isinstance(receivers[-1].failure, PeerLost)
+        assert "closed" in str(receivers[-1].failure), receivers[-1].failure
+        stats = decode.statistics()
+        assert stats.peers_closed == 1 and stats.peers_lost == 0, stats
+        assert stats.rooms_unproven_at_close == 0
 
 
 async def test_closing_prefill_does_not_ack_a_quarantined_room(
