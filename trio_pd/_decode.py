@@ -43,7 +43,6 @@ from ._bootstrap_client import (
     check_dp,
     split_dp_url,
 )
-from ._closing import AbortsOnExit
 from ._control import ControlPlane, sweep_idle_sockets
 from ._dp_router import DpRouter, dp_instance
 from ._errors import (
@@ -55,6 +54,7 @@ from ._errors import (
     TransferError,
     one_error,
 )
+from ._handle import RoomHandle
 from ._lazy import LazyEvent
 from ._memory import (
     PoolSpec,
@@ -158,7 +158,7 @@ class _Room:
     withdrawn: TransferError | None = None
 
 
-class DecodeReceiver(AbortsOnExit):
+class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
     """The scheduler's handle for one room on a decode rank (≈ SGLang's ``KVReceiver``).
 
     Ownership of the destination pages (and the aux row): from :meth:`init` they belong to
@@ -174,14 +174,6 @@ class DecodeReceiver(AbortsOnExit):
     was delivered gives the room up as :meth:`abort` does, however the block ends (an
     exception, a cancellation landing at any await, a return).
     """
-
-    def __init__(self, agent: DecodeAgent, room: _Room) -> None:
-        self._agent = agent
-        self._room = room
-
-    @property
-    def room(self) -> int:
-        return self._room.machine.room
 
     @property
     def epoch(self) -> int:
@@ -226,7 +218,7 @@ class DecodeReceiver(AbortsOnExit):
     def poll(self) -> KVPoll:
         """The room's status now. Never blocks; a terminal status never changes again.
         Returning Success delivers it: the pages are yours from then on."""
-        return self._deliver(self._status())
+        return super().poll()
 
     @property
     def failure(self) -> TransferError | None:
@@ -249,10 +241,6 @@ class DecodeReceiver(AbortsOnExit):
         if self._withdraw(reason):
             self._agent._abort(self._room, reason)
 
-    def abort_from_thread(self, reason: str = "aborted from a thread") -> None:
-        """:meth:`abort` for code that runs in a thread outside trio."""
-        trio.from_thread.run_sync(self.abort, reason, trio_token=self._agent._token)
-
     async def wait(self) -> KVPoll:
         """Wait until the room is terminal; return Success or Failed. Returning Success
         delivers it: the pages are yours from then on.
@@ -262,8 +250,7 @@ class DecodeReceiver(AbortsOnExit):
         later :meth:`wait` says so (leaving the room's block, or :meth:`abort`, gives it
         back through ``on_release``).
         """
-        await self._room.terminal.wait()
-        return self._deliver(self._status())
+        return await super().wait()
 
     async def wait_released(self) -> None:
         """Wait until ``on_release`` has run (after a failure, or for a Success given up
@@ -271,7 +258,7 @@ class DecodeReceiver(AbortsOnExit):
 
         **Cancellation:** cancelling the wait changes nothing.
         """
-        await self._room.released.wait()
+        await super().wait_released()
 
     # -------------------------------------------------------------- for the facades
 
@@ -285,13 +272,6 @@ class DecodeReceiver(AbortsOnExit):
         if status is KVPoll.Success:
             self._room.delivered = True
         return status
-
-    async def _ended(self) -> None:
-        """Wait until the room is terminal, delivering nothing.
-
-        **Cancellation:** as :meth:`wait`.
-        """
-        await self._room.terminal.wait()
 
     def _withdraw(self, reason: str) -> bool:
         """The part of :meth:`abort` that decides, with plain writes only (the asyncio

@@ -42,7 +42,6 @@ from ._bootstrap_client import (
     check_pp,
 )
 from ._chunks import ChunkRunner
-from ._closing import AbortsOnExit
 from ._control import ControlPlane, sweep_idle_sockets
 from ._errors import (
     AuthenticationError,
@@ -53,6 +52,7 @@ from ._errors import (
     TransferError,
     one_error,
 )
+from ._handle import RoomHandle
 from ._lazy import LazyEvent
 from ._memory import (
     PoolSpec,
@@ -201,7 +201,7 @@ class _Room:
         return self._lock
 
 
-class PrefillSender(AbortsOnExit):
+class PrefillSender(RoomHandle["PrefillAgent", _Room]):
     """The scheduler's handle for one room on a prefill rank (≈ SGLang's ``KVSender``).
 
     Create with :meth:`PrefillAgent.sender`. Hand chunks over with :meth:`send`; the last one
@@ -213,18 +213,6 @@ class PrefillSender(AbortsOnExit):
     room ended aborts it, however the block ends (an exception, a cancellation landing at any
     await, a return); ``on_release`` then runs once no engine call can still read the pages.
     """
-
-    def __init__(self, agent: PrefillAgent, room: _Room) -> None:
-        self._agent = agent
-        self._room = room
-
-    @property
-    def room(self) -> int:
-        return self._room.machine.room
-
-    def poll(self) -> KVPoll:
-        """The room's status now. Never blocks; a terminal status never changes again."""
-        return self._room.machine.cell.status
 
     @property
     def failure(self) -> TransferError | None:
@@ -261,37 +249,11 @@ class PrefillSender(AbortsOnExit):
         Engine calls already running finish; ``on_release`` runs once they have. Idempotent."""
         self._agent._carry(self._room, self._room.machine.close(TransferAborted(reason)))
 
-    def abort_from_thread(self, reason: str = "aborted from a thread") -> None:
-        """:meth:`abort` for code that runs in a thread outside trio."""
-        trio.from_thread.run_sync(self.abort, reason, trio_token=self._agent._token)
-
-    async def wait(self) -> KVPoll:
-        """Wait until the room is terminal; return Success or Failed.
-
-        **Cancellation:** cancelling the wait does not abort the room.
-        """
-        await self._room.terminal.wait()
-        return self._room.machine.cell.status
-
-    async def wait_released(self) -> None:
-        """Wait until the room's source pages have been handed back.
-
-        **Cancellation:** cancelling the wait changes nothing.
-        """
-        await self._room.released.wait()
-
     # -------------------------------------------------------------- for the facades
 
     def _status(self) -> KVPoll:
         """:meth:`poll` (a sender's outcome decides nothing about its pages)."""
         return self._room.machine.cell.status
-
-    async def _ended(self) -> None:
-        """Wait until the room is terminal.
-
-        **Cancellation:** as :meth:`wait`.
-        """
-        await self._room.terminal.wait()
 
     def _leave(self, why: str) -> None:
         if self._status() not in (KVPoll.Success, KVPoll.Failed):
