@@ -255,22 +255,30 @@ def test_python_dash_m_trio_pd() -> None:
 
 
 def test_bootstrap_metrics() -> None:
-    proc = subprocess.Popen(_cli("bootstrap", "--port", "0", "--metrics"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().strip()
-        assert url.startswith("http://127.0.0.1:"), url
-        reply = httpx.get(url + "/metrics", timeout=10)
-        assert reply.status_code == 200, reply.text
-        assert "trio_pd_bootstrap_requests" in reply.text, reply.text
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=20)
-        assert proc.returncode == 130 and "Traceback" not in err, err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # (-X faulthandler: a process that outlives its Ctrl-C shows its threads' stacks below)
+    argv = [sys.executable, "-X", "faulthandler", *_cli("bootstrap", "--port", "0",
+                                                          "--metrics")[1:]]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().strip()
+            assert url.startswith("http://127.0.0.1:"), url
+            reply = httpx.get(url + "/metrics", timeout=10)
+            assert reply.status_code == 200, reply.text
+            assert "trio_pd_bootstrap_requests" in reply.text, reply.text
+            proc.send_signal(signal.SIGINT)
+            try:
+                _, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # faulthandler prints every stack, then dies
+                _, err = proc.communicate(timeout=10)
+                raise AssertionError(f"no exit 30 s after Ctrl-C:\n{err}") from None
+            assert proc.returncode == 130 and "Traceback" not in err, err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.parametrize("mode", [[], ["--processes"]], ids=["in-process", "processes"])

@@ -257,13 +257,14 @@ async def test_engine_error_on_one_prefill_rank_fails_the_request(
         assert faulty[0].statistics().faults.get("fail", 0) >= 1
 
 
+@pytest.mark.parametrize("how", ["closes", "crashes"])
 async def test_rank_lost_after_its_success_does_not_fail_the_room(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, bootstrap_url: str, how: str
 ) -> None:
     """MLA, P=2, D=1: rank 1 is a dummy (writes nothing) and reports Success at once; rank 0's
-    write is held in the engine. Rank 1 then goes away and the heartbeat declares it lost.
-    Rank 1 owes nothing for the room any more, so once rank 0's write completes the room
-    should succeed."""
+    write is held in the engine. Rank 1 then goes away: it closes and says so (a BYE), or
+    it crashes, says nothing, and the heartbeat declares it lost. Rank 1 owes nothing for
+    the room any more, so once rank 0's write completes the room should succeed."""
     opts = DemoOptions(prefill_tp=2, decode_tp=1, layout="mla", kv_heads=1, layers=1,
                        page_size=4, max_tokens=64, concurrency=2, head_bytes=16,
                        engine=engine_name)
@@ -296,9 +297,14 @@ async def test_rank_lost_after_its_success_does_not_fail_the_room(
                 book = receiver._room.machine.book
                 assert book is not None
                 await poll_until(lambda: 1 in book.succeeded)  # decode has rank 1's Success
-                c.prefill[1].scope.cancel()
-                await c.prefill[1].closed.wait()
-                await poll_until(lambda: c.decode[0].statistics().peers_lost >= 1)
+                gone = c.prefill[1]
+                if how == "crashes":  # (no STATUS, ack or BYE)
+                    gone.agent._shutdown_rooms = lambda: None  # type: ignore[method-assign]
+                    gone.agent._say_goodbye = lambda: None  # type: ignore[method-assign]
+                gone.scope.cancel()
+                await gone.closed.wait()
+                counter = "peers_closed" if how == "closes" else "peers_lost"
+                await poll_until(lambda: getattr(c.decode[0].statistics(), counter) >= 1)
             gate.release_all()
             with trio.fail_after(10):
                 status = await receiver.wait()
