@@ -26,6 +26,8 @@ from trio_pd._errors import ConfigurationError, EngineError
 from trio_pd.engines import Region, TransferEngine, make_engine, start_write
 from trio_pd.engines.fault import Fault, FaultEngine
 
+from .helpers import write_again
+
 HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 
@@ -376,18 +378,7 @@ def test_write_outside_the_destination_region_fails(p: Pair) -> None:
             )
         assert time.monotonic() - t0 < 2.0
     assert not p.dst.any()
-    # the link still works. (Mooncake: once, under a load of 4-5 on 2 cores, the first call
-    # after the refusals failed too, rc -1, and not in 58 runs since: a later one must pass)
-    errors: list[EngineError] = []
-    deadline = time.monotonic() + 5.0
-    while True:
-        try:
-            p.src_engine.write(p.peer, *p.blocks([0], [0], [4096]))
-            break
-        except EngineError as exc:
-            errors.append(exc)
-            assert len(errors) < 3 and time.monotonic() < deadline, errors
-            time.sleep(0.2)
+    write_again(p.src_engine, p.peer, *p.blocks([0], [0], [4096]))  # the link still works
     assert np.array_equal(p.dst[:4096], p.src[:4096])
 
 
