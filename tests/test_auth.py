@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -50,8 +49,9 @@ from trio_pd._stats import Counters
 from trio_pd._zmq import Socket, open_socket
 from trio_pd.engines import make_engine
 
-from .conftest import Pair, host_pool, open_pair, poll_until
-from .test_bad_input import raw_push, register, transfer
+from .helpers.agents import Pair, host_pool, open_pair, poll_until
+from .helpers.net import self_signed
+from .helpers.peers import raw_push, register, transfer
 
 V = _wire.WIRE_VERSION
 TOKEN = "test-cluster-token"
@@ -462,20 +462,9 @@ async def test_restarted_prefill_replaces_its_route(engine_name: str) -> None:
         assert server.statistics().refused_replacements == 0
 
 
-def _self_signed(tmp: Path) -> tuple[str, str]:
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )
-    return str(cert), str(key)
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a test cert")
 async def test_bootstrap_over_tls(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     async with open_bootstrap_server(token=TOKEN, certfile=cert, keyfile=key) as server:
         assert server.url.startswith("https://")
         async with BootstrapClient(server.url, token=TOKEN, verify=cert) as client:

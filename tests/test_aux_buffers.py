@@ -53,8 +53,8 @@ from trio_pd.testing.pools import (
     extra_aux_lens,
 )
 
-from .conftest import host_pool, open_pair
-from .test_sanitizer import abort_a_stalled_write, stall_every_write
+from .helpers.agents import host_pool, open_pair
+from .helpers.faults import abort_a_stalled_write, stall_every_write
 
 BOUND = 15.0
 QUIET = 0.3

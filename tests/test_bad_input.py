@@ -2,27 +2,20 @@
 
 Bad messages go through a raw ZeroMQ PUSH socket connected to ``agent.endpoint``, so they
 reach the real listener exactly as a broken or hostile peer would send them. Replies to a
-fake decode land on a real :class:`~trio_pd._control.ControlPlane`.
-
-Ordering trick used as a barrier: messages from one PUSH socket are handled in order, so after
-an ABORT for an unknown room sent last on the same socket has been acked, every message sent
-before it has been handled (and anything it made prefill send to us came first).
+fake decode land on a real :class:`~trio_pd._control.ControlPlane` (tests/helpers/peers.py,
+with the barrier that orders them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
 import trio
-import zmq
 
 from trio_pd import (
     AdmissionClosed,
@@ -30,120 +23,30 @@ from trio_pd import (
     EngineError,
     IncompatiblePeer,
     KVPoll,
-    PrefillSender,
     ProtocolError,
     TransferAborted,
     _wire,
 )
-from trio_pd._control import ControlPlane
-from trio_pd._stats import Counters
-from trio_pd._zmq import Socket, open_socket
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
 
-from .conftest import Pair, host_pool, open_pair, poll_until
+from .helpers.agents import Pair, host_pool, open_pair, poll_until
+from .helpers.peers import (
+    as_dict,
+    barrier,
+    enc,
+    fake_decode,
+    finish_good_room,
+    good_room,
+    raw_push,
+    register,
+    transfer,
+)
 
 V = _wire.WIRE_VERSION
-_nonces = itertools.count(10_000_000)
 
 
 # ------------------------------------------------------------------------ helpers
-
-
-
-@asynccontextmanager
-async def raw_push(endpoint: str) -> AsyncIterator[Socket]:
-    """A raw PUSH socket to an agent's control endpoint: sends whatever bytes it is given."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    sock = open_socket(ctx, zmq.PUSH)
-    try:
-        sock.connect(endpoint)
-        yield sock
-    finally:
-        sock.close()
-        ctx.term()
-
-
-@dataclass
-class FakeDecode:
-    """A fake decode rank: a real control plane (its PULL socket collects what prefill sends)
-    and, optionally, a real engine with real registered memory."""
-
-    cp: ControlPlane
-    got: list[_wire.Message] = field(default_factory=list)
-    arrived: trio.Event = field(default_factory=trio.Event)
-
-    @property
-    def endpoint(self) -> str:
-        return self.cp.endpoint
-
-    def _handle(self, msg: _wire.Message, _pages: Any) -> None:
-        self.got.append(msg)
-        self.arrived.set()
-        self.arrived = trio.Event()
-
-    async def next_matching(self, pred: Callable[[_wire.Message], bool]) -> _wire.Message:
-        while True:
-            for m in self.got:
-                if pred(m):
-                    return m
-            await self.arrived.wait()
-
-    def statuses(self, room: int) -> list[_wire.Status]:
-        return [m for m in self.got if isinstance(m, _wire.Status) and m.room == room]
-
-
-@asynccontextmanager
-async def fake_decode() -> AsyncIterator[FakeDecode]:
-    cp = ControlPlane("127.0.0.1", Counters())
-    fake = FakeDecode(cp)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cp.serve, fake._handle)
-            yield fake
-            nursery.cancel_scope.cancel()
-    finally:
-        with trio.CancelScope(shield=True):
-            await cp.aclose(linger=0)
-
-
-async def barrier(sock: Socket, fake: FakeDecode) -> None:
-    """Every message sent on ``sock`` before this call has been handled by the prefill
-    agent (see the module docstring)."""
-    room = next(_nonces)
-    await sock.send_multipart(
-        _wire.encode(_wire.Abort(v=V, room=room, epoch=room, endpoint=fake.endpoint))
-    )
-    with trio.fail_after(10):
-        await fake.next_matching(lambda m: isinstance(m, _wire.AbortAck) and m.room == room)
-
-
-def enc(d: dict[str, Any]) -> bytes:
-    return msgspec.msgpack.encode(d)
-
-
-def as_dict(msg: _wire.Message) -> dict[str, Any]:
-    out: dict[str, Any] = msgspec.to_builtins(msg, builtin_types=(bytes,))
-    return out
-
-
-def transfer(room: int, epoch: int, endpoint: str, num_pages: int, **kw: Any) -> _wire.Transfer:
-    args: dict[str, Any] = dict(
-        v=V, room=room, epoch=epoch, endpoint=endpoint, decode_rank=0, aux_slot=0, required=1,
-        num_pages=num_pages,
-    )
-    args.update(kw)
-    return _wire.Transfer(**args)
-
-
-def register(endpoint: str, eng: TransferEngine, pool: Any, **kw: Any) -> _wire.Register:
-    args: dict[str, Any] = dict(
-        v=V, endpoint=endpoint, decode_rank=0, decode_tp=1, engine=eng.name,
-        session=eng.session_id, engine_meta=eng.metadata(),
-        pool=_wire.PoolWire.from_spec(pool),
-    )
-    args.update(kw)
-    return _wire.Register(**args)
 
 
 def malformed(pool: HostKVPool, engine: TransferEngine) -> dict[str, list[bytes]]:
@@ -193,30 +96,6 @@ def malformed(pool: HostKVPool, engine: TransferEngine) -> dict[str, list[bytes]
         "register unknown layout": reg_with(layout="gqa"),
         "register huge engine meta": [enc({**reg, "engine_meta": b"\x00" * (2 << 20)})],
     }
-
-
-async def good_room(pair: Pair, url: str, room: int) -> tuple[PrefillSender, Any, np.ndarray]:
-    """A room started before the bad input: receiver ready, first chunk sent, last not."""
-    src, dst = np.array([30, 31, 32, 33, 34]), np.array([60, 61, 2, 3, 4])
-    pair.src.fill(src, room)
-    pair.src.fill_aux(7, room)
-    sender = pair.prefill.sender(room, num_pages=5, aux_slot=7)
-    receiver = pair.decode.receiver(room, bootstrap_url=url)
-    receiver.init(dst, 7)
-    sender.send(src[:2])
-    with trio.fail_after(10):  # the first chunk has landed
-        await poll_until(lambda: pair.prefill.statistics().leases_live == 0)
-    return sender, receiver, src
-
-
-async def finish_good_room(
-    pair: Pair, room: int, sender: PrefillSender, receiver: Any, src: np.ndarray
-) -> None:
-    sender.send(src[2:], last=True)
-    with trio.fail_after(15):
-        assert await receiver.wait() is KVPoll.Success, receiver.failure
-        assert await sender.wait() is KVPoll.Success, sender.failure
-    assert pair.verify(room, np.array([60, 61, 2, 3, 4]), 7)
 
 
 # ------------------------------------------------------------------------ malformed input

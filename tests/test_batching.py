@@ -15,7 +15,7 @@ from trio_pd import EngineError, KVPoll, PrefillConfig
 from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy
 
-from .conftest import Pair, open_pair
+from .helpers.agents import Pair, open_pair
 
 BOUND = 10.0
 ROOMS = 5

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from trio_pd import KVPoll, _bench, _demo, cli
 
-from .conftest import ENGINES
+from .helpers.engines import ENGINES
 
 # CPU and timing figures: measured alone, after the parallel pass
 pytestmark = pytest.mark.serial

@@ -1,6 +1,6 @@
 """``trio-pd bench --device cuda`` without a GPU: refused up front, in one line, with the demo's
 own reason where the device path cannot run; and the bench's phases on device pools of the
-CUDA stand-in of tests/test_memory_kinds.py (its "device" allocations are host memory it
+CUDA stand-in of tests/helpers/fake_cuda.py (its "device" allocations are host memory it
 checks every copy against), on both engines: the pools are the stand-in's allocations, the
 engines (the bare-engine ceiling's among them) are asked to register device memory, and every
 byte is read back from the "device" and verified. The real device run is tools/gpu-check's.
@@ -25,8 +25,8 @@ from trio_pd import _bench, _cuda, _demo, cli
 from trio_pd.engines import mooncake as mooncake_adapter
 from trio_pd.testing.device import DeviceKVPool
 
-from . import test_memory_kinds as kinds
-from .conftest import ENGINES
+from .helpers import fake_cuda as kinds
+from .helpers.engines import ENGINES
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -39,6 +39,8 @@ from trio_pd._errors import (
     UnknownRank,
 )
 
+from .helpers.net import free_port
+
 
 def rank_info(tp_rank: int, tp_size: int = 4, **changes: Any) -> PrefillRankInfo:
     fields: dict[str, Any] = {
@@ -82,14 +84,6 @@ async def client(server: BootstrapServer) -> AsyncIterator[BootstrapClient]:
 async def register_all(client: BootstrapClient, tp_size: int = 4) -> None:
     for rank in range(tp_size):
         await client.register(rank_info(rank, tp_size))
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (bound, then closed at once)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 # -- port, health ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from trio_pd._errors import one_error
 from trio_pd.aio import open_trio_host
 from trio_pd.engines import ClosingEngine, make_engine
 
-from .conftest import host_pool
+from .helpers.agents import host_pool
 
 #: a short bootstrap deadline: a refused registration must not wait out the default one
 QUICK = PrefillConfig(bootstrap_timeout=5.0)

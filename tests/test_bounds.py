@@ -29,8 +29,8 @@ from trio_pd import DecodeConfig, KVPoll, PrefillConfig, _wire
 from trio_pd._lane import Lane
 from trio_pd.engines import make_engine
 
-from .conftest import open_pair, poll_until
-from .test_bad_input import (
+from .helpers.agents import open_pair, poll_until
+from .helpers.peers import (
     barrier,
     fake_decode,
     finish_good_room,

@@ -38,7 +38,7 @@ from trio_pd.testing.pools import (
     page_rows,
 )
 
-from .conftest import Pair, open_pair, poll_until, verify_room
+from .helpers.agents import Pair, open_pair, poll_until, verify_room
 from .test_aio import Agents as AioAgents
 from .test_aio import open_agents as open_aio_agents
 from .test_sync import Agents as SyncAgents

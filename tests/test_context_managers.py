@@ -16,7 +16,7 @@ from trio_pd import DecodeReceiver, KVPoll, TransferAborted
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import FaultEngine
 
-from .conftest import open_pair, poll_until
+from .helpers.agents import open_pair, poll_until
 
 BOUND = 15.0
 

@@ -1,6 +1,6 @@
 """``trio-pd demo --device cuda`` without a GPU: refused up front, in one line, where the device
 path cannot run; and the demo on device pools end to end on the CUDA stand-in of
-tests/test_memory_kinds.py, whose "device" allocations are host memory it checks every copy
+tests/helpers/fake_cuda.py, whose "device" allocations are host memory it checks every copy
 against. Pool creation, the fill, the sanitizer's poison, the aux stamp and the verification
 all go through trio_pd._cuda's copies there, and the engines are asked to register device
 memory. The real device run is tests/test_gpu.py's ``test_demo_on_device_pools``.
@@ -27,8 +27,8 @@ from trio_pd.testing import device
 from trio_pd.testing.device import DeviceKVPool
 from trio_pd.testing.pools import SOURCE_POISON
 
-from . import test_memory_kinds as kinds
-from .conftest import ENGINES
+from .helpers import fake_cuda as kinds
+from .helpers.engines import ENGINES
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL: dict[str, Any] = dict(requests=12, concurrency=4, max_tokens=96, chunk_pages=2, layers=2)
@@ -42,7 +42,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> kinds.FakeRuntime:
 @pytest.fixture
 def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     """The demo's engines record what they are asked to register (NIXL's fake VRAM is handed
-    on as the host memory it is: tests/test_memory_kinds.py's RecordingBinding)."""
+    on as the host memory it is: tests/helpers/fake_cuda.py's RecordingBinding)."""
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(_demo, "make_engine", lambda name: kinds.recording_engine(name, calls))
     return calls

@@ -58,7 +58,7 @@ from trio_pd.testing.pools import (
     page_rows,
 )
 
-from .conftest import host_pool, poll_until
+from .helpers.agents import host_pool, poll_until
 
 BOUND = 20.0
 KV_HEADS = 2

@@ -26,7 +26,7 @@ from trio_pd._errors import ConfigurationError, EngineError
 from trio_pd.engines import Region, TransferEngine, make_engine, start_write
 from trio_pd.engines.fault import Fault, FaultEngine
 
-from .helpers import write_again
+from .helpers.engines import write_again
 
 HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None

@@ -18,7 +18,7 @@ from trio_pd import _wire
 from trio_pd._control import ControlPlane
 from trio_pd._stats import Counters
 
-from .helpers import NO_DESCRIPTORS, run_child
+from .helpers.child import NO_DESCRIPTORS, run_child
 
 _SEND_WITHOUT_DESCRIPTORS = NO_DESCRIPTORS + """
 import json

@@ -30,8 +30,8 @@ from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.engines.mooncake import MooncakeEngine
 from trio_pd.testing.pools import DEST_POISON, PageAllocator
 
-from .conftest import HAVE_NIXL, host_pool, poll_until
-from .helpers import write_again
+from .helpers.agents import host_pool, poll_until
+from .helpers.engines import HAVE_NIXL, write_again
 
 BOUND = 15.0
 

@@ -33,9 +33,8 @@ from trio_pd._sources import is_own_address, loopback_problem
 from trio_pd._stats import Counters
 from trio_pd.engines import TransferEngine, make_engine
 
-from .conftest import host_pool
-from .test_auth import _self_signed
-from .test_bootstrap import free_port
+from .helpers.agents import host_pool
+from .helpers.net import free_port, self_signed
 
 
 @pytest.fixture
@@ -166,7 +165,7 @@ async def test_an_untrusted_bootstrap_certificate_fails_at_once_and_says_why(
     the room fails at once (its deadline is 30 s), and the error names the certificate
     problem and the option that fixes it."""
     pe, de = engines
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     token = "t" * 32
     async with open_bootstrap_server(token=token, certfile=cert, keyfile=key) as boot:
         async with open_decode(engine=de, pool=host_pool().spec, token=token) as decode:

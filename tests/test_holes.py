@@ -48,7 +48,7 @@ from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy
 from trio_pd.testing.pools import DEST_POISON, HostKVPool, PageAllocator, page_rows
 
-from .conftest import host_pool, open_pair
+from .helpers.agents import host_pool, open_pair
 
 #: bound on every wait for something that must happen
 BOUND = 10.0

@@ -9,7 +9,8 @@ handler; a raw wire fuzz killed prefill within 525 messages.
 Here the same input goes, as raw frames from a plain PUSH socket, to live agents on loopback
 (real engines, real ZeroMQ, the real bootstrap): each agent must count it, stay alive (a real
 request through it afterwards succeeds with verified bytes) and close within a few seconds.
-The helpers of ``tests/test_bad_input.py`` are reused; its cases are not repeated.
+The raw peer of ``tests/helpers/peers.py`` sends them; ``tests/test_bad_input.py``'s cases are
+not repeated.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from trio_pd._zmq import Socket
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
 
-from .conftest import Pair, host_pool, open_pair, poll_until
-from .test_bad_input import (
+from .helpers.agents import Pair, host_pool, open_pair, poll_until
+from .helpers.peers import (
     as_dict,
     barrier,
     enc,

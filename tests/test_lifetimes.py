@@ -54,7 +54,7 @@ from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool
 
-from .conftest import Pair, host_pool, open_pair
+from .helpers.agents import Pair, host_pool, open_pair
 
 #: bound on every wait for something that must happen
 BOUND = 15.0

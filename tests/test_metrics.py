@@ -36,7 +36,7 @@ from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.metrics import STATISTICS_NAMES, AgentMetrics
 from trio_pd.testing.pools import HostKVPool, PageAllocator
 
-from .conftest import host_pool, poll_until
+from .helpers.agents import host_pool, poll_until
 
 ENGINE = "mooncake"
 

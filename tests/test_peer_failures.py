@@ -35,7 +35,7 @@ from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy
 from trio_pd.metrics import AgentMetrics
 
-from .conftest import Pair, host_pool, open_pair, poll_until
+from .helpers.agents import Pair, host_pool, open_pair, poll_until
 
 BOUND = 15.0
 

@@ -38,7 +38,7 @@ from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import AUX_ITEM_LEN, HostKVPool
 
-from .conftest import poll_until
+from .helpers.agents import poll_until
 
 BOUND = 20.0
 PAGE, HEAD_BYTES, PAGES = 4, 16, 64

@@ -13,7 +13,7 @@ from trio_pd import KVPoll, ProtocolError
 from trio_pd import _wire as wire
 from trio_pd._demo import DemoOptions, check, run_in_process
 
-from .conftest import open_pair
+from .helpers.agents import open_pair
 
 BOUND = 15
 

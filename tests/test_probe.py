@@ -10,7 +10,6 @@ may still run), UNKNOWN while it is stopped (a hung engine probe proves nothing)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import select
@@ -32,9 +31,8 @@ from trio_pd._state import Liveness
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import FaultEngine
 
-from .helpers import NO_DESCRIPTORS, run_child
-
-HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
+from .helpers.child import NO_DESCRIPTORS, run_child
+from .helpers.engines import HAVE_NIXL
 
 # The peer process: engine + control socket, one JSON line on stdout, then wait for stdin EOF.
 _PEER = """

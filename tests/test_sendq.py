@@ -32,8 +32,8 @@ from trio_pd._sendq import DrainWatch, parse, snapshot
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 
-from .conftest import host_pool
-from .helpers import NO_DESCRIPTORS, run_child
+from .helpers.agents import host_pool
+from .helpers.child import NO_DESCRIPTORS, run_child
 
 pytestmark = pytest.mark.skipif(snapshot(["127.0.0.1"]) is None, reason="no /proc/net/tcp")
 

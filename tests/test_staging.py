@@ -30,8 +30,8 @@ from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import HostKVPool
 
-from .conftest import poll_until
-from .test_topology import open_cluster
+from .helpers.agents import poll_until
+from .helpers.cluster import open_cluster
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -45,8 +45,8 @@ from trio_pd._topology import served_decode_ranks, source_ranks, state_cuts, sta
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import DEST_POISON, HostKVPool, PageAllocator, StateShape
 
-from .conftest import host_pool, open_pair
-from .test_sanitizer import abort_a_stalled_write, stall_every_write
+from .helpers.agents import host_pool, open_pair
+from .helpers.faults import abort_a_stalled_write, stall_every_write
 
 BOUND = 15.0
 QUIET = 0.3

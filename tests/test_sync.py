@@ -41,7 +41,7 @@ from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool, PageAllocator, page_rows
 
-from .conftest import host_pool
+from .helpers.agents import host_pool
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 #: bound on every wait for something that must happen (seconds)

@@ -36,7 +36,7 @@ from trio_pd._plan import chunk_ranges
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
 
-from .conftest import Pair, host_pool, open_pair, poll_until
+from .helpers.agents import Pair, host_pool, open_pair, poll_until
 
 
 async def test_one_room_bytes_arrive(engine_name: str, bootstrap_url: str) -> None:

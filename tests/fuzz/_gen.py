@@ -8,10 +8,13 @@ from its seed and index (the tests print both, and the frames, for anything that
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -643,3 +646,11 @@ def show(frames: Any, limit: int = 200) -> str:
         return "[" + ", ".join(parts) + "]"
     except Exception:
         return repr(frames)[:limit]
+
+
+def report(name: str, data: dict[str, Any]) -> None:
+    """Write ``data`` as ``<name>.json`` into the folder ``TRIO_PD_FUZZ_REPORT`` names, if set."""
+    folder = os.environ.get("TRIO_PD_FUZZ_REPORT")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True))

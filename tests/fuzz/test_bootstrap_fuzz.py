@@ -40,7 +40,7 @@ import trio
 from trio_pd import open_bootstrap_server
 from trio_pd._bootstrap_client import PrefillRankInfo
 
-from .test_wire_fuzz import report
+from ._gen import report
 
 pytestmark = pytest.mark.fuzz
 

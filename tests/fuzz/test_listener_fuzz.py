@@ -50,8 +50,8 @@ from trio_pd._stats import AgentStatistics
 from trio_pd.engines import make_engine
 from trio_pd.testing.pools import HostKVPool
 
-from ..conftest import host_pool
-from ..test_bad_input import FakeDecode, barrier, fake_decode, raw_push, register, transfer
+from ..helpers.agents import host_pool
+from ..helpers.peers import FakeDecode, barrier, fake_decode, raw_push, register, transfer
 from ._gen import Mutator, V, make_base
 
 pytestmark = pytest.mark.fuzz

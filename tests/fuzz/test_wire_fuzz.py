@@ -13,11 +13,10 @@ with ``TRIO_PD_FUZZ_REPORT=DIR``, to ``DIR/wire.json``.
 
 from __future__ import annotations
 
-import json
+import copy
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -28,7 +27,7 @@ from hypothesis import strategies as st
 from trio_pd import ProtocolError
 from trio_pd._wire import decode, encode
 
-from ..test_wire import STRATEGIES, any_message, msgpack_values, mutate, mutations
+from ..helpers.wire import STRATEGIES, any_message, msgpack_values, mutate, mutations
 from ._gen import (
     HOSTILE,
     TAGS,
@@ -39,6 +38,7 @@ from ._gen import (
     bound_violations,
     make_base,
     rand_message,
+    report,
     round_trip_problem,
     show,
 )
@@ -50,13 +50,6 @@ INPUTS = {"short": 60_000, "full": 1_000_000}
 HYPOTHESIS_EXAMPLES = {"short": 150, "full": 2_500}
 #: no single input may take longer than this to decode or refuse (GC pauses included)
 MAX_DECODE_S = 0.25
-
-
-def report(name: str, data: dict[str, Any]) -> None:
-    folder = os.environ.get("TRIO_PD_FUZZ_REPORT")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
 def corpus(rng: random.Random, n: int) -> list[Base]:
@@ -216,8 +209,8 @@ def test_hypothesis_hostile_fields(size: str) -> None:
             target = d["pool"] if action == "set_pool" and isinstance(d.get("pool"), dict) else d
             if action == "delete":
                 target.pop(key, None)
-            else:
-                target[key] = value
+            else:  # (a copy: a later edit of this header must not change HOSTILE's value)
+                target[key] = copy.deepcopy(value)
         decode_checked([msgspec.msgpack.encode(d), *frames[1:]])
 
     check()
