@@ -773,3 +773,42 @@ def test_poll_never_moves_back_when_two_threads_poll_one_handle() -> None:
     inner.status = KVPoll.Success  # ended on the trio side, not yet published
     seen.append(handle.poll())
     assert seen == [KVPoll.Transferring, KVPoll.Transferring], seen
+
+
+class _CountingToken:
+    """A TrioToken stand-in that counts ``run_sync_soon`` calls (each one a wake-up of the
+    trio thread) and passes them on."""
+
+    def __init__(self, token: Any) -> None:
+        self.token, self.calls = token, 0
+
+    def run_sync_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        self.calls += 1
+        self.token.run_sync_soon(fn, *args)
+
+
+def test_calls_made_before_the_trio_thread_drains_share_one_wakeup() -> None:
+    """Posts and hops go through one inbox that the trio thread drains whole: 100 posts made
+    while the trio thread is busy wake it once, and run in the order posted, before a hop
+    made after them."""
+    thread = sync.TrioThread("test-inbox")
+    busy, go = threading.Event(), threading.Event()
+    try:
+
+        def hold() -> None:  # (blocks the trio thread: a test's stand-in for a busy loop)
+            busy.set()
+            go.wait(10)
+
+        assert thread.post(hold)
+        assert busy.wait(10)
+        counting = _CountingToken(thread._token)
+        thread._token = counting  # type: ignore[assignment]
+        ran: list[int] = []
+        for i in range(100):
+            assert thread.post(ran.append, i)
+        assert counting.calls == 1, counting.calls
+        go.set()
+        assert thread.call(lambda: list(ran)) == list(range(100))
+    finally:
+        go.set()
+        thread.close()

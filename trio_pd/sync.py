@@ -9,7 +9,11 @@ facade whose handles (:class:`SyncSender`, :class:`SyncReceiver`) look like SGLa
 ``KVSender`` / ``KVReceiver``, and whose :meth:`~SyncPrefill.pop_released` says, once per
 step, which rooms' pages are free again. docs/threads.md says which thread may call what.
 
-There is one way into the trio thread, ``TrioToken.run_sync_soon``, used two ways:
+There is one way into the trio thread, the thread's *inbox* (:meth:`TrioThread._enqueue`): a
+queue of calls that the trio thread drains whole, in order, in one callback handed to
+``TrioToken.run_sync_soon``. Only the call that finds the inbox idle wakes the trio thread;
+the calls made before it has drained ride along, so a scheduler step's calls cost one
+wake-up, not one each. It is used two ways:
 
 * a *post* hands a function over and returns at once (``send``, ``abort``, the receiver's
   ``init``): what the function finds wrong fails the room, for ``poll()`` to report;
@@ -177,6 +181,15 @@ class TrioThread(ClosesOnExit):
         #: where services run; set on the trio thread before ``_ready``; None once closing
         self._nursery: trio.Nursery | None = None
         self._stop: trio.Event | None = None
+        #: the inbox: calls for the trio thread, in order; a drain is due (handed to
+        #: ``run_sync_soon``, not yet started) while ``_drain_due``; once the run refused
+        #: one, ``_shut`` and nothing more is taken. All three under ``_inbox_lock``
+        self._inbox: collections.deque[tuple[Callable[..., object], tuple[Any, ...]]] = (
+            collections.deque()
+        )
+        self._inbox_lock = threading.Lock()
+        self._drain_due = False
+        self._shut = False
         #: what ended ``trio.run`` with an error, if anything did
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -229,21 +242,46 @@ class TrioThread(ClosesOnExit):
                 "on the trio thread use the trio API (the agent's own methods)"
             )
 
+    def _enqueue(self, fn: Callable[..., object], args: tuple[Any, ...]) -> bool:
+        """Put ``fn(*args)`` in the inbox: True if it will run on the trio thread, after
+        everything enqueued before it; False if the trio run is over (it never runs). Wakes
+        the trio thread only if no drain is due yet. Never blocks for long: the lock is held
+        for an append, and by the caller that wakes the trio thread for a ``run_sync_soon``
+        (a lock and a byte written), so that no call is taken after the run refused one."""
+        with self._inbox_lock:
+            if self._shut or self._token is None:
+                return False
+            self._inbox.append((fn, args))
+            if self._drain_due:
+                return True
+            try:
+                self._token.run_sync_soon(self._drain)
+            except trio.RunFinishedError:
+                self._shut = True
+                self._inbox.clear()  # (nothing was due: only this call was waiting)
+                return False
+            self._drain_due = True
+            return True
+
+    def _drain(self) -> None:
+        """On the trio thread (a ``run_sync_soon`` callback): run every call in the inbox,
+        in order. A call enqueued meanwhile finds no drain due and hands over another."""
+        with self._inbox_lock:
+            batch = list(self._inbox)
+            self._inbox.clear()
+            self._drain_due = False
+        for fn, args in batch:
+            _guarded(fn, args)
+
     def post(self, fn: Callable[..., object], *args: Any) -> bool:
         """Hand ``fn(*args)`` to the trio thread and return at once: True if it will run
         there (in the order posted, after every call posted before it), False if the trio run
         is over. An exception ``fn`` raises is logged on the trio thread.
 
-        Any thread, the trio thread included; never blocks (a lock and a byte written to the
-        run's wake-up socket).
+        Any thread, the trio thread included; never blocks (a lock, and for the first call
+        of a batch a byte written to the run's wake-up socket).
         """
-        if self._token is None:
-            return False
-        try:
-            self._token.run_sync_soon(_guarded, fn, args)
-        except trio.RunFinishedError:
-            return False
-        return True
+        return self._enqueue(fn, args)
 
     def call(self, fn: Callable[..., T], *args: Any, timeout: float = 10.0) -> T:
         """Run the synchronous ``fn(*args)`` on the trio thread and return its result, or
@@ -257,12 +295,8 @@ class TrioThread(ClosesOnExit):
         """
         self.check_may_block("TrioThread.call")
         hop: _Hop[T] = _Hop(fn, args)
-        if self._token is None:
+        if not self._enqueue(hop.run, ()):
             raise _closed("the trio thread")
-        try:
-            self._token.run_sync_soon(hop.run)
-        except trio.RunFinishedError:
-            raise _closed("the trio thread") from None
         return hop.wait(timeout, self._thread.is_alive, getattr(fn, "__name__", repr(fn)))
 
     def start_service(
