@@ -1528,8 +1528,8 @@ class KVReceiver(_Handle):
     :meth:`send_metadata`), as SGLang's receiver.
 
     The scheduler's thread (not a trio thread). Blocks as
-    :meth:`trio_pd.sync.SyncDecode.receiver` does (for a room id still held). Raises :class:`~trio_pd.ConfigurationError`
-    for ``bootstrap_room=None`` or a prefill manager.
+    :meth:`trio_pd.sync.SyncDecode.receiver` does (for a room id still held). Raises
+    :class:`~trio_pd.ConfigurationError` for ``bootstrap_room=None`` or a prefill manager.
     """
 
     #: SGLang asks before it would send a request's KV to host memory (its host receive,
