@@ -32,6 +32,9 @@ Phases, all in one process with one prefill and one decode rank on loopback:
    from creating N receivers + senders until every room is bootstrapped, over N), then the
    time to move them all.
 
+6. **facades**: the same requests through the trio API, the thread facade and the asyncio
+   facade, alternated: process CPU per request of each (:mod:`trio_pd._bench_facades`).
+
 ``--preset peer`` runs none of these but one workload with prefill and decode in separate OS
 processes (:func:`run_peer`, through the demo's ``--processes`` runner).
 
