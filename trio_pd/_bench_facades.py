@@ -312,8 +312,8 @@ def measure(
     for name, rs in runs.items():
         per = [r.cpu_seconds / w.requests * 1e6 for r in rs]
         wall = [r.seconds * w.concurrency / w.requests * 1e6 for r in rs]
-        cpu[name] = statistics.median(per)
-        out[f"{name}_us_per_request"] = round(cpu[name], 1)
+        cpu[name] = round(statistics.median(per), 1)
+        out[f"{name}_us_per_request"] = cpu[name]
         out[f"{name}_us_per_request_runs"] = [round(x, 1) for x in per]
         out[f"{name}_wall_us_per_request"] = round(statistics.median(wall), 1)
         out[f"{name}_failed"] = sum(r.failed for r in rs)
