@@ -487,13 +487,13 @@ class _AioRoom(Generic[H]):
 
     def _post(self, fn: Callable[[], object]) -> bool:
         """Run ``fn`` on the trio side now (:meth:`TrioHost._now`); False if the trio run is
-        over."""
+        over. What ``fn`` raises is logged, not raised (an abort raises nothing)."""
         try:
             self.host._now(fn)
-        except RuntimeError as exc:
-            if str(exc) != CLOSED:
-                raise
-            return False
+        except Exception as exc:
+            if isinstance(exc, RuntimeError) and str(exc) == CLOSED:
+                return False
+            log.exception("trio host: %r raised", fn)
         return True
 
     async def wait(self) -> KVPoll:
