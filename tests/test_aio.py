@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import trio
 
-from trio_pd import AdmissionClosed, KVPoll, TransferAborted
+from trio_pd import AdmissionClosed, KVPoll, ProtocolError, TransferAborted
 from trio_pd.aio import AioDecode, AioPrefill, AioReceiver, AioSender, TrioHost, open_trio_host
 from trio_pd.engines import make_engine
 from trio_pd.testing.pools import (
@@ -198,6 +198,47 @@ def test_twenty_verified_transfers_while_asyncio_keeps_ticking() -> None:
     # held the loop shows here (a tick *during* the close is not required: it may take <10 ms)
     assert ticker.longest < MAX_GAP, f"the asyncio loop was held {ticker.longest:.3f} s"
     assert ticker.ticks >= ticker.span / 0.01 / 4, (ticker.ticks, ticker.span)
+
+
+def test_room_calls_never_suspend_and_raise_at_the_call() -> None:
+    """``sender()``, ``receiver()``, ``init()`` and ``send()`` make their trio-side call at
+    once, between trio's ticks: driven by hand, the coroutine making a whole request's calls
+    finishes on its first step (none suspends the asyncio task: no round trip to trio), a bad
+    chunk's ProtocolError comes out of that very call, and the request then succeeds."""
+
+    async def calls(a: Agents) -> tuple[AioSender, AioReceiver]:
+        src = a.src_pages.alloc_nowait(2)
+        dst = a.dst_pages.alloc_nowait(2)
+        assert src is not None and dst is not None
+        a.src.fill(src, 5)
+        a.src.fill_aux(3, 5)
+        sender = await a.prefill.sender(
+            5, num_pages=2, aux_slot=3, on_release=lambda: a.src_pages.free(src)
+        )
+        receiver = await a.decode.receiver(5, bootstrap_url=a.url)
+        await receiver.init(dst, 4, on_release=lambda: a.dst_pages.free(dst))
+        with pytest.raises(ProtocolError):
+            await sender.send([10**6])  # (a page id outside the pool)
+        await sender.send(src[:1])
+        await sender.send(src[1:], last=True)
+        return sender, receiver
+
+    async def scenario() -> None:
+        async with open_agents() as a:
+            steps = calls(a)
+            try:
+                steps.send(None)
+            except StopIteration as stop:
+                sender, receiver = stop.value
+            else:
+                steps.close()
+                pytest.fail("a room call suspended the asyncio task")
+            async with asyncio.timeout(10):
+                assert await receiver.wait() is KVPoll.Success
+                assert await sender.wait() is KVPoll.Success
+            assert a.dst.aux_ok(4, 5)
+
+    asyncio.run(scenario())
 
 
 def test_abort_from_asyncio() -> None:

@@ -62,6 +62,17 @@ def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:
     assert r["facade_chunk_us"]["p50"] > 0
     assert r["facade_chunk_vs_trio_us"] == round(
         r["facade_chunk_us"]["p50"] - r["trio_pd_chunk_us"]["p50"], 1)
+    # the same requests through the trio API and both facades, alternated: process CPU per
+    # request of each, and each facade's excess over the trio API
+    f = r["facades"]
+    for name in ("trio", "thread", "asyncio"):
+        assert f[f"{name}_us_per_request"] > 0 and f[f"{name}_wall_us_per_request"] > 0, f
+        assert f[f"{name}_failed"] == 0, f
+        assert len(f[f"{name}_us_per_request_runs"]) == f["workload"]["rounds"]
+    for name in ("thread", "asyncio"):
+        assert f[f"{name}_over_trio_us"] == round(
+            f[f"{name}_us_per_request"] - f["trio_us_per_request"], 1)
+    assert "facades<=300us/request" in r["targets"]
     # the same bytes at TP 1->1 and 1->4, verified by the demo's runner
     tp = r["tp_mismatch"]
     assert tp["tp1_1_gbps"] > 0 and tp["tp1_4_gbps"] > 0

@@ -483,19 +483,28 @@ def test_poll_never_waits_for_the_trio_thread() -> None:
         a.prefill.pop_released()
         sender.send(np.arange(2))
         took = time.perf_counter() - t
+        # a room with a free id is made without waiting for the trio thread, on either side
+        late = a.decode.receiver(9, bootstrap_url=a.boot.url)
+        early = a.prefill.sender(10)
+        early.init(2, 0)
+        took = time.perf_counter() - t
         assert took < 0.1, f"the non-blocking calls took {took:.3f} s"
+        # one that is in use needs the trio thread's answer: a hop, which gives up at its
+        # bound; so does any other hop, and the call it gave up on never runs
         with pytest.raises(TransferTimeout, match="was not done"):
-            a.decode.receiver(9, bootstrap_url=a.boot.url)
-        assert time.perf_counter() - t < 0.4  # (it gave up at its bound, not after the stall)
-        # the call that timed out never ran: room 9 is free on the decode rank
-        late = None
-        while late is None:
-            try:
-                late = a.decode.receiver(9, bootstrap_url=a.boot.url)
-            except TransferTimeout:
-                assert time.perf_counter() - t < BOUND
+            a.decode.receiver(3, bootstrap_url=a.boot.url)
+        ran: list[int] = []
+        with pytest.raises(TransferTimeout, match="was not done"):
+            a.decode.thread.call(ran.append, 9, timeout=0.1)
+        assert time.perf_counter() - t < 0.4  # (they gave up at their bound, not after the stall)
+        a.decode.thread.call(lambda: None, timeout=BOUND)  # (the stall is over)
+        assert ran == []
+        with pytest.raises(TransferError, match="still in use"):
+            a.decode.receiver(3, bootstrap_url=a.boot.url)
         assert a.decode.statistics().rooms_active == 2
+        assert a.prefill.statistics().rooms_active == 2  # (3 and 10)
         late.abort()
+        early.abort()
         sender.send(np.arange(2, 4), last=True)
         poll_until(lambda: receiver.poll() is KVPoll.Success)
         assert (a.dst.kv[:, 4:8] == a.src.expected(3, 4)).all()
@@ -773,3 +782,72 @@ def test_poll_never_moves_back_when_two_threads_poll_one_handle() -> None:
     inner.status = KVPoll.Success  # ended on the trio side, not yet published
     seen.append(handle.poll())
     assert seen == [KVPoll.Transferring, KVPoll.Transferring], seen
+
+
+class _CountingToken:
+    """A TrioToken stand-in that counts ``run_sync_soon`` calls (each one a wake-up of the
+    trio thread) and passes them on."""
+
+    def __init__(self, token: Any) -> None:
+        self.token, self.calls = token, 0
+
+    def run_sync_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        self.calls += 1
+        self.token.run_sync_soon(fn, *args)
+
+
+def test_calls_made_before_the_trio_thread_drains_share_one_wakeup() -> None:
+    """Posts and hops go through one inbox that the trio thread drains whole: 100 posts made
+    while the trio thread is busy wake it once, and run in the order posted, before a hop
+    made after them."""
+    thread = sync.TrioThread("test-inbox")
+    busy, go = threading.Event(), threading.Event()
+    try:
+
+        def hold() -> None:  # (blocks the trio thread: a test's stand-in for a busy loop)
+            busy.set()
+            go.wait(10)
+
+        assert thread.post(hold)
+        assert busy.wait(10)
+        counting = _CountingToken(thread._token)
+        thread._token = counting  # type: ignore[assignment]
+        ran: list[int] = []
+        for i in range(100):
+            assert thread.post(ran.append, i)
+        assert counting.calls == 1, counting.calls
+        go.set()
+        assert thread.call(lambda: list(ran)) == list(range(100))
+    finally:
+        go.set()
+        thread.close()
+
+
+def test_a_room_made_on_the_trio_side_meanwhile_fails_the_facade_room() -> None:
+    """``init`` of a free room id does not wait for the trio thread; if trio-side code makes
+    a room with that id before the creation runs there, the facade's room fails with the
+    agent's reason (poll() Failed, TransferError "still in use"), its chunks are dropped
+    (its pages never become trio_pd's), and it comes out of pop_released once; the other
+    room is left alone. A second init of an id held meanwhile is answered exactly (a hop)."""
+    with agents(prefill_kw={"call_timeout": 5.0}) as a:
+        go = threading.Event()
+        theirs: list[Any] = []
+
+        def trio_side() -> None:  # (on the trio thread: the agent's own API)
+            go.wait(5)
+            theirs.append(a.prefill.agent.sender(7, num_pages=1, aux_slot=0))
+
+        assert a.prefill.thread.post(trio_side)
+        sender = a.prefill.sender(7)
+        sender.init(1, 0)  # (returns while the trio thread is held: nothing waits)
+        go.set()
+        sender.send(np.arange(1), last=True)
+        poll_until(lambda: sender.poll() is KVPoll.Failed)
+        assert isinstance(sender.failure, TransferError)
+        assert "still in use" in str(sender.failure)
+        poll_until(lambda: a.prefill.pop_released() == [7])
+        assert theirs and theirs[0].poll() is not KVPoll.Failed  # (the trio-side room stands)
+        with pytest.raises(TransferError, match="still in use"):
+            a.prefill.sender(7).init(1, 0)  # (held: the trio thread's exact answer)
+        theirs[0].abort_from_thread("test over")
+        assert a.prefill.pop_released() == []

@@ -32,6 +32,9 @@ Phases, all in one process with one prefill and one decode rank on loopback:
    from creating N receivers + senders until every room is bootstrapped, over N), then the
    time to move them all.
 
+6. **facades**: the same requests through the trio API, the thread facade and the asyncio
+   facade, alternated: process CPU per request of each (:mod:`trio_pd._bench_facades`).
+
 ``--preset peer`` runs none of these but one workload with prefill and decode in separate OS
 processes (:func:`run_peer`, through the demo's ``--processes`` runner).
 
@@ -87,6 +90,7 @@ TARGETS = {
     "abort_release_ms_p99": 10.0,  # <=
     "bytes_per_room_10k": 4096.0,  # <=
     "tp_mismatch_ratio": 0.7,  # >=
+    "facade_over_trio_us": 300.0,  # <= (CPU per request, each facade over the trio API)
 }
 
 
@@ -938,6 +942,16 @@ def run_facade(s: _Setup, progress: Progress) -> None:
     progress("facade")
 
 
+def run_facades(s: _Setup, progress: Progress) -> None:
+    """The same requests through the trio API, the thread facade and the asyncio facade,
+    alternated (:mod:`trio_pd._bench_facades` says what is measured and why)."""
+    from ._bench_facades import FacadeWorkload, measure
+
+    w = FacadeWorkload.quick() if s.opts.total_mib <= 16 else FacadeWorkload()
+    s.results["facades"] = measure(s.opts.engine, s.small_src.spec, s.small_dst.spec, w,
+                                   progress)
+
+
 def run_tp_mismatch(s: _Setup, progress: Progress) -> None:
     """The same bytes from one prefill rank to one decode rank, then to four (MHA, each
     decode rank holding a quarter of the heads: every token slot becomes a head slice, one
@@ -992,6 +1006,7 @@ def _run_phases(opts: BenchOptions, progress: Progress) -> dict[str, Any]:
         finally:
             ceiling.close()
         run_facade(s, progress)
+        run_facades(s, progress)
         run_tp_mismatch(s, progress)
     finally:  # every engine that had them registered is closed by now
         _close_pools([s.src, s.dst, s.small_src, s.small_dst])
@@ -1028,7 +1043,7 @@ def phases(opts: BenchOptions) -> list[str]:
         n = opts.load_requests
         return [f"peer: {i}/{n} requests (prefill, decode in own processes)" for i in range(n)]
     return ["ceiling", "trio_pd", "aborts", "overhead", *(f"scale {n}" for n in opts.scale_rooms),
-            "facade", "tp mismatch"]
+            "facade", "facades", "tp mismatch"]
 
 
 def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
@@ -1050,6 +1065,10 @@ def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
             r["tp_mismatch"]["ratio"] >= TARGETS["tp_mismatch_ratio"] if "tp_mismatch" in r
             else None
         ),
+        "facades<=300us/request": (
+            max(r["facades"]["thread_over_trio_us"], r["facades"]["asyncio_over_trio_us"])
+            <= TARGETS["facade_over_trio_us"] if "facades" in r else None
+        ),
         "10k_rooms<=4KiB/room": (
             ten_k[0]["bytes_per_room"] <= TARGETS["bytes_per_room_10k"] if ten_k else None
         ),
@@ -1068,6 +1087,10 @@ def problems(r: dict[str, Any]) -> list[str]:
         out.append(f"failed = {r['failed']}")
     if any(x["failed"] for x in r["scale"]):
         out.append("scale rooms failed")
+    f = r.get("facades", {})
+    for name in ("trio", "thread", "asyncio"):
+        if f.get(f"{name}_failed"):
+            out.append(f"facades: {name} requests failed = {f[f'{name}_failed']}")
     return out
 
 
@@ -1130,6 +1153,13 @@ def table(r: dict[str, Any]) -> Any:
     t.add_row("thread facade: send→Success (1 page)",
               f"{pp(r['facade_chunk_us'], 'µs')} ({r['facade_chunk_vs_trio_us']:+} µs "
               "vs trio, p50)", "", "")
+    if "facades" in r:
+        f = r["facades"]
+        t.add_row("facades: CPU per request (trio / thread / asyncio)",
+                  f"{f['trio_us_per_request']} / {f['thread_us_per_request']} / "
+                  f"{f['asyncio_us_per_request']} µs ({f['thread_over_trio_us']:+} / "
+                  f"{f['asyncio_over_trio_us']:+})", "<= +300 µs",
+                  mark("facades<=300us/request"))
     t.add_row("verified", f"{r['verified_bytes'] / 1e6:.1f} MB, corrupt pages "
               f"{r['corrupt_pages']}", "", "")
     return t

@@ -7,12 +7,16 @@ sits in a thread of trio's own. The agents live in that trio run, and asyncio co
 them through the thin wrappers here (:class:`AioPrefill`, :class:`AioSender`,
 :class:`AioDecode`, :class:`AioReceiver`).
 
-Each direction has one way across, and this module owns both:
+The ways across, all owned by this module:
 
-* asyncio -> trio: a callable handed to the run's ``TrioToken.run_sync_soon``. It runs inside
-  trio on its next tick: a synchronous call (:meth:`TrioHost.call`), or the start of a task in
-  the host's nursery (:meth:`TrioHost.run`, :meth:`TrioHost.open`).
-* trio -> asyncio: the call's ``outcome``, set on an asyncio future the asyncio side awaits
+* asyncio -> trio, at once: asyncio code only runs between trio's ticks, so the room calls
+  (making a room, ``send``, ``init``, ``abort``, the start of a task a ``wait`` awaits) are
+  made right there, on the loop's thread (:meth:`TrioHost._now`): nothing crosses, and what
+  they wake in trio asks the loop for trio's next tick. Their errors are raised at the call.
+* asyncio -> trio, on the next tick: a callable handed to the run's
+  ``TrioToken.run_sync_soon``, for code of the caller's (:meth:`TrioHost.call`,
+  :meth:`TrioHost.start_soon`) and the host's own closing.
+* trio -> asyncio: a task's ``outcome``, set on an asyncio future the asyncio side awaits
   (``None`` there: the call never finished, because it was cancelled or the host closed).
 
 Reads that change nothing (``poll()``, ``failure``, ``statistics()``) are made directly: both
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -96,6 +101,11 @@ class TrioHost:
         self._stop = trio.Event()
         #: futures trio still owes an outcome; the run's end settles those left with None
         self._pending: set[_Done[Any]] = set()
+        #: the trio run's own context (its main task's, copied): what a call made between
+        #: trio's ticks (:meth:`_now`) runs in. None before the run's main task started
+        self._context: contextvars.Context | None = None
+        #: the trio run has ended (its done callback ran)
+        self._over = False
 
     # ------------------------------------------------------------------ the way across
 
@@ -118,6 +128,23 @@ class TrioHost:
             self._token.run_sync_soon(_logged, fn)
         except trio.RunFinishedError:
             raise RuntimeError(CLOSED) from None
+
+    def _now(self, fn: Callable[[], T]) -> T:
+        """Call the synchronous trio-side ``fn()`` at once, between trio's ticks, and return
+        its result or raise its exception here. Raises RuntimeError if the run is over.
+
+        Both loops run on this one thread, taking turns, and asyncio code only runs between
+        trio's ticks: trio's run state is then at rest, and a call that wakes a trio task
+        (``Event.set``, a channel's ``send_nowait``, ``nursery.start_soon``, a cancel)
+        reschedules it, which in guest mode also asks the loop for trio's next tick. So
+        nothing crosses for the call: no round trip, no wake-up of trio's I/O thread unless
+        trio was idle. ``fn`` runs outside any trio task, in a copy of the run's own
+        context: it must not await, checkpoint or ask for the current task (the agents'
+        handle methods do none of these).
+        """
+        if self._over or self._context is None:
+            raise RuntimeError(CLOSED)
+        return self._context.copy().run(fn)
 
     def _submit(self, fn: Callable[[], T]) -> _Done[T]:
         """Call ``fn()`` inside trio; its outcome lands in the returned future. If the future
@@ -147,12 +174,12 @@ class TrioHost:
             else:
                 self._nursery.start_soon(_task, call, partial(async_fn, *args))
 
-        self._soon(start)
+        self._now(start)
         return call
 
     def _cancel(self, call: _Call[Any], reason: str) -> None:
         with contextlib.suppress(RuntimeError):  # the run is over: so is the task
-            self._soon(partial(call.scope.cancel, reason))
+            self._now(partial(call.scope.cancel, reason))
 
     async def _wait(self, call: _Call[Any], *also: asyncio.Future[Any]) -> None:
         """Wait until the trio task is over, or until one of ``also`` is done.
@@ -302,6 +329,7 @@ async def open_trio_host(
     done: asyncio.Future[outcome.Outcome[None]] = loop.create_future()
 
     def run_ended(result: outcome.Outcome[None]) -> None:
+        host._over = True
         for fut in list(host._pending):
             _settle(fut, None)
         _settle(done, result)
@@ -336,6 +364,7 @@ async def open_trio_host(
 
 async def _main(host: TrioHost, started: asyncio.Future[None]) -> None:
     """The guest run's main task: the nursery the asyncio side's tasks run in."""
+    host._context = contextvars.copy_context()
     try:
         async with trio.open_nursery() as nursery:
             host._nursery = nursery
@@ -450,17 +479,21 @@ class _AioRoom(Generic[H]):
         return self.handle.failure
 
     def abort(self, reason: str = "aborted from asyncio") -> None:
-        """Abort the room, as the trio handle's ``abort`` does; the agent does the rest on
-        trio's next tick (its ABORTs, its release). Idempotent; once the host has closed it
-        only hands back what a receiver still owes (see :meth:`AioReceiver.abort`)."""
+        """Abort the room, as the trio handle's ``abort`` does, at once
+        (:meth:`TrioHost._now`); the agent's tasks do the rest on trio's next tick (its
+        ABORTs, its release). Idempotent; once the host has closed it only hands back what a
+        receiver still owes (see :meth:`AioReceiver.abort`)."""
         self._post(partial(self.handle.abort, reason))
 
     def _post(self, fn: Callable[[], object]) -> bool:
-        """Run ``fn`` inside trio on its next tick; False if the trio run is over."""
+        """Run ``fn`` on the trio side now (:meth:`TrioHost._now`); False if the trio run is
+        over. What ``fn`` raises is logged, not raised (an abort raises nothing)."""
         try:
-            self.host._soon(fn)
-        except RuntimeError:
-            return False
+            self.host._now(fn)
+        except Exception as exc:
+            if isinstance(exc, RuntimeError) and str(exc) == CLOSED:
+                return False
+            log.exception("trio host: %r raised", fn)
         return True
 
     async def wait(self) -> KVPoll:
@@ -520,12 +553,10 @@ class AioSender(_AioRoom[PrefillSender]):
         :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`): its errors
         (``AdmissionClosed``, ``ProtocolError``) are raised here.
 
-        **Cancellation:** once called, the send runs whole on trio's next tick: a cancelled
-        await waits for it, then raises CancelledError (the chunk was admitted) or the
-        send's own error (it was not). The room is not aborted.
+        **Cancellation:** never suspends, so never cancelled: when it returns the chunk was
+        admitted; when it raises, it was not.
         """
-        await self.host.call(partial(self.handle.send, pages, last=last,
-                                     state_slots=state_slots))
+        self.host._now(partial(self.handle.send, pages, last=last, state_slots=state_slots))
 
     def _leave(self, why: str) -> None:
         if self.handle.poll() not in (KVPoll.Success, KVPoll.Failed):
@@ -578,12 +609,11 @@ class AioReceiver(_AioRoom[DecodeReceiver]):
         When it returns, the pages are trio_pd's; when it raises an error
         (``ProtocolError``; RuntimeError once the host has closed), they were not taken.
 
-        **Cancellation:** once called, ``init`` runs whole on trio's next tick: a cancelled
-        await waits for it, then raises CancelledError, and the pages are trio_pd's (they
-        come back through ``on_release``, or as a Success delivered to you), or raises
-        ``init``'s own error, and they are still yours.
+        **Cancellation:** never suspends, so never cancelled: when it returns the pages are
+        trio_pd's (they come back through ``on_release``, or as a Success delivered to you);
+        when it raises, they are still yours.
         """
-        await self.host.call(partial(
+        self.host._now(partial(
             self.handle.init, pages, aux_slot, on_release=on_release,
             prefix_pages=prefix_pages, state_slots=state_slots,
         ))
@@ -600,9 +630,8 @@ class _Opening(Generic[R]):
     """What :meth:`AioPrefill.sender` and :meth:`AioDecode.receiver` return: ``await`` it
     for the handle, or ``async with`` it to hold the room for a block.
 
-    **Cancellation:** entering makes the room, as awaiting does (a room made for a task
-    cancelled meanwhile is aborted, and CancelledError raised: the block never starts);
-    leaving never suspends."""
+    **Cancellation:** entering makes the room, as awaiting does, without suspending (so no
+    cancel lands there); leaving never suspends."""
 
     __slots__ = ("_make", "_room")
 
@@ -625,18 +654,10 @@ class _Opening(Generic[R]):
         await self._room.__aexit__(exc_type, exc, tb)
 
 
-async def _new_room(host: TrioHost, make: Callable[[], H]) -> H:
-    """``make()`` inside trio. Once asked, it runs whole: if the awaiting task is cancelled
-    meanwhile, it waits for that, and the handle made is aborted (nobody holds it) before
-    CancelledError goes on. An error means nothing was made."""
-    fut = host._submit(make)
-    cancelled = await _outlast_cancellation(fut)
-    handle = _unwrap(fut.result())
-    if cancelled:
-        with contextlib.suppress(RuntimeError):
-            host._soon(partial(handle.abort, "cancelled while it was being created"))
-        raise asyncio.CancelledError
-    return handle
+async def _new_room(host: TrioHost, make: Callable[[], H]) -> H:  # noqa: ASYNC910
+    """``make()`` on the trio side, at once (:meth:`TrioHost._now`): it never suspends, so
+    it is never cancelled midway. An error means nothing was made."""
+    return host._now(make)
 
 
 class _AioAgent(Generic[_A]):
@@ -675,9 +696,8 @@ class AioPrefill(_AioAgent[PrefillAgent]):
         on the loop's thread (see :meth:`AioReceiver.init`), exactly once, whenever the
         sender was created.
 
-        **Cancellation:** once asked, the sender is created (or refused with its error): a
-        cancelled await waits for that, aborts the sender, and raises CancelledError; its
-        ``on_release`` then runs once nothing can read its pages.
+        **Cancellation:** never suspends: the sender is created (or refused with its error)
+        at the call.
         """
         make = partial(
             self.agent.sender, room, num_pages=num_pages, aux_slot=aux_slot,
@@ -702,8 +722,8 @@ class AioDecode(_AioAgent[DecodeAgent]):
         <trio_pd.DecodeAgent.receiver>`): ``await`` it for the :class:`AioReceiver`, or
         ``async with`` it to hold the room for the block.
 
-        **Cancellation:** once asked, the receiver is created (or refused with its error):
-        a cancelled await waits for that, aborts the receiver, and raises CancelledError.
+        **Cancellation:** never suspends: the receiver is created (or refused with its
+        error) at the call.
         """
         make = partial(
             self.agent.receiver, room, bootstrap_url=bootstrap_url, epoch=epoch, dp_rank=dp_rank

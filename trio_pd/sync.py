@@ -9,13 +9,19 @@ facade whose handles (:class:`SyncSender`, :class:`SyncReceiver`) look like SGLa
 ``KVSender`` / ``KVReceiver``, and whose :meth:`~SyncPrefill.pop_released` says, once per
 step, which rooms' pages are free again. docs/threads.md says which thread may call what.
 
-There is one way into the trio thread, ``TrioToken.run_sync_soon``, used two ways:
+There is one way into the trio thread, the thread's *inbox* (:meth:`TrioThread._enqueue`): a
+queue of calls that the trio thread drains whole, in order, in one callback handed to
+``TrioToken.run_sync_soon``. Only the call that finds the inbox idle wakes the trio thread;
+the calls made before it has drained ride along, so a scheduler step's calls cost one
+wake-up, not one each. It is used two ways:
 
 * a *post* hands a function over and returns at once (``send``, ``abort``, the receiver's
-  ``init``): what the function finds wrong fails the room, for ``poll()`` to report;
-* a *hop* hands a function over and waits until the trio thread has run it (creating a room,
-  ``statistics()``): its result or exception comes back. A hop never waits past its bound; on
-  the bound it tells "never ran" from "ran" exactly (:class:`_Hop`).
+  ``init``, creating a room whose id is free): what the function finds wrong fails the room,
+  for ``poll()`` to report; what the calling thread can check, it checks first, and raises;
+* a *hop* hands a function over and waits until the trio thread has run it (creating a room
+  whose id is still held, ``statistics()``): its result or exception comes back. A hop
+  never waits past its bound; on the bound it tells "never ran" from "ran" exactly
+  (:class:`_Hop`).
 
 The other way round needs no crossing: the trio thread *publishes* what the scheduler reads
 (a room's terminal status and failure, the rooms whose pages came back) into fields that
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +47,7 @@ import trio.lowlevel
 
 from ._bootstrap import BootstrapServer
 from ._bootstrap import open_bootstrap_server as _open_bootstrap_server
+from ._bootstrap_client import MAX_DP_SIZE, check_dp, split_dp_url
 from ._closing import ClosesOnExit, LeavesOnExit
 from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
 from ._decode import open_decode as _open_decode
@@ -177,6 +185,15 @@ class TrioThread(ClosesOnExit):
         #: where services run; set on the trio thread before ``_ready``; None once closing
         self._nursery: trio.Nursery | None = None
         self._stop: trio.Event | None = None
+        #: the inbox: calls for the trio thread, in order; a drain is due (handed to
+        #: ``run_sync_soon``, not yet started) while ``_drain_due``; once the run refused
+        #: one, ``_shut`` and nothing more is taken. All three under ``_inbox_lock``
+        self._inbox: collections.deque[tuple[Callable[..., object], tuple[Any, ...]]] = (
+            collections.deque()
+        )
+        self._inbox_lock = threading.Lock()
+        self._drain_due = False
+        self._shut = False
         #: what ended ``trio.run`` with an error, if anything did
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -229,21 +246,46 @@ class TrioThread(ClosesOnExit):
                 "on the trio thread use the trio API (the agent's own methods)"
             )
 
+    def _enqueue(self, fn: Callable[..., object], args: tuple[Any, ...]) -> bool:
+        """Put ``fn(*args)`` in the inbox: True if it will run on the trio thread, after
+        everything enqueued before it; False if the trio run is over (it never runs). Wakes
+        the trio thread only if no drain is due yet. Never blocks for long: the lock is held
+        for an append, and by the caller that wakes the trio thread for a ``run_sync_soon``
+        (a lock and a byte written), so that no call is taken after the run refused one."""
+        with self._inbox_lock:
+            if self._shut or self._token is None:
+                return False
+            self._inbox.append((fn, args))
+            if self._drain_due:
+                return True
+            try:
+                self._token.run_sync_soon(self._drain)
+            except trio.RunFinishedError:
+                self._shut = True
+                self._inbox.clear()  # (nothing was due: only this call was waiting)
+                return False
+            self._drain_due = True
+            return True
+
+    def _drain(self) -> None:
+        """On the trio thread (a ``run_sync_soon`` callback): run every call in the inbox,
+        in order. A call enqueued meanwhile finds no drain due and hands over another."""
+        with self._inbox_lock:
+            batch = list(self._inbox)
+            self._inbox.clear()
+            self._drain_due = False
+        for fn, args in batch:
+            _guarded(fn, args)
+
     def post(self, fn: Callable[..., object], *args: Any) -> bool:
         """Hand ``fn(*args)`` to the trio thread and return at once: True if it will run
         there (in the order posted, after every call posted before it), False if the trio run
         is over. An exception ``fn`` raises is logged on the trio thread.
 
-        Any thread, the trio thread included; never blocks (a lock and a byte written to the
-        run's wake-up socket).
+        Any thread, the trio thread included; never blocks (a lock, and for the first call
+        of a batch a byte written to the run's wake-up socket).
         """
-        if self._token is None:
-            return False
-        try:
-            self._token.run_sync_soon(_guarded, fn, args)
-        except trio.RunFinishedError:
-            return False
-        return True
+        return self._enqueue(fn, args)
 
     def call(self, fn: Callable[..., T], *args: Any, timeout: float = 10.0) -> T:
         """Run the synchronous ``fn(*args)`` on the trio thread and return its result, or
@@ -257,12 +299,8 @@ class TrioThread(ClosesOnExit):
         """
         self.check_may_block("TrioThread.call")
         hop: _Hop[T] = _Hop(fn, args)
-        if self._token is None:
+        if not self._enqueue(hop.run, ()):
             raise _closed("the trio thread")
-        try:
-            self._token.run_sync_soon(hop.run)
-        except trio.RunFinishedError:
-            raise _closed("the trio thread") from None
         return hop.wait(timeout, self._thread.is_alive, getattr(fn, "__name__", repr(fn)))
 
     def start_service(
@@ -439,6 +477,8 @@ class _Handle(LeavesOnExit):
         self._released = False
         self._reported = False
         self._given = False  # pages were handed to trio_pd (decode: by init)
+        #: an abort that came before the room was created (its creation then aborts it)
+        self._abort_reason: str | None = None
 
     def poll(self) -> KVPoll:
         """The room's status: a :class:`~trio_pd.KVPoll`. Terminal ones (Success, Failed)
@@ -524,28 +564,35 @@ class SyncSender(_Handle):
         self._num_pages: int | None = None
         self._sent = 0
         self._last = False
-        #: trio thread only: an abort that came before init (init then aborts at once)
-        self._abort_reason: str | None = None
 
     def init(self, num_pages: int, aux_slot: int) -> None:
         """Create the room on the prefill rank: ``num_pages`` source pages will come in
         chunks, and aux row ``aux_slot`` with the last one.
 
-        The scheduler's thread, not the trio thread (RuntimeError there). Blocks for one
-        hop, at most the facade's ``call_timeout`` (then :class:`~trio_pd.TransferTimeout`,
-        and nothing was created). Raises :class:`~trio_pd.ProtocolError` for an aux slot
-        outside the pool or a second init, ValueError for a ``num_pages`` below 0 or past 2**30,
+        The scheduler's thread, not the trio thread (RuntimeError there). Never blocks when
+        the room id is free (the room is created on the trio thread, before anything this
+        thread hands over after it); while this rank still holds a room with that id, or
+        one is being created, it blocks for one hop, at most the facade's ``call_timeout``
+        (then :class:`~trio_pd.TransferTimeout`, and nothing was created), to answer
+        exactly. Raises :class:`~trio_pd.ProtocolError` for an aux slot outside the pool or
+        a second init, ValueError for a ``num_pages`` below 0 or past 2**30,
         :class:`~trio_pd.TransferError` while the room id is still in use on this rank (or
         if the agent stopped on an error), RuntimeError once the facade is closed.
         """
+        p = self._prefill
+        p._thread.check_may_block("SyncSender.init")
+        room = as_index(self.room, "room")
         aux_slot = as_index(aux_slot, "aux slot")
-        if not 0 <= aux_slot < self._prefill._pool.aux_slots:
-            raise ProtocolError(f"aux slot {aux_slot} outside [0, {self._prefill._pool.aux_slots})")
+        if not 0 <= aux_slot < p._pool.aux_slots:
+            raise ProtocolError(f"aux slot {aux_slot} outside [0, {p._pool.aux_slots})")
         num_pages = check_num_pages(num_pages)
         with self._lock:
             if self._num_pages is not None:
                 raise ProtocolError(f"room {self.room}: init called twice")
-            self._prefill._call(self._prefill._init, self, num_pages, aux_slot)
+            if p._claim(room):
+                p._create(p._init, self, num_pages, aux_slot)
+            else:  # in use, or on its way to be: the trio thread answers (TransferError)
+                p._call(p._init, self, num_pages, aux_slot)
             self._num_pages = num_pages
 
     def send(
@@ -613,18 +660,17 @@ class SyncReceiver(_Handle):
     ``pop_released``.
     """
 
-    def __init__(self, facade: SyncDecode, room: int) -> None:
+    def __init__(self, facade: SyncDecode, room: int, epoch: int) -> None:
         super().__init__(facade, room)
         self._decode = facade
+        self._epoch = epoch
         self._init_lock = threading.Lock()
         self._inited = False
 
     @property
     def epoch(self) -> int:
         """The room's epoch (given to :meth:`SyncDecode.receiver`, or the one it drew)."""
-        inner = self._inner
-        assert isinstance(inner, DecodeReceiver)
-        return inner.epoch
+        return self._epoch
 
     def init(
         self, pages: npt.ArrayLike, aux_slot: int, *, prefix_pages: int = 0,
@@ -723,6 +769,9 @@ class _Agent(ClosesOnExit, Generic[AG]):
         self._final_stats: AgentStatistics | None = None
         self._close_lock = threading.Lock()
         self._closed = False
+        #: room ids whose creation was handed to the trio thread and has not run yet
+        self._claims: set[int] = set()
+        self._claims_lock = threading.Lock()
         self._host: _Host[AG] = _Host(thread, self._what, opener, self._stopped)
         #: the trio agent: for code on the trio thread only
         self.agent: AG = self._host.start(start_timeout)
@@ -783,12 +832,68 @@ class _Agent(ClosesOnExit, Generic[AG]):
 
     # -------------------------------------------------------------- the way across
 
-    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+    def _check_open(self) -> None:
         if self._host.error is not None:
             raise TransferError(f"the {self._what} stopped: {self._host.error!r}")
         if self._closed or self._host.done.is_set():
             raise _closed(f"the {self._what}")
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        self._check_open()
         return self._thread.call(fn, *args, timeout=self._call_timeout)
+
+    def _claim(self, room: int) -> bool:
+        """On the caller's thread: True if no room with this id is held by the agent or on
+        its way to it through this facade; the id is then this caller's until the trio
+        thread has run the creation (:meth:`_create`). False: the trio thread must answer.
+
+        Exact for the rooms made through this facade: the trio thread adds a room to the
+        agent's table (read here with one load) before it drops the claim, and the two are
+        read here under the lock that dropping takes."""
+        with self._claims_lock:
+            if room in self._claims or room in self.agent._rooms:
+                return False
+            self._claims.add(room)
+            return True
+
+    def _create(self, fn: Callable[..., object], h: _Handle, *args: Any) -> None:
+        """Hand the creation of ``h``'s room (``fn(h, *args)``, which raises what the agent
+        refuses) to the trio thread without waiting: the calls handed over after it find the
+        room made. Raises what :meth:`_call` raises for a facade that is closed."""
+        try:
+            self._check_open()
+            posted = self._thread.post(self._made, fn, h, args)
+        except BaseException:
+            self._unclaim(h.room)
+            raise
+        if not posted:
+            self._unclaim(h.room)
+            raise _closed("the trio thread")
+
+    def _unclaim(self, room: int) -> None:
+        with self._claims_lock:
+            self._claims.discard(room)
+
+    def _made(self, fn: Callable[..., object], h: _Handle, args: tuple[Any, ...]) -> None:
+        """On the trio thread: run a creation the caller did not wait for. One the agent
+        refuses all the same (a room made meanwhile by trio-side code with that id, or the
+        facade closing, raced the caller's check) fails the room with the reason, as if it
+        had failed at once: :meth:`~_Handle.poll` says Failed; what is handed over for it
+        later is dropped or handed back."""
+        try:
+            fn(h, *args)
+        except Exception as exc:
+            error = exc if isinstance(exc, TransferError) else TransferAborted(
+                f"{self._what}: the room could not be created: {exc}"
+            )
+            with h._final_lock:
+                if h._final is None:
+                    h._final = (KVPoll.Failed, error)
+            if isinstance(h, SyncSender):  # (its init ran: pop_released reports it)
+                h._given = h._released = True
+            self._settle(h)
+        finally:
+            self._unclaim(h.room)
 
     # -------------------------------------------------------------- on the trio thread
 
@@ -847,8 +952,7 @@ class _Agent(ClosesOnExit, Generic[AG]):
             inner.abort(reason)
             self._finish(h)
             return
-        assert isinstance(h, SyncSender)  # (a receiver's trio handle exists from the start)
-        h._abort_reason = reason
+        h._abort_reason = reason  # (its creation is still on its way: it aborts the room)
         with h._final_lock:
             if h._final is None:
                 h._final = (KVPoll.Failed, TransferAborted(reason))
@@ -915,6 +1019,8 @@ class SyncPrefill(_Agent[PrefillAgent]):
         state_slots: tuple[npt.NDArray[np.int64], ...] | None = None,
     ) -> None:
         inner = h._inner
+        if inner is None:
+            return  # its creation was refused: the room failed; the pages never became ours
         assert isinstance(inner, PrefillSender)
         try:
             inner.send(pages, last=last, state_slots=state_slots)
@@ -951,32 +1057,60 @@ class SyncDecode(_Agent[DecodeAgent]):
         ``bootstrap_url`` (as :meth:`trio_pd.DecodeAgent.receiver`; ``dp_rank``: the prefill
         DP rank that holds the room, when the router knows it).
 
-        Any thread but the trio thread (RuntimeError there). Blocks for one hop, at most
-        the facade's ``call_timeout`` (then :class:`~trio_pd.TransferTimeout`, and nothing
-        was created). Raises :class:`~trio_pd.TransferError` while the room id is still in
-        use on this rank (or if the agent stopped on an error), RuntimeError once the
-        facade is closed.
+        Any thread but the trio thread (RuntimeError there). Never blocks when the room id
+        is free (the room is created on the trio thread, before anything handed over after
+        it: ``init``, ``abort``); while this rank still holds a room with that id, or one is
+        being created, it blocks for one hop, at most the facade's ``call_timeout`` (then
+        :class:`~trio_pd.TransferTimeout`, and nothing was created), to answer exactly.
+        Raises :class:`~trio_pd.TransferError` while the room id is still in use on this
+        rank (or if the agent stopped on an error), :class:`~trio_pd.ConfigurationError`
+        for a ``dp_rank`` that is not an int in ``[0, 1024)``, RuntimeError once the facade
+        is closed.
         """
-        return self._call(self._receiver, room, bootstrap_url, epoch, dp_rank)
+        self._thread.check_may_block("SyncDecode.receiver")
+        room = as_index(room, "room")
+        # the trio agent's own checks of the arguments, made here so that they raise here
+        named = split_dp_url(bootstrap_url)[1] if "?" in bootstrap_url else None
+        dp = named if dp_rank is None else dp_rank
+        if dp is not None:
+            check_dp(dp, MAX_DP_SIZE, f"decode rank {self.agent.tp_rank}: room {room}")
+        if epoch is None:
+            epoch = secrets.randbits(62)  # (drawn here, as the agent draws it)
+        if not self._claim(room):  # in use, or on its way to be: the trio thread answers
+            return self._call(self._receiver, room, bootstrap_url, epoch, dp_rank)
+        h = SyncReceiver(self, room, epoch)
+        self._create(self._make_receiver, h, bootstrap_url, dp_rank)
+        return h
 
     def _receiver(
-        self, room: int, bootstrap_url: str, epoch: int | None, dp_rank: int | None
+        self, room: int, bootstrap_url: str, epoch: int, dp_rank: int | None
     ) -> SyncReceiver:
-        self._admit()
-        h = SyncReceiver(self, room)
-        h._inner = self.agent.receiver(
-            room, bootstrap_url=bootstrap_url, epoch=epoch, dp_rank=dp_rank
-        )
-        self._track(h)
+        h = SyncReceiver(self, room, epoch)
+        self._make_receiver(h, bootstrap_url, dp_rank)
         return h
+
+    def _make_receiver(self, h: SyncReceiver, bootstrap_url: str, dp_rank: int | None) -> None:
+        self._admit()
+        inner = self.agent.receiver(
+            h.room, bootstrap_url=bootstrap_url, epoch=h._epoch, dp_rank=dp_rank
+        )
+        h._inner = inner
+        self._track(h)
+        if h._abort_reason is not None:  # (aborted before it was made)
+            inner.abort(h._abort_reason)
+        self._finish(h)
 
     def _init(
         self, h: SyncReceiver, pages: npt.NDArray[np.int64], aux_slot: int, prefix_pages: int,
         state_slots: tuple[npt.NDArray[np.int64], ...] = (),
     ) -> None:
         inner = h._inner
-        assert isinstance(inner, DecodeReceiver)
         h._given = True
+        if inner is None:  # its creation was refused: the room failed; the pages come back
+            h._released = True
+            self._settle(h)
+            return
+        assert isinstance(inner, DecodeReceiver)
         try:
             inner.init(
                 pages, aux_slot, on_release=partial(self._on_release, h),

@@ -1356,8 +1356,8 @@ class KVSender(_Handle):
         """Create the room: ``num_kv_indices`` source *pages* will come through :meth:`send`,
         and the request's metadata is in slot ``aux_index`` of the metadata buffers.
 
-        The scheduler's thread. Blocks for one hop to the trio thread (as
-        :meth:`trio_pd.sync.SyncSender.init`, which says what it raises). ``aux_index=None``
+        The scheduler's thread. Blocks as :meth:`trio_pd.sync.SyncSender.init` does (for a
+        room id still held; it says what it raises). ``aux_index=None``
         raises :class:`~trio_pd.ConfigurationError`: the metadata row travels with the KV.
         """
         if aux_index is None:
@@ -1531,9 +1531,9 @@ class KVReceiver(_Handle):
     waits in SGLang's queues; :meth:`poll` says Bootstrapping until :meth:`init` (or
     :meth:`send_metadata`), as SGLang's receiver.
 
-    The scheduler's thread (not a trio thread). Blocks for one hop (as
-    :meth:`trio_pd.sync.SyncDecode.receiver`). Raises :class:`~trio_pd.ConfigurationError`
-    for ``bootstrap_room=None`` or a prefill manager.
+    The scheduler's thread (not a trio thread). Blocks as
+    :meth:`trio_pd.sync.SyncDecode.receiver` does (for a room id still held). Raises
+    :class:`~trio_pd.ConfigurationError` for ``bootstrap_room=None`` or a prefill manager.
     """
 
     #: SGLang asks before it would send a request's KV to host memory (its host receive,
