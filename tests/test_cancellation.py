@@ -39,10 +39,10 @@ from trio_pd.testing.pools import (
 )
 
 from .helpers.agents import Pair, open_pair, poll_until, verify_room
-from .test_aio import Agents as AioAgents
-from .test_aio import open_agents as open_aio_agents
-from .test_sync import Agents as SyncAgents
-from .test_sync import agents as sync_agents
+from .helpers.aio import Agents as AioAgents
+from .helpers.aio import open_agents as open_aio_agents
+from .helpers.threads import Agents as SyncAgents
+from .helpers.threads import agents as sync_agents
 
 BOUND = 15.0
 #: a sweep that has not ended by then is itself a failure (the handlers take a few dozen)

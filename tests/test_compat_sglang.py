@@ -58,7 +58,7 @@ from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator, state_bytes
 
-from .test_sync import aborter, guarded, poll_until  # (any books with the fields they use)
+from .helpers.threads import aborter, guarded, poll_until  # (any books with the fields they use)
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ Nothing here needs CUDA. Device memory is played by host memory in two ways:
 * :class:`FakeRuntime`, a stand-in for ``cuda.bindings.runtime`` whose "device" allocations
   are host buffers it knows. It checks every copy as CUDA would (direction, bounds of the
   allocation, the current device), so the device pools of :mod:`trio_pd.testing.device`, the
-  aux row's device copies and the GPU test file's agent scenarios (tests/test_gpu.py) run
+  aux row's device copies and the GPU agent scenarios (tests/helpers/device.py) run
   here against it. Its functions take cuda-python's parameters (checked against the real
   module where cuda-python is installed).
 """
@@ -58,7 +58,7 @@ from trio_pd.engines import mooncake as mooncake_adapter
 from trio_pd.testing.device import DeviceKVPool
 from trio_pd.testing.pools import HostKVPool, PageAllocator
 
-from . import test_gpu as gpu
+from .helpers import device as gpu
 from .helpers.engines import ENGINES, HAVE_NIXL
 from .helpers.fake_cuda import (
     Err,

@@ -948,8 +948,8 @@ def run_facades(s: _Setup, progress: Progress) -> None:
     from ._bench_facades import FacadeWorkload, measure
 
     w = FacadeWorkload.quick() if s.opts.total_mib <= 16 else FacadeWorkload()
-    s.results["facades"] = measure(s.opts.engine, s.small_src.spec, s.small_dst.spec, w,
-                                   progress)
+    s.results["facades"] = measure(lambda: make_engine(s.opts.engine), s.small_src.spec,
+                                   s.small_dst.spec, w, progress)
 
 
 def run_tp_mismatch(s: _Setup, progress: Progress) -> None:

@@ -42,9 +42,13 @@ from ._decode import DecodeConfig, open_decode
 from ._memory import PoolSpec
 from ._prefill import PrefillConfig, open_prefill
 from ._state import KVPoll
-from .engines import make_engine
+from .engines import TransferEngine
 
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+#: how a run makes each of its engines (the bench's own factory, which tests replace)
+EngineMaker = Callable[[], TransferEngine]
 
 
 @dataclass(frozen=True)
@@ -100,11 +104,11 @@ def _room(base: int, i: int) -> int:
 
 
 async def _trio_run(
-    engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int
+    engine: EngineMaker, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int
 ) -> Run:
     async with AsyncExitStack() as stack:
         server = await stack.enter_async_context(open_bootstrap_server())
-        pe, de = make_engine(engine), make_engine(engine)
+        pe, de = engine(), engine()
         stack.callback(de.close)
         stack.callback(pe.close)
         prefill = await stack.enter_async_context(open_prefill(
@@ -145,14 +149,18 @@ async def _trio_run(
         return Run(seconds, cpu, failed)
 
 
-def run_trio(engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int) -> Run:
+def run_trio(
+    engine: EngineMaker, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int
+) -> Run:
     return trio.run(_trio_run, engine, src, dst, w, base)
 
 
 # ------------------------------------------------------------------------------ threads
 
 
-def run_thread(engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int) -> Run:
+def run_thread(
+    engine: EngineMaker, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int
+) -> Run:
     """A scheduler loop on this thread: each step it starts requests into free slots, polls
     the ones in flight, takes ``pop_released``; it sleeps ``w.step_s`` when nothing
     moved. A slot is free again once decode's Success was polled and prefill released the
@@ -160,8 +168,9 @@ def run_thread(engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, bas
     from . import sync
 
     with ExitStack() as stack:
-        pe = stack.enter_context(make_engine(engine))
-        de = stack.enter_context(make_engine(engine))
+        pe, de = engine(), engine()
+        stack.callback(de.close)
+        stack.callback(pe.close)
         thread = sync.TrioThread("trio_pd-bench")
         stack.callback(thread.close)
         boot = stack.enter_context(sync.open_bootstrap_server(thread=thread))
@@ -228,10 +237,12 @@ def run_thread(engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, bas
 # ------------------------------------------------------------------------------ asyncio
 
 
-async def _aio_run(engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int) -> Run:
+async def _aio_run(
+    engine: EngineMaker, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int
+) -> Run:
     from .aio import open_trio_host
 
-    pe, de = make_engine(engine), make_engine(engine)
+    pe, de = engine(), engine()
     try:
         async with (
             open_trio_host() as host,
@@ -279,20 +290,20 @@ async def _aio_run(engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload,
 
 
 def run_asyncio(
-    engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int
+    engine: EngineMaker, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload, base: int
 ) -> Run:
     return asyncio.run(_aio_run(engine, src, dst, w, base))
 
 
 # ------------------------------------------------------------------------------ the phase
 
-DRIVERS: dict[str, Callable[[str, PoolSpec, PoolSpec, FacadeWorkload, int], Run]] = {
+DRIVERS: dict[str, Callable[[EngineMaker, PoolSpec, PoolSpec, FacadeWorkload, int], Run]] = {
     "trio": run_trio, "thread": run_thread, "asyncio": run_asyncio,
 }
 
 
 def measure(
-    engine: str, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload,
+    engine: EngineMaker, src: PoolSpec, dst: PoolSpec, w: FacadeWorkload,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Every driver once per round, in turn; the medians (and ranges) over the rounds."""

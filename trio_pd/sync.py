@@ -55,6 +55,7 @@ from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferEr
 from ._memory import (
     PoolSpec,
     as_index,
+    check_aux_slot,
     check_num_pages,
     check_prefix_pages,
     check_state_slots,
@@ -582,9 +583,7 @@ class SyncSender(_Handle):
         p = self._prefill
         p._thread.check_may_block("SyncSender.init")
         room = as_index(self.room, "room")
-        aux_slot = as_index(aux_slot, "aux slot")
-        if not 0 <= aux_slot < p._pool.aux_slots:
-            raise ProtocolError(f"aux slot {aux_slot} outside [0, {p._pool.aux_slots})")
+        aux_slot = check_aux_slot(aux_slot, p._pool.aux_slots)
         num_pages = check_num_pages(num_pages)
         with self._lock:
             if self._num_pages is not None:
@@ -694,9 +693,7 @@ class SyncReceiver(_Handle):
         ids = np.array(page_ids(pages))  # (a copy)
         pool = self._decode._pool
         validate_pages(ids, pool.num_pages)
-        aux_slot = as_index(aux_slot, "aux slot")
-        if not 0 <= aux_slot < pool.aux_slots:
-            raise ProtocolError(f"aux slot {aux_slot} outside [0, {pool.aux_slots})")
+        aux_slot = check_aux_slot(aux_slot, pool.aux_slots)
         slots = check_state_slots([st.slots for st in pool.states], state_slots, "destination")
         prefix = check_prefix_pages(prefix_pages)  # (every check before the room is inited)
         with self._init_lock:
