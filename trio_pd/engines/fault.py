@@ -244,6 +244,7 @@ class FaultEngine(ClosesOnExit):
         self._late: list[threading.Timer] = []
         self._late_done = 0
         self._late_pending: dict[str, int] = {}  # peer -> late writes not made yet
+        self._inner_failed: set[str] = set()  # peers a call of the wrapped engine failed to
 
     @classmethod
     def random(
@@ -317,17 +318,27 @@ class FaultEngine(ClosesOnExit):
         return override
 
     def call_mark(self, peer: str) -> int | None:
-        """The wrapped engine's mark where it keeps failed calls' blocks; else 0 (only
-        ``late`` faults leave blocks behind here, and :meth:`flushed` knows of them)."""
-        return call_mark(self.inner, peer) if keeps_failed_calls(self.inner) else 0
+        """The wrapped engine's mark where it keeps failed calls' blocks and one of its calls
+        to ``peer`` failed; else 0 (then only ``late`` faults leave blocks behind, and
+        :meth:`flushed` knows of them)."""
+        with self._lock:
+            inner_failed = peer in self._inner_failed
+        if not inner_failed or not keeps_failed_calls(self.inner):
+            return 0
+        return call_mark(self.inner, peer)
 
     def flushed(self, peer: str, mark: int) -> bool:
-        """False while a ``late`` fault's write to ``peer`` is still to be made; otherwise
-        the wrapped engine's answer (True for one that keeps nothing of a failed call)."""
+        """False while a ``late`` fault's write to ``peer`` is still to be made. Otherwise
+        True where no call of the wrapped engine to ``peer`` has failed (an injected
+        ``fail`` or ``partial`` leaves nothing behind: this wrapper made, or skipped, each
+        call it passed on), else the wrapped engine's answer."""
         with self._lock:
             if self._late_pending.get(peer):
                 return False
-        return flushed(self.inner, peer, mark) if keeps_failed_calls(self.inner) else True
+            inner_failed = peer in self._inner_failed
+        if not inner_failed or not keeps_failed_calls(self.inner):
+            return True
+        return flushed(self.inner, peer, mark)
 
     def probe(self, peer: str) -> bool:
         hang = self.probe_hang
@@ -358,7 +369,12 @@ class FaultEngine(ClosesOnExit):
             )
 
     def _inner_write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
-        self.inner.write(peer, src, dst, lens)
+        try:
+            self.inner.write(peer, src, dst, lens)
+        except BaseException:
+            with self._lock:
+                self._inner_failed.add(peer)
+            raise
         with self._lock:
             self._blocks_written += len(src)
 
