@@ -169,10 +169,11 @@ def _set_env_defaults() -> None:
     thread *returns* within a known bound, so the shielded wait for it in the trio layer is
     bounded and the call's pages can be quarantined on time. It is **not** a fence for the
     bytes: on timeout the engine frees the batch without cancelling the requests already
-    queued, and the transport still delivers them afterwards (measured: a write to a stopped
-    peer returned -1 after 5.0 s; every byte landed once the peer was resumed). Pages touched
-    by a failed call stay quarantined until something stronger (the peer's drain ack, or its
-    proven death) says no write can land.
+    queued, and the transport still delivers them afterwards, reading the source then
+    (measured: a write to a stopped peer returned -1 after 5.0 s; every block landed once the
+    peer was resumed, 3 s or 35 s later). Pages touched by a failed call stay quarantined
+    until something stronger says no write can land: a later call to the peer that
+    completed (:meth:`MooncakeEngine.flushed`), or the peer's proven death.
 
     Nor does it bound the *first* call to a peer: that call opens the peer's segment with a
     handshake that has no deadline of its own (about 60 s against a stopped peer, like
