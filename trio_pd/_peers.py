@@ -21,10 +21,12 @@ the pages out for another fence (``quarantine_unknown``), and so do bytes still 
 (``quarantine_undrained``).
 
 An engine may keep a failed call's blocks queued in its own memory and send them after the
-call returned (Mooncake's TCP transport does: :func:`~trio_pd.engines.keeps_failed_calls`);
-neither a probe nor our kernel sees those. For such an engine, the quarantine of a failed
-call to a peer that answers also waits for the engine's proof that nothing of the call is
-left: a later call to that peer that completed (:func:`~trio_pd.engines.flushed`). Where
+call returned (Mooncake's TCP transport does; so does NIXL with a request that timed out
+still posted: :func:`~trio_pd.engines.keeps_failed_calls`); neither a probe nor our kernel
+sees those. For such an engine, the quarantine of a failed call to a peer that answers also
+waits for the engine's proof that nothing of the call is left
+(:func:`~trio_pd.engines.flushed`: on Mooncake a later call to that peer that completed; on
+NIXL the kept request's own end). Where
 none has since the call failed, the fence makes one, on the peer's lane: it writes again
 the first byte of the failed call's last block (the same byte, from source pages the
 quarantine still holds, into a page decode holds until our ack). An engine that cannot give
@@ -575,10 +577,12 @@ class PeerRegistry:
         self.timers.after(self.fence, partial(self._fence_passed, fence))
 
     async def _flush(self, flush: _Flush) -> str | None:
-        """Has the engine proven that nothing of the failed call ``flush`` is left in it? A
-        later call to the peer that completed proves it (the engine sends a peer's blocks in
-        order); if none has, make one: the first byte of the failed call's last block
-        written again, on the peer's lane. None once proven; otherwise why not."""
+        """Has the engine proven that nothing of the failed call ``flush`` is left in it
+        (:func:`~trio_pd.engines.flushed`)? On Mooncake a later call to the peer that
+        completed proves it (the engine sends a peer's blocks in order); if none has, make
+        one: the first byte of the failed call's last block written again, on the peer's
+        lane. (On NIXL only the kept request's end proves it; the write changes nothing.)
+        None once proven; otherwise why not."""
         peer, mark = flush.peer, flush.mark
         if mark is None:
             await trio.lowlevel.checkpoint()
