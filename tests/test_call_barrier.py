@@ -11,6 +11,7 @@ ended the quarantine, and decode released its pages, while those blocks were sti
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -225,3 +226,48 @@ def test_nixl_keeps_a_timed_out_request_until_it_ends() -> None:
     assert got["failed"] and got["landed_at_return"] == 0, got
     assert got["flushed_at_once"] is False and got["flushed_while_stopped"] is False
     assert got["landed_when_flushed"] == got["landed_later"] == 512, got
+
+
+async def test_without_the_engines_proof_the_pages_stay_held(
+    bootstrap_url: str, keep_environ: None
+) -> None:
+    """Mooncake with several TCP connections per peer can prove nothing about a failed call's
+    blocks (a later call may overtake them): the quarantine keeps the pages, counted
+    ``quarantine_unflushed``, though the peer answers and our send queues are empty; decode
+    gets no ack and keeps its pages; the closing agents report the room, they do not release
+    it on a guess."""
+    os.environ["MC_TCP_LANES_PER_PEER"] = "4"
+    inner = make_engine("mooncake")
+    del os.environ["MC_TCP_LANES_PER_PEER"]
+    de = make_engine("mooncake")
+    fault = FaultEngine(inner, lambda _i, _p, n: Fault("bad_block") if n > 1 else None)
+    src, dst = host_pool(), host_pool()
+    released: list[str] = []
+    try:
+        async with open_decode(
+            engine=de, pool=dst.spec, config=DecodeConfig(ack_timeout=0.3, close_timeout=0.5),
+        ) as decode:
+            async with open_prefill(
+                engine=fault, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=2,
+                config=PrefillConfig(quarantine_fence=0.1, close_timeout=0.5),
+            ) as prefill:
+                src.fill(np.arange(8), 6)
+                sender = prefill.sender(6, num_pages=8, aux_slot=0)
+                receiver = decode.receiver(6, bootstrap_url=bootstrap_url)
+                receiver.init(np.arange(8), 0, on_release=lambda: released.append("dst"))
+                sender.send(np.arange(8), last=True)
+                with trio.fail_after(BOUND):
+                    assert await sender.wait() is KVPoll.Failed
+                    assert await receiver.wait() is KVPoll.Failed
+                with trio.fail_after(BOUND):
+                    while prefill.statistics().quarantine_unflushed < 3:  # noqa: ASYNC110
+                        await trio.sleep(0.05)  # (a counter: three fences passed, kept)
+                stats = prefill.statistics()
+                assert stats.leases_quarantined == 1 and stats.released_after_quarantine == 0
+                assert released == []
+            assert prefill.statistics().rooms_unacked_at_close == 1
+        assert released == []
+        assert decode.statistics().rooms_unproven_at_close == 1
+    finally:
+        fault.close()
+        de.close()
