@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from trio_pd import DecodeConfig, KVPoll, PrefillConfig, open_decode, open_prefill
-from trio_pd.engines import EngineError, make_engine
+from trio_pd.engines import EngineError, call_mark, flushed, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, HostKVPool, PageAllocator
 
@@ -271,3 +271,30 @@ async def test_without_the_engines_proof_the_pages_stay_held(
     finally:
         fault.close()
         de.close()
+
+
+def test_fault_engine_late_write_is_not_flushed_until_made() -> None:
+    """The test wrapper answers for its own simulated engine: a ``late`` fault's write is
+    still to come, so flushed() is False until it has been made (whatever the wrapped
+    engine says), and True after."""
+    from trio_pd._memory import HOST, Region
+
+    target, inner = make_engine("mooncake"), make_engine("mooncake")
+    fault = FaultEngine(inner, lambda _i, _p, _n: Fault("late", delay_s=0.5))
+    buf, src = np.zeros(1 << 16, np.uint8), np.full(1 << 16, 3, np.uint8)
+    try:
+        target.register([Region(int(buf.ctypes.data), buf.nbytes, HOST)])
+        fault.register([Region(int(src.ctypes.data), src.nbytes, HOST)])
+        blocks = [np.array([a], dtype=np.uint64) for a in (src.ctypes.data, buf.ctypes.data, 4096)]
+        peer = target.session_id
+        with pytest.raises(EngineError):
+            fault.write(peer, *blocks)
+        mark = call_mark(fault, peer)
+        assert mark is not None
+        assert not flushed(fault, peer, mark)
+        assert fault.wait_late(10.0)
+        assert (buf[:4096] == 3).all()
+        assert flushed(fault, peer, mark)
+    finally:
+        fault.close()
+        target.close()
