@@ -156,7 +156,7 @@ try:
     out["took"] = time.monotonic() - t
     mark = call_mark(engine, session)
     out["mark"] = mark
-    landed = lambda: int((dst[BLK - 1 : N * BLK : BLK] == 7).sum())
+    landed = lambda: int(np.count_nonzero(dst[: N * BLK]))  # bytes written
     out["landed_at_return"] = landed()
     if mark is not None:
         out["flushed_at_once"] = flushed(engine, session, mark)
@@ -175,7 +175,7 @@ try:
             time.sleep(0.01)
         out["barriers"] = barriers
         out["landed_when_flushed"] = landed()
-        time.sleep(0.5)
+        time.sleep(1.5)
         out["landed_later"] = landed()
     os.kill(peer.pid, signal.SIGCONT)
     engine.close()
@@ -198,14 +198,16 @@ def writer(engine: str, how: str, env: dict[str, str], **kw: object) -> dict[str
 
 def test_mooncake_a_later_call_that_completes_proves_a_failed_call_over() -> None:
     """The adapter's proof, on the real engine: a call whose first block the peer refuses
-    fails at once while its other 511 blocks are still to land; flushed() is False until a
-    call made after it completes, and by then every block of it has landed (one TCP
+    fails at once while its other 511 blocks are still to come; flushed() is False until a
+    call made after it completes, and from then on not one more byte lands (one TCP
     connection per peer, the adapter's default)."""
     got = writer("mooncake", "bad_block", {"MC_FORCE_TCP": "1"})
     assert got["failed"] and got["mark"] is not None
-    assert got["landed_at_return"] < 511, got  # (still to come: the hole)
+    assert got["landed_at_return"] < 511 << 20, got  # (still to come: the hole)
     assert got["flushed_at_once"] is False
-    assert got["landed_when_flushed"] == got["landed_later"] == 511, got
+    # Not one byte after the proof. (Some blocks of a call cut short may never land:
+    # measured, 393 to 511 of the 511 in 10 runs: "delivered or dropped".)
+    assert got["landed_when_flushed"] == got["landed_later"], repr(got)
 
 
 def test_mooncake_gives_no_proof_with_several_connections_per_peer() -> None:
@@ -225,7 +227,7 @@ def test_nixl_keeps_a_timed_out_request_until_it_ends() -> None:
     got = writer("nixl", "stop", {"UCX_TLS": "tcp"}, transfer_timeout_s=1.0)
     assert got["failed"] and got["landed_at_return"] == 0, got
     assert got["flushed_at_once"] is False and got["flushed_while_stopped"] is False
-    assert got["landed_when_flushed"] == got["landed_later"] == 512, got
+    assert got["landed_when_flushed"] == got["landed_later"] == 512 << 20, got
 
 
 async def test_without_the_engines_proof_the_pages_stay_held(

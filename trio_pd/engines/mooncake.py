@@ -188,7 +188,7 @@ def _set_env_defaults() -> None:
     made right after a failed call completed while 1-3 of the failed call's blocks were
     still to land, in 3 of 6 runs). With one, the transport delivers a peer's blocks in the
     order they were queued, and a call that completes proves every block queued before it
-    delivered or dropped (6 of 6 runs; no slower on loopback: 2.3-2.8 GB/s for 256 KiB to
+    delivered or dropped (24 of 24 runs; no slower on loopback: 2.3-2.8 GB/s for 256 KiB to
     4 MiB blocks, against 1.4-2.7 with the default). Set to 1 unless it, or the older
     ``MC_TCP_MAX_CONNECTIONS_PER_PEER``, is set; with another value
     :meth:`MooncakeEngine.call_mark` answers None (no proof).
