@@ -256,6 +256,13 @@ def test_mooncake_submit_after_a_deferred_write_cannot_starve_it(
     assert np.array_equal(p.dst[: 18 * 4096], p.src[: 18 * 4096])
 
 
+def link_works_again(p: Pair) -> None:
+    """After a block the peer refused, the next writes go through (checked by the bytes;
+    :func:`~tests.helpers.engines.write_again` says what Mooncake does meanwhile)."""
+    write_again(p.src_engine, p.peer, *p.blocks([0], [0], [4096]))
+    assert np.array_equal(p.dst[:4096], p.src[:4096])
+
+
 def test_mooncake_submit_outside_the_destination_fails_at_wait(p: Pair) -> None:
     if p.kind != "mooncake":
         pytest.skip("Mooncake's submit")
@@ -264,8 +271,7 @@ def test_mooncake_submit_outside_the_destination_fails_at_wait(p: Pair) -> None:
             p.src_engine, p.peer, _u64([p.src_base]), _u64([p.dst_base + BUF]), _u64([4096])
         ).wait()
     assert not p.src_engine._budget._in_flight  # type: ignore[attr-defined]
-    start_write(p.src_engine, p.peer, *p.blocks([0], [0], [4096])).wait()  # the link works
-    assert np.array_equal(p.dst[:4096], p.src[:4096])
+    link_works_again(p)
 
 
 def test_mooncake_write_that_never_started_claims_no_refusal(p: Pair) -> None:
@@ -378,8 +384,7 @@ def test_write_outside_the_destination_region_fails(p: Pair) -> None:
             )
         assert time.monotonic() - t0 < 2.0
     assert not p.dst.any()
-    write_again(p.src_engine, p.peer, *p.blocks([0], [0], [4096]))  # the link still works
-    assert np.array_equal(p.dst[:4096], p.src[:4096])
+    link_works_again(p)
 
 
 def test_unregistered_source(p: Pair) -> None:

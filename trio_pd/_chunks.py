@@ -69,11 +69,15 @@ class _Call:
     """One engine call of a chunk: whether it started, how it ended, and the staging range
     it reads (if its head slices were gathered: see _staging)."""
 
-    __slots__ = ("staged", "state")
+    __slots__ = ("peer", "staged", "state", "tail")
 
     def __init__(self, staged: Reservation | None = None) -> None:
         self.state: Literal["not-started", "done", "error"] = "not-started"
         self.staged = staged
+        #: where the call wrote, and (source, destination) of its last block: if it fails,
+        #: its quarantine may rewrite that block's first byte as a barrier (_peers)
+        self.peer: DecodePeer | None = None
+        self.tail: tuple[int, int] = (0, 0)
 
 
 class Write:
@@ -216,6 +220,11 @@ class ChunkRunner:
         finally:
             self._settle_staging(room, calls)
             outcome = outcome_of(calls)
+            if outcome is Outcome.ERROR:  # (its quarantine, due in settle, takes them)
+                self.peers.failed_calls(
+                    chunk.lease,
+                    [(c.peer, c.tail) for c in calls if c.state == "error" and c.peer is not None],
+                )
             if ran_to_end and not calls:
                 outcome = Outcome.COMPLETED  # nothing to write here (a dummy rank): done
             elif outcome is Outcome.CANCELLED and failure is None and not scope.cancel_called:
@@ -245,6 +254,8 @@ class ChunkRunner:
                 if len(blocks.lens) == 0:
                     continue  # a dummy rank for this destination: bookkeeping only
                 calls.append(call)  # (settling gives back or keeps its staging range)
+                call.peer = peer
+                call.tail = (int(blocks.src[-1]), int(blocks.dst[-1]))
                 if peer.probing and not peer.failed:
                     # a write to it has just failed: this room was not in that call, and
                     # the peer may well be alive (SPEC §5.7). Not started yet: cancellable

@@ -19,6 +19,19 @@ bytes in a TCP send queue, which the link delivers whenever it moves again). A r
 ends nothing. UNKNOWN (a hung probe, an unreachable host, a check that could not run) keeps
 the pages out for another fence (``quarantine_unknown``), and so do bytes still queued
 (``quarantine_undrained``).
+
+An engine may keep a failed call's blocks queued in its own memory and send them after the
+call returned (Mooncake's TCP transport does; so does NIXL with a request that timed out
+still posted: :func:`~trio_pd.engines.keeps_failed_calls`); neither a probe nor our kernel
+sees those. For such an engine, the quarantine of a failed call to a peer that answers also
+waits for the engine's proof that nothing of the call is left
+(:func:`~trio_pd.engines.flushed`: on Mooncake a later call to that peer that completed; on
+NIXL the kept request's own end). Where
+none has since the call failed, the fence makes one, on the peer's lane: it writes again
+the first byte of the failed call's last block (the same byte, from source pages the
+quarantine still holds, into a page decode holds until our ack). An engine that cannot give
+that proof keeps the pages out, counted ``quarantine_unflushed``, as does a barrier that
+fails.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import trio
 
 from . import _probe, _sendq, _wire
@@ -46,7 +60,7 @@ from ._topology import (
     write_heads,
     writes_aux,
 )
-from .engines import TransferEngine
+from .engines import TransferEngine, call_mark, flushed, keeps_failed_calls
 
 log = logging.getLogger("trio_pd.prefill")
 
@@ -119,10 +133,23 @@ class _Probe:
 
 
 @dataclass(eq=False, slots=True)
+class _Flush:
+    """A failed call to ``peer`` whose blocks the engine may still hold: ``mark`` is where
+    the engine's calls to the peer stood once it had returned (None: the engine can prove
+    nothing), ``tail`` the (source, destination) of its last block."""
+
+    peer: DecodePeer
+    mark: int | None
+    tail: tuple[int, int]
+
+
+@dataclass(eq=False, slots=True)
 class _Fence:
     lease: Lease
     peers: list[DecodePeer]
     end: Callable[[], None]
+    #: the lease's failed calls that the engine must prove over (:meth:`PeerRegistry._flush`)
+    flushes: list[_Flush] = field(default_factory=list)
 
 
 class PeerRegistry:
@@ -182,6 +209,8 @@ class PeerRegistry:
         self.nursery: trio.Nursery | None = None
         self._peers: dict[str, DecodePeer] = {}
         self._fences: dict[Lease, _Fence] = {}
+        #: a settling chunk's failed calls, until its quarantine takes them (:meth:`failed_calls`)
+        self._failed: dict[Lease, list[tuple[DecodePeer, tuple[int, int]]]] = {}
         #: endpoints whose REGISTER was refused, with why (bounded, oldest dropped): a TRANSFER
         #: from one fails its room with the reason instead of leaving it to its deadline
         self.refused: dict[str, str] = {}
@@ -472,13 +501,26 @@ class PeerRegistry:
 
     # ---------------------------------------------------------------- quarantine fences
 
+    def failed_calls(
+        self, lease: Lease, calls: list[tuple[DecodePeer, tuple[int, int]]]
+    ) -> None:
+        """The engine calls of ``lease``'s chunk that failed, each with the (source,
+        destination) of its last block: told by the chunk runner as the chunk settles, just
+        before the lease's quarantine starts (:meth:`quarantine` takes them)."""
+        self._failed[lease] = calls
+
     def quarantine(self, lease: Lease, peers: list[DecodePeer], end: Callable[[], None]) -> None:
         """``lease``'s write errored: keep its pages out until every peer it wrote to answers
         a probe after the engine's own deadline for the call (``fence``: by then the engine
         has given the call up), or refuses connections, with our kernel's send queues to them
-        seen empty (what the call left there has been received). ``end()`` runs once, on that
-        proof."""
+        seen empty (what the call left there has been received), and, for an engine that
+        keeps a failed call's blocks, the engine's proof that nothing of each failed call to
+        a peer that answers is left (:meth:`_flush`). ``end()`` runs once, on that proof."""
         fence = _Fence(lease, peers, end)
+        failed = self._failed.pop(lease, [])
+        if failed and keeps_failed_calls(self.engine):
+            for peer, tail in failed:  # (the calls have returned: marks taken now are after)
+                fence.flushes.append(_Flush(peer, call_mark(self.engine, peer.session), tail))
         self._fences[lease] = fence
         self.timers.after(self.fence, partial(self._fence_passed, fence))
 
@@ -501,6 +543,21 @@ class PeerRegistry:
             )
             self.timers.after(self.fence, partial(self._fence_passed, fence))
             return
+        # what the engine kept of the failed calls to peers that answer: gone only once a
+        # later call to the peer completed (a peer that refuses can be sent nothing more)
+        alive = {id(p) for p, s in zip(fence.peers, states, strict=True) if s is Liveness.ALIVE}
+        for flush in fence.flushes:
+            if id(flush.peer) not in alive:
+                continue
+            why = await self._flush(flush)
+            if self._fences.get(fence.lease) is not fence:
+                return  # (ended meanwhile)
+            if why is not None:
+                self.counters.bump("quarantine_unflushed")
+                log.warning("quarantine of %d pages kept (%s): %s", fence.lease.npages,
+                            flush.peer.endpoint, why)
+                self.timers.after(self.fence, partial(self._fence_passed, fence))
+                return
         # every peer answered, or refused (closed, or its process gone): a refusal proves
         # nothing about the bytes already sent to it, so both wait for the kernel's word
         drained = await self._sent_bytes_acknowledged(fence.peers)
@@ -518,6 +575,34 @@ class PeerRegistry:
         log.warning("quarantine of %d pages kept (%s): %s", fence.lease.npages,
                     ", ".join(p.endpoint for p in fence.peers), why)
         self.timers.after(self.fence, partial(self._fence_passed, fence))
+
+    async def _flush(self, flush: _Flush) -> str | None:
+        """Has the engine proven that nothing of the failed call ``flush`` is left in it
+        (:func:`~trio_pd.engines.flushed`)? On Mooncake a later call to the peer that
+        completed proves it (the engine sends a peer's blocks in order); if none has, make
+        one: the first byte of the failed call's last block written again, on the peer's
+        lane. (On NIXL only the kept request's end proves it; the write changes nothing.)
+        None once proven; otherwise why not."""
+        peer, mark = flush.peer, flush.mark
+        if mark is None:
+            await trio.lowlevel.checkpoint()
+            return (f"engine {self.engine.name!r} cannot prove that a failed call's blocks to "
+                    f"{peer.session} are gone (for Mooncake: more than one TCP connection per "
+                    "peer, or RDMA)")
+        if flushed(self.engine, peer.session, mark):
+            await trio.lowlevel.checkpoint()
+            return None
+        src, dst = flush.tail
+        one = np.ones(1, dtype=np.uint64)
+        barrier = partial(self.engine.write, peer.session, np.array([src], dtype=np.uint64),
+                          np.array([dst], dtype=np.uint64), one)
+        try:
+            await self.run_engine_call(peer.lane, barrier)
+        except Exception as exc:  # (LaneClosed: it registered again; an engine error)
+            return f"a barrier write to {peer.session} failed: {exc}"
+        if flushed(self.engine, peer.session, mark):
+            return None
+        return f"the engine holds a failed call's blocks to {peer.session} still"
 
     async def _sent_bytes_acknowledged(self, peers: list[DecodePeer]) -> bool | None:
         """Has every TCP connection of ours to these peers' hosts been seen with an empty send
@@ -566,6 +651,7 @@ class PeerRegistry:
     def drop_fences(self) -> None:
         """The agent is closing: the rooms end their own quarantines (our own pages)."""
         self._fences.clear()
+        self._failed.clear()
 
     def close(self) -> None:
         """No more engine calls: let every lane's thread finish and exit."""

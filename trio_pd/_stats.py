@@ -91,6 +91,10 @@ class AgentStatistics:
     #: a quarantine kept after its peers answered: bytes we wrote to them were still in the
     #: kernel's send queue (see _sendq), or their host could not be named
     quarantine_undrained: int = 0
+    #: a quarantine kept after its peers answered: the engine had not proven a failed call's
+    #: blocks gone (no later call to the peer completed, a barrier write failed, or the
+    #: engine can give no such proof: see _peers)
+    quarantine_unflushed: int = 0
     #: decode: rooms still held, unproven, when the close deadline passed (pages not handed
     #: back: a write may still land there)
     rooms_unproven_at_close: int = 0
@@ -182,6 +186,7 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "released_after_quarantine": "prefill",
     "quarantine_unknown": "prefill",  # the decode peer registry (_peers)
     "quarantine_undrained": "prefill",
+    "quarantine_unflushed": "prefill",
     "rooms_unproven_at_close": "decode",
     "released_by_timeout": "decode",
     "released_peer_gone": "decode",

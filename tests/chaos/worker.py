@@ -25,7 +25,8 @@ Commands: ``{"cmd": "req", "i", "room", "epoch", "pages", "chunks", "gap"}``,
 keep the process and its engine: ``agent_closed`` once closed; later commands but ``req``
 still work), and, for a prefill rank started with the option ``"fault": true`` (its engine
 in a :class:`~trio_pd.engines.fault.FaultEngine`), ``{"cmd": "fault", "kind", "calls",
-"delay"}`` (the next ``calls`` writes get that fault) and ``{"cmd": "late_done"}`` (wait
+"delay", "min_blocks"}`` (the next ``calls`` writes get that fault, those of at least
+``min_blocks`` blocks) and ``{"cmd": "late_done"}`` (wait
 until the ``late`` faults' writes were made: ``late_done``). Run as
 ``python tests/chaos/worker.py ROLE BOOTSTRAP_URL HOST OPTIONS_JSON``.
 """
@@ -248,8 +249,10 @@ class Rank:
             first = self.fault.statistics().calls
             kind, calls = cmd["kind"], int(cmd["calls"])
             delay = float(cmd.get("delay", 0.0))
-            self.fault.policy = lambda i, _p, _n: (
-                Fault(kind, delay_s=delay) if first <= i < first + calls else None
+            least = int(cmd.get("min_blocks", 0))  # (smaller writes, barriers say, go through)
+            self.fault.policy = lambda i, _p, n: (
+                Fault(kind, delay_s=delay) if first <= i < first + calls and n >= least
+                else None
             )
         elif cmd["cmd"] == "late_done":  # every late write of a fault has been made
             assert self.fault is not None

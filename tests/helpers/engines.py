@@ -23,9 +23,11 @@ ENGINES = [
 
 def write_again(engine: TransferEngine, peer: str, *blocks: Any, within: float = 5.0) -> int:
     """``engine.write(peer, *blocks)`` right after something cut or refused that engine's
-    calls to ``peer``: the link must work again, but Mooncake's first call after a refusal
-    or a cut connection may fail too (rc -1; seen a few times in hundreds of runs, under
-    load), so at most two such failures are allowed, within ``within`` s. Returns how many
+    calls to ``peer``: the link must work again. Mooncake, with its one TCP connection per
+    peer (the adapter's default, so that a call's completion proves what was queued before it
+    gone): a refused block resets that connection, the next call fails at once (-1) and the
+    one after reconnects, about 1 s later (measured); a fence that cut the connection leaves
+    the same. So at most two such failures are allowed, within ``within`` s. Returns how many
     there were; AssertionError, with them, past that."""
     errors: list[EngineError] = []
     deadline = time.monotonic() + within

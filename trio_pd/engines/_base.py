@@ -87,6 +87,29 @@ def fence_writer(engine: TransferEngine, session: str, hosts: Sequence[str]) -> 
     return fence(session, hosts)
 
 
+def keeps_failed_calls(engine: TransferEngine) -> bool:
+    """Whether ``engine`` may still hold a failed write's blocks after the call returned (it
+    offers ``call_mark`` and ``flushed``: Mooncake's TCP transport does). For an engine that
+    does not, a call that returned, failed or not, holds nothing."""
+    return callable(getattr(engine, "call_mark", None))
+
+
+def call_mark(engine: TransferEngine, peer: str) -> int | None:
+    """``engine.call_mark(peer)``: where its calls to ``peer`` stand now, so that
+    :func:`flushed` can tell when a call made from now on has completed (and so every block
+    queued to ``peer`` before it has left the engine); None where the engine can give no
+    such proof. Only for an engine that :func:`keeps_failed_calls`."""
+    mark: Callable[[str], int | None] = engine.call_mark  # type: ignore[attr-defined]
+    return mark(peer)
+
+
+def flushed(engine: TransferEngine, peer: str, mark: int) -> bool:
+    """``engine.flushed(peer, mark)``: has a call to ``peer`` made at or after ``mark``
+    (:func:`call_mark`) completed?"""
+    done: Callable[[str, int], bool] = engine.flushed  # type: ignore[attr-defined]
+    return done(peer, mark)
+
+
 def start_write(engine: TransferEngine, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> Pending:
     """Start a write and return its :class:`Pending`: ``engine.submit`` where the engine can
     have several writes in flight (Mooncake, NIXL), else a :class:`Deferred` ``engine.write``.
@@ -137,7 +160,13 @@ class TransferEngine(Protocol):
         and return when every block is complete. Raises EngineError on any failure.
 
         An engine that can keep several writes in flight also offers
-        ``submit(peer, src, dst, lens) -> Pending`` (optional: see :func:`start_write`)."""
+        ``submit(peer, src, dst, lens) -> Pending`` (optional: see :func:`start_write`).
+
+        A failed call may leave blocks in an engine that goes on sending them after the
+        call returned (Mooncake's TCP transport does). Such an engine also offers
+        ``call_mark(peer) -> int | None`` and ``flushed(peer, mark) -> bool`` (optional: see
+        :func:`keeps_failed_calls`): a call made after the mark that completes proves that
+        nothing queued before it is left; None from ``call_mark`` says nothing can."""
         ...
 
     def probe(self, peer: str) -> bool:

@@ -25,6 +25,13 @@ inject a :class:`Fault`, and what kind:
     ``write_deadline_s``, which is the bound a quarantine waits out). The copy is registered
     with the wrapped engine for that write: host memory only. :meth:`FaultEngine.wait_late`
     waits for those writes.
+``bad_block``
+    make the real call with its first block's destination moved outside anything the peer
+    can have registered: the peer's engine refuses that block, and the call fails as a
+    real partial failure does. What the wrapped engine does with the call's other blocks is
+    its own (Mooncake's TCP transport returns -1 at once and still delivers them, reading
+    the source pages after the call returned; NIXL refuses the whole request before sending
+    anything).
 
 A stalled call is numbered in the order it reached the gate (0, 1, ...). A test learns that
 call ``k`` has entered the engine with ``gate.wait_stalled(k + 1)`` (blocking, for threads) or
@@ -50,12 +57,26 @@ import trio
 from .._closing import ClosesOnExit
 from .._errors import EngineError
 from .._memory import HOST
-from ._base import Addrs, Fence, Lens, Region, TransferEngine, fence_writer
-
-FaultKind = Literal["delay_before", "delay_after", "fail", "partial", "stall", "late"]
-FAULT_KINDS: tuple[FaultKind, ...] = (
-    "delay_before", "delay_after", "fail", "partial", "stall", "late",
+from ._base import (
+    Addrs,
+    Fence,
+    Lens,
+    Region,
+    TransferEngine,
+    call_mark,
+    fence_writer,
+    flushed,
+    keeps_failed_calls,
 )
+
+FaultKind = Literal["delay_before", "delay_after", "fail", "partial", "stall", "late", "bad_block"]
+FAULT_KINDS: tuple[FaultKind, ...] = (
+    "delay_before", "delay_after", "fail", "partial", "stall", "late", "bad_block",
+)
+
+#: how far ``bad_block`` moves the first block's destination: past any memory a peer can have
+#: registered (1 TiB), and still a valid address
+_BAD_OFFSET = 1 << 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +243,8 @@ class FaultEngine(ClosesOnExit):
         self._fences_overridden = 0
         self._late: list[threading.Timer] = []
         self._late_done = 0
+        self._late_pending: dict[str, int] = {}  # peer -> late writes not made yet
+        self._inner_failed: set[str] = set()  # peers a call of the wrapped engine failed to
 
     @classmethod
     def random(
@@ -294,6 +317,29 @@ class FaultEngine(ClosesOnExit):
             self._fences_overridden += 1
         return override
 
+    def call_mark(self, peer: str) -> int | None:
+        """The wrapped engine's mark where it keeps failed calls' blocks and one of its calls
+        to ``peer`` failed; else 0 (then only ``late`` faults leave blocks behind, and
+        :meth:`flushed` knows of them)."""
+        with self._lock:
+            inner_failed = peer in self._inner_failed
+        if not inner_failed or not keeps_failed_calls(self.inner):
+            return 0
+        return call_mark(self.inner, peer)
+
+    def flushed(self, peer: str, mark: int) -> bool:
+        """False while a ``late`` fault's write to ``peer`` is still to be made. Otherwise
+        True where no call of the wrapped engine to ``peer`` has failed (an injected
+        ``fail`` or ``partial`` leaves nothing behind: this wrapper made, or skipped, each
+        call it passed on), else the wrapped engine's answer."""
+        with self._lock:
+            if self._late_pending.get(peer):
+                return False
+            inner_failed = peer in self._inner_failed
+        if not inner_failed or not keeps_failed_calls(self.inner):
+            return True
+        return flushed(self.inner, peer, mark)
+
     def probe(self, peer: str) -> bool:
         hang = self.probe_hang
         if hang > 0:
@@ -323,7 +369,12 @@ class FaultEngine(ClosesOnExit):
             )
 
     def _inner_write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
-        self.inner.write(peer, src, dst, lens)
+        try:
+            self.inner.write(peer, src, dst, lens)
+        except BaseException:
+            with self._lock:
+                self._inner_failed.add(peer)
+            raise
         with self._lock:
             self._blocks_written += len(src)
 
@@ -381,10 +432,20 @@ class FaultEngine(ClosesOnExit):
             late.daemon = True
             with self._lock:
                 self._late.append(late)
+                self._late_pending[peer] = self._late_pending.get(peer, 0) + 1
             late.start()
             raise EngineError(
                 f"injected fault in write #{index} to {peer}: late ({n} blocks to be written "
                 f"in {fault.delay_s:g} s): outcome unknown",
+                code=fault.code,
+            )
+        elif fault.kind == "bad_block":
+            moved = dst.copy()
+            moved[0] = moved[0] + np.uint64(_BAD_OFFSET)
+            self._inner_write(peer, src, moved, lens)
+            raise EngineError(  # (the engine accepted every block: not what was asked)
+                f"injected fault in write #{index} to {peer}: bad_block, but the engine "
+                f"wrote the call",
                 code=fault.code,
             )
         else:  # stall
@@ -404,6 +465,7 @@ class FaultEngine(ClosesOnExit):
         del copy  # (kept alive until the write is over)
         with self._lock:
             self._late_done += len(src)
+            self._late_pending[peer] -= 1
 
     def wait_late(self, timeout: float) -> bool:
         """Block until every ``late`` write started so far has been made (or failed), for

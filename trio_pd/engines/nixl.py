@@ -242,9 +242,12 @@ def _build_agent(api: Any, name: str, progress_delay_us: int) -> Any:
 class _Request:
     """One posted NIXL request (the :class:`Pending` of :meth:`NixlEngine.submit`)."""
 
-    __slots__ = ("agent", "blocks", "deadline", "error", "handle", "peer", "state")
+    __slots__ = ("agent", "blocks", "deadline", "error", "handle", "owner", "peer", "state")
 
-    def __init__(self, agent: Any, handle: Any, peer: str, blocks: int) -> None:
+    def __init__(
+        self, agent: Any, handle: Any, peer: str, blocks: int, owner: NixlEngine | None = None
+    ) -> None:
+        self.owner = owner
         self.agent = agent
         self.handle = handle
         self.peer = peer
@@ -282,6 +285,15 @@ class _Request:
                     )
             except Exception as exc:
                 self.fail(exc)
+        if self.state == "timed out" and self.owner is not None:
+            # Still posted: releasing it does not stop it (measured over UCX's tcp: the
+            # blocks landed once the peer resumed, read from the source after the release).
+            # Kept until it ends; the engine's flushed() says when (NixlEngine.flushed).
+            self.owner._keep_unfinished(self.peer, handle)
+            assert self.error is not None
+            self.error.add_note("the request is still posted: the adapter keeps it until it "
+                                "ends (NixlEngine.flushed)")
+            raise self.error
         try:
             agent.release_xfer_handle(handle)
         except Exception as exc:
@@ -348,6 +360,9 @@ class NixlEngine(ClosesOnExit):
         self._local = _KindMap([], self._default)
         self._peer_kinds: dict[str, _KindMap] = {}
         self._closed = False
+        #: requests that timed out still posted, per peer, kept until they end (flushed)
+        self._unfinished_lock = threading.Lock()
+        self._unfinished: dict[str, list[Any]] = {}
 
     def __repr__(self) -> str:
         return f"<NixlEngine {self._name}{' closed' if self._closed else ''}>"
@@ -549,7 +564,7 @@ class NixlEngine(ClosesOnExit):
             ) from exc
         flights: list[_Request] = []
         for handle, blocks, nbytes in built:
-            flight = _Request(agent, handle, peer, blocks)
+            flight = _Request(agent, handle, peer, blocks, self)
             flight.deadline = time.monotonic() + self._timeout_s + nbytes / 1e9
             try:
                 flight.state = agent.transfer(handle)
@@ -557,6 +572,44 @@ class NixlEngine(ClosesOnExit):
                 flight.fail(exc)  # wait() releases the handle and raises
             flights.append(flight)
         return flights[0] if len(flights) == 1 else _Requests(flights)
+
+    def _keep_unfinished(self, peer: str, handle: Any) -> None:
+        with self._unfinished_lock:
+            self._unfinished.setdefault(peer, []).append(handle)
+
+    def call_mark(self, peer: str) -> int | None:
+        """0: NIXL proves a failed request over by its own state (:meth:`flushed`), whatever
+        was called after it."""
+        return 0
+
+    def flushed(self, peer: str, mark: int) -> bool:
+        """Whether no request to ``peer`` that timed out is still posted. A request that
+        ended "ERR", or that NIXL refused, left nothing behind; one that timed out still
+        "PROC" is kept, not released (module docstring), and asked again here: once it has
+        ended (DONE or ERR) it is released and forgotten. (``mark`` is not used: a later
+        request that completes proves nothing about an earlier one here.)"""
+        agent = self._agent
+        with self._unfinished_lock:
+            handles = self._unfinished.get(peer, [])
+            if agent is None or self._closed:  # (the agent is gone, and its requests)
+                self._unfinished.pop(peer, None)
+                return True
+            left = []
+            for handle in handles:
+                try:
+                    state = agent.check_xfer_state(handle)
+                except Exception:
+                    state = "ERR"
+                if state == "PROC":
+                    left.append(handle)
+                    continue
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
+            if left:
+                self._unfinished[peer] = left
+            else:
+                self._unfinished.pop(peer, None)
+            return not left
 
     def probe(self, peer: str) -> bool:
         """False only if UCX reports the connection to a loaded peer lost; True otherwise
@@ -613,6 +666,12 @@ class NixlEngine(ClosesOnExit):
             self._peer_kinds.clear()
             regs = list(self._registered.values())
             self._registered.clear()
+        with self._unfinished_lock:
+            unfinished = [h for hs in self._unfinished.values() for h in hs]
+            self._unfinished.clear()
+        for handle in unfinished:  # (NIXL cancels what it can; the agent's end stops the rest)
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(handle)
         errors: list[str] = []
         for peer in peers:
             try:
