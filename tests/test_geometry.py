@@ -181,7 +181,7 @@ async def test_the_demo_verifies_per_buffer_geometry(engine: str, geometry: dict
     head-major pages and K != V buffers with P != D, and padded page strides."""
     from trio_pd._demo import DemoOptions, check, run_in_process
 
-    from .conftest import ENGINES
+    from .helpers.engines import ENGINES
 
     if engine == "nixl" and "nixl" not in [getattr(e, "values", [e])[0] for e in ENGINES]:
         pytest.skip("NIXL is not installed")

@@ -108,7 +108,7 @@ def test_the_thread_facade_checks_the_prefix_before_the_room_is_inited() -> None
     from trio_pd import sync
     from trio_pd.engines import make_engine
 
-    from .conftest import host_pool
+    from .helpers.agents import host_pool
 
     dst = host_pool()
     with make_engine("mooncake") as de, sync.open_decode(engine=de, pool=dst.spec) as decode:
