@@ -27,6 +27,10 @@ from .helpers.agents import host_pool
 from .helpers.child import run_child
 from .helpers.engines import HAVE_NIXL
 
+# Gigabyte calls, a stopped peer and the engine's own deadlines: measured alone, after the
+# parallel pass (a loaded box stretches every wait here)
+pytestmark = pytest.mark.serial
+
 BOUND = 30.0
 
 #: pages of 4 MiB (2 layers, K and V, 16 tokens of 2 heads of 32 KiB), written to decode's
