@@ -19,7 +19,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,14 @@ async def curve_push(endpoint: str, server_key: str, keys: Keypair) -> AsyncIter
     finally:
         sock.close()
         ctx.term()
+
+
+async def announce(url: str, keys: Keypair) -> None:
+    """Have the bootstrap service vouch for ``keys`` (a token holder reading a route with its
+    key, as a decode rank does): prefill ranks then admit its control connections."""
+    async with BootstrapClient(url, token=TOKEN) as client:
+        client.announce_key = keys.public_text
+        await client.topology()
 
 
 async def refused(agent: Any, before: int, n: int = 1) -> None:
@@ -234,6 +242,7 @@ async def test_forged_register_is_refused(engine_name: str) -> None:
         victim = pair.decode.endpoint
         before = pair.prefill.statistics().auth_refused
         attacker, evil = Keypair.generate(), make_engine(engine_name)
+        await announce(pair.url, attacker)  # an insider's key: past the handshake
         try:
             forged = register(victim, evil, host_pool().spec)
             mac = register_mac(
@@ -298,6 +307,7 @@ async def test_forged_transfer_is_refused(engine_name: str) -> None:
         target = np.arange(200, 204, dtype=np.int32)  # pages decode holds as free
         before = pair.prefill.statistics().auth_refused
         attacker = Keypair.generate()
+        await announce(pair.url, attacker)  # an insider's key: past the handshake
         async with curve_push(
             pair.prefill.endpoint, pair.prefill.control.public_key, attacker
         ) as sock:
@@ -328,18 +338,28 @@ async def test_forged_status_and_ack_are_refused(engine_name: str) -> None:
         receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
         receiver.init(np.arange(130, 134), room)  # the prefill side is not fed yet
         epoch = receiver.epoch
-        before = pair.decode.statistics().auth_refused
+        before = pair.decode.statistics()
         forged: list[_wire.Message] = [
             _wire.Status(v=V, room=room, epoch=epoch, rank=0, ok=False, reason="forged"),
             _wire.Status(v=V, room=room, epoch=epoch, rank=0, ok=True),
             _wire.AbortAck(v=V, room=room, epoch=epoch, rank=0),
         ]
+        attacker = Keypair.generate()
+        await announce(pair.url, attacker)  # (decode admits prefill ranks' keys only)
         async with curve_push(
-            pair.decode.endpoint, pair.decode.control.public_key, Keypair.generate()
+            pair.decode.endpoint, pair.decode.control.public_key, attacker
         ) as sock:
             for msg in forged:
                 await sock.send_multipart(_wire.encode(msg))
-            await refused(pair.decode, before, len(forged))
+            with trio.fail_after(10):
+                await poll_until(
+                    lambda: pair.decode.statistics().strangers_refused
+                    > before.strangers_refused
+                )
+        # the same checks as for forged messages: refused before any reached the handler
+        after = pair.decode.statistics()
+        assert after.refused_messages == before.refused_messages
+        assert after.bad_messages == before.bad_messages
         assert receiver.poll() not in (KVPoll.Failed, KVPoll.Success)
         pair.src.fill(np.arange(20, 24), room=room)
         pair.src.fill_aux(room, room=room)
@@ -565,6 +585,7 @@ async def test_unauthenticated_message_is_dropped_by_the_plane() -> None:
         raise AuthenticationError("no")
 
     client_keys = Keypair.generate()
+    server.admit(client_keys.public_text)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.serve, handle)
@@ -645,3 +666,109 @@ async def test_transfer_from_a_dropped_peer_fails_its_room_at_once(engine_name: 
     finally:
         for e in engines:
             e.close()
+
+
+# ------------------------------------------------------------------ (g) strangers at the ZAP gate
+
+
+async def test_a_strangers_fresh_key_never_holds_a_session(engine_name: str) -> None:
+    """A CURVE client with a fresh key (it knows the prefill's public key, as anyone may)
+    connects and sends a REGISTER and garbage: its handshake fails at the ZAP handler, so
+    nothing it sends reaches the agent (no message counter moves, no peer appears); it is
+    counted ``strangers_refused``. Real requests go on. Before the allow-list the ZAP
+    handler admitted every key, and the messages reached the handler (refused there)."""
+    async with secure_pair(engine_name) as pair:
+        assert await request(pair, 1) is KVPoll.Success
+        before = pair.prefill.statistics()
+        evil = make_engine(engine_name)
+        try:
+            fake = "tcp://127.0.0.1:7"
+            async with monitored_push(
+                pair.prefill.endpoint, pair.prefill.control.public_key, Keypair.generate()
+            ) as (sock, mon):
+                sock.send_multipart_nowait(_wire.encode(register(fake, evil, host_pool().spec)))
+                sock.send_multipart_nowait([b"\xc1garbage"])
+                with trio.fail_after(10):
+                    while True:
+                        if mon.poll(0):
+                            event = zmq.utils.monitor.recv_monitor_message(mon)
+                            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                                break
+                        else:
+                            await trio.sleep(0.01)
+                with trio.fail_after(10):
+                    await poll_until(
+                        lambda: pair.prefill.statistics().strangers_refused
+                        > before.strangers_refused
+                    )
+        finally:
+            evil.close()
+        assert await request(pair, 2) is KVPoll.Success
+        after = pair.prefill.statistics()
+        for name in ("bad_messages", "refused_messages", "handler_errors"):
+            assert getattr(after, name) == getattr(before, name), name
+        assert pair.prefill.peers.get(fake) is None
+
+
+async def test_zap_lookups_are_bounded_and_never_stall_known_keys() -> None:
+    """A plane whose vouch never answers: at most ``MAX_LOOKUPS`` lookups run at once,
+    strangers beyond them are refused at once (counted), each lookup ends at
+    ``LOOKUP_TIMEOUT``; meanwhile a known key's messages arrive (nothing waits on the
+    lookups but the strangers' own handshakes)."""
+    counters = Counters()
+    server = ControlPlane("127.0.0.1", counters, keys=Keypair.generate())
+    asked: list[str] = []
+
+    async def vouch(key: str) -> bool:
+        asked.append(key)
+        await trio.sleep_forever()
+        raise AssertionError
+
+    server.vouch = vouch
+    friend = Keypair.generate()
+    server.admit(friend.public_text)
+    got: list[str] = []
+    strangers = 12
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, lambda msg, _p, sender: got.append(sender))
+            async with AsyncExitStack() as stack:
+                for _ in range(strangers):
+                    await stack.enter_async_context(
+                        curve_push(server.endpoint, server.public_key, Keypair.generate())
+                    )
+                with trio.fail_after(10):
+                    await poll_until(lambda: len(asked) >= 8)
+                    await poll_until(lambda: counters["strangers_refused"] >= strangers - 8)
+                async with curve_push(server.endpoint, server.public_key, friend) as sock:
+                    ping = _wire.Ping(v=V, nonce=1, endpoint="tcp://127.0.0.1:9")
+                    await sock.send_multipart(_wire.encode(ping))
+                    with trio.fail_after(5):
+                        await poll_until(lambda: got == [friend.public_text])
+                assert len(set(asked)) == len(asked) <= 8  # never more than MAX_LOOKUPS
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await server.aclose(linger=0)
+
+
+async def test_bootstrap_vouches_for_announced_keys_only() -> None:
+    """``GET /route?key=`` with the token records a decode rank's key; ``GET /key`` says
+    whether the service vouches for one; both need the token."""
+    async with open_bootstrap_server(token=TOKEN, secure=True) as server:
+        async with BootstrapClient(server.url, token=TOKEN) as client:
+            await client.register(
+                msgspec.json.decode(_info(endpoint="tcp://127.0.0.1:5"), type=PrefillRankInfo)
+            )
+            decode, stranger = Keypair.generate(), Keypair.generate()
+            assert not await client.vouches(decode.public_text)
+            client.announce_key = decode.public_text
+            await client.topology()
+            assert await client.vouches(decode.public_text)
+            assert not await client.vouches(stranger.public_text)
+        async with BootstrapClient(server.url, token="wrong") as client:
+            client.announce_key = stranger.public_text
+            with pytest.raises(Exception, match="401"):
+                await client.topology()
+        async with BootstrapClient(server.url, token=TOKEN) as client:
+            assert not await client.vouches(stranger.public_text)

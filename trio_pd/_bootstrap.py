@@ -554,10 +554,14 @@ class _MetricsCollector(Collector):
 
 _ROUTE_METHODS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({
     "/route": ("GET", "PUT"), "/register_dp_rank": ("POST",), "/query_dp_ranks": ("POST",),
-    "/health": ("GET",), "/metrics": ("GET",),
+    "/key": ("GET",), "/health": ("GET",), "/metrics": ("GET",),
 })
 #: the paths that need the cluster token (when the service has one)
-_AUTHENTICATED: Final = frozenset({"/route", "/register_dp_rank", "/query_dp_ranks"})
+_AUTHENTICATED: Final = frozenset({"/route", "/register_dp_rank", "/query_dp_ranks", "/key"})
+#: Most decode control keys the service vouches for at once (``GET /route?key=``); past it
+#: the least recently announced is forgotten.
+MAX_VOUCHED_KEYS: Final = 65_536
+_Z85_KEY: Final = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
 #: the requests whose body is read (bounded: MAX_BODY_BYTES)
 _WITH_BODY: Final = frozenset(
     {("PUT", "/route"), ("POST", "/register_dp_rank"), ("POST", "/query_dp_ranks")}
@@ -714,6 +718,8 @@ class BootstrapServer:
         self._unauthorized = 0
         self._refused_replacements = 0
         self._table = _RankTable()
+        #: decode ranks' CURVE keys announced with GET /route (LRU, MAX_VOUCHED_KEYS)
+        self._vouched: OrderedDict[str, None] = OrderedDict()
         self._dp_rooms = _DpRooms(max_entries=max_dp_rooms, ttl=dp_room_ttl)
         self._dp_registered = 0
         self._dp_unknown = 0
@@ -871,6 +877,8 @@ class BootstrapServer:
             )
         if path == "/route":
             return self._get_route(scope["query_string"])
+        if path == "/key":
+            return self._get_key(scope["query_string"])
         if path == "/health":
             return _Reply(200, b"OK", content_type=_TEXT)
         return self._get_metrics()
@@ -968,9 +976,14 @@ class BootstrapServer:
             )
         except (UnicodeDecodeError, ValueError):
             return _Reply.error(400, "unparseable query string")
-        unknown = sorted(set(query) - {"tp_rank", "dp_rank", "pp_rank"})
+        unknown = sorted(set(query) - {"tp_rank", "dp_rank", "pp_rank", "key"})
         if unknown:
             return _Reply.error(400, f"unknown query parameter(s): {', '.join(unknown)}")
+        if "key" in query:
+            keys = query["key"]
+            if len(keys) != 1 or not _Z85_KEY.fullmatch(keys[0]):
+                return _Reply.error(400, "key must be one CURVE public key in z85")
+            self._vouch(keys[0])
         tp_rank = -1
         if "tp_rank" in query:
             values = query["tp_rank"]
@@ -1017,6 +1030,28 @@ class BootstrapServer:
         if tp_rank == -1:
             return _Reply(200, msgspec.json.encode(topology))
         return _Reply(200, msgspec.json.encode(topology.stage(pp_rank)[tp_rank]))
+
+    def _vouch(self, key: str) -> None:
+        """A decode rank that reads a route with the token announces its CURVE key: from
+        then on the service vouches for it (``GET /key``), so that prefill ranks admit its
+        control connections (docs/security.md). Bounded, least recently announced first
+        out."""
+        self._vouched.pop(key, None)
+        while len(self._vouched) >= MAX_VOUCHED_KEYS:
+            self._vouched.popitem(last=False)
+        self._vouched[key] = None
+
+    def _get_key(self, query_string: bytes) -> _Reply:
+        """``GET /key?key=K``: ``{"vouched": true}`` when a decode rank announced K."""
+        try:
+            query = parse_qs(query_string.decode("ascii"), strict_parsing=True)
+        except (UnicodeDecodeError, ValueError):
+            return _Reply.error(400, "unparseable query string")
+        keys = query.get("key", [])
+        if set(query) != {"key"} or len(keys) != 1 or not _Z85_KEY.fullmatch(keys[0]):
+            return _Reply.error(400, "GET /key takes one key, a CURVE public key in z85")
+        vouched = keys[0] in self._vouched
+        return _Reply(200, b'{"vouched":true}' if vouched else b'{"vouched":false}')
 
     def _dp_request(self, path: str, body: bytes) -> _Reply:
         """``POST /register_dp_rank`` or ``POST /query_dp_ranks`` (DP attention; see the

@@ -342,6 +342,9 @@ class BootstrapClient:
         #: the IP address the last answer came from (None: none yet): where this host
         #: reached the service, whatever name the URL gives
         self.server_address: str | None = None
+        #: a decode rank's CURVE public key (z85), announced with every route read so that
+        #: the service vouches for it to the prefill ranks (None: not announced)
+        self.announce_key: str | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=None, trust_env=False, verify=False if plain else verify,
             headers=headers,
@@ -437,7 +440,21 @@ class BootstrapClient:
         return info
 
     def _dp_params(self) -> dict[str, str]:
-        return {} if self.dp_rank is None else {"dp_rank": str(self.dp_rank)}
+        params = {} if self.dp_rank is None else {"dp_rank": str(self.dp_rank)}
+        if self.announce_key is not None:
+            params["key"] = self.announce_key
+        return params
+
+    async def vouches(self, key: str) -> bool:
+        """Does the service vouch for the CURVE public key ``key`` (z85): did a decode rank
+        announce it with the token (:attr:`announce_key`)? A prefill rank admits such a
+        key's control connections (docs/security.md).
+
+        **Cancellation:** safe to cancel; nothing changes on the service.
+        """
+        response = await self._request("GET", "/key", params={"key": key})
+        answer = self._decode(response, dict[str, bool])
+        return answer.get("vouched") is True
 
     async def register_dp_rooms(self, dp_rank: int, rooms: Sequence[DpRoom]) -> None:
         """Tell the service that DP rank ``dp_rank`` holds ``rooms`` (at most

@@ -946,6 +946,8 @@ async def open_prefill(
             services = [trio.CancelScope(shield=True) for _ in range(3)]
             try:
                 agent.peers.nursery = await nursery.start(serve_nursery, services[0])
+                # a decode rank's key is admitted once the bootstrap service vouches for it
+                agent.control.vouch = client.vouches
                 nursery.start_soon(serve, services[1], partial(agent.control.serve, agent._handle))
                 nursery.start_soon(serve, services[2], agent.timers.run)
                 for _ in range(config.workers):

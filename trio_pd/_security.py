@@ -11,8 +11,9 @@ Three mechanisms, each closing one way in:
   when it starts; its PULL sockets are CURVE servers, and every PUSH socket it opens is a
   CURVE client that names the peer's public key, so it can only talk to the process that
   holds the matching secret key. The ZAP handler (:func:`serve_zap`, one per ZeroMQ context)
-  accepts any CURVE client and sets the connection's User-Id to the client's public key
-  (z85), so every message received can be attributed to a key.
+  admits only CURVE clients whose key the agent knows or its bootstrap service vouches for
+  (:class:`ZapGate`), and sets the connection's User-Id to the client's public key (z85),
+  so every message received can be attributed to a key, and a stranger's never arrives.
 * **The REGISTER proof.** CURVE alone lets anyone make a key and connect; what stops a
   stranger's REGISTER is :func:`register_mac`: an HMAC-SHA256 under the cluster token of the
   decode rank's endpoint, key, engine and engine session. A REGISTER whose proof does not
@@ -34,10 +35,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import trio
 import zmq
@@ -55,6 +58,7 @@ __all__ = [
     "ZAP_ENDPOINT",
     "Keypair",
     "Security",
+    "ZapGate",
     "is_loopback",
     "register_mac",
     "resolve",
@@ -170,37 +174,157 @@ def check_register_mac(token: str, mac: bytes, **claims: object) -> bool:
     return hmac.compare_digest(want, bytes(mac))
 
 
-async def serve_zap(sock: Socket, counters: Counters) -> None:
-    """Answer libzmq's ZAP requests (RFC 27) on ``sock``, a REP socket bound to
+#: a lookup callback: is this z85 key vouched for (by the bootstrap service)?
+Vouch = Callable[[str], Awaitable[bool]]
+
+
+class ZapGate:
+    """Who may hold a control-plane session: the allow-list the ZAP handler answers from.
+
+    A CURVE client is admitted when its key is *known* (``known(key)``: a key the agent was
+    told by the bootstrap service or a verified REGISTER) or, failing that, *vouched* for by
+    ``vouch`` (the prefill side asks its bootstrap service whether a decode rank announced
+    the key behind the cluster token). Everyone else is a stranger: refused before its
+    handshake completes, so nothing it sends ever reaches the agent (counted
+    ``strangers_refused`` and ``auth_refused``, logged at most once per
+    :data:`LOG_INTERVAL`).
+
+    Bounded: at most :data:`MAX_LOOKUPS` lookups in flight (a key arriving beyond that is
+    refused at once; its client's reconnection asks again), each at most
+    :data:`LOOKUP_TIMEOUT` seconds; keys a lookup vouched for and keys it refused are
+    remembered in two LRU tables of :data:`MAX_REMEMBERED` keys, a refusal for
+    :data:`REFUSAL_TTL` seconds only (a decode rank that announces its key a moment
+    later gets in on its next reconnection).
+    """
+
+    MAX_LOOKUPS = 8
+    LOOKUP_TIMEOUT = 2.0
+    MAX_REMEMBERED = 4096
+    REFUSAL_TTL = 1.0
+    LOG_INTERVAL = 10.0
+
+    def __init__(
+        self, counters: Counters, known: Callable[[bytes], bool], vouch: Vouch | None = None
+    ) -> None:
+        self.counters = counters
+        self.known = known
+        self.vouch = vouch
+        self.lookups = 0
+        self._vouched: OrderedDict[bytes, None] = OrderedDict()
+        self._refused: OrderedDict[bytes, float] = OrderedDict()
+        self._logged_at = -math.inf
+        self._unlogged = 0
+
+    def admits_now(self, key: bytes) -> bool | None:
+        """True/False when the answer is known without a lookup; None: ask ``vouch``."""
+        if self.known(key) or key in self._vouched:
+            if key in self._vouched:
+                self._vouched.move_to_end(key)
+            return True
+        if self.vouch is None:
+            return False
+        refused_at = self._refused.get(key)
+        if refused_at is not None and trio.current_time() - refused_at < self.REFUSAL_TTL:
+            return False
+        if self.lookups >= self.MAX_LOOKUPS:
+            return False
+        return None
+
+    async def look_up(self, key: bytes) -> bool:
+        """Ask ``vouch`` about ``key`` (counted against :data:`MAX_LOOKUPS`); remember the
+        answer. A lookup that fails or takes too long refuses."""
+        assert self.vouch is not None
+        self.lookups += 1
+        ok = False
+        try:
+            with trio.move_on_after(self.LOOKUP_TIMEOUT):
+                ok = await self.vouch(key.decode("ascii"))
+        except Exception as exc:  # (the service unreachable, a refusal: not vouched)
+            log.debug("ZAP lookup of a control key failed: %r", exc)
+        finally:
+            self.lookups -= 1
+        table: OrderedDict[bytes, Any] = self._vouched if ok else self._refused
+        table.pop(key, None)
+        while len(table) >= self.MAX_REMEMBERED:
+            table.popitem(last=False)
+        table[key] = None if ok else trio.current_time()
+        if ok:
+            self._refused.pop(key, None)
+        return ok
+
+    def refused(self, why: str) -> None:
+        self.counters.bump("strangers_refused")
+        self.counters.bump("auth_refused")
+        now = trio.current_time()
+        if now - self._logged_at < self.LOG_INTERVAL:
+            self._unlogged += 1
+            return
+        more = f" (and {self._unlogged} more not logged)" if self._unlogged else ""
+        self._logged_at, self._unlogged = now, 0
+        log.warning("refused a control connection: %s%s", why, more)
+
+
+def _zap_reply(sock: Socket, envelope: list[bytes], request_id: bytes, ok: bool,
+               text: bytes, user: bytes = b"") -> None:
+    status = b"200" if ok else b"400"
+    try:
+        sock.send_multipart_nowait([*envelope, b"1.0", request_id, status, text, user, b""])
+    except (trio.WouldBlock, trio.ClosedResourceError):  # (that handshake then times out)
+        log.debug("a ZAP reply could not be sent")
+
+
+async def serve_zap(sock: Socket, gate: ZapGate) -> None:
+    """Answer libzmq's ZAP requests (RFC 27) on ``sock``, a ROUTER socket bound to
     :data:`ZAP_ENDPOINT` in the context of the CURVE server sockets, until cancelled.
 
-    Every CURVE client is accepted and its User-Id set to its public key in z85, which the
-    control plane reads from each message (``zmq.Frame.get("User-Id")``). Any other
-    mechanism (only CURVE servers consult us; a NULL or PLAIN client fails the handshake
-    before it gets here) or a malformed request is denied and counted ``auth_refused``.
+    A CURVE client that ``gate`` admits has its User-Id set to its public key in z85, which
+    the control plane reads from each message (``zmq.Frame.get("User-Id")``); any other is
+    refused (``400``) and its handshake fails, before any message of it is delivered. Any
+    other mechanism (only CURVE servers consult us; a NULL or PLAIN client fails the
+    handshake before it gets here) or a malformed request is refused too.
 
-    libzmq waits for the answer before the connection carries any message, so a handshake
-    waits while this task is not scheduled; nothing else does.
+    libzmq's I/O thread never waits for us: it sends the request and goes on, and completes
+    the handshake when the answer arrives. A key that needs a lookup is answered by a task
+    of its own (a ROUTER socket answers requests in any order), at most
+    :attr:`ZapGate.MAX_LOOKUPS` at once, so a slow bootstrap service delays only those
+    handshakes (each bounded by the sockets' handshake timeout).
 
     **Cancellation:** safe at any point; a request left unanswered leaves its handshake
-    pending, and the socket is closed by the control plane.
+    pending until libzmq's handshake timeout, and the socket is closed by the control plane.
     """
-    while True:
-        frames = await sock.recv_multipart()
-        # version, request id, domain, address, routing id, mechanism, credentials...
-        request_id = frames[1] if len(frames) > 1 else b""
-        status, text, user = b"400", b"malformed ZAP request", b""
-        if len(frames) >= 6 and frames[0] == b"1.0":
-            mechanism = frames[5]
-            if mechanism == b"CURVE" and len(frames) == 7 and len(frames[6]) == 32:
-                status, text = b"200", b"OK"
-                user = zmq.utils.z85.encode(frames[6])
+    async with trio.open_nursery() as nursery:
+        while True:
+            frames = await sock.recv_multipart()
+            # routing id, empty delimiter, then version, request id, domain, address,
+            # identity, mechanism, credentials...
+            if len(frames) < 3 or frames[1] != b"":
+                continue  # not a ZAP request: nobody to answer
+            envelope, frames = frames[:2], frames[2:]
+            request_id = frames[1] if len(frames) > 1 else b""
+            if not (len(frames) >= 6 and frames[0] == b"1.0"):
+                gate.refused("malformed ZAP request")
+                _zap_reply(sock, envelope, request_id, False, b"malformed ZAP request")
+                continue
+            if not (frames[5] == b"CURVE" and len(frames) == 7 and len(frames[6]) == 32):
+                gate.refused("not a CURVE client")
+                _zap_reply(sock, envelope, request_id, False, b"only CURVE clients are accepted")
+                continue
+            key = zmq.utils.z85.encode(frames[6])
+            admitted = gate.admits_now(key)
+            if admitted is None:
+                nursery.start_soon(_answer_after_lookup, sock, gate, envelope, request_id, key)
+            elif admitted:
+                _zap_reply(sock, envelope, request_id, True, b"OK", key)
             else:
-                status, text = b"400", b"only CURVE clients are accepted"
-        if status != b"200":
-            counters.bump("auth_refused")
-            log.warning("refused a control connection: %s", text.decode())
-        try:
-            sock.send_multipart_nowait([b"1.0", request_id, status, text, user, b""])
-        except trio.WouldBlock:  # a REP socket that just received can always answer
-            log.warning("ZAP reply could not be sent")
+                gate.refused("a CURVE key nobody vouched for")
+                _zap_reply(sock, envelope, request_id, False, b"unknown key")
+
+
+async def _answer_after_lookup(
+    sock: Socket, gate: ZapGate, envelope: list[bytes], request_id: bytes, key: bytes
+) -> None:
+    if await gate.look_up(key):
+        _zap_reply(sock, envelope, request_id, True, b"OK", key)
+    else:
+        gate.refused("a CURVE key the bootstrap service does not vouch for")
+        _zap_reply(sock, envelope, request_id, False, b"unknown key")
