@@ -18,8 +18,10 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ import zmq.utils.monitor
 
 from trio_pd import (
     AuthenticationError,
+    BootstrapError,
     ConfigurationError,
     DecodeConfig,
     IncompatiblePeer,
@@ -43,7 +46,7 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo
+from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo, TokenProof
 from trio_pd._control import ControlPlane
 from trio_pd._security import Keypair, is_loopback, register_mac, resolve
 from trio_pd._stats import Counters
@@ -418,8 +421,7 @@ async def test_bootstrap_needs_the_token(engine_name: str) -> None:
             assert (await http.get("/route", params={"tp_rank": "0"})).status_code == 401
             assert (await http.get("/health")).status_code == 200
             # The squat: the right token, another key, while the real rank 0 is alive.
-            good = {"authorization": f"Bearer {TOKEN}"}
-            squat = await http.put("/route", content=body, headers=good)
+            squat = await http.put("/route", content=body, auth=TokenProof(TOKEN))
             assert squat.status_code == 409, squat.text
         async with BootstrapClient(pair.url, token=TOKEN) as client:
             assert (await client.rank(0)).control_key == live
@@ -432,9 +434,7 @@ async def test_bootstrap_needs_the_token(engine_name: str) -> None:
 async def test_bootstrap_counts_refusals_and_replaces_a_dead_rank() -> None:
     async with (
         open_bootstrap_server(token=TOKEN, secure=True) as server,
-        httpx.AsyncClient(
-            base_url=server.url, trust_env=False, headers={"authorization": f"Bearer {TOKEN}"}
-        ) as http,
+        httpx.AsyncClient(base_url=server.url, trust_env=False, auth=TokenProof(TOKEN)) as http,
     ):
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
@@ -452,7 +452,8 @@ async def test_bootstrap_counts_refusals_and_replaces_a_dead_rank() -> None:
         # the old process is gone (its endpoint refuses): a restarted rank takes over
         took = await http.put("/route", content=_info(endpoint=_refusing_endpoint(), key=key_b))
         assert took.is_success, took.text
-        assert (await http.get("/route", headers={"authorization": "x"})).status_code == 401
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False) as plain:
+            assert (await plain.get("/route", headers={"authorization": "x"})).status_code == 401
         stats = server.statistics()
         assert stats.unauthorized == 1 and stats.refused_replacements == 1, stats
 
@@ -772,3 +773,137 @@ async def test_bootstrap_vouches_for_announced_keys_only() -> None:
                 await client.topology()
         async with BootstrapClient(server.url, token=TOKEN) as client:
             assert not await client.vouches(stranger.public_text)
+
+
+# ------------------------------------------------- (h) the token proven, never sent (HTTP)
+
+
+@asynccontextmanager
+async def sniffing_proxy(
+    target_port: int, swap: tuple[bytes, bytes] | None = None
+) -> AsyncIterator[tuple[str, bytearray]]:
+    """A TCP proxy on loopback in front of the bootstrap service: yields its URL and every
+    byte that crossed it, both ways (what an eavesdropper on the path reads). ``swap``
+    replaces bytes in the service's answers (an attacker on the path; same length, so the
+    HTTP framing still holds)."""
+    wire = bytearray()
+
+    async def pump(src: trio.SocketStream, dst: trio.SocketStream, answers: bool) -> None:
+        try:
+            while data := await src.receive_some(65536):
+                wire.extend(data)
+                if answers and swap is not None:
+                    data = data.replace(*swap)
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await dst.aclose()
+
+    async def handle(client: trio.SocketStream) -> None:
+        server = await trio.open_tcp_stream("127.0.0.1", target_port)
+        async with client, server, trio.open_nursery() as nursery:
+            nursery.start_soon(pump, client, server, False)
+            nursery.start_soon(pump, server, client, True)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, handle, 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        yield f"http://127.0.0.1:{port}", wire
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_token_never_crosses_the_wire() -> None:
+    """Every request a client makes with the token (register, topology, rank, a key
+    lookup, a DP query) is read off loopback by a proxy: the token's bytes are nowhere in
+    it, and every request still succeeds. Before the proofs, ``Authorization: Bearer
+    <token>`` was in every request."""
+    async with (
+        open_bootstrap_server(token=TOKEN, secure=True) as server,
+        sniffing_proxy(server.port) as (url, wire),
+    ):
+        async with BootstrapClient(url, token=TOKEN) as client:
+            await client.register(
+                msgspec.json.decode(_info(endpoint="tcp://127.0.0.1:5"), type=PrefillRankInfo)
+            )
+            client.announce_key = Keypair.generate().public_text
+            assert (await client.topology()).tp_size == 1
+            assert (await client.rank(0)).tp_rank == 0
+            assert await client.vouches(client.announce_key)
+        assert b"/route" in wire and b"TRIO-PD-HMAC" in wire
+        assert TOKEN.encode() not in wire
+        assert b"Bearer" not in wire
+
+
+async def test_a_captured_request_replayed_is_refused() -> None:
+    """A PUT /route captured on the path (headers and body, byte for byte) and sent again:
+    ``401``, counted ``replayed``; the original was taken. A proof for one body does not
+    prove another (the body is bound), nor another path."""
+    async with open_bootstrap_server(token=TOKEN, secure=True) as server:
+        sent: list[httpx.Request] = []
+
+        async def capture(request: httpx.Request) -> None:
+            if request.url.path == "/route":
+                sent.append(request)
+
+        async with httpx.AsyncClient(
+            base_url=server.url, trust_env=False, auth=TokenProof(TOKEN),
+            event_hooks={"request": [capture]},
+        ) as http:
+            body = _info(endpoint="tcp://127.0.0.1:5")
+            assert (await http.put("/route", content=body)).status_code == 200
+        captured = sent[-1]
+        headers = {"authorization": captured.headers["authorization"],
+                   "content-type": "application/json"}
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False) as raw:
+            again = await raw.put("/route", content=captured.content, headers=headers)
+            assert again.status_code == 401, again.text
+            assert "replayed" in again.text
+            assert server.statistics().replayed == 1
+            # a fresh nonce, but the captured proof (of another nonce, body or path): refused
+            fresh = (await raw.get("/nonce")).headers["x-trio-pd-nonce"]
+            proof = captured.headers["authorization"].split(" ")[2]
+            forged = {"authorization": f"TRIO-PD-HMAC {fresh} {proof}"}
+            assert (await raw.put("/route", content=body, headers=forged)).status_code == 401
+        assert server.statistics().unauthorized == 2
+
+
+async def test_an_altered_answer_is_refused() -> None:
+    """An attacker on the path swaps the prefill rank's CURVE key in the route answer for
+    its own: the client refuses the answer (its proof no longer holds) rather than take the
+    attacker's key. Before, the swapped key was taken, and decode would have encrypted its
+    control messages to the attacker."""
+    real, evil = Keypair.generate().public_text, Keypair.generate().public_text
+    async with open_bootstrap_server(token=TOKEN, secure=True) as server:
+        async with BootstrapClient(server.url, token=TOKEN) as client:
+            await client.register(msgspec.json.decode(
+                _info(endpoint="tcp://127.0.0.1:5", key=real), type=PrefillRankInfo
+            ))
+        swap = (real.encode(), evil.encode())
+        async with (
+            sniffing_proxy(server.port, swap=swap) as (url, _),
+            BootstrapClient(url, token=TOKEN) as client,
+        ):
+            with pytest.raises(BootstrapError, match="does not prove"):
+                await client.rank(0)
+        async with BootstrapClient(server.url, token=TOKEN) as client:
+            assert (await client.rank(0)).control_key == real
+
+
+async def test_a_stale_nonce_is_retried_once() -> None:
+    """A nonce the service does not take (expired, or from a service since restarted) is
+    answered 401 with a fresh one, which the client uses at once: the call succeeds. A
+    wrong token is not retried (one 401 per call)."""
+    async with open_bootstrap_server(token=TOKEN, secure=True) as server:
+        proof = TokenProof(TOKEN)
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False, auth=proof) as http:
+            proof._nonces.append(("0.00.00", time.monotonic()))
+            body = _info(endpoint="tcp://127.0.0.1:5")
+            assert (await http.put("/route", content=body)).status_code == 200
+        assert server.statistics().unauthorized == 1
+        async with BootstrapClient(server.url, token="wrong") as client:
+            with pytest.raises(BootstrapError, match="401"):
+                await client.topology()
+        assert server.statistics().unauthorized == 2

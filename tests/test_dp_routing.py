@@ -44,6 +44,7 @@ from trio_pd._bootstrap_client import (
     BootstrapClient,
     DpRoom,
     PrefillRankInfo,
+    TokenProof,
     dp_url,
 )
 from trio_pd._decode import DecodeReceiver
@@ -207,8 +208,8 @@ async def finish(c: Cluster, r: Room) -> None:
 
 
 def http(c: Cluster, token: str | None = None) -> httpx.AsyncClient:
-    headers = {} if token is None else {"authorization": f"Bearer {token}"}
-    return httpx.AsyncClient(base_url=c.url, trust_env=False, headers=headers)
+    auth = None if token is None else TokenProof(token)
+    return httpx.AsyncClient(base_url=c.url, trust_env=False, auth=auth)
 
 
 # ------------------------------------------------------------------------------ routing

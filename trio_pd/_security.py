@@ -3,10 +3,12 @@ ZAP handler that names the key behind every control message (SPEC §6; docs/secu
 
 Three mechanisms, each closing one way in:
 
-* **The cluster token** (``token=`` or ``TRIO_PD_TOKEN``) authenticates HTTP: every
-  ``PUT /route`` and ``GET /route`` carries ``Authorization: Bearer <token>``, and the
-  bootstrap service answers ``401`` without it. So only the cluster can publish a prefill
-  rank, and with it the rank's CURVE public key.
+* **The cluster token** (``token=`` or ``TRIO_PD_TOKEN``) authenticates HTTP without
+  crossing it: every ``/route`` request carries :func:`request_mac`, a proof of the token
+  over a one-time nonce the service issued and the request, and the bootstrap service
+  answers ``401`` without a valid one (or to a replay); every answer carries
+  :func:`answer_mac`. So only the cluster can publish a prefill rank, and with it the
+  rank's CURVE public key, and nobody on the path can swap that key.
 * **ZeroMQ CURVE** encrypts and authenticates the control plane. Every agent makes a keypair
   when it starts; its PULL sockets are CURVE servers, and every PUSH socket it opens is a
   CURVE client that names the peer's public key, so it can only talk to the process that
@@ -56,11 +58,17 @@ log = logging.getLogger("trio_pd.security")
 __all__ = [
     "TOKEN_ENV",
     "ZAP_ENDPOINT",
+    "ANSWER_HEADER",
+    "AUTH_SCHEME",
+    "NONCE_HEADER",
+    "STALE_HEADER",
     "Keypair",
     "Security",
     "ZapGate",
     "is_loopback",
+    "answer_mac",
     "register_mac",
+    "request_mac",
     "resolve",
     "serve_zap",
 ]
@@ -165,6 +173,42 @@ def register_mac(
     )
     message = "\x00".join(fields).encode("utf-8", "surrogateescape")
     return hmac.new(token.encode("utf-8"), message, hashlib.sha256).digest()
+
+
+AUTH_SCHEME: Final = "TRIO-PD-HMAC"
+"""``Authorization: TRIO-PD-HMAC <nonce> <mac>``: a bootstrap request's proof of the token."""
+NONCE_HEADER: Final = "x-trio-pd-nonce"
+"""The header every answer of a bootstrap service with a token carries: a fresh nonce."""
+STALE_HEADER: Final = "x-trio-pd-stale-nonce"
+"""On a ``401`` for a nonce the service does not take (expired, or not its own): retry."""
+ANSWER_HEADER: Final = "x-trio-pd-answer"
+"""The header that authenticates an answer: :func:`answer_mac` for the request's nonce."""
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def request_mac(token: str, nonce: str, method: str, target: bytes, body: bytes) -> str:
+    """The proof a bootstrap request carries instead of the token (docs/security.md):
+    HMAC-SHA256 under the token of a nonce the service issued, the method, the target (path
+    and query string, as sent) and the body's SHA-256. The token itself never travels; a
+    proof is good for that one request, once."""
+    message = "\x00".join(
+        ("trio_pd request v1", nonce, method, target.decode("latin-1"), _digest(body))
+    ).encode("utf-8", "surrogateescape")
+    return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
+
+
+def answer_mac(token: str, nonce: str, status: int, body: bytes, next_nonce: str) -> str:
+    """The proof on a bootstrap service's answer: HMAC-SHA256 under the token of the
+    request's nonce, the status, the body's SHA-256 and the nonce the answer hands out, so
+    that an answer cannot be altered (a route's CURVE key swapped), nor one answer passed
+    off as another's."""
+    message = "\x00".join(
+        ("trio_pd answer v1", nonce, str(status), _digest(body), next_nonce)
+    ).encode("utf-8", "surrogateescape")
+    return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
 
 
 def check_register_mac(token: str, mac: bytes, **claims: object) -> bool:
