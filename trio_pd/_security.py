@@ -27,9 +27,11 @@ TRANSFER or an ABORT only from the key that registered its endpoint, and answers
 from a registered key; decode takes a STATUS or an ABORT_ACK only from the key the bootstrap
 service published for the prefill rank the room resolved (and a PONG likewise).
 
-:func:`resolve` decides whether it is on: on by default as soon as a host an agent binds is
-not loopback (127.0.0.0/8, ::1, ``localhost``); then a missing token is a
-:class:`~trio_pd.ConfigurationError` unless ``secure=False`` was passed explicitly.
+:func:`resolve` decides whether it is on: always, unless turned off explicitly
+(``secure=False``, or ``TRIO_PD_SECURE=0``), which logs one warning line. The token is
+``token=``, or ``TRIO_PD_TOKEN``, or, for a process that binds only loopback, one made in
+the process (:func:`process_token`); otherwise a missing token is a
+:class:`~trio_pd.ConfigurationError`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import hmac
 import logging
 import math
 import os
+import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -57,6 +60,7 @@ log = logging.getLogger("trio_pd.security")
 
 __all__ = [
     "TOKEN_ENV",
+    "SECURE_ENV",
     "ZAP_ENDPOINT",
     "ANSWER_HEADER",
     "AUTH_SCHEME",
@@ -66,6 +70,7 @@ __all__ = [
     "Security",
     "ZapGate",
     "is_loopback",
+    "process_token",
     "answer_mac",
     "register_mac",
     "request_mac",
@@ -124,16 +129,44 @@ class Security:
         return self.curve
 
 
-def resolve(
-    *, what: str, hosts: Iterable[str], token: str | None, secure: bool | None
-) -> Security:
-    """Decide security for ``what`` (for error messages) binding ``hosts``.
+SECURE_ENV: Final = "TRIO_PD_SECURE"
+"""The environment variable read when ``secure=`` is not given: ``0`` (or ``false``, ``off``,
+``no``) turns security off explicitly, as ``secure=False`` does; anything else, or unset,
+leaves it on."""
 
-    ``token`` left out is read from :data:`TOKEN_ENV` (empty means none). ``secure``: None
-    turns it on when any host is not loopback; True turns it on; False turns it off
-    explicitly (the token, if any, is still sent or required over HTTP). On, without a
-    token, raises :class:`~trio_pd.ConfigurationError`: CURVE keys that travel through an
-    unauthenticated bootstrap service would authenticate nothing.
+_process_token: str | None = None
+
+
+def process_token() -> str:
+    """This process's own cluster token, made (random, 32 bytes) on first use: what every
+    agent and bootstrap service of this process proves when no token was given and none is
+    in :data:`TOKEN_ENV`, so that one process running both sides (the demo, a test, a
+    single-host service) is authenticated with no configuration. Another process never
+    knows it: a cluster of several processes shares one through :data:`TOKEN_ENV`."""
+    global _process_token
+    if _process_token is None:
+        _process_token = secrets.token_urlsafe(32)
+    return _process_token
+
+
+def resolve(
+    *,
+    what: str,
+    hosts: Iterable[str],
+    token: str | None,
+    secure: bool | None,
+    generate: bool = True,
+) -> Security:
+    """Decide security for ``what`` (for messages) binding ``hosts``.
+
+    On unless turned off explicitly: ``secure=False``, or, with ``secure`` left out,
+    :data:`SECURE_ENV` set to ``0``; being off is logged, one warning line (the caller's
+    ``what``). ``token`` left out is read from :data:`TOKEN_ENV` (empty means none); with
+    none there, a process binding only loopback uses :func:`process_token` (one process
+    runs every side; ``generate=False`` refuses that, for a service other processes must
+    reach), and anything else is a :class:`~trio_pd.ConfigurationError`: CURVE keys that
+    travel through an unauthenticated bootstrap service would authenticate nothing. Off,
+    the token (given or from the environment), if any, is still proven over HTTP.
     """
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
@@ -142,15 +175,29 @@ def resolve(
     if token == "":
         token = None
     hosts = list(hosts)
-    on = secure if secure is not None else not all(is_loopback(h) for h in hosts)
-    if on and token is None:
+    how = "secure=False"
+    if secure is None and os.environ.get(SECURE_ENV, "").strip().lower() in _OFF_WORDS:
+        secure, how = False, f"{SECURE_ENV}={os.environ[SECURE_ENV]}"
+    if secure is False:
+        log.warning(
+            "%s: security is OFF (%s): no CURVE on the control plane, no identity checks; "
+            "anyone who reaches its ports can register, forge transfers and read routes "
+            "(docs/security.md)", what, how,
+        )
+        return Security(curve=False, token=token)
+    if token is None:
+        if generate and all(is_loopback(h) for h in hosts):
+            return Security(curve=True, token=process_token())
         where = ", ".join(repr(h) for h in hosts)
         raise ConfigurationError(
-            f"{what} binds {where}: authentication is on "
-            f"({'secure=True' if secure else 'not loopback'}) and needs a cluster token: "
-            f"pass token=... or set {TOKEN_ENV}, or pass secure=False to run open"
+            f"{what} binds {where}: authentication is on and needs a cluster token shared "
+            f"by every process of the cluster: pass token=... or set {TOKEN_ENV} (the same "
+            f"in every process), or pass secure=False (or {SECURE_ENV}=0) to run open"
         )
-    return Security(curve=bool(on), token=token)
+    return Security(curve=True, token=token)
+
+
+_OFF_WORDS: Final = frozenset({"0", "false", "off", "no"})
 
 
 def register_mac(
