@@ -48,7 +48,7 @@ from trio_pd import (
 )
 from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo, TokenProof
 from trio_pd._control import ControlPlane
-from trio_pd._security import Keypair, is_loopback, register_mac, resolve
+from trio_pd._security import Keypair, is_loopback, process_token, register_mac, resolve
 from trio_pd._stats import Counters
 from trio_pd._zmq import Socket, open_socket
 from trio_pd.engines import make_engine
@@ -140,15 +140,39 @@ def test_loopback_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         assert is_loopback(host), host
     for host in ("0.0.0.0", "::", "", "*", "10.0.0.5", "example.com"):
         assert not is_loopback(host), host
-    assert not resolve(what="x", hosts=["127.0.0.1"], token=None, secure=None).on
+    monkeypatch.delenv("TRIO_PD_SECURE", raising=False)
+    # on by default everywhere: on loopback with this process's own token (one process
+    # runs every side), elsewhere with a token shared by the cluster
+    for secure in (None, True):
+        sec = resolve(what="x", hosts=["127.0.0.1"], token=None, secure=secure)
+        assert sec.on and sec.token == process_token()
+    assert len(process_token()) >= 40
     with pytest.raises(ConfigurationError, match="cluster token"):
         resolve(what="x", hosts=["10.0.0.5"], token=None, secure=None)
-    with pytest.raises(ConfigurationError):
-        resolve(what="x", hosts=["127.0.0.1"], token=None, secure=True)
+    with pytest.raises(ConfigurationError, match="cluster token"):  # (another process's)
+        resolve(what="x", hosts=["127.0.0.1"], token=None, secure=None, generate=False)
     assert not resolve(what="x", hosts=["10.0.0.5"], token=None, secure=False).on
+    monkeypatch.setenv("TRIO_PD_SECURE", "0")
+    assert not resolve(what="x", hosts=["10.0.0.5"], token=None, secure=None).on
+    assert resolve(what="x", hosts=["127.0.0.1"], token=None, secure=True).on
+    monkeypatch.delenv("TRIO_PD_SECURE")
     monkeypatch.setenv("TRIO_PD_TOKEN", "from-env")
     sec = resolve(what="x", hosts=["0.0.0.0"], token=None, secure=None)
     assert sec.on and sec.token == "from-env"
+
+
+def test_off_is_one_warning_line_per_agent(caplog: pytest.LogCaptureFixture) -> None:
+    """Turning security off is an explicit choice that says so: one WARNING line for each
+    agent or service that resolves it (and none when it is on)."""
+    with caplog.at_level("WARNING", logger="trio_pd.security"):
+        resolve(what="prefill rank 0", hosts=["127.0.0.1"], token=None, secure=None)
+        assert caplog.records == []
+        resolve(what="prefill rank 0", hosts=["127.0.0.1"], token=None, secure=False)
+        resolve(what="decode rank 0", hosts=["127.0.0.1"], token=None, secure=False)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("prefill rank 0: security is OFF (secure=False)")
+    assert lines[1].startswith("decode rank 0: security is OFF")
 
 
 async def test_open_outside_loopback_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -274,7 +298,7 @@ async def test_forged_register_is_refused(engine_name: str) -> None:
 
 
 async def test_forged_register_takes_the_peer_when_off(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, insecure: None, bootstrap_url: str
 ) -> None:
     """The same forged REGISTER with security off replaces the decode's registration (the
     issue's attack: every later request's KV would go to the attacker's engine)."""
@@ -373,7 +397,9 @@ async def test_forged_status_and_ack_are_refused(engine_name: str) -> None:
         assert pair.verify(room, np.arange(130, 134), room)
 
 
-async def test_forged_status_fails_the_room_when_off(engine_name: str, bootstrap_url: str) -> None:
+async def test_forged_status_fails_the_room_when_off(
+    engine_name: str, insecure: None, bootstrap_url: str
+) -> None:
     async with open_pair(engine_name, bootstrap_url) as pair:
         assert await request(pair, 1) is KVPoll.Success
         receiver = pair.decode.receiver(5, bootstrap_url=bootstrap_url)

@@ -43,6 +43,14 @@ from trio_pd.testing.pools import HostKVPool
 
 from .conftest import Pair, host_pool, open_pair, poll_until
 
+
+@pytest.fixture(autouse=True)
+def _unauthenticated_input_on_purpose(insecure: None) -> None:
+    """These tests drive raw, unauthenticated ZeroMQ input at the listeners: security off,
+    explicitly (with it on, the default, a stranger never gets a session:
+    tests/test_auth.py)."""
+
+
 V = _wire.WIRE_VERSION
 _nonces = itertools.count(10_000_000)
 

@@ -50,6 +50,7 @@ from ._security import (
     NONCE_HEADER,
     STALE_HEADER,
     answer_mac,
+    default_token,
     request_mac,
 )
 from ._wire import MAX_STATES, StateWire
@@ -381,7 +382,10 @@ class BootstrapClient:
     """Talks to one bootstrap service at ``url`` (``"http://10.0.0.5:8998"``, or
     ``https://`` for a service given a certificate).
 
-    ``token`` is the cluster token, sent with every request (docs/security.md); ``verify``
+    ``token`` is the cluster token, proven (never sent) with every request that needs it,
+    and every answer to one is checked under it (docs/security.md); left out, it is
+    ``TRIO_PD_TOKEN``, or this process's own (what a service of this process made without a
+    token requires), or none with ``TRIO_PD_SECURE=0``; ``""`` is none. ``verify``
     is httpx's: True (the system's CA bundle), False, an :class:`ssl.SSLContext`, or the
     path of a CA bundle to trust (for a self-signed service).
 
@@ -411,8 +415,8 @@ class BootstrapClient:
             verify = ssl.create_default_context(cafile=verify)
         #: the cluster token, proven (never sent) with every request that needs it, and the
         #: key every answer to one is checked under
-        self.token = token
-        self._proof = None if token is None else TokenProof(token)
+        self.token = (default_token() if token is None else token) or None
+        self._proof = None if self.token is None else TokenProof(self.token)
         #: why the last :meth:`wait_ready` retried (None: it has not had to)
         self.waiting: BootstrapError | None = None
         #: the IP address the last answer came from (None: none yet): where this host

@@ -631,7 +631,7 @@ class DecodeAgent:
             await trio.lowlevel.checkpoint()
             if route.client is None:
                 route.client = BootstrapClient(
-                    route.url, token=self.security.token, verify=self.sources.verify
+                    route.url, token=self.security.token or "", verify=self.sources.verify
                 )
             while route.pending and route.dp_size is None and not self._resolving_ended(route):
                 # first learn the DP size from the topology being resolved: with one DP

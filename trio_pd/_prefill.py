@@ -937,7 +937,9 @@ async def open_prefill(
         await trio.to_thread.run_sync(engine.register, regions)
         registered = True
         async with (
-            BootstrapClient(bootstrap_url, token=security.token, verify=bootstrap_verify) as client,
+            BootstrapClient(
+                bootstrap_url, token=security.token or "", verify=bootstrap_verify
+            ) as client,
             trio.open_nursery() as nursery,
         ):
             # The listener, the timers and the peer registry's tasks (its probes) outlive a

@@ -70,6 +70,7 @@ __all__ = [
     "Security",
     "ZapGate",
     "is_loopback",
+    "default_token",
     "process_token",
     "answer_mac",
     "register_mac",
@@ -198,6 +199,19 @@ def resolve(
 
 
 _OFF_WORDS: Final = frozenset({"0", "false", "off", "no"})
+
+
+def default_token() -> str | None:
+    """The token a client given none proves (a :class:`~trio_pd.BootstrapClient` made
+    without ``token=``): :data:`TOKEN_ENV`, else none when :data:`SECURE_ENV` turns
+    security off, else :func:`process_token` (the one every service of this process made
+    without a token requires)."""
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is not None:
+        return token
+    if os.environ.get(SECURE_ENV, "").strip().lower() in _OFF_WORDS:
+        return None
+    return process_token()
 
 
 def register_mac(
