@@ -933,3 +933,42 @@ async def test_a_stale_nonce_is_retried_once() -> None:
             with pytest.raises(BootstrapError, match="401"):
                 await client.topology()
         assert server.statistics().unauthorized == 2
+
+
+# ------------------------------------------------------------ (i) on by default, off on purpose
+
+
+async def test_on_by_default_with_no_configuration(
+    engine_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No token anywhere, no ``secure=``, everything on loopback in one process: CURVE is on
+    on both agents and the service requires a proof (this process's token), real requests
+    succeed, and a stranger is refused at the handshake. Before, loopback ran open."""
+    monkeypatch.delenv("TRIO_PD_TOKEN", raising=False)
+    monkeypatch.delenv("TRIO_PD_SECURE", raising=False)
+    src, dst = host_pool(), host_pool()
+    pe, de = make_engine(engine_name), make_engine(engine_name)
+    try:
+        async with (
+            open_bootstrap_server() as server,
+            open_prefill(engine=pe, pool=src.spec, bootstrap_url=server.url, kv_heads=2)
+            as prefill,
+            open_decode(engine=de, pool=dst.spec) as decode,
+        ):
+            pair = Pair(prefill, decode, src, dst, server.url, pe)
+            assert prefill.control.curve and decode.control.curve
+            assert await request(pair, 1) is KVPoll.Success
+            async with httpx.AsyncClient(base_url=server.url, trust_env=False) as plain:
+                assert (await plain.get("/route")).status_code == 401
+            before = prefill.statistics().strangers_refused
+            async with curve_push(prefill.endpoint, prefill.control.public_key,
+                                  Keypair.generate()) as sock:
+                await sock.send_multipart([b"\xc1garbage"])
+                with trio.fail_after(10):
+                    await poll_until(
+                        lambda: prefill.statistics().strangers_refused > before
+                    )
+            assert prefill.statistics().bad_messages == 0
+    finally:
+        pe.close()
+        de.close()
