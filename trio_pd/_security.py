@@ -180,11 +180,13 @@ def resolve(
     if secure is None and os.environ.get(SECURE_ENV, "").strip().lower() in _OFF_WORDS:
         secure, how = False, f"{SECURE_ENV}={os.environ[SECURE_ENV]}"
     if secure is False:
-        log.warning(
-            "%s: security is OFF (%s): no CURVE on the control plane, no identity checks; "
-            "anyone who reaches its ports can register, forge transfers and read routes "
-            "(docs/security.md)", what, how,
+        risk = (
+            "no token required: anyone who reaches it can publish and read routes"
+            if "bootstrap" in what else
+            "no CURVE on the control plane, no identity checks: anyone who reaches its "
+            "ports can register, forge transfers and read routes"
         )
+        log.warning("%s: security is OFF (%s): %s (docs/security.md)", what, how, risk)
         return Security(curve=False, token=token)
     if token is None:
         if generate and all(is_loopback(h) for h in hosts):

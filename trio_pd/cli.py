@@ -373,6 +373,15 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 1 if problems else 0
 
 
+def _say_security_warnings() -> None:
+    """Library logs are quiet (errors only) unless ``--verbose``, but security's warnings are
+    said: an agent run with security off says so (one line each), and refused strangers
+    are logged (rate-limited)."""
+    security = logging.getLogger("trio_pd.security")
+    if security.getEffectiveLevel() > logging.WARNING:
+        security.setLevel(logging.WARNING)
+
+
 def _bootstrap_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "bootstrap", parents=[common], formatter_class=_Formatter,
@@ -398,16 +407,18 @@ def _cmd_bootstrap(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from ._security import resolve
 
     registry = CollectorRegistry() if args.metrics else None
-    try:  # (no token made in-process: every client of this service is another process)
-        security = resolve(what="trio-pd bootstrap", hosts=[args.host], token=None,
-                           secure=False if args.insecure else None, generate=False)
-    except ConfigurationError as exc:
-        parser.error(f"{exc}; or pass --insecure")
+    secure: bool | None = False  # --insecure: the service says so itself, once
+    if not args.insecure:
+        try:  # (no token made in-process: every client of this service is another process)
+            resolve(what="trio-pd bootstrap", hosts=[args.host], token=None, secure=None,
+                    generate=False)
+        except ConfigurationError as exc:
+            parser.error(f"{exc}; or pass --insecure")
+        secure = None
 
     async def main() -> None:
         async with open_bootstrap_server(
-            args.host, args.port, metrics_registry=registry, token=security.token,
-            secure=security.on,
+            args.host, args.port, metrics_registry=registry, secure=secure,
         ) as server:
             print(server.url, flush=True)
             if registry is not None:
@@ -444,6 +455,7 @@ def _cmd_worker(argv: Sequence[str]) -> int:
     quiet_engine_logs(verbose=False)  # the parent's choice, inherited, wins
     logging.basicConfig(level=logging.ERROR,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _say_security_warnings()
     opts = DemoOptions(**json.loads(args.options))
     # the parent forwards its Ctrl-C: a second one (a terminal's, reaching the rank's
     # process group too) must not cut the rank's report short; the parent kills the rank
@@ -500,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.ERROR,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    _say_security_warnings()
     handlers: dict[str, Callable[[argparse.Namespace, argparse.ArgumentParser], int]] = {
         "demo": _cmd_demo, "bench": _cmd_bench, "bootstrap": _cmd_bootstrap,
     }
