@@ -748,8 +748,8 @@ async def test_zap_lookups_are_bounded_and_never_stall_known_keys(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A plane whose vouch never answers: at most ``MAX_LOOKUPS`` lookups run at once,
-    strangers beyond them are refused at once (counted); meanwhile a known key's messages arrive (nothing waits on the
-    lookups but the strangers' own handshakes)."""
+    strangers beyond them are refused at once (counted); meanwhile a known key's messages
+    arrive (nothing waits on the lookups but the strangers' own handshakes)."""
     # (no lookup may end while the test runs, however slow the host: then none is retried)
     monkeypatch.setattr(ZapGate, "LOOKUP_TIMEOUT", 60.0)
     counters = Counters()
