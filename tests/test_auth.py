@@ -51,6 +51,7 @@ from trio_pd._control import ControlPlane
 from trio_pd._security import (
     Keypair,
     ZapGate,
+    answer_mac,
     is_loopback,
     process_token,
     register_mac,
@@ -939,10 +940,17 @@ async def test_a_stale_nonce_is_retried_once() -> None:
             body = _info(endpoint="tcp://127.0.0.1:5")
             assert (await http.put("/route", content=body)).status_code == 200
         assert server.statistics().unauthorized == 1
+        # the 401 itself is the service's, bound to the nonce the request presented
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False) as raw:
+            stale = await raw.get("/route", headers={"authorization": "TRIO-PD-HMAC 0.00.00 x"})
+        assert stale.status_code == 401 and stale.headers["x-trio-pd-stale-nonce"] == "1"
+        assert stale.headers["x-trio-pd-answer"] == answer_mac(
+            TOKEN, "0.00.00", 401, stale.content, stale.headers["x-trio-pd-nonce"]
+        )
         async with BootstrapClient(server.url, token="wrong") as client:
             with pytest.raises(BootstrapError, match="401"):
                 await client.topology()
-        assert server.statistics().unauthorized == 2
+        assert server.statistics().unauthorized == 3
 
 
 # ------------------------------------------------------------ (i) on by default, off on purpose

@@ -625,6 +625,16 @@ _TOO_LARGE: Final = _Reply.error(
 _STALE_NONCE: Final = "unknown or expired nonce"
 
 
+def _presented_nonce(scope: HTTPScope) -> str:
+    """The nonce a request's ``Authorization`` names, valid or not ("" for none)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            parts = value.decode("latin-1").split(" ")
+            if len(parts) == 3 and parts[0] == AUTH_SCHEME and len(parts[1]) <= 80:
+                return parts[1]
+    return ""
+
+
 def _unauthorized(why: str) -> _Reply:
     headers = [(b"www-authenticate", AUTH_SCHEME.encode("ascii")), (b"connection", b"close")]
     if why == _STALE_NONCE:  # (the client may retry once, with the nonce of this answer)
@@ -977,7 +987,9 @@ class BootstrapServer:
                 fresh = self.issue_nonce()
                 headers.append((NONCE_HEADER.encode("ascii"), fresh.encode("ascii")))
                 if path in _AUTHENTICATED:
-                    nonce = claim[0] if isinstance(claim, tuple) else ""
+                    # (bound to the nonce the request presented, even one refused: so the
+                    # client can tell our 401 from an answer forged on the way)
+                    nonce = claim[0] if isinstance(claim, tuple) else _presented_nonce(scope)
                     proof = answer_mac(self._token, nonce, reply.status, reply.body, fresh)
                     headers.append((ANSWER_HEADER.encode("ascii"), proof.encode("ascii")))
             await send(
