@@ -990,3 +990,24 @@ async def test_on_by_default_with_no_configuration(
     finally:
         pe.close()
         de.close()
+
+
+async def test_zap_gate_takes_a_lookup_slot_before_the_lookup_starts() -> None:
+    """Many ZAP requests read in one go (before any lookup task has run): no more than
+    ``MAX_LOOKUPS`` of them get a lookup; the rest are refused at once, and each slot is
+    given back when its lookup ends. (A slot taken only once the task ran let 9 and more
+    lookups start.)"""
+    async def never(_key: str) -> bool:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    gate = ZapGate(Counters(), lambda _raw: False, never)
+    keys = [Keypair.generate().public for _ in range(12)]
+    answers = [gate.admits_now(k) for k in keys]
+    assert answers.count(None) == ZapGate.MAX_LOOKUPS and answers.count(False) == 4
+    gate.LOOKUP_TIMEOUT = 0.01
+    async with trio.open_nursery() as nursery:
+        for key, answer in zip(keys, answers, strict=True):
+            if answer is None:
+                nursery.start_soon(gate.look_up, key)
+    assert gate.lookups == 0

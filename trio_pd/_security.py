@@ -323,7 +323,9 @@ class ZapGate:
         self._unlogged = 0
 
     def admits_now(self, key: bytes) -> bool | None:
-        """True/False when the answer is known without a lookup; None: ask ``vouch``."""
+        """True/False when the answer is known without a lookup; None: ask ``vouch``, with
+        a lookup slot taken for it (at once: the task that looks up starts later, and the
+        requests read meanwhile must see the slot taken); :meth:`look_up` gives it back."""
         if self.known(key) or key in self._vouched:
             if key in self._vouched:
                 self._vouched.move_to_end(key)
@@ -335,13 +337,13 @@ class ZapGate:
             return False
         if self.lookups >= self.MAX_LOOKUPS:
             return False
+        self.lookups += 1
         return None
 
     async def look_up(self, key: bytes) -> bool:
-        """Ask ``vouch`` about ``key`` (counted against :data:`MAX_LOOKUPS`); remember the
+        """Ask ``vouch`` about ``key`` (in the slot :meth:`admits_now` took); remember the
         answer. A lookup that fails or takes too long refuses."""
         assert self.vouch is not None
-        self.lookups += 1
         ok = False
         try:
             with trio.move_on_after(self.LOOKUP_TIMEOUT):
