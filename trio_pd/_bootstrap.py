@@ -76,7 +76,7 @@ stage ``s``'s last layer, and no two stages overlap (``409`` naming both stages 
     ``200``, with a fresh nonce in ``x-trio-pd-nonce`` (as every answer of a service with a
     token has).
 
-With a cluster token (``token=`` or ``TRIO_PD_TOKEN``; required outside loopback), both
+With a cluster token (the default: ``token=``, ``TRIO_PD_TOKEN``, or the process's own), both
 ``/route`` requests, ``/key`` and both DP-rank requests need a proof of it, never the token
 itself: ``Authorization: TRIO-PD-HMAC <nonce> <proof>``, the proof an HMAC-SHA256 under the
 token of a nonce this service issued (under ``NONCE_TTL`` ago), the method, the target and
@@ -1504,10 +1504,11 @@ async def serve_bootstrap(
 ) -> None:
     """Serve the bootstrap service on ``host:port`` until cancelled.
 
-    ``token`` (left out: ``TRIO_PD_TOKEN``) is the cluster token every ``/route`` request
-    must carry as ``Authorization: Bearer <token>`` (``401`` otherwise; ``/health`` and
-    ``/metrics`` stay open). Outside loopback it is required (``secure=None``), unless
-    ``secure=False`` is passed; ``secure=True`` requires it on loopback too. ``certfile`` and
+    ``token`` (left out: ``TRIO_PD_TOKEN``, else, on loopback, this process's own) is the
+    cluster token every ``/route`` request must prove (an HMAC over a one-time nonce and the
+    request; ``401`` otherwise; ``/health``, ``/nonce`` and ``/metrics`` stay open). It is
+    required unless ``secure=False`` (or ``TRIO_PD_SECURE=0``) turns it off, explicitly and
+    logged; off loopback, with no token, :class:`~trio_pd.ConfigurationError`. ``certfile`` and
     ``keyfile`` (PEM) make it serve https (hypercorn's TLS); the server's ``url`` then says
     ``https://``. See docs/security.md.
 

@@ -860,9 +860,11 @@ async def open_prefill(
     register with the bootstrap service, and serve until the block exits.
 
     Authentication (docs/security.md): ``token`` is the cluster token (left out:
-    ``TRIO_PD_TOKEN``), sent to the bootstrap service. ``secure`` turns on CURVE and the
-    identity checks: None turns them on when ``host`` is not loopback, True always, False
-    never; on, a missing token raises :class:`~trio_pd.ConfigurationError`.
+    ``TRIO_PD_TOKEN``, else, on loopback, this process's own), proven to the bootstrap
+    service, never sent. ``secure`` None (the default) or True: CURVE and the identity
+    checks on, and a missing token off loopback raises
+    :class:`~trio_pd.ConfigurationError`; False (or ``TRIO_PD_SECURE=0``): off, explicitly,
+    logged as one warning line.
     ``bootstrap_verify`` is how an https bootstrap service's certificate is checked (see
     :class:`~trio_pd.BootstrapClient`).
 
