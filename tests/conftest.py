@@ -28,6 +28,16 @@ def engine_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def insecure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Security off, explicitly (``TRIO_PD_SECURE=0``), for every agent and bootstrap
+    service the test opens without ``secure=``: for tests that drive raw, unauthenticated
+    ZeroMQ input at an agent's listener (with security on, which is the default, the
+    handshake refuses it before any handler sees it: tests/test_auth.py). Request it
+    before any fixture that opens a service (``bootstrap_url``)."""
+    monkeypatch.setenv("TRIO_PD_SECURE", "0")
+
+
+@pytest.fixture
 def keep_environ() -> Iterator[None]:
     """Restore ``os.environ`` after the test (for code that sets process-wide variables)."""
     saved = dict(os.environ)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import shutil
 import socket
+import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ import zmq.utils.monitor
 
 from trio_pd import (
     AuthenticationError,
+    BootstrapError,
     ConfigurationError,
     DecodeConfig,
     IncompatiblePeer,
@@ -42,9 +45,17 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo
+from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo, TokenProof
 from trio_pd._control import ControlPlane
-from trio_pd._security import Keypair, is_loopback, register_mac, resolve
+from trio_pd._security import (
+    Keypair,
+    ZapGate,
+    answer_mac,
+    is_loopback,
+    process_token,
+    register_mac,
+    resolve,
+)
 from trio_pd._stats import Counters
 from trio_pd._zmq import Socket, open_socket
 from trio_pd.engines import make_engine
@@ -114,6 +125,14 @@ async def curve_push(endpoint: str, server_key: str, keys: Keypair) -> AsyncIter
         ctx.term()
 
 
+async def announce(url: str, keys: Keypair) -> None:
+    """Have the bootstrap service vouch for ``keys`` (a token holder reading a route with its
+    key, as a decode rank does): prefill ranks then admit its control connections."""
+    async with BootstrapClient(url, token=TOKEN) as client:
+        client.announce_key = keys.public_text
+        await client.topology()
+
+
 async def refused(agent: Any, before: int, n: int = 1) -> None:
     """Wait until ``agent`` counted ``n`` more authentication refusals than ``before``."""
     with trio.fail_after(10):
@@ -129,15 +148,39 @@ def test_loopback_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         assert is_loopback(host), host
     for host in ("0.0.0.0", "::", "", "*", "10.0.0.5", "example.com"):
         assert not is_loopback(host), host
-    assert not resolve(what="x", hosts=["127.0.0.1"], token=None, secure=None).on
+    monkeypatch.delenv("TRIO_PD_SECURE", raising=False)
+    # on by default everywhere: on loopback with this process's own token (one process
+    # runs every side), elsewhere with a token shared by the cluster
+    for secure in (None, True):
+        sec = resolve(what="x", hosts=["127.0.0.1"], token=None, secure=secure)
+        assert sec.on and sec.token == process_token()
+    assert len(process_token()) >= 40
     with pytest.raises(ConfigurationError, match="cluster token"):
         resolve(what="x", hosts=["10.0.0.5"], token=None, secure=None)
-    with pytest.raises(ConfigurationError):
-        resolve(what="x", hosts=["127.0.0.1"], token=None, secure=True)
+    with pytest.raises(ConfigurationError, match="cluster token"):  # (another process's)
+        resolve(what="x", hosts=["127.0.0.1"], token=None, secure=None, generate=False)
     assert not resolve(what="x", hosts=["10.0.0.5"], token=None, secure=False).on
+    monkeypatch.setenv("TRIO_PD_SECURE", "0")
+    assert not resolve(what="x", hosts=["10.0.0.5"], token=None, secure=None).on
+    assert resolve(what="x", hosts=["127.0.0.1"], token=None, secure=True).on
+    monkeypatch.delenv("TRIO_PD_SECURE")
     monkeypatch.setenv("TRIO_PD_TOKEN", "from-env")
     sec = resolve(what="x", hosts=["0.0.0.0"], token=None, secure=None)
     assert sec.on and sec.token == "from-env"
+
+
+def test_off_is_one_warning_line_per_agent(caplog: pytest.LogCaptureFixture) -> None:
+    """Turning security off is an explicit choice that says so: one WARNING line for each
+    agent or service that resolves it (and none when it is on)."""
+    with caplog.at_level("WARNING", logger="trio_pd.security"):
+        resolve(what="prefill rank 0", hosts=["127.0.0.1"], token=None, secure=None)
+        assert caplog.records == []
+        resolve(what="prefill rank 0", hosts=["127.0.0.1"], token=None, secure=False)
+        resolve(what="decode rank 0", hosts=["127.0.0.1"], token=None, secure=False)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("prefill rank 0: security is OFF (secure=False)")
+    assert lines[1].startswith("decode rank 0: security is OFF")
 
 
 async def test_open_outside_loopback_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,6 +277,7 @@ async def test_forged_register_is_refused(engine_name: str) -> None:
         victim = pair.decode.endpoint
         before = pair.prefill.statistics().auth_refused
         attacker, evil = Keypair.generate(), make_engine(engine_name)
+        await announce(pair.url, attacker)  # an insider's key: past the handshake
         try:
             forged = register(victim, evil, host_pool().spec)
             mac = register_mac(
@@ -262,7 +306,7 @@ async def test_forged_register_is_refused(engine_name: str) -> None:
 
 
 async def test_forged_register_takes_the_peer_when_off(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, insecure: None, bootstrap_url: str
 ) -> None:
     """The same forged REGISTER with security off replaces the decode's registration (the
     issue's attack: every later request's KV would go to the attacker's engine)."""
@@ -298,6 +342,7 @@ async def test_forged_transfer_is_refused(engine_name: str) -> None:
         target = np.arange(200, 204, dtype=np.int32)  # pages decode holds as free
         before = pair.prefill.statistics().auth_refused
         attacker = Keypair.generate()
+        await announce(pair.url, attacker)  # an insider's key: past the handshake
         async with curve_push(
             pair.prefill.endpoint, pair.prefill.control.public_key, attacker
         ) as sock:
@@ -329,19 +374,29 @@ async def test_forged_status_and_ack_are_refused(engine_name: str) -> None:
         receiver = pair.decode.receiver(room, bootstrap_url=pair.url)
         receiver.init(np.arange(130, 134), room)  # the prefill side is not fed yet
         epoch = receiver.epoch
-        before = pair.decode.statistics().auth_refused
+        before = pair.decode.statistics()
         forged: list[_wire.Message] = [
             _wire.Status(v=V, room=room, epoch=epoch, rank=0, ok=False, reason="forged"),
             _wire.Status(v=V, room=room, epoch=epoch, rank=0, ok=True),
             _wire.AbortAck(v=V, room=room, epoch=epoch, rank=0),
             _wire.Bye(v=V, rank=0, endpoint=pair.prefill.endpoint),
         ]
+        attacker = Keypair.generate()
+        await announce(pair.url, attacker)  # (decode admits prefill ranks' keys only)
         async with curve_push(
-            pair.decode.endpoint, pair.decode.control.public_key, Keypair.generate()
+            pair.decode.endpoint, pair.decode.control.public_key, attacker
         ) as sock:
             for msg in forged:
                 await sock.send_multipart(_wire.encode(msg))
-            await refused(pair.decode, before, len(forged))
+            with trio.fail_after(10):
+                await poll_until(
+                    lambda: pair.decode.statistics().strangers_refused
+                    > before.strangers_refused
+                )
+        # the same checks as for forged messages: refused before any reached the handler
+        after = pair.decode.statistics()
+        assert after.refused_messages == before.refused_messages
+        assert after.bad_messages == before.bad_messages
         assert receiver.poll() not in (KVPoll.Failed, KVPoll.Success)
         pair.src.fill(np.arange(20, 24), room=room)
         pair.src.fill_aux(room, room=room)
@@ -352,7 +407,9 @@ async def test_forged_status_and_ack_are_refused(engine_name: str) -> None:
         assert pair.verify(room, np.arange(130, 134), room)
 
 
-async def test_forged_status_fails_the_room_when_off(engine_name: str, bootstrap_url: str) -> None:
+async def test_forged_status_fails_the_room_when_off(
+    engine_name: str, insecure: None, bootstrap_url: str
+) -> None:
     async with open_pair(engine_name, bootstrap_url) as pair:
         assert await request(pair, 1) is KVPoll.Success
         receiver = pair.decode.receiver(5, bootstrap_url=bootstrap_url)
@@ -400,8 +457,7 @@ async def test_bootstrap_needs_the_token(engine_name: str) -> None:
             assert (await http.get("/route", params={"tp_rank": "0"})).status_code == 401
             assert (await http.get("/health")).status_code == 200
             # The squat: the right token, another key, while the real rank 0 is alive.
-            good = {"authorization": f"Bearer {TOKEN}"}
-            squat = await http.put("/route", content=body, headers=good)
+            squat = await http.put("/route", content=body, auth=TokenProof(TOKEN))
             assert squat.status_code == 409, squat.text
         async with BootstrapClient(pair.url, token=TOKEN) as client:
             assert (await client.rank(0)).control_key == live
@@ -414,9 +470,7 @@ async def test_bootstrap_needs_the_token(engine_name: str) -> None:
 async def test_bootstrap_counts_refusals_and_replaces_a_dead_rank() -> None:
     async with (
         open_bootstrap_server(token=TOKEN, secure=True) as server,
-        httpx.AsyncClient(
-            base_url=server.url, trust_env=False, headers={"authorization": f"Bearer {TOKEN}"}
-        ) as http,
+        httpx.AsyncClient(base_url=server.url, trust_env=False, auth=TokenProof(TOKEN)) as http,
     ):
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
@@ -434,7 +488,8 @@ async def test_bootstrap_counts_refusals_and_replaces_a_dead_rank() -> None:
         # the old process is gone (its endpoint refuses): a restarted rank takes over
         took = await http.put("/route", content=_info(endpoint=_refusing_endpoint(), key=key_b))
         assert took.is_success, took.text
-        assert (await http.get("/route", headers={"authorization": "x"})).status_code == 401
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False) as plain:
+            assert (await plain.get("/route", headers={"authorization": "x"})).status_code == 401
         stats = server.statistics()
         assert stats.unauthorized == 1 and stats.refused_replacements == 1, stats
 
@@ -556,6 +611,7 @@ async def test_unauthenticated_message_is_dropped_by_the_plane() -> None:
         raise AuthenticationError("no")
 
     client_keys = Keypair.generate()
+    server.admit(client_keys.public_text)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.serve, handle)
@@ -636,3 +692,313 @@ async def test_transfer_from_a_dropped_peer_fails_its_room_at_once(engine_name: 
     finally:
         for e in engines:
             e.close()
+
+
+# ------------------------------------------------------------------ (g) strangers at the ZAP gate
+
+
+async def test_a_strangers_fresh_key_never_holds_a_session(engine_name: str) -> None:
+    """A CURVE client with a fresh key (it knows the prefill's public key, as anyone may)
+    connects and sends a REGISTER and garbage: its handshake fails at the ZAP handler, so
+    nothing it sends reaches the agent (no message counter moves, no peer appears); it is
+    counted ``strangers_refused``. Real requests go on. Before the allow-list the ZAP
+    handler admitted every key, and the messages reached the handler (refused there)."""
+    async with secure_pair(engine_name) as pair:
+        assert await request(pair, 1) is KVPoll.Success
+        before = pair.prefill.statistics()
+        evil = make_engine(engine_name)
+        try:
+            fake = "tcp://127.0.0.1:7"
+            async with monitored_push(
+                pair.prefill.endpoint, pair.prefill.control.public_key, Keypair.generate()
+            ) as (sock, mon):
+                sock.send_multipart_nowait(_wire.encode(register(fake, evil, host_pool().spec)))
+                sock.send_multipart_nowait([b"\xc1garbage"])
+                with trio.fail_after(10):
+                    while True:
+                        if mon.poll(0):
+                            event = zmq.utils.monitor.recv_monitor_message(mon)
+                            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                                break
+                        else:
+                            await trio.sleep(0.01)
+                with trio.fail_after(10):
+                    await poll_until(
+                        lambda: pair.prefill.statistics().strangers_refused
+                        > before.strangers_refused
+                    )
+        finally:
+            evil.close()
+        assert await request(pair, 2) is KVPoll.Success
+        after = pair.prefill.statistics()
+        for name in ("bad_messages", "refused_messages", "handler_errors"):
+            assert getattr(after, name) == getattr(before, name), name
+        assert pair.prefill.peers.get(fake) is None
+
+
+async def test_zap_lookups_are_bounded_and_never_stall_known_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plane whose vouch never answers: at most ``MAX_LOOKUPS`` lookups run at once,
+    strangers beyond them are refused at once (counted); meanwhile a known key's messages
+    arrive (nothing waits on the lookups but the strangers' own handshakes)."""
+    # (no lookup may end while the test runs, however slow the host: then none is retried)
+    monkeypatch.setattr(ZapGate, "LOOKUP_TIMEOUT", 60.0)
+    counters = Counters()
+    server = ControlPlane("127.0.0.1", counters, keys=Keypair.generate())
+    asked: list[str] = []
+
+    async def vouch(key: str) -> bool:
+        asked.append(key)
+        await trio.sleep_forever()
+        raise AssertionError
+
+    server.vouch = vouch
+    friend = Keypair.generate()
+    server.admit(friend.public_text)
+    got: list[str] = []
+    strangers = 12
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, lambda msg, _p, sender: got.append(sender))
+            async with AsyncExitStack() as stack:
+                for _ in range(strangers):
+                    await stack.enter_async_context(
+                        curve_push(server.endpoint, server.public_key, Keypair.generate())
+                    )
+                with trio.fail_after(10):
+                    await poll_until(lambda: len(asked) >= 8)
+                    await poll_until(lambda: counters["strangers_refused"] >= strangers - 8)
+                async with curve_push(server.endpoint, server.public_key, friend) as sock:
+                    ping = _wire.Ping(v=V, nonce=1, endpoint="tcp://127.0.0.1:9")
+                    await sock.send_multipart(_wire.encode(ping))
+                    with trio.fail_after(5):
+                        await poll_until(lambda: got == [friend.public_text])
+                assert len(set(asked)) == len(asked) <= 8  # never more than MAX_LOOKUPS
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await server.aclose(linger=0)
+
+
+async def test_bootstrap_vouches_for_announced_keys_only() -> None:
+    """``GET /route?key=`` with the token records a decode rank's key; ``GET /key`` says
+    whether the service vouches for one; both need the token."""
+    async with open_bootstrap_server(token=TOKEN, secure=True) as server:
+        async with BootstrapClient(server.url, token=TOKEN) as client:
+            await client.register(
+                msgspec.json.decode(_info(endpoint="tcp://127.0.0.1:5"), type=PrefillRankInfo)
+            )
+            decode, stranger = Keypair.generate(), Keypair.generate()
+            assert not await client.vouches(decode.public_text)
+            client.announce_key = decode.public_text
+            await client.topology()
+            assert await client.vouches(decode.public_text)
+            assert not await client.vouches(stranger.public_text)
+        async with BootstrapClient(server.url, token="wrong") as client:
+            client.announce_key = stranger.public_text
+            with pytest.raises(Exception, match="401"):
+                await client.topology()
+        async with BootstrapClient(server.url, token=TOKEN) as client:
+            assert not await client.vouches(stranger.public_text)
+
+
+# ------------------------------------------------- (h) the token proven, never sent (HTTP)
+
+
+@asynccontextmanager
+async def sniffing_proxy(
+    target_port: int, swap: tuple[bytes, bytes] | None = None
+) -> AsyncIterator[tuple[str, bytearray]]:
+    """A TCP proxy on loopback in front of the bootstrap service: yields its URL and every
+    byte that crossed it, both ways (what an eavesdropper on the path reads). ``swap``
+    replaces bytes in the service's answers (an attacker on the path; same length, so the
+    HTTP framing still holds)."""
+    wire = bytearray()
+
+    async def pump(src: trio.SocketStream, dst: trio.SocketStream, answers: bool) -> None:
+        try:
+            while data := await src.receive_some(65536):
+                wire.extend(data)
+                if answers and swap is not None:
+                    data = data.replace(*swap)
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await dst.aclose()
+
+    async def handle(client: trio.SocketStream) -> None:
+        server = await trio.open_tcp_stream("127.0.0.1", target_port)
+        async with client, server, trio.open_nursery() as nursery:
+            nursery.start_soon(pump, client, server, False)
+            nursery.start_soon(pump, server, client, True)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, handle, 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        yield f"http://127.0.0.1:{port}", wire
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_token_never_crosses_the_wire() -> None:
+    """Every request a client makes with the token (register, topology, rank, a key
+    lookup, a DP query) is read off loopback by a proxy: the token's bytes are nowhere in
+    it, and every request still succeeds. Before the proofs, ``Authorization: Bearer
+    <token>`` was in every request."""
+    async with (
+        open_bootstrap_server(token=TOKEN, secure=True) as server,
+        sniffing_proxy(server.port) as (url, wire),
+    ):
+        async with BootstrapClient(url, token=TOKEN) as client:
+            await client.register(
+                msgspec.json.decode(_info(endpoint="tcp://127.0.0.1:5"), type=PrefillRankInfo)
+            )
+            client.announce_key = Keypair.generate().public_text
+            assert (await client.topology()).tp_size == 1
+            assert (await client.rank(0)).tp_rank == 0
+            assert await client.vouches(client.announce_key)
+        assert b"/route" in wire and b"TRIO-PD-HMAC" in wire
+        assert TOKEN.encode() not in wire
+        assert b"Bearer" not in wire
+
+
+async def test_a_captured_request_replayed_is_refused() -> None:
+    """A PUT /route captured on the path (headers and body, byte for byte) and sent again:
+    ``401``, counted ``replayed``; the original was taken. A proof for one body does not
+    prove another (the body is bound), nor another path."""
+    async with open_bootstrap_server(token=TOKEN, secure=True) as server:
+        sent: list[httpx.Request] = []
+
+        async def capture(request: httpx.Request) -> None:
+            if request.url.path == "/route":
+                sent.append(request)
+
+        async with httpx.AsyncClient(
+            base_url=server.url, trust_env=False, auth=TokenProof(TOKEN),
+            event_hooks={"request": [capture]},
+        ) as http:
+            body = _info(endpoint="tcp://127.0.0.1:5")
+            assert (await http.put("/route", content=body)).status_code == 200
+        captured = sent[-1]
+        headers = {"authorization": captured.headers["authorization"],
+                   "content-type": "application/json"}
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False) as raw:
+            again = await raw.put("/route", content=captured.content, headers=headers)
+            assert again.status_code == 401, again.text
+            assert "replayed" in again.text
+            assert server.statistics().replayed == 1
+            # a fresh nonce, but the captured proof (of another nonce, body or path): refused
+            fresh = (await raw.get("/nonce")).headers["x-trio-pd-nonce"]
+            proof = captured.headers["authorization"].split(" ")[2]
+            forged = {"authorization": f"TRIO-PD-HMAC {fresh} {proof}"}
+            assert (await raw.put("/route", content=body, headers=forged)).status_code == 401
+        assert server.statistics().unauthorized == 2
+
+
+async def test_an_altered_answer_is_refused() -> None:
+    """An attacker on the path swaps the prefill rank's CURVE key in the route answer for
+    its own: the client refuses the answer (its proof no longer holds) rather than take the
+    attacker's key. Before, the swapped key was taken, and decode would have encrypted its
+    control messages to the attacker."""
+    real, evil = Keypair.generate().public_text, Keypair.generate().public_text
+    async with open_bootstrap_server(token=TOKEN, secure=True) as server:
+        async with BootstrapClient(server.url, token=TOKEN) as client:
+            await client.register(msgspec.json.decode(
+                _info(endpoint="tcp://127.0.0.1:5", key=real), type=PrefillRankInfo
+            ))
+        swap = (real.encode(), evil.encode())
+        async with (
+            sniffing_proxy(server.port, swap=swap) as (url, _),
+            BootstrapClient(url, token=TOKEN) as client,
+        ):
+            with pytest.raises(BootstrapError, match="does not prove"):
+                await client.rank(0)
+        async with BootstrapClient(server.url, token=TOKEN) as client:
+            assert (await client.rank(0)).control_key == real
+
+
+async def test_a_stale_nonce_is_retried_once() -> None:
+    """A nonce the service does not take (expired, or from a service since restarted) is
+    answered 401 with a fresh one, which the client uses at once: the call succeeds. A
+    wrong token is not retried (one 401 per call)."""
+    async with open_bootstrap_server(token=TOKEN, secure=True) as server:
+        proof = TokenProof(TOKEN)
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False, auth=proof) as http:
+            proof._nonces.append(("0.00.00", time.monotonic()))
+            body = _info(endpoint="tcp://127.0.0.1:5")
+            assert (await http.put("/route", content=body)).status_code == 200
+        assert server.statistics().unauthorized == 1
+        # the 401 itself is the service's, bound to the nonce the request presented
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False) as raw:
+            stale = await raw.get("/route", headers={"authorization": "TRIO-PD-HMAC 0.00.00 x"})
+        assert stale.status_code == 401 and stale.headers["x-trio-pd-stale-nonce"] == "1"
+        assert stale.headers["x-trio-pd-answer"] == answer_mac(
+            TOKEN, "0.00.00", 401, stale.content, stale.headers["x-trio-pd-nonce"]
+        )
+        async with BootstrapClient(server.url, token="wrong") as client:
+            with pytest.raises(BootstrapError, match="401"):
+                await client.topology()
+        assert server.statistics().unauthorized == 3
+
+
+# ------------------------------------------------------------ (i) on by default, off on purpose
+
+
+async def test_on_by_default_with_no_configuration(
+    engine_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No token anywhere, no ``secure=``, everything on loopback in one process: CURVE is on
+    on both agents and the service requires a proof (this process's token), real requests
+    succeed, and a stranger is refused at the handshake. Before, loopback ran open."""
+    monkeypatch.delenv("TRIO_PD_TOKEN", raising=False)
+    monkeypatch.delenv("TRIO_PD_SECURE", raising=False)
+    src, dst = host_pool(), host_pool()
+    pe, de = make_engine(engine_name), make_engine(engine_name)
+    try:
+        async with (
+            open_bootstrap_server() as server,
+            open_prefill(engine=pe, pool=src.spec, bootstrap_url=server.url, kv_heads=2)
+            as prefill,
+            open_decode(engine=de, pool=dst.spec) as decode,
+        ):
+            pair = Pair(prefill, decode, src, dst, server.url, pe)
+            assert prefill.control.curve and decode.control.curve
+            assert await request(pair, 1) is KVPoll.Success
+            async with httpx.AsyncClient(base_url=server.url, trust_env=False) as plain:
+                assert (await plain.get("/route")).status_code == 401
+            before = prefill.statistics().strangers_refused
+            async with curve_push(prefill.endpoint, prefill.control.public_key,
+                                  Keypair.generate()) as sock:
+                await sock.send_multipart([b"\xc1garbage"])
+                with trio.fail_after(10):
+                    await poll_until(
+                        lambda: prefill.statistics().strangers_refused > before
+                    )
+            assert prefill.statistics().bad_messages == 0
+    finally:
+        pe.close()
+        de.close()
+
+
+async def test_zap_gate_takes_a_lookup_slot_before_the_lookup_starts() -> None:
+    """Many ZAP requests read in one go (before any lookup task has run): no more than
+    ``MAX_LOOKUPS`` of them get a lookup; the rest are refused at once, and each slot is
+    given back when its lookup ends. (A slot taken only once the task ran let 9 and more
+    lookups start.)"""
+    async def never(_key: str) -> bool:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    gate = ZapGate(Counters(), lambda _raw: False, never)
+    keys = [Keypair.generate().public for _ in range(12)]
+    answers = [gate.admits_now(k) for k in keys]
+    assert answers.count(None) == ZapGate.MAX_LOOKUPS and answers.count(False) == 4
+    gate.LOOKUP_TIMEOUT = 0.01
+    async with trio.open_nursery() as nursery:
+        for key, answer in zip(keys, answers, strict=True):
+            if answer is None:
+                nursery.start_soon(gate.look_up, key)
+    assert gate.lookups == 0

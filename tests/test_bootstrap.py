@@ -42,6 +42,14 @@ from trio_pd._errors import (
 from .helpers.net import free_port
 
 
+@pytest.fixture(autouse=True)
+def _open_service_on_purpose(insecure: None) -> None:
+    """These tests exercise the service's HTTP mechanics (routes, framing, limits, counts,
+    shutdown) with raw requests: the service runs open, explicitly. Its authentication
+    (proofs, replays, answers) is tests/test_auth.py's."""
+
+
+
 def rank_info(tp_rank: int, tp_size: int = 4, **changes: Any) -> PrefillRankInfo:
     fields: dict[str, Any] = {
         "tp_rank": tp_rank,

@@ -22,6 +22,13 @@ from trio_pd._bootstrap import BootstrapServer, open_bootstrap_server
 from trio_pd._bootstrap_client import PrefillRankInfo
 from trio_pd._errors import ConfigurationError
 
+
+@pytest.fixture(autouse=True)
+def _open_service_on_purpose(insecure: None) -> None:
+    """Raw requests at the service's HTTP mechanics: it runs open, explicitly. Its
+    authentication is tests/test_auth.py's."""
+
+
 #: the request deadline the tests' servers get (seconds)
 DEADLINE = 1.0
 #: how late after the deadline a close may come (a loaded 2-core machine)

@@ -28,6 +28,7 @@ import pytest
 
 import trio_pd
 from trio_pd import KVPoll, _bench, _bootstrap, _demo, cli
+from trio_pd._bootstrap_client import TokenProof
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -254,12 +255,23 @@ def test_python_dash_m_trio_pd() -> None:
 # ------------------------------------------------------------------ commands that run
 
 
+def test_bootstrap_needs_a_shared_token_or_insecure() -> None:
+    """``trio-pd bootstrap`` serves other processes: it makes no token of its own. Without
+    ``TRIO_PD_TOKEN`` it refuses to start, naming the variable and ``--insecure``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRIO_PD_TOKEN", "TRIO_PD_SECURE")}
+    done = subprocess.run(_cli("bootstrap", "--port", "0"), capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode == 2, done
+    assert "TRIO_PD_TOKEN" in done.stderr and "--insecure" in done.stderr, done.stderr
+
+
 def test_bootstrap_metrics() -> None:
     # (-X faulthandler: a process that outlives its Ctrl-C shows its threads' stacks below)
     argv = [sys.executable, "-X", "faulthandler", *_cli("bootstrap", "--port", "0",
                                                           "--metrics")[1:]]
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
+    env = {**os.environ, "TRIO_PD_TOKEN": "cli-test-token"}
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as proc:
         try:
             assert proc.stdout is not None
             url = proc.stdout.readline().strip()
@@ -345,6 +357,20 @@ def _bootstrap_url(kids: dict[int, int]) -> str | None:
     return None
 
 
+def _cluster_token(kids: dict[int, int]) -> str:
+    """The cluster token the demo gave its processes (``TRIO_PD_TOKEN`` in their
+    environment: never on a command line)."""
+    for pid in kids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith(b"TRIO_PD_TOKEN="):
+                return entry.split(b"=", 1)[1].decode()
+    raise AssertionError("no rank process holds TRIO_PD_TOKEN")
+
+
 @pytest.mark.parametrize(
     "signals", [("SIGINT", "SIGINT"), ("SIGTERM",), ("SIGKILL",)],
     ids=["ctrl-c-twice", "sigterm", "sigkill"],
@@ -372,7 +398,8 @@ def test_no_child_outlives_the_demo_however_it_is_stopped(signals: tuple[str, ..
             time.sleep(0.1)
             kids = _children(proc.pid)
             url = _bootstrap_url(kids)
-        while httpx.get(url + "/route", timeout=10).status_code != 200:  # prefill serves
+        proof = TokenProof(_cluster_token(kids))  # (security is on: the demo's own token)
+        while httpx.get(url + "/route", timeout=10, auth=proof).status_code != 200:
             assert time.monotonic() < deadline, "the prefill rank did not register"
             time.sleep(0.1)
         assert proc.stderr is not None

@@ -69,6 +69,30 @@ def _frees_on_failed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(sglang.DEFERRED_RELEASE_ENV, "0")
 
 
+@pytest.fixture(autouse=True)
+def _cluster_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Security is on, and SGLang's processes share the token through the environment:
+    so do these tests (one process here, but the adapter asks for it as for several)."""
+    monkeypatch.setenv("TRIO_PD_TOKEN", "sglang-test-cluster-token")
+    monkeypatch.delenv("TRIO_PD_SECURE", raising=False)
+
+
+def test_sglang_without_a_shared_token_says_how_to_share_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's bootstrap service, prefill and decode ranks are separate processes: a token
+    made in one is known to no other, so without ``TRIO_PD_TOKEN`` (or security turned
+    off explicitly) the adapter refuses at once, naming the variable."""
+    monkeypatch.delenv("TRIO_PD_TOKEN")
+    with pytest.raises(trio_pd.ConfigurationError, match="TRIO_PD_TOKEN"):
+        KVBootstrapServer("127.0.0.1", 0)
+    assert sglang.shared_token_problem({}, "x") is not None
+    assert sglang.shared_token_problem({"token": "t"}, "x") is None
+    assert sglang.shared_token_problem({"secure": False}, "x") is None
+    monkeypatch.setenv("TRIO_PD_SECURE", "0")
+    assert sglang.shared_token_problem({}, "x") is None
+
+
 def _abort_as_sglang(handle: Any) -> None:
     handle.abort()  # (SGLang's schedulers call abort() with no reason)
 

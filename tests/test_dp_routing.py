@@ -44,11 +44,13 @@ from trio_pd._bootstrap_client import (
     BootstrapClient,
     DpRoom,
     PrefillRankInfo,
+    TokenProof,
     dp_url,
 )
 from trio_pd._decode import DecodeReceiver
 from trio_pd._errors import ConfigurationError, NotReady
 from trio_pd._prefill import PrefillSender
+from trio_pd._security import default_token
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import (
     DEST_POISON,
@@ -207,8 +209,10 @@ async def finish(c: Cluster, r: Room) -> None:
 
 
 def http(c: Cluster, token: str | None = None) -> httpx.AsyncClient:
-    headers = {} if token is None else {"authorization": f"Bearer {token}"}
-    return httpx.AsyncClient(base_url=c.url, trust_env=False, headers=headers)
+    """Raw requests to the cluster's service, proving ``token`` (left out: the one the
+    service took by default, security being on)."""
+    auth = TokenProof(token or default_token() or "")
+    return httpx.AsyncClient(base_url=c.url, trust_env=False, auth=auth)
 
 
 # ------------------------------------------------------------------------------ routing
@@ -414,7 +418,9 @@ async def test_bad_and_oversized_dp_requests_are_refused() -> None:
                 await client.register_dp_rooms(0, [DpRoom(1)])
         await registered(boot)
         rooms = [{"room": i} for i in range(MAX_DP_BATCH + 1)]
-        async with httpx.AsyncClient(base_url=boot.url, trust_env=False) as h:
+        async with httpx.AsyncClient(
+            base_url=boot.url, trust_env=False, auth=TokenProof(default_token() or "")
+        ) as h:
             cases = {
                 ("/register_dp_rank", json.dumps({"dp_rank": 0, "rooms": rooms})): 413,
                 ("/query_dp_ranks", json.dumps({"rooms": rooms})): 413,
@@ -555,7 +561,9 @@ async def test_topology_per_dp_rank() -> None:
                                                      endpoint="tcp://127.0.0.1:5001"))
         assert (await plain.topology()).ranks[1].endpoint == "tcp://127.0.0.1:5001"
         assert boot.statistics().ready and boot.statistics().registered_ranks == 4
-        async with httpx.AsyncClient(base_url=boot.url, trust_env=False) as h:
+        async with httpx.AsyncClient(
+            base_url=boot.url, trust_env=False, auth=TokenProof(default_token() or "")
+        ) as h:
             assert (await h.get("/route", params={"dp_rank": "2"})).status_code == 404
             assert (await h.get("/route", params={"dp_rank": "-1"})).status_code == 400
             body = msgspec.json.encode(msgspec.structs.replace(info, dp_size=4))
@@ -589,6 +597,7 @@ def test_sglang_dp_attention_prefill_managers_route_by_the_bootstrap_service(
     ``enable_dp_attention``: prefill managers of ``engine_rank`` 0 and 1 are DP ranks 0 and 1
     (attention TP 1, rank 0 each) behind one bootstrap service. A request on DP rank 1
     reaches the decode manager (which names no DP rank), bytes and metadata verified."""
+    monkeypatch.setenv("TRIO_PD_TOKEN", "dp-sglang-test-token")  # (as SGLang's processes)
     monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
     from trio_pd.compat.sglang import KVBootstrapServer, KVManager, KVReceiver, KVSender
 
@@ -632,6 +641,7 @@ def test_sglang_system_dp_prefill_manager_registers_its_dp_rank(
     manager's DP rank is ``KVArgs.system_dp_rank``, registered with the bootstrap service. A
     system DP rank is still refused where it means nothing to trio_pd (prefill with
     ``dp_size`` 1; decode)."""
+    monkeypatch.setenv("TRIO_PD_TOKEN", "dp-sglang-test-token")  # (as SGLang's processes)
     monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
     from trio_pd.compat.sglang import KVBootstrapServer, KVManager
 

@@ -243,7 +243,7 @@ async def test_ipv6_end_to_end(engine_name: str, secure: bool) -> None:
     pe, de = make_engine(engine_name), make_engine(engine_name)
     try:
         async with (
-            open_bootstrap_server(host="::1", token=token) as boot,
+            open_bootstrap_server(host="::1", token=token, secure=secure) as boot,
             open_prefill(engine=pe, pool=src.spec, bootstrap_url=boot.url, host="::1",
                          kv_heads=2, token=token, secure=secure) as prefill,
             open_decode(engine=de, pool=dst.spec, host="::1", token=token,

@@ -124,7 +124,7 @@ class BenchOptions:
     batch_blocks: int = PrefillConfig().batch_blocks
     seed: int = 0
     #: authentication on (CURVE control plane, a cluster token; docs/security.md)
-    secure: bool = False
+    secure: bool = True
     #: "default": the phases above; "peer": only the peer preset (:func:`run_peer`)
     preset: str = "default"
     #: where every phase's KV pools and aux buffers live: host memory, or CUDA device 0
@@ -483,7 +483,7 @@ async def _open_pair(
     timed: bool = False,
 ) -> _Pair:
     token = secrets.token_urlsafe(24) if opts.secure else None
-    auth: dict[str, Any] = {"token": token, "secure": True if opts.secure else None}
+    auth: dict[str, Any] = {"token": token, "secure": opts.secure}
     server = await stack.enter_async_context(open_bootstrap_server(**auth))
     pre_engine, dec_engine = make_engine(opts.engine), make_engine(opts.engine)
     stack.callback(dec_engine.close)  # closed last, once no agent moves bytes

@@ -68,9 +68,23 @@ stage ``s``'s last layer, and no two stages overlap (``409`` naming both stages 
     Prometheus text format, only for a server created with a ``metrics_registry``;
     ``404`` otherwise.
 
-With a cluster token (``token=`` or ``TRIO_PD_TOKEN``; required outside loopback), both
-``/route`` requests and both DP-rank requests need ``Authorization: Bearer <token>``:
-``401`` without it (counted ``unauthorized``; the body is not read).
+``GET /key?key=K``
+    ``{"vouched": true}`` when a decode rank announced CURVE key K (``GET /route?key=K``,
+    with the token): prefill ranks ask it before they admit a control connection.
+
+``GET /nonce``
+    ``200``, with a fresh nonce in ``x-trio-pd-nonce`` (as every answer of a service with a
+    token has).
+
+With a cluster token (the default: ``token=``, ``TRIO_PD_TOKEN``, or the process's own), both
+``/route`` requests, ``/key`` and both DP-rank requests need a proof of it, never the token
+itself: ``Authorization: TRIO-PD-HMAC <nonce> <proof>``, the proof an HMAC-SHA256 under the
+token of a nonce this service issued (under ``NONCE_TTL`` ago), the method, the target and
+the body's digest (``_security.request_mac``). ``401`` without a valid one (counted
+``unauthorized``; the body is not read when the nonce is not ours), or for a proof already
+taken (a replay, counted ``replayed``). Every answer to those paths carries
+``x-trio-pd-answer``, the service's proof over the request's nonce, the status and the
+body (``_security.answer_mac``), which clients check.
 ``certfile``/``keyfile`` serve https. See docs/security.md.
 
 Any other path is ``404``; a known path with the wrong method is ``405``. Error replies are
@@ -96,11 +110,14 @@ deadline), so port ``0`` works and the listening socket is closed when the serve
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import math
+import os
 import re
 import socket
+import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
@@ -141,7 +158,15 @@ from ._bootstrap_client import (
 )
 from ._errors import BootstrapError, ConfigurationError, one_error
 from ._probe import port_refuses
-from ._security import resolve
+from ._security import (
+    ANSWER_HEADER,
+    AUTH_SCHEME,
+    NONCE_HEADER,
+    STALE_HEADER,
+    answer_mac,
+    request_mac,
+    resolve,
+)
 
 __all__ = [
     "BootstrapServer",
@@ -167,6 +192,12 @@ REQUEST_TIMEOUT: Final = 5.0
 #: Default ``max_connections``: connections open at once (well below the common file
 #: descriptor limit of 1,024 a process gets).
 MAX_CONNECTIONS: Final = 512
+
+#: Seconds a nonce the service issued may be used in (once) for a request's proof.
+NONCE_TTL: Final = 30.0
+#: Most nonces remembered as used at once (each until it expires): requests proven within
+#: NONCE_TTL beyond it are answered 401 until some expire.
+MAX_USED_NONCES: Final = 262_144
 
 #: how long a replacement's probe of the old rank's endpoint may take (see _put_route_guarded)
 _REPLACE_PROBE_TIMEOUT: Final = 1.0
@@ -446,6 +477,9 @@ class BootstrapStatistics:
     ready: bool
     #: ``401`` answers: a ``/route`` request without the cluster token, or with another
     unauthorized: int = 0
+    #: ``401`` answers to a request whose proof had been used already (a captured request
+    #: replayed); also counted in ``unauthorized``
+    replayed: int = 0
     #: ``409`` answers to a ``PUT /route`` for a rank registered under another control key
     #: whose endpoint still accepts connections (a squat of a live rank)
     refused_replacements: int = 0
@@ -554,10 +588,14 @@ class _MetricsCollector(Collector):
 
 _ROUTE_METHODS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({
     "/route": ("GET", "PUT"), "/register_dp_rank": ("POST",), "/query_dp_ranks": ("POST",),
-    "/health": ("GET",), "/metrics": ("GET",),
+    "/key": ("GET",), "/nonce": ("GET",), "/health": ("GET",), "/metrics": ("GET",),
 })
 #: the paths that need the cluster token (when the service has one)
-_AUTHENTICATED: Final = frozenset({"/route", "/register_dp_rank", "/query_dp_ranks"})
+_AUTHENTICATED: Final = frozenset({"/route", "/register_dp_rank", "/query_dp_ranks", "/key"})
+#: Most decode control keys the service vouches for at once (``GET /route?key=``); past it
+#: the least recently announced is forgotten.
+MAX_VOUCHED_KEYS: Final = 65_536
+_Z85_KEY: Final = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
 #: the requests whose body is read (bounded: MAX_BODY_BYTES)
 _WITH_BODY: Final = frozenset(
     {("PUT", "/route"), ("POST", "/register_dp_rank"), ("POST", "/query_dp_ranks")}
@@ -584,10 +622,27 @@ class _Reply:
 _TOO_LARGE: Final = _Reply.error(
     413, f"request body over {MAX_BODY_BYTES} bytes", headers=((b"connection", b"close"),)
 )
-_UNAUTHORIZED: Final = _Reply.error(
-    401, "this bootstrap service needs the cluster token (Authorization: Bearer ...)",
-    headers=((b"www-authenticate", b"Bearer"), (b"connection", b"close")),
-)
+_STALE_NONCE: Final = "unknown or expired nonce"
+
+
+def _presented_nonce(scope: HTTPScope) -> str:
+    """The nonce a request's ``Authorization`` names, valid or not ("" for none)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            parts = value.decode("latin-1").split(" ")
+            if len(parts) == 3 and parts[0] == AUTH_SCHEME and len(parts[1]) <= 80:
+                return parts[1]
+    return ""
+
+
+def _unauthorized(why: str) -> _Reply:
+    headers = [(b"www-authenticate", AUTH_SCHEME.encode("ascii")), (b"connection", b"close")]
+    if why == _STALE_NONCE:  # (the client may retry once, with the nonce of this answer)
+        headers.append((STALE_HEADER.encode("ascii"), b"1"))
+    return _Reply.error(
+        401, f"this bootstrap service needs a proof of the cluster token: {why}",
+        headers=tuple(headers),
+    )
 _SHUTTING_DOWN: Final = _Reply.error(
     503, "bootstrap server shutting down", headers=((b"connection", b"close"),)
 )
@@ -708,12 +763,19 @@ class BootstrapServer:
         self._timed_out = 0
         self._shed = 0
         self._metrics_registry = metrics_registry
-        #: what ``Authorization`` must be on every /route request (None: not checked)
-        self._authorization = None if token is None else f"Bearer {token}".encode()
+        #: the cluster token every /route request must prove (None: not checked)
+        self._token = token
+        #: the key of the nonces this service issues (stateless: a nonce carries its issue
+        #: time and a tag under this key), and the nonces used, until they expire
+        self._nonce_key = os.urandom(32)
+        self._used_nonces: OrderedDict[str, float] = OrderedDict()
+        self._replayed = 0
         self._tls = tls
         self._unauthorized = 0
         self._refused_replacements = 0
         self._table = _RankTable()
+        #: decode ranks' CURVE keys announced with GET /route (LRU, MAX_VOUCHED_KEYS)
+        self._vouched: OrderedDict[str, None] = OrderedDict()
         self._dp_rooms = _DpRooms(max_entries=max_dp_rooms, ttl=dp_room_ttl)
         self._dp_registered = 0
         self._dp_unknown = 0
@@ -735,6 +797,7 @@ class BootstrapServer:
             tp_size=self._table.tp_size,
             ready=self._table.complete,
             unauthorized=self._unauthorized,
+            replayed=self._replayed,
             refused_replacements=self._refused_replacements,
             timed_out_connections=self._timed_out,
             shed_connections=self._shed,
@@ -768,13 +831,72 @@ class BootstrapServer:
         self._connections.add(connection)
         return connection
 
-    def _authorized(self, scope: HTTPScope) -> bool:
-        """Does the request carry the cluster token (or is none required)? Compared in
-        constant time (:func:`hmac.compare_digest`)."""
-        if self._authorization is None:
-            return True
+    def issue_nonce(self) -> str:
+        """A fresh nonce: its issue time (ms, monotonic), 8 random bytes and a tag under a
+        key of this service; checked without any state (:meth:`_nonce_fresh`)."""
+        stamp = f"{int(time.monotonic() * 1000):x}.{os.urandom(8).hex()}"
+        tag = hmac.new(self._nonce_key, stamp.encode("ascii"), hashlib.sha256).hexdigest()
+        return f"{stamp}.{tag[:32]}"
+
+    def _nonce_fresh(self, nonce: str) -> float | None:
+        """When ``nonce`` (one of ours, issued under :data:`NONCE_TTL` ago) expires; None
+        if it is not one of ours or too old."""
+        parts = nonce.split(".")
+        if len(parts) != 3 or len(nonce) > 80:
+            return None
+        stamp = f"{parts[0]}.{parts[1]}"
+        tag = hmac.new(self._nonce_key, stamp.encode("ascii"), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(tag[:32], parts[2]):
+            return None
+        try:
+            issued = int(parts[0], 16) / 1000
+        except ValueError:
+            return None
+        expires = issued + NONCE_TTL
+        return expires if issued <= time.monotonic() < expires else None
+
+    def _claim(self, scope: HTTPScope) -> tuple[str, str] | str:
+        """The (nonce, proof) an authenticated request presents, or why it is refused
+        before its body is read: no proof, or a nonce not ours, or expired."""
         given = [value for name, value in scope["headers"] if name == b"authorization"]
-        return len(given) == 1 and hmac.compare_digest(given[0], self._authorization)
+        if len(given) != 1:
+            return "no Authorization header"
+        parts = given[0].decode("latin-1").split(" ")
+        if len(parts) != 3 or parts[0] != AUTH_SCHEME:
+            return f"Authorization must be {AUTH_SCHEME} <nonce> <proof>"
+        if self._nonce_fresh(parts[1]) is None:
+            return _STALE_NONCE
+        return parts[1], parts[2]
+
+    def _check_proof(
+        self, scope: HTTPScope, claim: tuple[str, str], body: bytes
+    ) -> str | None:
+        """Why the request's proof fails (None: it holds). A proof is taken once: its nonce
+        is remembered until it expires (at most :data:`MAX_USED_NONCES`; only holders of
+        the token can add to them), so a captured request replayed is refused."""
+        assert self._token is not None
+        nonce, proof = claim
+        target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"]
+                                      else b"")
+        want = request_mac(self._token, nonce, scope["method"], target, body)
+        if not hmac.compare_digest(want, proof):
+            return "the proof does not verify"
+        now = time.monotonic()
+        while self._used_nonces:
+            first, expires = next(iter(self._used_nonces.items()))
+            if expires > now:
+                break
+            del self._used_nonces[first]
+        if nonce in self._used_nonces:
+            self._replayed += 1
+            logger.warning("bootstrap: refused a replayed request (%s %s)",
+                           scope["method"], scope["path"])
+            return "a replayed request"
+        if len(self._used_nonces) >= MAX_USED_NONCES:
+            return "too many requests in flight; retry"
+        until = self._nonce_fresh(nonce)
+        self._used_nonces[nonce] = now if until is None else until
+        return None
 
     def _begin_shutdown(self) -> None:
         """Stop waiting for request bodies: such requests are answered 503 at once, so
@@ -824,16 +946,22 @@ class BootstrapServer:
         path = scope["path"]
         method_label = method if method in _STANDARD_METHODS else "<other>"
         route_label = path if path in _ROUTE_METHODS else "<other>"
-        authorized = path not in _AUTHENTICATED or self._authorized(scope)
+        # (the token's proof: the nonce is checked before the body is read, the proof after)
+        claim: tuple[str, str] | str | None = None
+        if path in _AUTHENTICATED and self._token is not None:
+            claim = self._claim(scope)
         body: bytes | _Reply | None = None
-        if authorized and (method, path) in _WITH_BODY:
+        if not isinstance(claim, str) and (method, path) in _WITH_BODY:
             body = await self._read_body(scope, receive)  # (under the request deadline)
             if body is None:
                 return  # the client went away before sending its whole request
         with connection.answering():  # the request is whole: no deadline while we answer
-            if not authorized:
+            refusal = claim if isinstance(claim, str) else None
+            if isinstance(claim, tuple) and not isinstance(body, _Reply):
+                refusal = self._check_proof(scope, claim, body or b"")
+            if refusal is not None:
                 await trio.lowlevel.checkpoint()
-                reply = _UNAUTHORIZED  # the body, if any, is never read
+                reply = _unauthorized(refusal)  # (a body, if any, was not read)
             elif isinstance(body, _Reply):
                 reply = body
             elif body is not None and path == "/route":
@@ -853,6 +981,17 @@ class BootstrapServer:
                 (b"content-length", str(len(reply.body)).encode("ascii")),
                 *reply.headers,
             ]
+            if self._token is not None:
+                # a fresh nonce for the client's next request, and the answer's proof,
+                # bound to the request's nonce (every answer to a path that needs the token)
+                fresh = self.issue_nonce()
+                headers.append((NONCE_HEADER.encode("ascii"), fresh.encode("ascii")))
+                if path in _AUTHENTICATED:
+                    # (bound to the nonce the request presented, even one refused: so the
+                    # client can tell our 401 from an answer forged on the way)
+                    nonce = claim[0] if isinstance(claim, tuple) else _presented_nonce(scope)
+                    proof = answer_mac(self._token, nonce, reply.status, reply.body, fresh)
+                    headers.append((ANSWER_HEADER.encode("ascii"), proof.encode("ascii")))
             await send(
                 {"type": "http.response.start", "status": reply.status, "headers": headers}
             )
@@ -871,8 +1010,12 @@ class BootstrapServer:
             )
         if path == "/route":
             return self._get_route(scope["query_string"])
+        if path == "/key":
+            return self._get_key(scope["query_string"])
         if path == "/health":
             return _Reply(200, b"OK", content_type=_TEXT)
+        if path == "/nonce":  # (every answer carries one; this one only that)
+            return _Reply(200, b'{"ok":true}')
         return self._get_metrics()
 
     async def _read_body(
@@ -968,9 +1111,14 @@ class BootstrapServer:
             )
         except (UnicodeDecodeError, ValueError):
             return _Reply.error(400, "unparseable query string")
-        unknown = sorted(set(query) - {"tp_rank", "dp_rank", "pp_rank"})
+        unknown = sorted(set(query) - {"tp_rank", "dp_rank", "pp_rank", "key"})
         if unknown:
             return _Reply.error(400, f"unknown query parameter(s): {', '.join(unknown)}")
+        if "key" in query:
+            keys = query["key"]
+            if len(keys) != 1 or not _Z85_KEY.fullmatch(keys[0]):
+                return _Reply.error(400, "key must be one CURVE public key in z85")
+            self._vouch(keys[0])
         tp_rank = -1
         if "tp_rank" in query:
             values = query["tp_rank"]
@@ -1017,6 +1165,28 @@ class BootstrapServer:
         if tp_rank == -1:
             return _Reply(200, msgspec.json.encode(topology))
         return _Reply(200, msgspec.json.encode(topology.stage(pp_rank)[tp_rank]))
+
+    def _vouch(self, key: str) -> None:
+        """A decode rank that reads a route with the token announces its CURVE key: from
+        then on the service vouches for it (``GET /key``), so that prefill ranks admit its
+        control connections (docs/security.md). Bounded, least recently announced first
+        out."""
+        self._vouched.pop(key, None)
+        while len(self._vouched) >= MAX_VOUCHED_KEYS:
+            self._vouched.popitem(last=False)
+        self._vouched[key] = None
+
+    def _get_key(self, query_string: bytes) -> _Reply:
+        """``GET /key?key=K``: ``{"vouched": true}`` when a decode rank announced K."""
+        try:
+            query = parse_qs(query_string.decode("ascii"), strict_parsing=True)
+        except (UnicodeDecodeError, ValueError):
+            return _Reply.error(400, "unparseable query string")
+        keys = query.get("key", [])
+        if set(query) != {"key"} or len(keys) != 1 or not _Z85_KEY.fullmatch(keys[0]):
+            return _Reply.error(400, "GET /key takes one key, a CURVE public key in z85")
+        vouched = keys[0] in self._vouched
+        return _Reply(200, b'{"vouched":true}' if vouched else b'{"vouched":false}')
 
     def _dp_request(self, path: str, body: bytes) -> _Reply:
         """``POST /register_dp_rank`` or ``POST /query_dp_ranks`` (DP attention; see the
@@ -1334,10 +1504,11 @@ async def serve_bootstrap(
 ) -> None:
     """Serve the bootstrap service on ``host:port`` until cancelled.
 
-    ``token`` (left out: ``TRIO_PD_TOKEN``) is the cluster token every ``/route`` request
-    must carry as ``Authorization: Bearer <token>`` (``401`` otherwise; ``/health`` and
-    ``/metrics`` stay open). Outside loopback it is required (``secure=None``), unless
-    ``secure=False`` is passed; ``secure=True`` requires it on loopback too. ``certfile`` and
+    ``token`` (left out: ``TRIO_PD_TOKEN``, else, on loopback, this process's own) is the
+    cluster token every ``/route`` request must prove (an HMAC over a one-time nonce and the
+    request; ``401`` otherwise; ``/health``, ``/nonce`` and ``/metrics`` stay open). It is
+    required unless ``secure=False`` (or ``TRIO_PD_SECURE=0``) turns it off, explicitly and
+    logged; off loopback, with no token, :class:`~trio_pd.ConfigurationError`. ``certfile`` and
     ``keyfile`` (PEM) make it serve https (hypercorn's TLS); the server's ``url`` then says
     ``https://``. See docs/security.md.
 

@@ -16,12 +16,14 @@ prefill DP rank creates; :meth:`BootstrapClient.query_dp_ranks` asks it.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import os
 import re
 import socket
 import ssl
+import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -42,6 +44,15 @@ from ._errors import (
     UnknownRank,
 )
 from ._memory import DTYPE_PATTERN, UNKNOWN_DTYPE
+from ._security import (
+    ANSWER_HEADER,
+    AUTH_SCHEME,
+    NONCE_HEADER,
+    STALE_HEADER,
+    answer_mac,
+    default_token,
+    request_mac,
+)
 from ._wire import MAX_STATES, StateWire
 
 __all__ = [
@@ -303,11 +314,78 @@ def _phrase(status: int) -> str:
         return ""
 
 
+#: the service's paths that need no proof of the token
+OPEN_PATHS: Final = frozenset({"/health", "/metrics", "/nonce"})
+
+
+class TokenProof(httpx.Auth):
+    """httpx authentication that proves the cluster token without sending it
+    (docs/security.md): each request to a path that needs the token carries
+    ``Authorization: TRIO-PD-HMAC <nonce> <proof>``, :func:`~trio_pd._security.request_mac`
+    over a one-time nonce the service issued, the method, the target and the body.
+
+    Nonces come from the service's answers (each hands out a fresh one) and, when none is
+    left, from ``GET /nonce``; at most :data:`KEEP` are kept, each used only within
+    :data:`MAX_AGE` seconds of its arrival (the service takes it for 30). An answer ``401``
+    that says the nonce was stale (:data:`~trio_pd._security.STALE_HEADER`: expired, or
+    issued by a service since restarted) is retried once with the nonce it handed out.
+    """
+
+    requires_request_body = True
+    KEEP = 16
+    MAX_AGE = 10.0
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._nonces: deque[tuple[str, float]] = deque(maxlen=self.KEEP)
+
+    def keep(self, response: httpx.Response) -> None:
+        """Keep the nonce ``response`` hands out, if any."""
+        nonce = response.headers.get(NONCE_HEADER)
+        if nonce:
+            self._nonces.append((nonce, time.monotonic()))
+
+    def _take(self) -> str | None:
+        while self._nonces:
+            nonce, at = self._nonces.pop()
+            if time.monotonic() - at < self.MAX_AGE:
+                return nonce
+        return None
+
+    def _sign(self, request: httpx.Request, nonce: str) -> None:
+        proof = request_mac(
+            self.token, nonce, request.method, request.url.raw_path, request.content
+        )
+        request.headers["authorization"] = f"{AUTH_SCHEME} {nonce} {proof}"
+
+    def auth_flow(self, request: httpx.Request) -> Any:
+        if request.url.path in OPEN_PATHS:
+            yield request
+            return
+        nonce = self._take()
+        if nonce is None:
+            fetch = httpx.Request("GET", request.url.copy_with(path="/nonce", query=None))
+            answer = yield fetch
+            self.keep(answer)
+            nonce = self._take() or ""
+        self._sign(request, nonce)
+        response = yield request
+        if response.status_code == 401 and response.headers.get(STALE_HEADER):
+            fresh = response.headers.get(NONCE_HEADER)
+            if fresh:  # (its nonce may have expired, or been taken by an earlier try)
+                self._sign(request, fresh)
+                response = yield request
+        self.keep(response)
+
+
 class BootstrapClient:
     """Talks to one bootstrap service at ``url`` (``"http://10.0.0.5:8998"``, or
     ``https://`` for a service given a certificate).
 
-    ``token`` is the cluster token, sent with every request (docs/security.md); ``verify``
+    ``token`` is the cluster token, proven (never sent) with every request that needs it,
+    and every answer to one is checked under it (docs/security.md); left out, it is
+    ``TRIO_PD_TOKEN``, or this process's own (what a service of this process made without a
+    token requires), or none with ``TRIO_PD_SECURE=0``; ``""`` is none. ``verify``
     is httpx's: True (the system's CA bundle), False, an :class:`ssl.SSLContext`, or the
     path of a CA bundle to trust (for a self-signed service).
 
@@ -335,16 +413,21 @@ class BootstrapClient:
         plain = httpx.URL(self.url).scheme == "http"
         if isinstance(verify, str):  # a CA bundle (a self-signed service's certificate)
             verify = ssl.create_default_context(cafile=verify)
-        #: the cluster token, sent as ``Authorization: Bearer`` with every request
-        headers = {} if token is None else {"authorization": f"Bearer {token}"}
+        #: the cluster token, proven (never sent) with every request that needs it, and the
+        #: key every answer to one is checked under
+        self.token = (default_token() if token is None else token) or None
+        self._proof = None if self.token is None else TokenProof(self.token)
         #: why the last :meth:`wait_ready` retried (None: it has not had to)
         self.waiting: BootstrapError | None = None
         #: the IP address the last answer came from (None: none yet): where this host
         #: reached the service, whatever name the URL gives
         self.server_address: str | None = None
+        #: a decode rank's CURVE public key (z85), announced with every route read so that
+        #: the service vouches for it to the prefill ranks (None: not announced)
+        self.announce_key: str | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=None, trust_env=False, verify=False if plain else verify,
-            headers=headers,
+            auth=self._proof,
         )
 
     def __repr__(self) -> str:
@@ -437,7 +520,21 @@ class BootstrapClient:
         return info
 
     def _dp_params(self) -> dict[str, str]:
-        return {} if self.dp_rank is None else {"dp_rank": str(self.dp_rank)}
+        params = {} if self.dp_rank is None else {"dp_rank": str(self.dp_rank)}
+        if self.announce_key is not None:
+            params["key"] = self.announce_key
+        return params
+
+    async def vouches(self, key: str) -> bool:
+        """Does the service vouch for the CURVE public key ``key`` (z85): did a decode rank
+        announce it with the token (:attr:`announce_key`)? A prefill rank admits such a
+        key's control connections (docs/security.md).
+
+        **Cancellation:** safe to cancel; nothing changes on the service.
+        """
+        response = await self._request("GET", "/key", params={"key": key})
+        answer = self._decode(response, dict[str, bool])
+        return answer.get("vouched") is True
 
     async def register_dp_rooms(self, dp_rank: int, rooms: Sequence[DpRoom]) -> None:
         """Tell the service that DP rank ``dp_rank`` holds ``rooms`` (at most
@@ -602,6 +699,8 @@ class BootstrapClient:
             ) from exc
         if body is None:
             raise too_big
+        if self.token is not None and path not in OPEN_PATHS:
+            self._check_answer(method, path, streamed, bytes(body))
         response = httpx.Response(
             streamed.status_code, headers=streamed.headers, content=bytes(body),
             request=streamed.request,
@@ -621,6 +720,25 @@ class BootstrapClient:
         if response.status_code == 404 and path == "/route":
             raise UnknownRank(message)
         raise BootstrapError(message)
+
+    def _check_answer(
+        self, method: str, path: str, streamed: httpx.Response, body: bytes
+    ) -> None:
+        """The answer must carry the service's proof of the token, bound to the nonce of
+        the request it answers (:func:`~trio_pd._security.answer_mac`): otherwise it was not
+        the cluster's service that wrote it, or it was altered on the way (a route's CURVE
+        key swapped), and it is refused whatever it says."""
+        assert self.token is not None
+        claim = streamed.request.headers.get("authorization", "").split(" ")
+        nonce = claim[1] if len(claim) == 3 else ""
+        fresh = streamed.headers.get(NONCE_HEADER, "")
+        want = answer_mac(self.token, nonce, streamed.status_code, body, fresh)
+        if not hmac.compare_digest(want, streamed.headers.get(ANSWER_HEADER, "")):
+            raise BootstrapError(
+                f"{method} {path} on bootstrap service {self.url}: the answer "
+                f"({streamed.status_code}) does not prove the cluster token (a service "
+                "without the token, or an answer altered on the way): refused"
+            )
 
     def _decode(self, response: httpx.Response, type_: type[_T]) -> _T:
         try:

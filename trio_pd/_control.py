@@ -24,9 +24,11 @@ pyzmq only clears the context's handle once the first ``term`` has returned, so 
 enter libzmq's ``zmq_ctx_term`` twice for one context.
 
 With CURVE on (``keys=``, docs/security.md) both PULL sockets are CURVE servers, a ZAP handler
-(:func:`~trio_pd._security.serve_zap`) on an inproc REP socket names every client by its
-public key, and each message is handed to the handler with that key; a PUSH socket is made
-only for an endpoint :meth:`ControlPlane.authorize` gave a key, as a CURVE client of it.
+(:func:`~trio_pd._security.serve_zap`) on an inproc ROUTER socket admits only the keys the
+plane knows (every key :meth:`ControlPlane.authorize` or :meth:`ControlPlane.admit` was
+given) or that :attr:`ControlPlane.vouch` vouches for, names every client by its public key,
+and each message is handed to the handler with that key; a PUSH socket is made only for an
+endpoint :meth:`ControlPlane.authorize` gave a key, as a CURVE client of it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import zmq
 
 from . import _wire
 from ._errors import AuthenticationError, ProtocolError, TransferError
-from ._security import ZAP_ENDPOINT, Keypair, serve_zap
+from ._security import ZAP_ENDPOINT, Keypair, Vouch, ZapGate, serve_zap
 from ._stats import Counters
 from ._timers import Timers
 from ._zmq import Socket, open_socket
@@ -128,13 +130,19 @@ class ControlPlane:
         #: they cannot push those out) reply endpoints a PING named
         self._server_keys: OrderedDict[str, bytes] = OrderedDict()
         self._reply_keys: OrderedDict[str, bytes] = OrderedDict()
+        #: keys whose clients the ZAP handler admits (LRU, at most MAX_KEYS + MAX_REPLY_KEYS):
+        #: every key :meth:`authorize` or :meth:`admit` was given
+        self._admitted: OrderedDict[bytes, None] = OrderedDict()
+        #: asked by the ZAP handler about a key not admitted (None: such a key is refused);
+        #: the prefill side asks its bootstrap service (docs/security.md)
+        self.vouch: Vouch | None = None
         self._zap: Socket | None = None
         opened: list[Socket] = []
         try:
             if keys is not None:
                 # Bound before the CURVE servers: a handshake that finds no ZAP handler is
                 # accepted without a User-Id (and its messages then dropped by _dispatch).
-                self._zap = open_socket(self._ctx, zmq.REP)
+                self._zap = open_socket(self._ctx, zmq.ROUTER)
                 opened.append(self._zap)
                 self._zap.bind(ZAP_ENDPOINT)
             bind = f"tcp://{_wire.bracketed(host)}:*"
@@ -263,6 +271,28 @@ class ControlPlane:
         while len(table) >= bound:
             table.popitem(last=False)
         table[endpoint] = raw
+        self._admit(raw)
+
+    def admit(self, key: str) -> None:
+        """With CURVE on, let the holder of ``key`` (z85) hold a session with our sockets
+        (the ZAP handler's allow-list; :meth:`authorize` admits its key too). Bounded, least
+        recently admitted forgotten first. No-op with CURVE off."""
+        if self.keys is None:
+            return
+        raw = key.encode("ascii")
+        if len(raw) != 40:
+            raise AuthenticationError(f"not a z85 CURVE public key: {key!r}")
+        self._admit(raw)
+
+    def _admit(self, raw: bytes) -> None:
+        self._admitted.pop(raw, None)
+        while len(self._admitted) >= self.MAX_KEYS + self.MAX_REPLY_KEYS:
+            self._admitted.popitem(last=False)
+        self._admitted[raw] = None
+
+    def admits(self, raw: bytes) -> bool:
+        """Is the z85 key ``raw`` on the allow-list (without asking :attr:`vouch`)?"""
+        return raw in self._admitted
 
     #: seconds a connection to our sockets may take to finish its ZeroMQ handshake (CURVE's
     #: included, and the ZAP handler's answer) before libzmq closes it: what a connection
@@ -354,7 +384,8 @@ class ControlPlane:
         """
         async with trio.open_nursery() as nursery:
             if self._zap is not None:
-                nursery.start_soon(serve_zap, self._zap, self._counters)
+                gate = ZapGate(self._counters, self.admits, self.vouch)
+                nursery.start_soon(serve_zap, self._zap, gate)
                 nursery.start_soon(self._serve_curve, self._pull, handle)
                 nursery.start_soon(self._serve_curve, self._ping_pull, handle)
                 return

@@ -334,7 +334,7 @@ class DecodeAgent:
         #: DP attention: which prefill DP rank holds a room the caller did not say
         self.router: DpRouter[_Room] = DpRouter(
             sources=self.sources, timers=self.timers, counters=self.counters,
-            bootstrap_timeout=config.bootstrap_timeout, token=self.security.token,
+            bootstrap_timeout=config.bootstrap_timeout, token=self.security.token or "",
             on_routed=self._routed, on_failed=self._fail,
         )
         #: rooms whose pages are held for a drain (failed, named to a prefill rank)
@@ -755,10 +755,11 @@ async def open_decode(
     until the block exits.
 
     Authentication (docs/security.md), as for :func:`~trio_pd.open_prefill`: ``token`` (left
-    out: ``TRIO_PD_TOKEN``) is sent to every bootstrap service and proves each REGISTER;
-    ``secure`` (None: on when ``host`` is not loopback) turns on CURVE and the identity
-    checks, and then needs the token. A prefill instance whose ranks publish no CURVE key
-    (authentication off there) fails this rank's rooms with
+    out: ``TRIO_PD_TOKEN``, else, on loopback, this process's own) is proven to every
+    bootstrap service and proves each REGISTER; ``secure`` (None: on, as True; False or
+    ``TRIO_PD_SECURE=0``: off, logged) turns on CURVE and the identity checks. A prefill
+    instance whose ranks publish no CURVE key (authentication off there) fails this rank's
+    rooms with
     :class:`~trio_pd.IncompatiblePeer` when secure, and likewise the other way round.
 
     ``kv_heads``, when given, is checked against the pool as for :func:`open_prefill`

@@ -89,10 +89,10 @@ class DemoOptions:
     seed: int = 0
     #: a request not terminal this long after it started counts as hung
     request_bound: float = 60.0
-    #: authentication on (docs/security.md): CURVE on the control plane, the REGISTER
-    #: proofs and identity checks, and a random cluster token for the bootstrap service.
-    #: Off, the loopback demo runs open (and says so)
-    secure: bool = False
+    #: authentication (docs/security.md), on unless turned off (``--insecure``): CURVE on the
+    #: control plane, the REGISTER proofs and identity checks, and a random cluster token
+    #: for the bootstrap service. Off, every agent logs one warning line saying so
+    secure: bool = True
     #: pages handed out in a random order on each side (a random page layout: a request's
     #: pages lie scattered over the pool) instead of the allocator's first-free order,
     #: whose runs the planner merges into a few large blocks
@@ -581,7 +581,7 @@ async def run_prefill_rank(
             tp_size=opts.prefill_tp, kv_heads=opts.kv_heads if opts.layout == "mha" else 1,
             config=PrefillConfig(bootstrap_timeout=opts.request_bound,
                                  quarantine_fence=opts.quarantine_fence),
-            token=token, secure=True if opts.secure else None,
+            token=token, secure=opts.secure,
             dp_rank=dp, dp_size=opts.prefill_dp,
             pp_rank=pp, pp_size=opts.prefill_pp, first_layer=first_layer,
         ) as agent:
@@ -687,7 +687,7 @@ async def run_decode_rank(
         async with open_decode(
             engine=engine, pool=pool.spec, tp_rank=rank, tp_size=opts.decode_tp,
             config=DecodeConfig(waiting_timeout=opts.request_bound),
-            token=token, secure=True if opts.secure else None,
+            token=token, secure=opts.secure,
         ) as agent:
 
             async def one(req: Request) -> None:
@@ -1053,7 +1053,7 @@ async def run_in_process(
 
     async def ranks() -> None:
         async with (
-            open_bootstrap_server(token=token, secure=True if opts.secure else None) as server,
+            open_bootstrap_server(token=token, secure=opts.secure) as server,
             trio.open_nursery() as nursery,
         ):
             nursery.start_soon(side, prefill_scope, [
@@ -1149,7 +1149,8 @@ async def run_processes(
     spawn = partial(trio.lowlevel.open_process, stdout=subprocess.PIPE, env=env,
                     process_group=0, pass_fds=lifeline.pass_fds)
     try:
-        boot = await spawn([*exe, "bootstrap", "--port", "0"])
+        boot = await spawn([*exe, "bootstrap", "--port", "0",
+                            *(() if opts.secure else ("--insecure",))])
     except BaseException:
         lifeline.close()
         raise

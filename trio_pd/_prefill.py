@@ -837,9 +837,11 @@ async def open_prefill(
     register with the bootstrap service, and serve until the block exits.
 
     Authentication (docs/security.md): ``token`` is the cluster token (left out:
-    ``TRIO_PD_TOKEN``), sent to the bootstrap service. ``secure`` turns on CURVE and the
-    identity checks: None turns them on when ``host`` is not loopback, True always, False
-    never; on, a missing token raises :class:`~trio_pd.ConfigurationError`.
+    ``TRIO_PD_TOKEN``, else, on loopback, this process's own), proven to the bootstrap
+    service, never sent. ``secure`` None (the default) or True: CURVE and the identity
+    checks on, and a missing token off loopback raises
+    :class:`~trio_pd.ConfigurationError`; False (or ``TRIO_PD_SECURE=0``): off, explicitly,
+    logged as one warning line.
     ``bootstrap_verify`` is how an https bootstrap service's certificate is checked (see
     :class:`~trio_pd.BootstrapClient`).
 
@@ -914,7 +916,9 @@ async def open_prefill(
         await trio.to_thread.run_sync(engine.register, regions)
         registered = True
         async with (
-            BootstrapClient(bootstrap_url, token=security.token, verify=bootstrap_verify) as client,
+            BootstrapClient(
+                bootstrap_url, token=security.token or "", verify=bootstrap_verify
+            ) as client,
             trio.open_nursery() as nursery,
         ):
             # The listener, the timers and the peer registry's tasks (its probes) outlive a
@@ -923,6 +927,8 @@ async def open_prefill(
             services = [trio.CancelScope(shield=True) for _ in range(3)]
             try:
                 agent.peers.nursery = await nursery.start(serve_nursery, services[0])
+                # a decode rank's key is admitted once the bootstrap service vouches for it
+                agent.control.vouch = client.vouches
                 nursery.start_soon(serve, services[1], partial(agent.control.serve, agent._handle))
                 nursery.start_soon(serve, services[2], agent.timers.run)
                 for _ in range(config.workers):

@@ -168,7 +168,11 @@ class Sources:
         the ranks we read from."""
         t0 = time.perf_counter()
         try:
-            async with BootstrapClient(inst.url, token=self.token, verify=self.verify) as client:
+            async with BootstrapClient(
+                inst.url, token=self.token or "", verify=self.verify
+            ) as client:
+                if self.control.curve:  # (so the prefill ranks admit our connections)
+                    client.announce_key = self.control.public_key
                 try:
                     with trio.fail_after(self.bootstrap_timeout):
                         topo = await client.wait_topology()

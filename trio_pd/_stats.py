@@ -54,6 +54,9 @@ class AgentStatistics:
     #: CURVE key; a ZAP request that is not CURVE). Also counted in refused_messages
     #: when a handler refused it
     auth_refused: int = 0
+    #: authentication on: control connections refused at the handshake because nobody
+    #: vouched for their CURVE key (a stranger; also counted in auth_refused)
+    strangers_refused: int = 0
     #: prefill: engine writes completed
     engine_calls: int = 0
     #: prefill: chunks that joined the engine call of the room's chunk queued before them
@@ -170,6 +173,7 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "handler_errors": "both",
     "bad_endpoints": "both",
     "auth_refused": "both",
+    "strangers_refused": "both",
     "engine_calls": "prefill",  # the chunk runner (_chunks): only prefill writes
     "chunks_coalesced": "prefill",
     "chunks_batched": "prefill",

@@ -163,8 +163,10 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--processes", action="store_true",
                    help="bootstrap, each prefill rank and each decode rank in its own process")
     p.add_argument("--secure", action="store_true",
-                   help="authentication on: CURVE on the control plane and a random cluster "
-                        "token for the bootstrap service (docs/security.md)")
+                   help="authentication on (the default): CURVE on the control plane and a "
+                        "random cluster token for the bootstrap service (docs/security.md)")
+    p.add_argument("--insecure", action="store_true",
+                   help="authentication off, explicitly: every agent logs a warning")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     return p
 
@@ -176,6 +178,7 @@ def _options(args: argparse.Namespace) -> Any:
     given = {k: v for k, v in vars(args).items() if k in names}
     if given.get("kv_heads") is None:
         given["kv_heads"] = 1 if args.layout == "mla" else DemoOptions().kv_heads
+    given["secure"] = not args.insecure  # (on unless turned off; --secure is the default)
     return DemoOptions(**given)
 
 
@@ -201,6 +204,8 @@ def _with_progress(total: int, quiet: bool, run: Callable[[Callable[[], None]], 
 def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._demo import Interrupt, check, run_in_process, run_processes, run_sigint_aware
 
+    if args.secure and args.insecure:
+        parser.error("--secure and --insecure contradict each other")
     opts = _options(args)
     problem = opts.option_problem()
     if problem is not None:
@@ -210,8 +215,7 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(
             "security: on (CURVE control plane, random cluster token; docs/security.md)"
             if opts.secure else
-            "security: off (loopback demo runs open: no CURVE, no token; --secure turns "
-            "them on; docs/security.md)",
+            "security: OFF (--insecure: no CURVE, no token; docs/security.md)",
             flush=True,
         )
 
@@ -307,7 +311,9 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     p.add_argument("--plot", metavar="FILE",
                    help="write a PNG of the results (needs matplotlib: the plot extra)")
     p.add_argument("--secure", action="store_true",
-                   help="authentication on: CURVE control plane, cluster token")
+                   help="authentication on (the default): CURVE control plane, cluster token")
+    p.add_argument("--insecure", action="store_true",
+                   help="authentication off, explicitly (to measure what it costs)")
     return p
 
 
@@ -329,8 +335,9 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         )
     if args.coalesce_pages is not None:
         opts = replace(opts, coalesce_pages=args.coalesce_pages)
-    if args.secure:
-        opts = replace(opts, secure=True)
+    if args.secure and args.insecure:
+        parser.error("--secure and --insecure contradict each other")
+    opts = replace(opts, secure=not args.insecure)
     opts = replace(opts, device=args.device)
     problem = opts.option_problem()
     if problem is not None:
@@ -366,18 +373,29 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 1 if problems else 0
 
 
+def _say_security_warnings() -> None:
+    """Library logs are quiet (errors only) unless ``--verbose``, but security's warnings are
+    said: an agent run with security off says so (one line each), and refused strangers
+    are logged (rate-limited)."""
+    security = logging.getLogger("trio_pd.security")
+    if security.getEffectiveLevel() > logging.WARNING:
+        security.setLevel(logging.WARNING)
+
+
 def _bootstrap_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "bootstrap", parents=[common], formatter_class=_Formatter,
         help="run a bootstrap service; prints its URL",
         description="Serve the bootstrap service until Ctrl-C (exit status 130) and print its "
         "URL as the first line on stdout. The cluster token comes from TRIO_PD_TOKEN "
-        "(required off loopback; docs/security.md).",
+        "(required: the service's clients are other processes; docs/security.md).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8998, help="0: any free port")
     p.add_argument("--metrics", action="store_true",
                    help="serve the service's Prometheus metrics at GET <url>/metrics")
+    p.add_argument("--insecure", action="store_true",
+                   help="run open: no token required (logs a warning; docs/security.md)")
     return p
 
 
@@ -386,12 +404,21 @@ def _cmd_bootstrap(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
     from ._bootstrap import open_bootstrap_server
     from ._errors import BootstrapError, ConfigurationError
+    from ._security import resolve
 
     registry = CollectorRegistry() if args.metrics else None
+    secure: bool | None = False  # --insecure: the service says so itself, once
+    if not args.insecure:
+        try:  # (no token made in-process: every client of this service is another process)
+            resolve(what="trio-pd bootstrap", hosts=[args.host], token=None, secure=None,
+                    generate=False)
+        except ConfigurationError as exc:
+            parser.error(f"{exc}; or pass --insecure")
+        secure = None
 
     async def main() -> None:
         async with open_bootstrap_server(
-            args.host, args.port, metrics_registry=registry
+            args.host, args.port, metrics_registry=registry, secure=secure,
         ) as server:
             print(server.url, flush=True)
             if registry is not None:
@@ -428,6 +455,7 @@ def _cmd_worker(argv: Sequence[str]) -> int:
     quiet_engine_logs(verbose=False)  # the parent's choice, inherited, wins
     logging.basicConfig(level=logging.ERROR,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _say_security_warnings()
     opts = DemoOptions(**json.loads(args.options))
     # the parent forwards its Ctrl-C: a second one (a terminal's, reaching the rank's
     # process group too) must not cut the rank's report short; the parent kills the rank
@@ -484,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.ERROR,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    _say_security_warnings()
     handlers: dict[str, Callable[[argparse.Namespace, argparse.ArgumentParser], int]] = {
         "demo": _cmd_demo, "bench": _cmd_bench, "bootstrap": _cmd_bootstrap,
     }

@@ -42,6 +42,13 @@ from trio_pd._bootstrap_client import PrefillRankInfo
 
 from ._gen import report
 
+
+@pytest.fixture(autouse=True)
+def _open_service_on_purpose(insecure: None) -> None:
+    """Raw requests at the service's HTTP mechanics: it runs open, explicitly. Its
+    authentication is tests/test_auth.py's."""
+
+
 pytestmark = pytest.mark.fuzz
 
 SIZES = {

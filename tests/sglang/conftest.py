@@ -43,6 +43,14 @@ else:
         collect_ignore_glob = ["test_queues.py"]
 
 
+@pytest.fixture(autouse=True)
+def _cluster_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Security is on by default, and SGLang's processes share the cluster token through
+    the environment (docs/sglang.md): so do these tests."""
+    monkeypatch.setenv("TRIO_PD_TOKEN", "sglang-test-cluster-token")
+    monkeypatch.delenv("TRIO_PD_SECURE", raising=False)
+
+
 @pytest.fixture
 def sglang_runtime() -> None:
     """The test runs SGLang's own code: skipped where it does not import (only its source

@@ -92,6 +92,7 @@ from .._memory import (
     page_ids,
 )
 from .._prefill import PrefillAgent, PrefillConfig
+from .._security import SECURE_ENV, TOKEN_ENV
 from .._state import KVPoll as KVPoll
 from .._stats import AgentStatistics
 from .._topology import head_range
@@ -965,6 +966,9 @@ class KVManager(ClosesOnExit):
         #: decode: rooms SGLang's scheduler released (``clear_deferred_abort_state``) before
         #: trio_pd had proved them drained; never with the release deadline at inf
         self.released_before_drain = 0
+        problem = shared_token_problem(self._facade_kw, f"SGLang {self.mode} rank")
+        if problem is not None:
+            raise problem
         self._owns_engine = engine is None
         if engine is None:
             engine = self._make_engine(server_args, args)
@@ -1740,6 +1744,26 @@ class KVReceiver(_Handle):
         self._mgr._unhold(self)  # a room that succeeded never comes out of pop_released
 
 
+def shared_token_problem(kwargs: Mapping[str, Any], what: str) -> ConfigurationError | None:
+    """Security is on by default (docs/security.md), and SGLang runs its bootstrap service,
+    prefill ranks and decode ranks in separate processes: a token made in one process
+    (what trio_pd does for one that runs every side) is known to no other. So here the
+    token must be shared: ``token=`` (``facade_kw``) or ``TRIO_PD_TOKEN`` in the environment
+    of every process, the same secret; or security turned off explicitly (``secure=False``
+    or ``TRIO_PD_SECURE=0``, which every agent logs). The error, or None when it holds."""
+    if kwargs.get("token") or os.environ.get(TOKEN_ENV):
+        return None
+    off = os.environ.get(SECURE_ENV, "").strip().lower() in ("0", "false", "off", "no")
+    if kwargs.get("secure") is False or (kwargs.get("secure") is None and off):
+        return None
+    return ConfigurationError(
+        f"{what}: authentication is on and SGLang's processes must share the cluster "
+        f"token: set {TOKEN_ENV} to one secret in the environment of every SGLang process "
+        f"(prefill, decode, and the bootstrap service's), or {SECURE_ENV}=0 to run open "
+        "(docs/sglang.md)"
+    )
+
+
 class KVBootstrapServer(ClosesOnExit):
     """SGLang's ``KVBootstrapServer(host, port)``: trio_pd's bootstrap service
     (:func:`trio_pd.open_bootstrap_server`) on a trio thread (its own, or ``thread=``),
@@ -1756,6 +1780,9 @@ class KVBootstrapServer(ClosesOnExit):
     def __init__(
         self, host: str, port: int, *, thread: sync.TrioThread | None = None, **kwargs: Any
     ) -> None:
+        problem = shared_token_problem(kwargs, "SGLang bootstrap service")
+        if problem is not None:
+            raise problem
         self._server = sync.open_bootstrap_server(host=host, port=port, thread=thread,
                                                   **kwargs)
         self.host: str = self._server.server.host
