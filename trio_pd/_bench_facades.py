@@ -138,6 +138,7 @@ async def _trio_run(
         todo = deque(range(w.requests))
 
         async def worker(slot: _Slot) -> None:
+            await trio.lowlevel.checkpoint()
             while todo:
                 await one(todo.popleft(), slot)
 
@@ -277,6 +278,7 @@ async def _aio_run(
             todo = deque(range(w.requests))
 
             async def worker(slot: _Slot) -> None:
+                await asyncio.sleep(0)
                 while todo:
                     await one(todo.popleft(), slot)
 

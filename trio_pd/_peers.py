@@ -599,6 +599,7 @@ class PeerRegistry:
         try:
             await self.run_engine_call(peer.lane, barrier)
         except Exception as exc:  # (LaneClosed: it registered again; an engine error)
+            await trio.lowlevel.checkpoint()
             return f"a barrier write to {peer.session} failed: {exc}"
         if flushed(self.engine, peer.session, mark):
             return None

@@ -350,6 +350,7 @@ class ZapGate:
                 ok = await self.vouch(key.decode("ascii"))
         except Exception as exc:  # (the service unreachable, a refusal: not vouched)
             log.debug("ZAP lookup of a control key failed: %r", exc)
+            await trio.lowlevel.checkpoint()
         finally:
             self.lookups -= 1
         table: OrderedDict[bytes, Any] = self._vouched if ok else self._refused

@@ -545,7 +545,7 @@ class AioSender(_AioRoom[PrefillSender]):
     source pages come back through ``on_release`` whatever the outcome.
     """
 
-    async def send(
+    async def send(  # noqa: ASYNC910 - never suspends
         self, pages: npt.ArrayLike, *, last: bool = False,
         state_slots: Sequence[npt.ArrayLike] | None = None,
     ) -> None:
@@ -596,7 +596,7 @@ class AioReceiver(_AioRoom[DecodeReceiver]):
             # owes its pages, and handing them back touches nothing of trio's
             self.handle.abort(reason)
 
-    async def init(
+    async def init(  # noqa: ASYNC910 - never suspends
         self, pages: npt.ArrayLike, aux_slot: int, *,
         on_release: Callable[[], None] | None = None, prefix_pages: int = 0,
         state_slots: Sequence[npt.ArrayLike] = (),
@@ -657,7 +657,7 @@ class _Opening(Generic[R]):
 async def _new_room(host: TrioHost, make: Callable[[], H]) -> H:  # noqa: ASYNC910
     """``make()`` on the trio side, at once (:meth:`TrioHost._now`): it never suspends, so
     it is never cancelled midway. An error means nothing was made."""
-    return host._now(make)
+    return host._now(make)  # noqa: ASYNC910
 
 
 class _AioAgent(Generic[_A]):
