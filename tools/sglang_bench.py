@@ -64,6 +64,7 @@ import itertools
 import json
 import os
 import random
+import secrets
 import socket
 import statistics
 import subprocess
@@ -113,9 +114,15 @@ class Workload:
 # ------------------------------------------------------------------------------ the ranks
 
 
+#: the cluster token both ranks of a run share (trio_pd's security is on by default; SGLang's
+#: own connector has none to set)
+_TOKEN = secrets.token_urlsafe(32)
+
+
 def _sglang_env(connector: str) -> dict[str, str]:
-    """What a rank's process runs with: loopback only, TCP, and the switch."""
+    """What a rank's process runs with: loopback only, TCP, the switch, and one token."""
     env = dict(os.environ)
+    env.setdefault("TRIO_PD_TOKEN", _TOKEN)
     env.update({
         "SGLANG_HOST_IP": "127.0.0.1",  # (SGLang's engine and sockets: never a NIC's address)
         "MC_FORCE_TCP": "1",
