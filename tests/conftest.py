@@ -38,6 +38,16 @@ def insecure(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def cluster_token(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A cluster token in ``TRIO_PD_TOKEN``, for a test whose agents run in several
+    processes (each would otherwise prove a token of its own making). Request it before any
+    fixture that opens a service (``bootstrap_url``)."""
+    token = "test-cluster-token-shared-by-processes"
+    monkeypatch.setenv("TRIO_PD_TOKEN", token)
+    return token
+
+
+@pytest.fixture
 def keep_environ() -> Iterator[None]:
     """Restore ``os.environ`` after the test (for code that sets process-wide variables)."""
     saved = dict(os.environ)

@@ -601,7 +601,8 @@ def test_sglang_dp_attention_prefill_managers_route_by_the_bootstrap_service(
     monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
     from trio_pd.compat.sglang import KVBootstrapServer, KVManager, KVReceiver, KVSender
 
-    from .test_compat_sglang import Memory, poll_until, server_args
+    from .helpers.sglang import Memory, server_args
+    from .helpers.threads import poll_until
 
     srcs = [Memory(num_pages=16, heads=2, aux_slots=4) for _ in range(2)]
     dst = Memory(num_pages=16, heads=2, aux_slots=4)
@@ -645,7 +646,7 @@ def test_sglang_system_dp_prefill_manager_registers_its_dp_rank(
     monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
     from trio_pd.compat.sglang import KVBootstrapServer, KVManager
 
-    from .test_compat_sglang import Memory, server_args
+    from .helpers.sglang import Memory, server_args
 
     mem = Memory(num_pages=8, heads=2, aux_slots=4)
     args = mem.kvargs()

@@ -467,7 +467,7 @@ async def test_hole4_decode_abort_retries_stay_bounded(
 
 
 async def test_hole4_prefill_ack_retries_to_a_mute_peer_stay_bounded(
-    bootstrap_url: str, monkeypatch: pytest.MonkeyPatch
+    insecure: None, bootstrap_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Hole 4: a decode peer that never reads asks five times for the drain of a room this
     rank does not hold (its ABORT re-sent). The ABORT_ACKs to it are retried under one bound:
@@ -510,7 +510,7 @@ async def test_hole4_prefill_ack_retries_to_a_mute_peer_stay_bounded(
 
 
 async def test_hole5_late_abort_of_old_epoch_spares_the_next_use(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, insecure: None, bootstrap_url: str
 ) -> None:
     """Hole 5: the scheduler has created the sender for room R's next use; before that use's
     TRANSFER arrives, a late ABORT for R's old epoch E1 comes in. The use turns out to be epoch
@@ -541,7 +541,7 @@ async def test_hole5_late_abort_of_old_epoch_spares_the_next_use(
 
 
 async def test_hole5_transfer_of_the_aborted_epoch_is_still_refused(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, insecure: None, bootstrap_url: str
 ) -> None:
     """Hole 5, the converse (a guard: the tombstone still works): after ABORT(R, E1) reached
     a sender for R that had no TRANSFER yet, a TRANSFER for (R, E1) is refused: both sides of

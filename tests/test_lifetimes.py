@@ -511,7 +511,7 @@ def _dead_endpoint() -> str:
 
 
 async def test_full_status_socket_fails_room_locally(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, insecure: None, bootstrap_url: str
 ) -> None:
     """SPEC §8.4: the decode peer does not read its control socket, which is full. The
     prefill room's bytes are written, but its STATUS cannot be queued: the room is Failed
@@ -1030,7 +1030,7 @@ async def test_closing_prefill_does_not_ack_a_quarantined_room(
 
 
 async def test_abort_room_with_waiting_chunk_cancels_and_acks(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, insecure: None, bootstrap_url: str
 ) -> None:
     """SPEC §8.7: a chunk admitted before decode's metadata arrived holds a lease but never
     reached the engine. An ABORT naming an epoch this room has not seen (its TRANSFER never

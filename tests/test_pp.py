@@ -510,12 +510,14 @@ def test_sglang_prefill_stages_map_to_pp(engine_name: str, monkeypatch: pytest.M
     its layer only (``KVArgs.pp_rank``, ``prefill_start_layer``), and one decode manager of
     both layers: the request's every layer and metadata row arrive. A KVSender of another PP
     stage than its manager's is refused."""
+    monkeypatch.setenv("TRIO_PD_TOKEN", "pp-sglang-test-token")  # (as SGLang's processes)
     monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
     from contextlib import ExitStack
 
     from trio_pd.compat.sglang import KVBootstrapServer, KVManager, KVReceiver, KVSender
 
-    from .test_compat_sglang import LAYERS, Memory, poll_until, server_args
+    from .helpers.sglang import LAYERS, Memory, server_args
+    from .helpers.threads import poll_until
 
     src = Memory(num_pages=16, heads=2, aux_slots=4)  # stages' buffers are slices of it
     dst = Memory(num_pages=16, heads=2, aux_slots=4)

@@ -65,7 +65,7 @@ async def test_one_room_bytes_arrive(engine_name: str, bootstrap_url: str) -> No
 
 
 async def test_decode_re_registering_keeps_or_retires_its_lane(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, insecure: None, bootstrap_url: str
 ) -> None:
     """A REGISTER again from the same decode endpoint: with the same engine session (a
     reconnect) the peer keeps its lane and rooms already bound to it carry on; with a new one
@@ -340,7 +340,7 @@ def _parse_result(stdout: bytes) -> RankResult:
 
 @pytest.mark.processes
 async def test_prefill_and_decode_in_separate_processes(
-    engine_name: str, bootstrap_url: str
+    engine_name: str, cluster_token: str, bootstrap_url: str
 ) -> None:
     """One prefill agent and one decode agent, each in its own OS process, talking through
     this process's bootstrap service: every request succeeds with verified bytes."""

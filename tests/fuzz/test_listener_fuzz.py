@@ -553,7 +553,7 @@ async def test_live_listeners_survive_fuzz_with_real_traffic(
                 problems.append(f"decode accepted what it must not: {wrong}")
     with capsys.disabled():
         print("\n".join(lines))
-    from .test_wire_fuzz import report
+    from ._gen import report
 
     report(f"live-{size}", {"lines": lines, "problems": problems})
     assert not live.bad_rooms, live.bad_rooms
