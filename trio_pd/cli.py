@@ -426,7 +426,12 @@ def _cmd_bootstrap(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             await trio.sleep_forever()
 
     try:
-        trio.run(main)
+        # Ctrl-C comes out of the main task, at its checkpoint. Raised wherever the signal
+        # finds the interpreter, it can land in a task that serves a request, which need not
+        # pass it on: twice, under load, the service went on serving after Ctrl-C, its run
+        # idle (the stacks test_cli's test_bootstrap_metrics prints; the likely cause, not
+        # a proven one: that test has not failed since, in 24 runs under load)
+        trio.run(main, restrict_keyboard_interrupt_to_checkpoints=True)
     except ConfigurationError as exc:
         parser.error(str(exc))
     except BootstrapError as exc:
