@@ -265,13 +265,29 @@ def test_bootstrap_needs_a_shared_token_or_insecure() -> None:
     assert "TRIO_PD_TOKEN" in done.stderr and "--insecure" in done.stderr, done.stderr
 
 
-def test_bootstrap_metrics() -> None:
-    # (-X faulthandler: a process that outlives its Ctrl-C shows its threads' stacks below)
+def _ignore_sigint() -> None:
+    """In the child before exec: SIGINT ignored, as a script's background job inherits it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("signum", "inherited"),
+    [(signal.SIGINT, "default"), (signal.SIGINT, "ignored"), (signal.SIGTERM, "default")],
+    ids=["ctrl-c", "sigint-inherited-ignored", "sigterm"],
+)
+def test_bootstrap_metrics_and_stop(signum: signal.Signals, inherited: str) -> None:
+    """``trio-pd bootstrap --metrics`` serves its metrics, and SIGINT or SIGTERM stops it
+    (exit 128 + the signal), also when it inherited SIGINT ignored (a service started in a
+    script's background: Python leaves an ignored SIGINT ignored, and the service used to
+    outlive ``kill -INT``)."""
+    # (-X faulthandler: a process that outlives the signal shows its threads' stacks below)
     argv = [sys.executable, "-X", "faulthandler", *_cli("bootstrap", "--port", "0",
                                                           "--metrics")[1:]]
     env = {**os.environ, "TRIO_PD_TOKEN": "cli-test-token"}
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env) as proc:
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=_ignore_sigint if inherited == "ignored" else None,
+    ) as proc:
         try:
             assert proc.stdout is not None
             url = proc.stdout.readline().strip()
@@ -279,14 +295,14 @@ def test_bootstrap_metrics() -> None:
             reply = httpx.get(url + "/metrics", timeout=10)
             assert reply.status_code == 200, reply.text
             assert "trio_pd_bootstrap_requests" in reply.text, reply.text
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
             try:
                 _, err = proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGABRT)  # faulthandler prints every stack, then dies
                 _, err = proc.communicate(timeout=10)
-                raise AssertionError(f"no exit 30 s after Ctrl-C:\n{err}") from None
-            assert proc.returncode == 130 and "Traceback" not in err, err
+                raise AssertionError(f"no exit 30 s after {signum.name}:\n{err}") from None
+            assert proc.returncode == 128 + signum and "Traceback" not in err, err
         finally:
             if proc.poll() is None:
                 proc.kill()
