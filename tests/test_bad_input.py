@@ -43,12 +43,9 @@ from .helpers.peers import (
     transfer,
 )
 
-
-@pytest.fixture(autouse=True)
-def _unauthenticated_input_on_purpose(insecure: None) -> None:
-    """These tests drive raw, unauthenticated ZeroMQ input at the listeners: security off,
-    explicitly (with it on, the default, a stranger never gets a session:
-    tests/test_auth.py)."""
+# Raw, unauthenticated input at the listeners: security off, explicitly (with it on, the
+# default, a stranger gets nowhere: tests/test_auth.py)
+pytestmark = pytest.mark.usefixtures("insecure")
 
 
 V = _wire.WIRE_VERSION

@@ -41,12 +41,9 @@ from trio_pd._errors import (
 
 from .helpers.net import free_port
 
-
-@pytest.fixture(autouse=True)
-def _open_service_on_purpose(insecure: None) -> None:
-    """These tests exercise the service's HTTP mechanics (routes, framing, limits, counts,
-    shutdown) with raw requests: the service runs open, explicitly. Its authentication
-    (proofs, replays, answers) is tests/test_auth.py's."""
+# Raw requests at the service's HTTP mechanics: security off, explicitly (with it on, the
+# default, a stranger gets nowhere: tests/test_auth.py)
+pytestmark = pytest.mark.usefixtures("insecure")
 
 
 

@@ -22,11 +22,9 @@ from trio_pd._bootstrap import BootstrapServer, open_bootstrap_server
 from trio_pd._bootstrap_client import PrefillRankInfo
 from trio_pd._errors import ConfigurationError
 
-
-@pytest.fixture(autouse=True)
-def _open_service_on_purpose(insecure: None) -> None:
-    """Raw requests at the service's HTTP mechanics: it runs open, explicitly. Its
-    authentication is tests/test_auth.py's."""
+# Raw requests at the service's HTTP mechanics: security off, explicitly (with it on, the
+# default, a stranger gets nowhere: tests/test_auth.py)
+pytestmark = pytest.mark.usefixtures("insecure")
 
 
 #: the request deadline the tests' servers get (seconds)

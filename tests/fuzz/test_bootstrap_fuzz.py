@@ -42,14 +42,9 @@ from trio_pd._bootstrap_client import PrefillRankInfo
 
 from ._gen import report
 
-
-@pytest.fixture(autouse=True)
-def _open_service_on_purpose(insecure: None) -> None:
-    """Raw requests at the service's HTTP mechanics: it runs open, explicitly. Its
-    authentication is tests/test_auth.py's."""
-
-
-pytestmark = pytest.mark.fuzz
+# Raw requests at the service's HTTP mechanics: security off, explicitly (with it on, the
+# default, a stranger gets nowhere: tests/test_auth.py)
+pytestmark = [pytest.mark.fuzz, pytest.mark.usefixtures("insecure")]
 
 SIZES = {
     "short": {"random": 150, "json": 400, "flood": 200, "slow": 40, "slow_s": 2.0},

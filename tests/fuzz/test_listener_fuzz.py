@@ -54,15 +54,9 @@ from ..helpers.agents import host_pool
 from ..helpers.peers import FakeDecode, barrier, fake_decode, raw_push, register, transfer
 from ._gen import Mutator, V, make_base
 
-
-@pytest.fixture(autouse=True)
-def _unauthenticated_input_on_purpose(insecure: None) -> None:
-    """These tests drive raw, unauthenticated ZeroMQ input at the listeners: security off,
-    explicitly (with it on, the default, a stranger never gets a session:
-    tests/test_auth.py)."""
-
-
-pytestmark = pytest.mark.fuzz
+# Raw, unauthenticated input at the listeners: security off, explicitly (with it on, the
+# default, a stranger gets nowhere: tests/test_auth.py)
+pytestmark = [pytest.mark.fuzz, pytest.mark.usefixtures("insecure")]
 
 SEED = int(os.environ.get("TRIO_PD_FUZZ_SEED", "14005"))
 #: fuzzed messages per agent
