@@ -289,7 +289,7 @@ async def test_unknown_room_fails_at_the_bootstrap_deadline() -> None:
     """A room no prefill DP rank announced: the decode receiver stays Bootstrapping, asking,
     then fails with UnknownRoom at its bootstrap deadline (counted ``timeouts``); no prefill
     rank hears of it. The service answers the unknown room with -1, not an error."""
-    config = DecodeConfig(bootstrap_timeout=0.6)
+    config = DecodeConfig(bootstrap_timeout=2.0)  # (the first answer: a nonce, then the ask)
     async with open_cluster(decode_config=config) as c:
         dst = c.dst_pages.alloc_nowait(2)
         assert dst is not None
