@@ -320,9 +320,8 @@ async def start_prefill(
         None,
     )
     await quiesce()
-    for _ in range(workers):
-        nursery.start_soon(agent._worker)
-        await quiesce()
+    agent.jobs.start(nursery)  # (its tasks start as jobs come)
+    await quiesce()
     if timers:
         nursery.start_soon(agent.timers.run)
         await quiesce()

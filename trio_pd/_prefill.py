@@ -17,7 +17,6 @@ else: the worker tasks, the publication lock (§5.4), the listener's dispatch, d
 from __future__ import annotations
 
 import logging
-import math
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -53,6 +52,7 @@ from ._errors import (
     one_error,
 )
 from ._handle import RoomHandle
+from ._jobs import JobQueues
 from ._lazy import LazyEvent
 from ._memory import (
     PoolSpec,
@@ -107,7 +107,9 @@ class PrefillConfig:
     """Knobs of a prefill agent. Deadlines are in seconds."""
 
     #: tasks that take admitted chunks (and rooms due to publish their outcome) off the
-    #: agent's queue: at most this many rooms' chunks are being written at once
+    #: agent's queues, per destination: at most this many rooms' chunks to the same decode
+    #: peers are being written at once, and a peer that stops reading holds up only the
+    #: rooms that write to it
     workers: int = 8
     #: writes to one decode peer that may be in flight at once (started, not yet waited for):
     #: 2 keeps the engine's queue fed while the lane waits for the oldest
@@ -333,7 +335,9 @@ class PrefillAgent:
         self.book = TransferBook(
             max_rooms=config.max_pending_meta, max_page_ids=config.max_pending_page_ids
         )
-        self._jobs_tx, self._jobs_rx = trio.open_memory_channel[tuple[_Room, _Job]](math.inf)
+        #: chunk and publication jobs, queued per destination (a stalled peer holds up only
+        #: the rooms that write to it) and run by at most ``config.workers`` tasks each
+        self.jobs = JobQueues[tuple[_Room, _Job]](self._run_job, config.workers)
         self._rooms: dict[int, _Room] = {}
         self._token = trio.lowlevel.current_trio_token()
 
@@ -444,10 +448,10 @@ class PrefillAgent:
             match effect:  # (the success path's effects first: fewer checks)
                 case RunChunks(n=n):
                     for _ in range(n):
-                        self._jobs_tx.send_nowait((rec, "chunk"))
+                        self._queue(rec, "chunk")
                 case PublishDue():
                     if not in_worker:  # (a worker publishes inline, after its chunk)
-                        self._jobs_tx.send_nowait((rec, "publish"))
+                        self._queue(rec, "publish")
                 case Succeeded():
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
@@ -532,21 +536,27 @@ class PrefillAgent:
 
     # ------------------------------------------------------------------ workers, publication
 
-    async def _worker(self) -> None:
-        async for rec, job in self._jobs_rx:
-            if job == "publish":
-                await self._publish(rec)
-                continue
-            taken = rec.machine.take_chunks(self.config.coalesce_pages)
-            if taken is None:
-                continue  # cancelled, or already taken into an earlier call
-            chunk, joined = taken
-            if joined:
-                self.counters.bump("chunks_coalesced", joined)
-            settle = partial(self._settled, rec, chunk)
-            await self.runner.run(rec.machine, rec.scopes, chunk, settle)
-            if rec.machine.publish_due:  # (most chunks are not a room's last: no extra round)
-                await self._publish(rec)
+    def _queue(self, rec: _Room, job: _Job) -> None:
+        """Queue a room's job behind the jobs for the same decode peers only (see _jobs)."""
+        self.jobs.put(tuple(t.endpoint for t in rec.machine.targets.values()), (rec, job))
+
+    async def _run_job(self, item: tuple[_Room, _Job]) -> None:
+        """One job, in a task of :attr:`jobs` (a job with nothing left to do returns without a
+        checkpoint: the task's next job, or its end, follows)."""
+        rec, job = item
+        if job == "publish":
+            await self._publish(rec)
+            return
+        taken = rec.machine.take_chunks(self.config.coalesce_pages)
+        if taken is None:
+            return  # noqa: ASYNC910 (cancelled, or already taken into an earlier call)
+        chunk, joined = taken
+        if joined:
+            self.counters.bump("chunks_coalesced", joined)
+        settle = partial(self._settled, rec, chunk)
+        await self.runner.run(rec.machine, rec.scopes, chunk, settle)
+        if rec.machine.publish_due:  # (most chunks are not a room's last: no extra round)
+            await self._publish(rec)
 
     def _settled(
         self, rec: _Room, chunk: Chunk, outcome: Outcome, failure: TransferError | None
@@ -931,8 +941,7 @@ async def open_prefill(
                 agent.control.vouch = client.vouches
                 nursery.start_soon(serve, services[1], partial(agent.control.serve, agent._handle))
                 nursery.start_soon(serve, services[2], agent.timers.run)
-                for _ in range(config.workers):
-                    nursery.start_soon(agent._worker)
+                agent.jobs.start(nursery)
                 info = PrefillRankInfo(
                     tp_rank=tp_rank,
                     tp_size=tp_size,
@@ -979,6 +988,7 @@ async def open_prefill(
             finally:
                 # (also when starting failed, the registration refused say: the services
                 # are shielded, so the nursery's own cancellation would not reach them)
+                agent.jobs.stop()
                 for scope in services:
                     scope.cancel("prefill agent closing")
                 nursery.cancel_scope.cancel("prefill agent closing")

@@ -4,11 +4,11 @@ Two decode processes share one prefill process. One of them (D2) is SIGSTOPped w
 flight: its control socket and its engine stop being read, while its registration stays. For
 15 s the other (D1) keeps getting requests; then D2 is killed (a reader that never comes back).
 
-Asserts: every D1 request during the stall succeeds, verified, in about its usual time; every
-room of D2 is terminal on prefill within its bound and its source pages go back (on a returned
-engine call, or a quarantine ended when D2 is proven gone); the prefill's outbox retries are
-bounded; after the drain 0 late writes, 0 corrupt, 0 guard bytes touched, 0 leaked on prefill
-and on D1.
+Asserts: every D1 request during the stall succeeds, verified, in about its usual time (under
+2 s: nothing of D2's holds it up); every room of D2 is terminal on prefill within its bound
+and its source pages go back (on a returned engine call, or a quarantine ended when D2 is
+proven gone); the prefill's outbox retries are bounded; after the drain 0 late writes, 0
+corrupt, 0 guard bytes touched, 0 leaked on prefill and on D1.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ async def test_decode_that_stops_reading(tmp_path: Path) -> None:
         record(row)
         for who, report in reports.items():
             check_final(report, who)
-        # Not unaffected, measured: D1 requests that start just after the stall wait for D2's
-        # engine calls to time out (MC_TRANSFER_TIMEOUT, 5 s), then run normally. The bound
-        # asserted is that one engine deadline, plus a margin.
-        assert max(during) < 5.0 + 2.0, sorted(during)[-8:]
+        # Unaffected: the prefill rank queues its chunk jobs per destination, so D2's stalled
+        # writes hold up only D2's rooms. Before that, the first D1 requests after the stall
+        # waited 12 s, behind every worker task waiting on D2 (the engine's deadline and the
+        # probe after it). The bound leaves room for a loaded machine.
+        assert max(during) < 2.0, sorted(during)[-8:]
