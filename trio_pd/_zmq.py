@@ -198,16 +198,19 @@ class Socket:
             lot = self._parked_in if flag == _POLLIN else self._parked_out
             await lot.park()
 
-    async def _run(self, flag: int, op: Callable[[], _T]) -> _T:
-        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it."""
+    async def _run(self, flag: int, op: Callable[[], _T], missed: bool = False) -> _T:
+        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it.
+        ``missed``: the caller's own ``op`` raised WouldBlock just now, with no checkpoint
+        since, so the first try is skipped: it would only repeat that EAGAIN."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            result = op()
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return result
+        if not missed:
+            try:
+                result = op()
+            except trio.WouldBlock:
+                pass
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return result
         while True:
             # Cancelled can only come out of _wait, before op() succeeded: nothing consumed.
             await self._wait(flag)
@@ -291,8 +294,13 @@ class Socket:
         """
         return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT))
 
-    async def recv_multipart(self) -> list[bytes]:
+    async def recv_multipart(self, *, missed: bool = False) -> list[bytes]:
         """Receive one whole multipart message, waiting until one arrives.
+
+        ``missed=True`` says that the caller's own :meth:`recv_multipart_nowait` raised
+        :exc:`trio.WouldBlock` just now, with no checkpoint since (a listener that took
+        everything waiting): the receive then starts by reading ``zmq.EVENTS`` instead of
+        repeating that attempt. A message that arrived in between is taken all the same.
 
         **Cancellation:** cancel-atomic. If :exc:`trio.Cancelled` is raised, no message was
         taken from the socket: it stays there for the next receive. Always checkpoints, even
@@ -301,7 +309,7 @@ class Socket:
         Raises:
           trio.ClosedResourceError: if the socket was closed before or during the call.
         """
-        return await self._run(_POLLIN, self.recv_multipart_nowait)
+        return await self._run(_POLLIN, self.recv_multipart_nowait, missed)
 
     def recv_frames_nowait(self) -> list[zmq.Frame]:
         """:meth:`recv_multipart_nowait`, as :class:`zmq.Frame` objects (``copy=False``),
@@ -313,16 +321,16 @@ class Socket:
         """
         return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT, copy=False))
 
-    async def recv_frames(self) -> list[zmq.Frame]:
+    async def recv_frames(self, *, missed: bool = False) -> list[zmq.Frame]:
         """:meth:`recv_multipart`, as :class:`zmq.Frame` objects (see
-        :meth:`recv_frames_nowait`).
+        :meth:`recv_frames_nowait`); ``missed`` as there, for :meth:`recv_frames_nowait`.
 
         **Cancellation:** cancel-atomic, as :meth:`recv_multipart`.
 
         Raises:
           trio.ClosedResourceError: if the socket was closed before or during the call.
         """
-        return await self._run(_POLLIN, self.recv_frames_nowait)
+        return await self._run(_POLLIN, self.recv_frames_nowait, missed)
 
     # ------------------------------------------------------------------ close
 
