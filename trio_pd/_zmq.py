@@ -141,7 +141,7 @@ class Socket:
             self._wake_all()
 
     def _has_waiters(self) -> bool:
-        return self._fd_scope is not None or len(self._parked_in) > 0 or len(self._parked_out) > 0
+        return self._fd_scope is not None or bool(self._parked_in) or bool(self._parked_out)
 
     def _poll_events(self) -> int:
         """Read ``zmq.EVENTS`` (itself a libzmq call that may drain the fd) and wake every
@@ -162,8 +162,10 @@ class Socket:
         return events
 
     def _unpark_all(self) -> None:
-        self._parked_in.unpark_all()
-        self._parked_out.unpark_all()
+        if self._parked_in:  # (after every wait on the fd: most often nobody is parked)
+            self._parked_in.unpark_all()
+        if self._parked_out:
+            self._parked_out.unpark_all()
 
     def _wake_all(self) -> None:
         self._unpark_all()
