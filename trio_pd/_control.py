@@ -399,9 +399,12 @@ class ControlPlane:
             # Then everything already waiting, in the same step: under a busy loop every
             # receive that checkpoints costs a whole scheduling round, and an ABORT queued
             # behind a burst of TRANSFERs would wait one round per message ahead of it.
-            # (Ended by a WouldBlock, the next receive need not try again before it waits.)
+            # Asked by zmq.EVENTS (which keeps the GIL), not by a receive meeting EAGAIN
+            # (which releases it); found empty, the next receive need not try before it waits.
             missed = True
             for _ in range(self.BATCH - 1):
+                if not sock.readable_nowait():
+                    break
                 try:
                     frames = sock.recv_multipart_nowait()
                 except trio.WouldBlock:
@@ -418,6 +421,8 @@ class ControlPlane:
             self._dispatch_curve(await sock.recv_frames(missed=missed), handle)
             missed = True
             for _ in range(self.BATCH - 1):
+                if not sock.readable_nowait():
+                    break
                 try:
                     frames = sock.recv_frames_nowait()
                 except trio.WouldBlock:

@@ -296,13 +296,26 @@ class Socket:
         """
         return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT))
 
+    def readable_nowait(self) -> bool:
+        """Whether a message is waiting to be received (``zmq.EVENTS`` says ``POLLIN``);
+        never checkpoints. Like every libzmq call here it hands readiness out to waiting
+        tasks. Reading ``zmq.EVENTS`` keeps the GIL, where a receive that finds nothing
+        releases it and raises: a listener that has taken what was waiting asks this, and
+        then receives with ``missed=True``.
+
+        Raises:
+          trio.ClosedResourceError: if the socket was closed.
+        """
+        return bool(self._poll_events() & _POLLIN)
+
     async def recv_multipart(self, *, missed: bool = False) -> list[bytes]:
         """Receive one whole multipart message, waiting until one arrives.
 
-        ``missed=True`` says that the caller's own :meth:`recv_multipart_nowait` raised
-        :exc:`trio.WouldBlock` just now, with no checkpoint since (a listener that took
-        everything waiting): the receive then starts by reading ``zmq.EVENTS`` instead of
-        repeating that attempt. A message that arrived in between is taken all the same.
+        ``missed=True`` says that the caller found nothing waiting just now, with no
+        checkpoint since (its :meth:`recv_multipart_nowait` raised :exc:`trio.WouldBlock`, or
+        :meth:`readable_nowait` said False: a listener that took everything waiting): the
+        receive then starts by reading ``zmq.EVENTS`` instead of repeating that attempt. A
+        message that arrived in between is taken all the same.
 
         **Cancellation:** cancel-atomic. If :exc:`trio.Cancelled` is raised, no message was
         taken from the socket: it stays there for the next receive. Always checkpoints, even
