@@ -49,6 +49,7 @@ from trio_pd import (
 )
 from trio_pd import _wire as wire
 from trio_pd._chunks import Write
+from trio_pd._rooms import Chunk, PrefillRoom
 from trio_pd._topology import head_range
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
@@ -650,12 +651,23 @@ def two_page_chunks(n: int) -> list[npt.NDArray[np.int64]]:
 
 @pytest.mark.parametrize(("coalesce", "calls"), [(1, 4), (4, 2), (64, 1)])
 async def test_backlogged_chunks_share_engine_calls(
-    engine_name: str, bootstrap_url: str, coalesce: int, calls: int
+    engine_name: str, bootstrap_url: str, coalesce: int, calls: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A room's chunks queued behind the one a worker takes join its engine call, whole
     chunks only, up to ``coalesce_pages`` pages (one lease, one call); every byte lands and
-    the release runs once, after the last call. (Batching on the lane is off here: it would
-    join the uncoalesced chunks' calls too, see tests/test_batching.py.)"""
+    the release runs once, after the last call. A worker is woken per engine call, not per
+    chunk: as many takes as calls, none finding its chunks gone. (Batching on the lane is
+    off here: it would join the uncoalesced chunks' calls too, see tests/test_batching.py.)"""
+    takes: list[bool] = []
+    take_chunks = PrefillRoom.take_chunks
+
+    def counted(self: PrefillRoom, limit: int) -> tuple[Chunk, int] | None:
+        taken = take_chunks(self, limit)
+        takes.append(taken is not None)
+        return taken
+
+    monkeypatch.setattr(PrefillRoom, "take_chunks", counted)
     async with stalling_pair(
         engine_name, bootstrap_url, lambda *_: None,
         prefill_config=PrefillConfig(coalesce_pages=coalesce, batch_blocks=0),
@@ -684,6 +696,7 @@ async def test_backlogged_chunks_share_engine_calls(
         stats = pair.prefill.statistics()
         assert stats.engine_calls == calls
         assert stats.chunks_coalesced == len(chunks) - calls
+        assert takes == [True] * calls
         assert stats.leases_live == 0
         assert log == ["src released"]
         assert pair.verify(room, dst_pages, 2)

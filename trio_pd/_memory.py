@@ -796,6 +796,11 @@ def _buffers_dtype(buffers: Sequence[object]) -> str:
 #: bytes 0..15 of every aux row are trio_pd's: (room, epoch) as little-endian int64, so decode
 #: can tell a row that belongs to someone else (SPEC §3).
 AUX_STAMP: Final = struct.Struct("<qq")
+#: the stamp's bytes in place, as a ctypes type over a host address. Reading or writing
+#: through it does not release the GIL, as ``ctypes.memmove`` / ``string_at`` (foreign calls)
+#: do: on the loop's thread that release hands the GIL to a waiting engine thread and costs a
+#: switch back, several times the copy itself, on every room's last chunk and its check
+_STAMP_BYTES: Final = ctypes.c_char * AUX_STAMP.size
 
 
 def aux_row_address(pool: PoolSpec, slot: int, buffer: int = 0) -> int:
@@ -823,7 +828,7 @@ def stamp_aux_row(pool: PoolSpec, slot: int, room: int, epoch: int) -> None:
 
         write(address, stamp, kind.device)
     else:
-        ctypes.memmove(address, stamp, AUX_STAMP.size)
+        _STAMP_BYTES.from_address(address).raw = stamp
 
 
 def read_aux_stamp(pool: PoolSpec, slot: int) -> tuple[int, int]:
@@ -835,7 +840,7 @@ def read_aux_stamp(pool: PoolSpec, slot: int) -> tuple[int, int]:
 
         raw = read(address, AUX_STAMP.size, kind.device)
     else:
-        raw = ctypes.string_at(address, AUX_STAMP.size)
+        raw = _STAMP_BYTES.from_address(address).raw
     room, epoch = AUX_STAMP.unpack(raw)
     return int(room), int(epoch)
 

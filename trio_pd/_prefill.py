@@ -194,6 +194,11 @@ class _Room:
     announced: tuple[int, int | None] | None = None
     #: a chunk of it rode in an engine call that raised (counted ``rooms_in_failed_calls``)
     in_failed_call: bool = False
+    #: a "chunk" job for it waits in the workers' queue: set when one is queued, cleared
+    #: when a worker takes it. While the room has queued chunks, one such job is queued or
+    #: being taken (the worker that takes it queues the next if chunks remain): one worker
+    #: wake-up per engine call, not one per chunk that coalescing then finds gone
+    chunk_job: bool = False
 
     @property
     def lock(self) -> trio.Lock:
@@ -446,8 +451,9 @@ class PrefillAgent:
         room = rec.machine.room
         for effect in due:
             match effect:  # (the success path's effects first: fewer checks)
-                case RunChunks(n=n):
-                    for _ in range(n):
+                case RunChunks():
+                    if not rec.chunk_job:
+                        rec.chunk_job = True
                         self._queue(rec, "chunk")
                 case PublishDue():
                     if not in_worker:  # (a worker publishes inline, after its chunk)
@@ -547,9 +553,13 @@ class PrefillAgent:
         if job == "publish":
             await self._publish(rec)
             return
+        rec.chunk_job = False
         taken = rec.machine.take_chunks(self.config.coalesce_pages)
         if taken is None:
-            return  # noqa: ASYNC910 (cancelled, or already taken into an earlier call)
+            return  # noqa: ASYNC910 (cancelled)
+        if rec.machine.queued:  # more than one call's worth: the next worker takes it
+            rec.chunk_job = True
+            self._queue(rec, "chunk")
         chunk, joined = taken
         if joined:
             self.counters.bump("chunks_coalesced", joined)

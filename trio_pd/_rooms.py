@@ -344,8 +344,9 @@ class PrefillRoom:
         chunks joined it. None if the queue is empty (its chunks were cancelled, or an
         earlier take coalesced them).
 
-        Workers get one job per queued chunk and each takes the room's *oldest*: every chunk
-        is taken, in admission order, whichever woken worker runs first."""
+        Each take is the room's *oldest* chunks: every chunk is taken, in admission order,
+        whichever worker runs first (the agent keeps one job queued per room while chunks
+        remain, not one per chunk)."""
         if not self.queued:
             return None
         first = next(iter(self.queued))

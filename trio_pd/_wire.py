@@ -219,6 +219,7 @@ def validate_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+@functools.lru_cache(maxsize=4096)  # on every TRANSFER, ABORT, PING: an IP parse each
 def numeric_endpoint(endpoint: str) -> str:
     """:func:`validate_endpoint`, and its host must be an IP literal: the endpoints that
     travel in control messages and reach a ZeroMQ socket. A name is refused with

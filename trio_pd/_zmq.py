@@ -141,7 +141,7 @@ class Socket:
             self._wake_all()
 
     def _has_waiters(self) -> bool:
-        return self._fd_scope is not None or len(self._parked_in) > 0 or len(self._parked_out) > 0
+        return self._fd_scope is not None or bool(self._parked_in) or bool(self._parked_out)
 
     def _poll_events(self) -> int:
         """Read ``zmq.EVENTS`` (itself a libzmq call that may drain the fd) and wake every
@@ -162,8 +162,10 @@ class Socket:
         return events
 
     def _unpark_all(self) -> None:
-        self._parked_in.unpark_all()
-        self._parked_out.unpark_all()
+        if self._parked_in:  # (after every wait on the fd: most often nobody is parked)
+            self._parked_in.unpark_all()
+        if self._parked_out:
+            self._parked_out.unpark_all()
 
     def _wake_all(self) -> None:
         self._unpark_all()
@@ -198,16 +200,19 @@ class Socket:
             lot = self._parked_in if flag == _POLLIN else self._parked_out
             await lot.park()
 
-    async def _run(self, flag: int, op: Callable[[], _T]) -> _T:
-        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it."""
+    async def _run(self, flag: int, op: Callable[[], _T], missed: bool = False) -> _T:
+        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it.
+        ``missed``: the caller's own ``op`` raised WouldBlock just now, with no checkpoint
+        since, so the first try is skipped: it would only repeat that EAGAIN."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            result = op()
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return result
+        if not missed:
+            try:
+                result = op()
+            except trio.WouldBlock:
+                pass
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return result
         while True:
             # Cancelled can only come out of _wait, before op() succeeded: nothing consumed.
             await self._wait(flag)
@@ -291,8 +296,26 @@ class Socket:
         """
         return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT))
 
-    async def recv_multipart(self) -> list[bytes]:
+    def readable_nowait(self) -> bool:
+        """Whether a message is waiting to be received (``zmq.EVENTS`` says ``POLLIN``);
+        never checkpoints. Like every libzmq call here it hands readiness out to waiting
+        tasks. Reading ``zmq.EVENTS`` keeps the GIL, where a receive that finds nothing
+        releases it and raises: a listener that has taken what was waiting asks this, and
+        then receives with ``missed=True``.
+
+        Raises:
+          trio.ClosedResourceError: if the socket was closed.
+        """
+        return bool(self._poll_events() & _POLLIN)
+
+    async def recv_multipart(self, *, missed: bool = False) -> list[bytes]:
         """Receive one whole multipart message, waiting until one arrives.
+
+        ``missed=True`` says that the caller found nothing waiting just now, with no
+        checkpoint since (its :meth:`recv_multipart_nowait` raised :exc:`trio.WouldBlock`, or
+        :meth:`readable_nowait` said False: a listener that took everything waiting): the
+        receive then starts by reading ``zmq.EVENTS`` instead of repeating that attempt. A
+        message that arrived in between is taken all the same.
 
         **Cancellation:** cancel-atomic. If :exc:`trio.Cancelled` is raised, no message was
         taken from the socket: it stays there for the next receive. Always checkpoints, even
@@ -301,7 +324,7 @@ class Socket:
         Raises:
           trio.ClosedResourceError: if the socket was closed before or during the call.
         """
-        return await self._run(_POLLIN, self.recv_multipart_nowait)
+        return await self._run(_POLLIN, self.recv_multipart_nowait, missed)
 
     def recv_frames_nowait(self) -> list[zmq.Frame]:
         """:meth:`recv_multipart_nowait`, as :class:`zmq.Frame` objects (``copy=False``),
@@ -313,16 +336,16 @@ class Socket:
         """
         return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT, copy=False))
 
-    async def recv_frames(self) -> list[zmq.Frame]:
+    async def recv_frames(self, *, missed: bool = False) -> list[zmq.Frame]:
         """:meth:`recv_multipart`, as :class:`zmq.Frame` objects (see
-        :meth:`recv_frames_nowait`).
+        :meth:`recv_frames_nowait`); ``missed`` as there, for :meth:`recv_frames_nowait`.
 
         **Cancellation:** cancel-atomic, as :meth:`recv_multipart`.
 
         Raises:
           trio.ClosedResourceError: if the socket was closed before or during the call.
         """
-        return await self._run(_POLLIN, self.recv_frames_nowait)
+        return await self._run(_POLLIN, self.recv_frames_nowait, missed)
 
     # ------------------------------------------------------------------ close
 
