@@ -226,12 +226,14 @@ class Target:
 
 @dataclass(eq=False, slots=True)
 class Chunk:
-    """Admitted source pages ``[start, start + len(pages))`` of the room, under ``lease``."""
+    """Admitted source pages ``[start, start + len(pages))`` of the room, under ``lease``:
+    layers ``[layers[0], layers[1])`` of them (pool layer indices), or every layer (None)."""
 
     lease: Lease
     pages: Pages
     start: int
     last: bool
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +274,8 @@ class PrefillRoom:
     state_sizes: tuple[int, ...] = ()
     #: this rank's slots of each state component, given with the last chunk
     state_slots: tuple[Pages, ...] = ()
+    #: layers of this rank's pool, for the layer ranges of :meth:`admit`
+    num_layers: int = 1
     cell: StatusCell = field(default_factory=StatusCell)
     leases: LeaseBook = field(init=False)
     acks: AckBook = field(default_factory=AckBook)
@@ -286,7 +290,18 @@ class PrefillRoom:
     waiting: list[Chunk] = field(default_factory=list)
     #: handed to the workers and not yet taken (dict as an ordered set: a third the size)
     queued: dict[Chunk, None] = field(default_factory=dict)
+    #: request pages admitted for every layer (the least of ``layer_pages``)
     sent_pages: int = 0
+    #: layer-wise streaming (docs/layerwise.md): request pages admitted so far, layer by
+    #: layer; None until the first send of some layers only (until then every layer is at
+    #: ``sent_pages``). Each (page, layer) is admitted once: a layer's count only grows
+    layer_pages: list[int] | None = None
+    #: layer-wise streaming: the source page id admitted at each request position (-1: none
+    #: yet), so that a second admission of a layer of a page is told from the next pages
+    page_at: Pages | None = None
+    #: the page ids of the chunks admitted for every layer, in order (kept by reference: a
+    #: room that turns layer-wise builds ``page_at`` from them)
+    admitted: list[Pages] = field(default_factory=list)
     last_admitted: bool = False
     published: bool = False
     released: bool = False
@@ -304,12 +319,16 @@ class PrefillRoom:
 
     def admit(
         self, pages: Pages, last: bool, state_slots: Sequence[npt.ArrayLike] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> Due:
         """The scheduler hands over the next chunk. Takes its lease at once (I3) or raises
         :class:`AdmissionClosed` (closed room, I2) / :class:`ProtocolError` (a chunk past
         ``num_pages``, after the last one, with page ids outside the pool, or state slots
         that are not one list per state component, inside it, or given before the last
-        chunk). The state slots go with the last chunk, under its lease."""
+        chunk). The state slots go with the last chunk, under its lease.
+
+        ``layers`` ``(a, b)``: the chunk is layers ``[a, b)`` of its pages only (layer-wise
+        streaming, :meth:`_admit_layers`); None: every layer, the request's next pages."""
         if self.last_admitted:
             raise ProtocolError(f"room {self.room}: a chunk after the last one")
         validate_pages(pages, self.pool_pages)
@@ -320,15 +339,21 @@ class PrefillRoom:
             slots = check_state_slots(
                 self.state_sizes, () if state_slots is None else state_slots, "source"
             )
-        end = self.sent_pages + len(pages)
-        if end > self.num_pages or (last and end != self.num_pages):
-            raise ProtocolError(
-                f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
-                + (" (the last chunk must end at num_pages)" if last else "")
-            )
+        if layers == (0, self.num_layers):
+            layers = None  # every layer: the plain chunk
+        if layers is not None or self.layer_pages is not None:
+            start = self._admit_layers(pages, last, layers)
+        else:
+            start = self.sent_pages
+            end = start + len(pages)
+            if end > self.num_pages or (last and end != self.num_pages):
+                raise ProtocolError(
+                    f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
+                    + (" (the last chunk must end at num_pages)" if last else "")
+                )
         lease = self.leases.admit(len(pages))  # raises AdmissionClosed: I2
-        chunk = Chunk(lease, pages, self.sent_pages, last)
-        self.sent_pages = end
+        chunk = Chunk(lease, pages, start, last, layers)
+        self._advance(start + len(pages), pages, layers)
         self.last_admitted = last
         self.state_slots = slots
         if not self.ready:
@@ -338,11 +363,97 @@ class PrefillRoom:
         self.queued[chunk] = None
         return [RunChunks(1)]
 
+    def _admit_layers(self, pages: Pages, last: bool, layers: tuple[int, int] | None) -> int:
+        """Layer-wise admission's checks; returns the request page the chunk starts at.
+        Changes nothing a refusal must undo (:meth:`_advance` records the chunk).
+
+        The chunk continues its layers from the one request page they are all at (each
+        layer's pages go in request order); its page ids are those any other layer admitted
+        at the same request pages, and none of them is already another request page: so a
+        layer of a page is never admitted twice. The last chunk leaves every layer of every
+        page admitted (its aux row and state slots mean "the request is complete")."""
+        a, b = layers if layers is not None else (0, self.num_layers)
+        if not 0 <= a < b <= self.num_layers:
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) are not a range inside the pool's "
+                f"{self.num_layers} layers"
+            )
+        counts = self.layer_pages or [self.sent_pages] * self.num_layers
+        start = counts[a]
+        if any(counts[i] != start for i in range(a, b)):
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) are at different request pages "
+                f"({counts[a:b]}); one send continues layers that are at the same page"
+            )
+        end = start + len(pages)
+        if end > self.num_pages:
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) would end at page {end} of "
+                f"{self.num_pages}"
+            )
+        if last:
+            after = [end if a <= i < b else n for i, n in enumerate(counts)]
+            short = next((i for i, n in enumerate(after) if n != self.num_pages), None)
+            if short is not None:
+                raise ProtocolError(
+                    f"room {self.room}: the last send leaves layer {short} at page "
+                    f"{after[short]} of {self.num_pages}: it must complete every layer of "
+                    "every page"
+                )
+        if self.page_at is None:
+            self.page_at = np.full(self.num_pages, -1, dtype=np.int64)
+            if self.admitted:
+                done = np.concatenate(self.admitted).astype(np.int64, copy=False)
+                self.page_at[: done.size] = done
+        if len(pages):
+            ids = np.asarray(pages, dtype=np.int64)
+            known = self.page_at[start:end]
+            seen = known >= 0
+            clash = seen & (known != ids)
+            fresh = ids[~seen]
+            again = fresh[np.isin(fresh, self.page_at)] if fresh.size else fresh
+            if clash.any():
+                k = int(np.flatnonzero(clash)[0])
+                raise ProtocolError(
+                    f"room {self.room}: request page {start + k} is page {int(known[k])} in "
+                    f"the layers admitted before, not {int(ids[k])}"
+                )
+            if again.size:
+                page = int(again[0])
+                where = int(np.flatnonzero(self.page_at == page)[0])
+                done = [i for i in range(a, b) if counts[i] > where]
+                raise ProtocolError(
+                    f"room {self.room}: page {page} is request page {where} already"
+                    + (f", and its layer {done[0]} was admitted: each layer of a page is "
+                       "written once" if done else "")
+                )
+        return start
+
+    def _advance(self, end: int, pages: Pages, layers: tuple[int, int] | None) -> None:
+        """Record an admitted chunk: its layers are now admitted up to request page ``end``."""
+        if self.layer_pages is None and layers is None:
+            self.sent_pages = end
+            if len(pages):
+                self.admitted.append(pages)
+            return
+        a, b = layers if layers is not None else (0, self.num_layers)
+        counts = self.layer_pages or [self.sent_pages] * self.num_layers
+        assert self.page_at is not None  # (made by _admit_layers)
+        start = counts[a]
+        self.page_at[start:end] = pages
+        counts[a:b] = [end] * (b - a)
+        self.layer_pages = counts
+        self.sent_pages = min(counts)
+
     def take_chunks(self, limit: int) -> tuple[Chunk, int] | None:
-        """The oldest queued chunk, joined by the chunks queued right behind it (contiguous,
-        up to ``limit`` pages in all): one chunk, one lease, one engine call; with how many
-        chunks joined it. None if the queue is empty (its chunks were cancelled, or an
-        earlier take coalesced them).
+        """The oldest queued chunk, joined by the chunks queued right behind it: one chunk,
+        one lease, one engine call; with how many chunks joined it. None if the queue is
+        empty (its chunks were cancelled, or an earlier take coalesced them).
+
+        Chunks join along one direction: the next pages of the same layers (contiguous, up
+        to ``limit`` pages in all), or, layer-wise, the next layers of the same pages (a
+        model faster than its transfers queues several layers of a chunk before a worker
+        gets to them: they go as one call, not one per layer).
 
         Workers get one job per queued chunk and each takes the room's *oldest*: every chunk
         is taken, in admission order, whichever woken worker runs first."""
@@ -352,19 +463,39 @@ class PrefillRoom:
         del self.queued[first]
         npages = len(first.pages)
         group = [first]
+        layers = first.layers
         for following in self.queued:  # admission order (a dict keeps insertion order)
             n = len(following.pages)
-            if following.start != first.start + npages or npages + n > limit:
+            if (
+                following.layers == first.layers
+                and layers == first.layers
+                and following.start == first.start + npages
+                and npages + n <= limit
+            ):
+                npages += n
+            elif (
+                len(group) == 1 or layers != first.layers
+            ) and layers is not None and following.layers is not None and (
+                following.start == first.start
+                and n == len(first.pages)
+                and following.layers[0] == layers[1]
+            ):
+                layers = (layers[0], following.layers[1])
+            else:
                 break
             group.append(following)
-            npages += n
         if len(group) == 1:
             return first, 0
         for following in group[1:]:
             del self.queued[following]
         lease = self.leases.merge([c.lease for c in group])
-        pages = np.concatenate([c.pages for c in group])
-        return Chunk(lease, pages, first.start, group[-1].last), len(group) - 1
+        if layers != first.layers:
+            pages = first.pages  # (the same pages, more layers)
+            if layers == (0, self.num_layers):
+                layers = None
+        else:
+            pages = np.concatenate([c.pages for c in group])
+        return Chunk(lease, pages, first.start, group[-1].last, layers), len(group) - 1
 
     def chunk_settled(self, chunk: Chunk, outcome: Outcome, failure: TransferError | None) -> Due:
         """A chunk's engine calls are all terminal (its nursery exited). ``outcome`` is how

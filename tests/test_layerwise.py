@@ -1,0 +1,142 @@
+"""Layer-wise streaming (docs/layerwise.md): ``send(pages, layers=range(a, b))``.
+
+The room machine's rules (each layer of a page admitted once, the last send completes every
+layer, layer groups coalesce), the planner's blocks for a layer group, and the real agents
+on both engines: bytes per layer, Success only after every layer's write, release only after
+every layer's write returned, an abort between layer groups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from trio_pd import KVPoll, ProtocolError
+from trio_pd._memory import layer_buffers, layer_view
+from trio_pd._plan import plan_pages
+from trio_pd._rooms import PrefillRoom, RunChunks
+from trio_pd._state import Outcome
+
+from .helpers.agents import host_pool, open_pair
+
+
+def ready_room(num_pages: int, num_layers: int) -> PrefillRoom:
+    room = PrefillRoom(1, num_pages, 0, 64, num_layers=num_layers)
+    room.expected_targets = 0  # (no decode rank needed to queue chunks)
+    return room
+
+
+# ------------------------------------------------------------------------------ the machine
+
+
+def test_each_layer_of_a_page_is_admitted_once() -> None:
+    room = ready_room(4, 3)
+    assert room.admit(np.array([5, 6]), False, layers=(0, 1)) == [RunChunks(1)]
+    # the same pages again for layer 0: refused, nothing changes
+    with pytest.raises(ProtocolError, match="layer 0 was admitted"):
+        room.admit(np.array([5, 6]), False, layers=(0, 1))
+    assert room.layer_pages == [2, 0, 0] and len(room.leases.live) == 1
+    # layers at different pages cannot go in one send
+    with pytest.raises(ProtocolError, match="different request pages"):
+        room.admit(np.array([7, 8]), False, layers=(0, 2))
+    # another layer must name the pages the first named at those positions
+    with pytest.raises(ProtocolError, match="request page 0 is page 5"):
+        room.admit(np.array([6, 5]), False, layers=(1, 3))
+    room.admit(np.array([5, 6]), False, layers=(1, 3))
+    assert room.layer_pages == [2, 2, 2] and room.sent_pages == 2
+    # a page of the request cannot come back as a later page
+    with pytest.raises(ProtocolError, match="page 5 is request page 0 already"):
+        room.admit(np.array([5, 9]), False, layers=(0, 1))
+    with pytest.raises(ProtocolError, match="not a range inside"):
+        room.admit(np.array([7]), False, layers=(2, 4))
+
+
+def test_the_last_send_completes_every_layer_of_every_page() -> None:
+    room = ready_room(2, 2)
+    room.admit(np.array([1, 2]), False, layers=(1, 2))
+    with pytest.raises(ProtocolError, match="leaves layer 0 at page 0"):
+        room.admit(np.array([]), True, layers=(1, 2))
+    with pytest.raises(ProtocolError, match="leaves layer 0 at page 1"):
+        room.admit(np.array([1]), True, layers=(0, 1))
+    room.admit(np.array([1, 2]), True, layers=(0, 1))
+    assert room.last_admitted and room.sent_pages == 2
+
+
+def test_whole_chunks_then_layers_still_admit_each_layer_once() -> None:
+    room = ready_room(4, 2)
+    room.admit(np.array([10, 11]), False)  # every layer of request pages 0, 1
+    with pytest.raises(ProtocolError, match="page 10 is request page 0 already"):
+        room.admit(np.array([10, 11]), False, layers=(0, 1))
+    room.admit(np.array([12, 13]), False, layers=(0, 1))
+    room.admit(np.array([12, 13]), True, layers=(1, 2))
+
+
+def test_layer_groups_of_one_chunk_coalesce_into_one_call() -> None:
+    room = ready_room(4, 4)
+    pages = np.array([3, 4])
+    for layer in range(4):
+        room.admit(pages, layer == 3 and False, layers=(layer, layer + 1))
+    taken = room.take_chunks(64)
+    assert taken is not None
+    chunk, joined = taken
+    assert joined == 3 and chunk.layers is None and list(chunk.pages) == [3, 4]
+    assert len(room.leases.live) == 1
+    # the next pages of one layer join along pages, not across layers
+    room.admit(np.array([5]), False, layers=(0, 1))
+    room.admit(np.array([6]), False, layers=(0, 1))
+    room.admit(np.array([5]), False, layers=(1, 2))
+    taken = room.take_chunks(64)
+    assert taken is not None
+    chunk, joined = taken
+    assert (joined, chunk.layers, list(chunk.pages)) == (1, (0, 1), [5, 6])
+    chunk2, joined2 = room.take_chunks(64) or (None, -1)
+    assert chunk2 is not None and (joined2, chunk2.layers) == (0, (1, 2))
+    room.chunk_settled(chunk, Outcome.COMPLETED, None)
+    assert not room.leases.closed
+
+
+# ------------------------------------------------------------------------------ planning
+
+
+@pytest.mark.parametrize("layout", ["mha", "mla"])
+def test_a_layer_group_plans_only_its_buffers(layout: str) -> None:
+    src, dst = host_pool(layout, num_layers=4), host_pool(layout, num_layers=4)
+    pages = np.array([1, 2, 3])
+    whole = plan_pages(src.spec, dst.spec, pages, pages + 10)
+    group = plan_pages(layer_view(src.spec, 1, 2), layer_view(dst.spec, 1, 2), pages, pages + 10)
+    picks = layer_buffers(layout, 4, 1, 2)
+    per_buffer = whole.num_blocks // src.spec.num_buffers
+    want = np.concatenate([whole.dst[b * per_buffer : (b + 1) * per_buffer] for b in picks])
+    assert list(group.dst) == list(want)
+    assert group.nbytes * 2 == whole.nbytes
+
+
+# ------------------------------------------------------------------------------ real engines
+
+
+async def test_layer_by_layer_bytes_arrive(engine_name: str, bootstrap_url: str) -> None:
+    """A model loop's sends: each layer of a chunk as it is computed, two chunks; the aux
+    row with the last layer of the last chunk. Every byte lands; Success once."""
+    src, dst = host_pool(num_layers=3), host_pool(num_layers=3)
+    async with open_pair(engine_name, bootstrap_url, src=src, dst=dst) as pair:
+        src_pages = np.array([3, 4, 5, 9, 10])
+        dst_pages = np.array([100, 101, 7, 8, 9])
+        pair.src.fill(src_pages, room=77)
+        pair.src.fill_aux(5, room=77)
+        sender = pair.prefill.sender(77, num_pages=5, aux_slot=5)
+        receiver = pair.decode.receiver(77, bootstrap_url=bootstrap_url)
+        receiver.init(dst_pages, 3)
+        for i, chunk in enumerate((src_pages[:2], src_pages[2:])):
+            for layer in range(3):
+                await trio.sleep(0.002)  # "compute"
+                sender.send(chunk, layers=range(layer, layer + 1), last=(i, layer) == (1, 2))
+        with pytest.raises(ProtocolError):
+            sender.send(src_pages[:1], layers=range(0, 1))
+        with trio.fail_after(20):
+            assert await receiver.wait() is KVPoll.Success
+            assert await sender.wait() is KVPoll.Success
+            await sender.wait_released()
+        assert pair.verify(77, dst_pages, 3)
+        stats = pair.prefill.statistics()
+        assert stats.sends_refused == 1 and stats.leases_live == 0
