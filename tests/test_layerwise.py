@@ -16,9 +16,12 @@ from trio_pd import KVPoll, ProtocolError
 from trio_pd._memory import layer_buffers, layer_view
 from trio_pd._plan import plan_pages
 from trio_pd._rooms import PrefillRoom, RunChunks
+from trio_pd._demo import DemoOptions
 from trio_pd._state import Outcome
 
-from .helpers.agents import host_pool, open_pair
+from .helpers.agents import host_pool, open_pair, poll_until
+from .helpers.cluster import open_cluster
+from .test_pp import BOUND, PAGES, _check_layers, open_pp
 
 
 def ready_room(num_pages: int, num_layers: int) -> PrefillRoom:
@@ -140,3 +143,66 @@ async def test_layer_by_layer_bytes_arrive(engine_name: str, bootstrap_url: str)
         assert pair.verify(77, dst_pages, 3)
         stats = pair.prefill.statistics()
         assert stats.sends_refused == 1 and stats.leases_live == 0
+
+
+async def test_layer_groups_are_staged_for_a_larger_decode_tp(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """TP 1 -> 2 (MHA, staged head slices): each layer group is gathered and written on its
+    own; both decode ranks hold their heads of every layer."""
+    opts = DemoOptions(prefill_tp=1, decode_tp=2, kv_heads=4, layers=2, page_size=4,
+                       head_bytes=16, max_tokens=64, engine=engine_name)
+    async with open_cluster(engine_name, bootstrap_url, opts) as c:
+        p, n, room = c.prefill[0], 6, 9
+        src = np.arange(2, 2 + n)
+        p.pool.fill(src, room)
+        p.pool.fill_aux(1, room)
+        sender = p.agent.sender(room, num_pages=n, aux_slot=1)
+        receivers, dsts = [], []
+        for i, agent in enumerate(c.decode):
+            dst = np.arange(30, 30 + n)[:: 1 if i else -1].copy()
+            r = agent.receiver(room, bootstrap_url=c.url, epoch=room + 1)
+            r.init(dst, 2)
+            receivers.append(r)
+            dsts.append(dst)
+        for layer in range(2):
+            sender.send(src, layers=range(layer, layer + 1), last=layer == 1)
+            with trio.fail_after(15):  # (written alone: not coalesced with the next)
+                await poll_until(lambda: p.agent.statistics().chunks_staged >= 2)
+        with trio.fail_after(15):
+            for r in receivers:
+                assert await r.wait() is KVPoll.Success
+            await sender.wait_released()
+        for pool, dst in zip(c.decode_pools, dsts, strict=True):
+            assert (pool.kv[:, dst, :] == pool.expected(room, len(dst))).all()
+            assert pool.aux_ok(2, room)
+        stats = p.agent.statistics()
+        assert stats.chunks_staged == 4 and stats.staging_full == 0
+        assert p.agent.runner.staging.units_reserved == 0
+
+
+@pytest.mark.parametrize("layout", ["mha", "mla"])
+async def test_pipeline_stages_stream_their_own_layers(
+    engine_name: str, bootstrap_url: str, layout: str
+) -> None:
+    """PP 2: each stage sends its own layers (its pool's 0 and 1: model layers 0-1 and 2-3)
+    one at a time; decode holds every model layer in its place."""
+    async with open_pp(engine_name, bootstrap_url, pp=2, prefill_tp=1, decode_tp=1,
+                       layout=layout) as c:
+        room, n = 31, 4
+        src = np.arange(n)
+        dst = np.arange(PAGES - n, PAGES)[::-1].copy()
+        senders = []
+        for st in c.stages:
+            st.pool.fill(src, room)
+            st.pool.fill_aux(3, room)
+            senders.append(st.agent.sender(room, num_pages=n, aux_slot=3))
+        receiver = c.decode[0].receiver(room, bootstrap_url=c.url, epoch=room * 7)
+        receiver.init(dst, 5)
+        for layer in range(2):  # (each stage holds 2 of the model's 4 layers)
+            for s in senders:
+                s.send(src, layers=range(layer, layer + 1), last=layer == 1)
+        with trio.fail_after(BOUND):
+            assert await receiver.wait() is KVPoll.Success, receiver.failure
+        _check_layers(c, room, dst)
+        assert c.decode_pools[0].aux_ok(5, room)
