@@ -8,19 +8,25 @@ every layer's write returned, an abort between layer groups.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import trio
 
-from trio_pd import KVPoll, ProtocolError
+from trio_pd import AdmissionClosed, KVPoll, ProtocolError
 from trio_pd._memory import layer_buffers, layer_view
 from trio_pd._plan import plan_pages
-from trio_pd._rooms import PrefillRoom, RunChunks
 from trio_pd._demo import DemoOptions
+from trio_pd._rooms import PeerPool, PrefillRoom, PublishDue, RunChunks
 from trio_pd._state import Outcome
+from trio_pd.engines import TransferEngine
+from trio_pd.engines.fault import Fault, FaultEngine
+from trio_pd.testing.pools import DEST_POISON, PageAllocator
 
 from .helpers.agents import host_pool, open_pair, poll_until
 from .helpers.cluster import open_cluster
+from .helpers.faults import break_the_drain
 from .test_pp import BOUND, PAGES, _check_layers, open_pp
 
 
@@ -206,3 +212,106 @@ async def test_pipeline_stages_stream_their_own_layers(
             assert await receiver.wait() is KVPoll.Success, receiver.failure
         _check_layers(c, room, dst)
         assert c.decode_pools[0].aux_ok(5, room)
+
+
+# ------------------------------------------------------------------------------ lifetimes
+
+
+def test_success_waits_for_every_layer_groups_write() -> None:
+    """The last layer group's write returning first concludes the room, but publication
+    waits for every other layer group's lease (a write of an earlier layer still running)."""
+    room = PrefillRoom(1, 2, 0, 64, num_layers=2)
+    room.add_target(
+        endpoint="d", session="s", decode_rank=0, epoch=3, aux_slot=0, num_pages=2,
+        dst_pages=np.array([5, 6]), peer=PeerPool(64, 4), expected=1,
+    )
+    room.admit(np.array([1, 2]), False, layers=(0, 1))
+    first = room.take_chunks(64)
+    room.admit(np.array([1, 2]), True, layers=(1, 2))
+    last = room.take_chunks(64)
+    assert first is not None and last is not None
+    assert (first[0].layers, last[0].layers, last[0].last) == ((0, 1), (1, 2), True)
+    due = room.chunk_settled(last[0], Outcome.COMPLETED, None)
+    assert room.leases.closed and not room.publish_due and not any(
+        isinstance(e, PublishDue) for e in due
+    ), "Success due while layer 0's write is still running"
+    due = room.chunk_settled(first[0], Outcome.COMPLETED, None)
+    assert room.publish_due and any(isinstance(e, PublishDue) for e in due)
+
+
+def _stall_layer(k: int) -> Callable[[TransferEngine], TransferEngine]:
+    def wrap(engine: TransferEngine) -> TransferEngine:
+        return FaultEngine(engine, lambda i, _p, _n: Fault("stall") if i == k else None)
+
+    return wrap
+
+
+@pytest.mark.parametrize("drain", ["real", "broken"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+async def test_abort_at_a_layer_boundary_leaves_no_late_write(
+    engine_name: str, bootstrap_url: str, drain: str, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three layers sent one by one; layer ``k``'s write is held inside the engine when
+    decode aborts the room (layers before it landed, layers after it are never sent). With
+    the real drain decode's pages go back only after that write returned, and the poisoned
+    freed pages see no late byte; prefill's pages go back after it too. With the drain
+    broken (prefill abandons the running call on abort) the test sees the late write."""
+    if drain == "broken":
+        break_the_drain(monkeypatch)
+    src, dst = host_pool(num_layers=3), host_pool(num_layers=3)
+    async with open_pair(
+        engine_name, bootstrap_url, src=src, dst=dst, wrap=_stall_layer(k)
+    ) as pair:
+        fault = pair.prefill_engine
+        assert isinstance(fault, FaultEngine)
+        gate = fault.stalls
+        try:
+            pages = PageAllocator(dst.page_rows(), DEST_POISON)
+            dp = pages.alloc_nowait(4)
+            assert dp is not None
+            released, src_released = trio.Event(), trio.Event()
+
+            def release() -> None:
+                pages.free(dp)
+                released.set()
+
+            src_pages = np.arange(4)
+            src.fill(src_pages, 8)
+            src.fill_aux(1, 8)
+            sender = pair.prefill.sender(8, num_pages=4, aux_slot=1,
+                                         on_release=src_released.set)
+            receiver = pair.decode.receiver(8, bootstrap_url=bootstrap_url)
+            receiver.init(dp, 2, on_release=release)
+            with trio.fail_after(15):
+                for layer in range(k + 1):
+                    sender.send(src_pages, layers=range(layer, layer + 1), last=layer == 2)
+                    if layer < k:  # (landed before the next: one write per layer)
+                        await poll_until(
+                            lambda n=layer: fault.statistics().calls == n + 1
+                            and pair.prefill.statistics().engine_calls == n + 1
+                        )
+                await gate.wait_stalled_async(1)  # layer k's write is inside the engine
+            written = fault.statistics().blocks_written
+            receiver.abort("test: abort at a layer boundary")
+            assert receiver.poll() is KVPoll.Failed
+            if drain == "real":
+                with trio.move_on_after(0.3):
+                    await released.wait()
+                assert not released.is_set(), "released while layer k's write could land"
+                assert not src_released.is_set(), "prefill released a page being read"
+            else:
+                with trio.fail_after(15):
+                    await released.wait()  # the bug: released at once
+            gate.release_all()
+            with trio.fail_after(15):
+                await released.wait()
+                await src_released.wait()
+                await poll_until(lambda: fault.statistics().blocks_written > written)
+            await trio.sleep(0.3)  # (a late write has landed by now)
+            late = pages.late_in_free_rows()
+            assert late == (0 if drain == "real" else 4), late
+            if k < 2:  # the model loop's next layer finds the room closed
+                with pytest.raises(AdmissionClosed):
+                    sender.send(src_pages, layers=range(k + 1, k + 2))
+        finally:
+            gate.release_all()
