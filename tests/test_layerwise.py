@@ -15,9 +15,9 @@ import pytest
 import trio
 
 from trio_pd import AdmissionClosed, KVPoll, ProtocolError
+from trio_pd._demo import DemoOptions
 from trio_pd._memory import layer_buffers, layer_view
 from trio_pd._plan import plan_pages
-from trio_pd._demo import DemoOptions
 from trio_pd._rooms import PeerPool, PrefillRoom, PublishDue, RunChunks
 from trio_pd._state import Outcome
 from trio_pd.engines import TransferEngine

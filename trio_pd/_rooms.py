@@ -421,11 +421,11 @@ class PrefillRoom:
             if again.size:
                 page = int(again[0])
                 where = int(np.flatnonzero(self.page_at == page)[0])
-                done = [i for i in range(a, b) if counts[i] > where]
+                written = [i for i in range(a, b) if counts[i] > where]
                 raise ProtocolError(
                     f"room {self.room}: page {page} is request page {where} already"
-                    + (f", and its layer {done[0]} was admitted: each layer of a page is "
-                       "written once" if done else "")
+                    + (f", and its layer {written[0]} was admitted: each layer of a page is "
+                       "written once" if written else "")
                 )
         return start
 
