@@ -17,6 +17,8 @@ admission closes before an ack target exists (I2)      :meth:`PrefillRoom.close`
                                                        :meth:`PrefillRoom.on_abort`
 a lease from admission to terminal I/O (I3)            :meth:`PrefillRoom.admit`,
                                                        :meth:`PrefillRoom.chunk_settled`
+each layer of a page admitted once; the last chunk     :meth:`RequestPages.check`
+completes every layer (layer-wise streaming)
 an engine error quarantines, it does not free          :meth:`PrefillRoom.chunk_settled`
 when publication is due                                :attr:`PrefillRoom.publish_due`
 Success or Failed, and the sends, with no gap (§5.4)   :meth:`PrefillRoom.publish`
@@ -236,6 +238,144 @@ class Chunk:
     layers: tuple[int, int] | None = None
 
 
+@dataclass(eq=False, slots=True)
+class RequestPages:
+    """Which pages of which layers of one request were admitted: the rule every front end
+    (the room machine, the thread facade's own check) applies to a send, in one place.
+
+    Plain chunks cover every layer of the request's next pages. Layer-wise streaming
+    (docs/layerwise.md): a chunk covers layers ``[a, b)`` of the next pages *for those
+    layers*, which must all be at the same request page; its page ids are those any other
+    layer admitted at the same request pages, and none of them is already another request
+    page, so a layer of a page is never admitted twice. The last chunk leaves every layer of
+    every page admitted: its aux row and state slots mean "the request is complete".
+
+    Invariant: ``layer_pages[i]`` (or ``sent`` for every layer while it is None) only grows,
+    and a refused chunk (:meth:`check` raised) changes nothing that counts.
+    """
+
+    room: int
+    num_pages: int
+    num_layers: int
+    #: request pages admitted for every layer (the least of ``layer_pages``)
+    sent: int = 0
+    #: request pages admitted so far, layer by layer; None until the first chunk of some
+    #: layers only (until then every layer is at ``sent``)
+    layer_pages: list[int] | None = None
+    #: the source page id admitted at each request page (-1: none yet); made at the first
+    #: chunk of some layers only
+    page_at: Pages | None = None
+    #: the page ids of the plain chunks, in order (kept by reference: ``page_at`` is built
+    #: from them if the request turns layer-wise)
+    admitted: list[Pages] = field(default_factory=list)
+    #: the last chunk was admitted
+    last: bool = False
+
+    def check_open(self) -> None:
+        if self.last:
+            raise ProtocolError(f"room {self.room}: a chunk after the last one")
+
+    def check(
+        self, pages: Pages, last: bool, layers: tuple[int, int] | None
+    ) -> tuple[int, tuple[int, int] | None]:
+        """Refuse a chunk that breaks the rule above (:class:`ProtocolError`); else the
+        request page it starts at, and its layers (None: every layer)."""
+        self.check_open()
+        if layers == (0, self.num_layers):
+            layers = None  # every layer: a plain chunk
+        if layers is None and self.layer_pages is None:
+            end = self.sent + len(pages)
+            if end > self.num_pages or (last and end != self.num_pages):
+                raise ProtocolError(
+                    f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
+                    + (" (the last chunk must end at num_pages)" if last else "")
+                )
+            return self.sent, None
+        a, b = layers if layers is not None else (0, self.num_layers)
+        if not 0 <= a < b <= self.num_layers:
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) are not a range inside the pool's "
+                f"{self.num_layers} layers"
+            )
+        counts = self.layer_pages or [self.sent] * self.num_layers
+        start = counts[a]
+        if any(counts[i] != start for i in range(a, b)):
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) are at different request pages "
+                f"({counts[a:b]}); one send continues layers that are at the same page"
+            )
+        end = start + len(pages)
+        if end > self.num_pages:
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) would end at page {end} of "
+                f"{self.num_pages}"
+            )
+        if last:
+            after = [end if a <= i < b else n for i, n in enumerate(counts)]
+            short = next((i for i, n in enumerate(after) if n != self.num_pages), None)
+            if short is not None:
+                raise ProtocolError(
+                    f"room {self.room}: the last send leaves layer {short} at page "
+                    f"{after[short]} of {self.num_pages}: it must complete every layer of "
+                    "every page"
+                )
+        if len(pages):
+            self._check_ids(np.asarray(pages, dtype=np.int64), start, counts, a, b)
+        return start, layers
+
+    def _check_ids(
+        self, ids: Pages, start: int, counts: list[int], a: int, b: int
+    ) -> None:
+        page_at = self._page_at()
+        end = start + ids.size
+        known = page_at[start:end]
+        seen = known >= 0
+        clash = seen & (known != ids)
+        if clash.any():
+            k = int(np.flatnonzero(clash)[0])
+            raise ProtocolError(
+                f"room {self.room}: request page {start + k} is page {int(known[k])} in "
+                f"the layers admitted before, not {int(ids[k])}"
+            )
+        fresh = ids[~seen]
+        again = fresh[np.isin(fresh, page_at)] if fresh.size else fresh
+        if again.size:
+            page = int(again[0])
+            where = int(np.flatnonzero(page_at == page)[0])
+            written = [i for i in range(a, b) if counts[i] > where]
+            raise ProtocolError(
+                f"room {self.room}: page {page} is request page {where} already"
+                + (f", and its layer {written[0]} was admitted: each layer of a page is "
+                   "written once" if written else "")
+            )
+
+    def _page_at(self) -> Pages:
+        if self.page_at is None:
+            self.page_at = np.full(self.num_pages, -1, dtype=np.int64)
+            if self.admitted:
+                done = np.concatenate(self.admitted).astype(np.int64, copy=False)
+                self.page_at[: done.size] = done
+        return self.page_at
+
+    def advance(
+        self, start: int, pages: Pages, last: bool, layers: tuple[int, int] | None
+    ) -> None:
+        """Record a chunk :meth:`check` passed (``start`` and ``layers`` as it returned)."""
+        end = start + len(pages)
+        self.last = last
+        if layers is None and self.layer_pages is None:
+            self.sent = end
+            if len(pages):
+                self.admitted.append(pages)
+            return
+        a, b = layers if layers is not None else (0, self.num_layers)
+        counts = self.layer_pages or [self.sent] * self.num_layers
+        self._page_at()[start:end] = pages
+        counts[a:b] = [end] * (b - a)
+        self.layer_pages = counts
+        self.sent = min(counts)
+
+
 @dataclass(frozen=True, slots=True)
 class PeerPool:
     """What a TRANSFER is checked against: the sizes the decode peer registered."""
@@ -290,25 +430,29 @@ class PrefillRoom:
     waiting: list[Chunk] = field(default_factory=list)
     #: handed to the workers and not yet taken (dict as an ordered set: a third the size)
     queued: dict[Chunk, None] = field(default_factory=dict)
-    #: request pages admitted for every layer (the least of ``layer_pages``)
-    sent_pages: int = 0
-    #: layer-wise streaming (docs/layerwise.md): request pages admitted so far, layer by
-    #: layer; None until the first send of some layers only (until then every layer is at
-    #: ``sent_pages``). Each (page, layer) is admitted once: a layer's count only grows
-    layer_pages: list[int] | None = None
-    #: layer-wise streaming: the source page id admitted at each request position (-1: none
-    #: yet), so that a second admission of a layer of a page is told from the next pages
-    page_at: Pages | None = None
-    #: the page ids of the chunks admitted for every layer, in order (kept by reference: a
-    #: room that turns layer-wise builds ``page_at`` from them)
-    admitted: list[Pages] = field(default_factory=list)
-    last_admitted: bool = False
+    #: which pages of which layers were admitted (one rule for every front end)
+    intake: RequestPages = field(init=False)
     published: bool = False
     released: bool = False
     forgotten: bool = False
 
     def __post_init__(self) -> None:
         self.leases = LeaseBook(self.room)
+        self.intake = RequestPages(self.room, self.num_pages, self.num_layers)
+
+    @property
+    def sent_pages(self) -> int:
+        """Request pages admitted for every layer."""
+        return self.intake.sent
+
+    @property
+    def layer_pages(self) -> list[int] | None:
+        """Layer-wise: request pages admitted, layer by layer (None: never layer-wise)."""
+        return self.intake.layer_pages
+
+    @property
+    def last_admitted(self) -> bool:
+        return self.intake.last
 
     @property
     def ready(self) -> bool:
@@ -328,9 +472,8 @@ class PrefillRoom:
         chunk). The state slots go with the last chunk, under its lease.
 
         ``layers`` ``(a, b)``: the chunk is layers ``[a, b)`` of its pages only (layer-wise
-        streaming, :meth:`_admit_layers`); None: every layer, the request's next pages."""
-        if self.last_admitted:
-            raise ProtocolError(f"room {self.room}: a chunk after the last one")
+        streaming, :class:`RequestPages`); None: every layer, the request's next pages."""
+        self.intake.check_open()
         validate_pages(pages, self.pool_pages)
         slots: tuple[Pages, ...] = ()
         if state_slots is not None or (last and self.state_sizes):
@@ -339,22 +482,10 @@ class PrefillRoom:
             slots = check_state_slots(
                 self.state_sizes, () if state_slots is None else state_slots, "source"
             )
-        if layers == (0, self.num_layers):
-            layers = None  # every layer: the plain chunk
-        if layers is not None or self.layer_pages is not None:
-            start = self._admit_layers(pages, last, layers)
-        else:
-            start = self.sent_pages
-            end = start + len(pages)
-            if end > self.num_pages or (last and end != self.num_pages):
-                raise ProtocolError(
-                    f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
-                    + (" (the last chunk must end at num_pages)" if last else "")
-                )
+        start, layers = self.intake.check(pages, last, layers)
         lease = self.leases.admit(len(pages))  # raises AdmissionClosed: I2
         chunk = Chunk(lease, pages, start, last, layers)
-        self._advance(start + len(pages), pages, layers)
-        self.last_admitted = last
+        self.intake.advance(start, pages, last, layers)
         self.state_slots = slots
         if not self.ready:
             self.waiting.append(chunk)
@@ -362,88 +493,6 @@ class PrefillRoom:
         self.cell.advance(KVPoll.Transferring)
         self.queued[chunk] = None
         return [RunChunks(1)]
-
-    def _admit_layers(self, pages: Pages, last: bool, layers: tuple[int, int] | None) -> int:
-        """Layer-wise admission's checks; returns the request page the chunk starts at.
-        Changes nothing a refusal must undo (:meth:`_advance` records the chunk).
-
-        The chunk continues its layers from the one request page they are all at (each
-        layer's pages go in request order); its page ids are those any other layer admitted
-        at the same request pages, and none of them is already another request page: so a
-        layer of a page is never admitted twice. The last chunk leaves every layer of every
-        page admitted (its aux row and state slots mean "the request is complete")."""
-        a, b = layers if layers is not None else (0, self.num_layers)
-        if not 0 <= a < b <= self.num_layers:
-            raise ProtocolError(
-                f"room {self.room}: layers [{a}, {b}) are not a range inside the pool's "
-                f"{self.num_layers} layers"
-            )
-        counts = self.layer_pages or [self.sent_pages] * self.num_layers
-        start = counts[a]
-        if any(counts[i] != start for i in range(a, b)):
-            raise ProtocolError(
-                f"room {self.room}: layers [{a}, {b}) are at different request pages "
-                f"({counts[a:b]}); one send continues layers that are at the same page"
-            )
-        end = start + len(pages)
-        if end > self.num_pages:
-            raise ProtocolError(
-                f"room {self.room}: layers [{a}, {b}) would end at page {end} of "
-                f"{self.num_pages}"
-            )
-        if last:
-            after = [end if a <= i < b else n for i, n in enumerate(counts)]
-            short = next((i for i, n in enumerate(after) if n != self.num_pages), None)
-            if short is not None:
-                raise ProtocolError(
-                    f"room {self.room}: the last send leaves layer {short} at page "
-                    f"{after[short]} of {self.num_pages}: it must complete every layer of "
-                    "every page"
-                )
-        if self.page_at is None:
-            self.page_at = np.full(self.num_pages, -1, dtype=np.int64)
-            if self.admitted:
-                done = np.concatenate(self.admitted).astype(np.int64, copy=False)
-                self.page_at[: done.size] = done
-        if len(pages):
-            ids = np.asarray(pages, dtype=np.int64)
-            known = self.page_at[start:end]
-            seen = known >= 0
-            clash = seen & (known != ids)
-            fresh = ids[~seen]
-            again = fresh[np.isin(fresh, self.page_at)] if fresh.size else fresh
-            if clash.any():
-                k = int(np.flatnonzero(clash)[0])
-                raise ProtocolError(
-                    f"room {self.room}: request page {start + k} is page {int(known[k])} in "
-                    f"the layers admitted before, not {int(ids[k])}"
-                )
-            if again.size:
-                page = int(again[0])
-                where = int(np.flatnonzero(self.page_at == page)[0])
-                written = [i for i in range(a, b) if counts[i] > where]
-                raise ProtocolError(
-                    f"room {self.room}: page {page} is request page {where} already"
-                    + (f", and its layer {written[0]} was admitted: each layer of a page is "
-                       "written once" if written else "")
-                )
-        return start
-
-    def _advance(self, end: int, pages: Pages, layers: tuple[int, int] | None) -> None:
-        """Record an admitted chunk: its layers are now admitted up to request page ``end``."""
-        if self.layer_pages is None and layers is None:
-            self.sent_pages = end
-            if len(pages):
-                self.admitted.append(pages)
-            return
-        a, b = layers if layers is not None else (0, self.num_layers)
-        counts = self.layer_pages or [self.sent_pages] * self.num_layers
-        assert self.page_at is not None  # (made by _admit_layers)
-        start = counts[a]
-        self.page_at[start:end] = pages
-        counts[a:b] = [end] * (b - a)
-        self.layer_pages = counts
-        self.sent_pages = min(counts)
 
     def take_chunks(self, limit: int) -> tuple[Chunk, int] | None:
         """The oldest queued chunk, joined by the chunks queued right behind it: one chunk,
@@ -1179,6 +1228,7 @@ __all__ = [
     "Quarantine",
     "Refused",
     "Release",
+    "RequestPages",
     "RunChunks",
     "SendAborts",
     "SendAck",
