@@ -8,6 +8,7 @@ every layer's write returned, an abort between layer groups.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import numpy as np
@@ -25,8 +26,11 @@ from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, PageAllocator
 
 from .helpers.agents import host_pool, open_pair, poll_until
+from .helpers.aio import open_agents as open_aio_agents
 from .helpers.cluster import open_cluster
 from .helpers.faults import break_the_drain
+from .helpers.threads import agents
+from .helpers.threads import poll_until as thread_poll_until
 from .test_pp import BOUND, PAGES, _check_layers, open_pp
 
 
@@ -315,3 +319,58 @@ async def test_abort_at_a_layer_boundary_leaves_no_late_write(
                     sender.send(src_pages, layers=range(k + 1, k + 2))
         finally:
             gate.release_all()
+
+
+# ------------------------------------------------------------------------------ facades
+
+
+def test_the_thread_facade_streams_layers_and_checks_them_at_the_call(engine_name: str) -> None:
+    """``SyncSender.send(layers=)``: a layer of a page sent twice, or a last send that leaves
+    a layer unsent, is refused on the scheduler's thread (and counted); the layers sent go
+    through, and decode's Success holds every layer's bytes."""
+    with agents(engine_name) as a:  # (host pools of 2 layers)
+        room, n = 12, 4
+        src_pages, dst_pages = np.arange(n), np.arange(n) + n
+        a.src.fill(src_pages, room)
+        a.src.fill_aux(1, room)
+        sender = a.prefill.sender(room, epoch=99)
+        sender.init(n, 1)
+        receiver = a.decode.receiver(room, bootstrap_url=a.boot.url, epoch=99)
+        thread_poll_until(lambda: receiver.poll() is not KVPoll.Bootstrapping)
+        receiver.init(dst_pages, 2)
+        sender.send(src_pages, layers=range(0, 1))
+        with pytest.raises(ProtocolError, match="layer 0 was admitted"):
+            sender.send(src_pages, layers=range(0, 1))
+        with pytest.raises(ProtocolError, match="leaves layer 1"):
+            sender.send(src_pages[:2], layers=range(1, 2), last=True)
+        sender.send(src_pages, layers=range(1, 2), last=True)
+        thread_poll_until(lambda: receiver.poll() is KVPoll.Success)
+        assert (a.dst.kv[:, dst_pages, :] == a.src.expected(room, n)).all()
+        assert a.dst.aux_ok(2, room)
+        thread_poll_until(lambda: a.prefill.statistics().sends_refused == 2)
+
+
+def test_the_asyncio_facade_passes_layers_through() -> None:
+    async def scenario() -> None:
+        async with open_aio_agents() as a:
+            n = 2
+            src = a.src_pages.alloc_nowait(n)
+            dst = a.dst_pages.alloc_nowait(n)
+            assert src is not None and dst is not None
+            a.src.fill(src, 5)
+            a.src.fill_aux(3, 5)
+            sender = await a.prefill.sender(
+                5, num_pages=n, aux_slot=3, on_release=lambda: a.src_pages.free(src)
+            )
+            receiver = await a.decode.receiver(5, bootstrap_url=a.url)
+            await receiver.init(dst, 4, on_release=lambda: a.dst_pages.free(dst))
+            layers = a.src.spec.num_layers
+            for layer in range(layers):
+                await sender.send(src, layers=range(layer, layer + 1), last=layer == layers - 1)
+            with pytest.raises(ProtocolError):
+                await sender.send(src, layers=range(0, 1))
+            async with asyncio.timeout(10):
+                assert await receiver.wait() is KVPoll.Success
+            assert (a.dst.read(dst) == a.src.expected(5, n)).all()
+
+    asyncio.run(scenario())

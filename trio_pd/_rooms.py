@@ -304,6 +304,8 @@ class RequestPages:
                 f"room {self.room}: layers [{a}, {b}) are at different request pages "
                 f"({counts[a:b]}); one send continues layers that are at the same page"
             )
+        if len(pages):  # (first: a layer sent again says so, not that it runs past the end)
+            self._check_ids(np.asarray(pages, dtype=np.int64), start, counts, a, b)
         end = start + len(pages)
         if end > self.num_pages:
             raise ProtocolError(
@@ -319,18 +321,17 @@ class RequestPages:
                     f"{after[short]} of {self.num_pages}: it must complete every layer of "
                     "every page"
                 )
-        if len(pages):
-            self._check_ids(np.asarray(pages, dtype=np.int64), start, counts, a, b)
         return start, layers
 
     def _check_ids(
         self, ids: Pages, start: int, counts: list[int], a: int, b: int
     ) -> None:
         page_at = self._page_at()
-        end = start + ids.size
-        known = page_at[start:end]
-        seen = known >= 0
-        clash = seen & (known != ids)
+        known = page_at[start : start + ids.size]  # (shorter where it runs past the end)
+        seen = np.zeros(ids.size, dtype=bool)
+        seen[: known.size] = known >= 0
+        clash = seen.copy()
+        clash[: known.size] &= known != ids[: known.size]
         if clash.any():
             k = int(np.flatnonzero(clash)[0])
             raise ProtocolError(
