@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -374,3 +375,39 @@ def test_the_asyncio_facade_passes_layers_through() -> None:
             assert (a.dst.read(dst) == a.src.expected(5, n)).all()
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------ the demo
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(decode_tp=2),  # staged head slices
+        dict(prefill_pp=2, prefill_tp=2, decode_tp=2),
+        dict(layout="mla", kv_heads=1, prefill_tp=2),  # a dummy rank
+    ],
+    ids=["tp1-2-staged", "pp2-tp2-2", "mla-tp2-1"],
+)
+async def test_the_demo_streams_layers_with_aborts_and_faults(
+    engine_name: str, shape: dict[str, Any]
+) -> None:
+    """`trio-pd demo --layerwise`: every chunk layer by layer, aborts (one between the first
+    chunk's layers) and engine faults (a late write among them) at layer granularity:
+    nothing corrupt, late, leaked or read after release; nothing freed by timeout."""
+    from trio_pd._demo import check, run_in_process
+
+    shape = {"kv_heads": 4, **shape}
+    opts = DemoOptions(requests=30, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,
+                       chunk_pages=3, layers=4, head_bytes=16, abort_rate=0.3,
+                       fault_rate=0.1, fault_kinds=("fail", "partial", "late", "delay_before"),
+                       seed=5, request_bound=20.0, quarantine_fence=1.0, engine=engine_name,
+                       layerwise=True, **shape)
+    assert opts.option_problem() is None
+    with trio.fail_after(90):
+        summary = await run_in_process(opts)
+    assert summary["succeeded"] >= 8, summary
+    for key in ("corrupt_pages", "late_writes", "leaked_pages", "source_uaf_pages", "hung",
+                "released_by_timeout"):
+        assert summary[key] == 0, (key, summary)
+    assert check(opts, summary) == []

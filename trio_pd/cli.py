@@ -158,6 +158,9 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
                    help="comma-separated: fail,partial,delay_before,delay_after,stall,late")
     p.add_argument("--fault-delay", type=_number, default=d.fault_delay,
                    help="seconds the delay faults wait")
+    p.add_argument("--layerwise", action="store_true",
+                   help="send each chunk layer by layer, a short compute before each layer "
+                   "(layer-wise streaming, docs/layerwise.md)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the request plan, aborts and faults")
     p.add_argument("--processes", action="store_true",
