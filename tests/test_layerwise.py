@@ -386,8 +386,10 @@ def test_the_asyncio_facade_passes_layers_through() -> None:
         dict(decode_tp=2),  # staged head slices
         dict(prefill_pp=2, prefill_tp=2, decode_tp=2),
         dict(layout="mla", kv_heads=1, prefill_tp=2),  # a dummy rank
+        # per-buffer geometry: head-major pages, K and V of different widths, page strides
+        dict(page_layout="hnd", v_head_bytes=24, page_pad=64, decode_tp=2),
     ],
-    ids=["tp1-2-staged", "pp2-tp2-2", "mla-tp2-1"],
+    ids=["tp1-2-staged", "pp2-tp2-2", "mla-tp2-1", "geometry-tp1-2"],
 )
 async def test_the_demo_streams_layers_with_aborts_and_faults(
     engine_name: str, shape: dict[str, Any]
