@@ -538,9 +538,9 @@ async def _send_layers(
 ) -> None:
     """One chunk, layer by layer (``DemoOptions.layerwise``): each layer after a short
     simulated compute (on top of the chunk's); the state slots with the last layer of the
-    last chunk. With ``abort_after_first`` the scheduler aborts once the first layer is sent: the request
-    then has some layers written and the others never (the next layer's send raises
-    AdmissionClosed, as a model loop's would)."""
+    last chunk. With ``abort_after_first`` the scheduler aborts once the first layer is
+    sent: the request then has some layers written and the others never (the next layer's
+    send raises AdmissionClosed, as a model loop's would)."""
     for layer in range(layers):
         await trio.sleep(rng.random() * 0.0005)  # the layer's compute
         final = last and layer == layers - 1
