@@ -541,8 +541,10 @@ async def _send_layers(
     last chunk. With ``abort_after_first`` the scheduler aborts once the first layer is
     sent: the request then has some layers written and the others never (the next layer's
     send raises AdmissionClosed, as a model loop's would)."""
+    await trio.sleep(rng.random() * 0.0005)  # the first layer's compute
     for layer in range(layers):
-        await trio.sleep(rng.random() * 0.0005)  # the layer's compute
+        if layer:
+            await trio.sleep(rng.random() * 0.0005)  # the layer's compute
         final = last and layer == layers - 1
         sender.send(pages, layers=range(layer, layer + 1), last=final,
                     state_slots=state_slots if final else None)
