@@ -77,6 +77,9 @@ def test_bench_quick_json_and_plot(engine: str, tmp_path: Path) -> None:
     tp = r["tp_mismatch"]
     assert tp["tp1_1_gbps"] > 0 and tp["tp1_4_gbps"] > 0
     assert tp["ratio"] == round(tp["tp1_4_gbps"] / tp["tp1_1_gbps"], 3)
+    # the layer-wise phase: both modes ran, every request verified
+    lw = r["layerwise"]
+    assert lw["corrupt"] == 0 and "layerwise_tail<=2_layers" in r["targets"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -206,3 +209,31 @@ def test_bench_refuses_bad_preset_combinations(
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("trio-pd bench: error: "), err
     assert says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bench_layers_preset_json_and_plot(engine: str, tmp_path: Path) -> None:
+    """``--preset layers``: only the layer-wise phase, whole requests against layer by
+    layer, alternated; every field there, every request verified, the plot written."""
+    png = tmp_path / "layers.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trio_pd.cli", "bench", "--preset", "layers", "--quick",
+         "--json", "--engine", engine, "--layer-compute-ms", "1.5", "--plot", str(png)],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    lw = r["layerwise"]
+    o = lw["options"]
+    assert o["compute_ms"] == 1.5 and o["engine"] == engine
+    assert lw["corrupt"] == 0
+    for mode in ("whole", "layerwise"):
+        for key in ("after_compute_ms", "ttft_ms"):
+            d = lw[f"{mode}_{key}"]
+            assert 0 < d["min"] <= d["p50"] <= d["max"], (mode, key, d)
+        assert len(lw[f"{mode}_after_compute_ms_runs"]) == o["rounds"]
+        # a request takes at least its compute
+        assert lw[f"{mode}_ttft_ms"]["min"] >= o["layers"] * o["compute_ms"]
+    assert lw["request_bytes"] == lw["layer_bytes"] * o["layers"]
+    assert set(r["targets"]) == {"layerwise_tail<=2_layers"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -355,6 +355,53 @@ async def test_trio_a_cancel_at_every_schedule_point_loses_no_page(
         assert d.rooms_unproven_at_close == d.released_by_timeout == 0
 
 
+async def prefill_handler_layers(pair: Pair, books: Books, run: Run) -> None:
+    """:func:`prefill_handler` for a model loop that streams its layers
+    (docs/layerwise.md): each layer of the whole request sent once computed, the last layer
+    the last send; "prefill gives up" aborts after the first layer, so the request ends
+    with some layers written and the others never."""
+    run.at["prefill"] = "allocating"
+    src = await books.src.alloc(PAGES)
+    aux_slot = forward_pass(pair.src, src, run)
+    async with pair.prefill.sender(
+        run.room, num_pages=PAGES, aux_slot=aux_slot, epoch=run.epoch,
+        on_release=lambda: books.free(books.src, src, "prefill on_release"),
+    ) as tx:
+        run.holds("prefill", tx)
+        layers = pair.src.spec.num_layers
+        try:
+            for layer in range(layers):
+                if layer:
+                    run.at["prefill"] = "computing a layer"
+                    await trio.lowlevel.checkpoint()
+                    if run.story == "prefill gives up":
+                        tx.abort("test: the prefill scheduler gives up between layers")
+                tx.send(src, layers=range(layer, layer + 1), last=layer == layers - 1)
+        except AdmissionClosed:
+            pass  # the room failed meanwhile
+        run.at["prefill"] = "waiting"
+        await tx.wait()
+
+
+@pytest.mark.parametrize("story", ["succeeds", "prefill gives up"])
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+async def test_trio_layerwise_a_cancel_at_every_schedule_point_loses_no_page(
+    engine_name: str, bootstrap_url: str, victim: str, story: str
+) -> None:
+    """The same sweep with prefill streaming its layers: a cancel at any await of either
+    handler, a layer's compute included, loses no page, frees none twice, and leaves no
+    late write in a page that went back."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        handlers = {"decode": decode_handler, "prefill": prefill_handler_layers}
+        covered = await sweep_trio(pair, victim, story, handlers)
+        want = AWAITS[victim, story]
+        if victim == "prefill":
+            want = {"computing a layer" if a == "between chunks" else a for a in want}
+        assert covered == want
+        with trio.fail_after(BOUND):
+            await poll_until(lambda: pair.decode.statistics().pages_held == 0)
+
+
 # ------------------------------------------------------------------------ asyncio (trio_pd.aio)
 
 

@@ -59,6 +59,7 @@ from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator
 
 from .helpers.sglang import (
+    LAYERS,
     PAGE_SIZE,
     Memory,
     SplitRows,
@@ -532,6 +533,31 @@ def _one_room(s: Side, room: int, npages: int = 4) -> tuple[KVSender, KVReceiver
     sender.send(pages[:1])
     sender.send(pages[1:])
     return sender, receiver
+
+
+def test_sglang_sender_streams_layers(engine_name: str) -> None:
+    """``KVSender.send(layers=)`` (trio_pd's layer-wise streaming through the adapter): a
+    chunk's layers sent one at a time, the send that completes every layer is the last
+    (it carries the metadata rows); a layer of a page sent again is refused."""
+    with pair(engine_name) as s:
+        room, n = 93, 4
+        pages = np.arange(n)
+        s.src.fill(room, pages, 1)
+        sender = KVSender(s.prefill, s.addr, room)
+        sender.init(n, 1)
+        receiver = KVReceiver(s.decode, s.addr, room)
+        receiver.init(0)
+        poll_until(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        receiver.send_metadata(pages + n, 2)
+        for chunk in (pages[:2], pages[2:]):
+            for layer in range(LAYERS):
+                sender.send(chunk, layers=range(layer, layer + 1))
+                if layer == 0 and chunk[0] == 0:
+                    with pytest.raises(ProtocolError):
+                        sender.send(chunk, layers=range(0, 1))
+        poll_until(lambda: receiver.poll() == KVPoll.Success)
+        assert s.dst.holds(room, pages + n, 2)
+        poll_until(lambda: sender.poll() == KVPoll.Success)
 
 
 def _watch(what: Callable[[], object], want: object, seconds: float = 0.3) -> None:

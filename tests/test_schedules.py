@@ -231,9 +231,9 @@ class MemEngine:
         pass
 
 
-def small_pool() -> HostKVPool:
+def small_pool(layers: int = 1) -> HostKVPool:
     return HostKVPool(
-        layout="mla", num_pages=8, num_layers=1, page_size=2, head_bytes=4, aux_slots=2,
+        layout="mla", num_pages=8, num_layers=layers, page_size=2, head_bytes=4, aux_slots=2,
         aux_item_len=32,
     )
 
@@ -293,13 +293,14 @@ async def start_prefill(
     fail_writes: frozenset[int] = frozenset(),
     fence: float = 5.0,
     timers: bool = False,
+    layers: int = 1,
 ) -> PrefillRig:
     """A real PrefillAgent on the twins, its workers and timer task running in ``nursery``,
     with one decode peer registered (through its real REGISTER handler)."""
     trace = Trace()
     control = FakeControl(PREFILL, trace)
     engine = MemEngine("mem-prefill", fail_writes=fail_writes)
-    src, dst = small_pool(), small_pool()
+    src, dst = small_pool(layers), small_pool(layers)
     agent = cls(
         engine=engine, pool=src.spec, tp_rank=0, tp_size=1, kv_heads=1, host="unused",
         config=PrefillConfig(
@@ -741,3 +742,92 @@ def decode_acks(senders: list[list[tuple[str, int]]]) -> Callable[[], Awaitable[
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_release_needs_every_rank_drained_every_schedule(case: str) -> None:
     assert_explored(decode_acks(DECODE_CASES[case]))
+
+
+# ------------------------------------------------------------------ layer-wise: abort vs layers
+
+
+def layers_vs_abort(
+    point: Point, steps: int, seen: set[str] | None = None
+) -> Callable[[], Awaitable[None]]:
+    """Layer-wise streaming (docs/layerwise.md): a model loop sends a two-page room layer by
+    layer (two layers, one checkpoint of "compute" between them, the second ``last``), on two
+    workers; a decode ABORT is let go at ``point``.
+
+    Invariant (SPEC §5.3, §5.5, I1, I6): a Success STATUS goes out only when every layer of
+    every page has landed at decode (checked at the send); no layer is admitted after the
+    ABORT; the ack goes out once, after every started write returned; the release runs
+    once, after that, with no write in flight."""
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            rig = await start_prefill(nursery, workers=2, layers=2)
+            src_pages = np.array([0, 1])
+            rig.src.fill(src_pages, ROOM)
+            dst_pages = np.arange(2) + 4  # (rig.room's destination pages)
+            want = rig.src.expected(ROOM, 2)
+            landed_at_success: list[bool] = []
+
+            def on_send(_endpoint: str, msg: wire.Message) -> None:
+                if isinstance(msg, wire.Status) and msg.ok:
+                    landed_at_success.append(bool((rig.dst.kv[:, dst_pages, :] == want).all()))
+
+            rig.control.on_send = on_send
+            sender = rig.room(2)
+            aborted = trio.Event()
+            admitted_after_abort: list[int] = []
+
+            async def model_loop() -> None:
+                for layer in range(2):
+                    if layer:
+                        await trio.lowlevel.checkpoint()  # computing the next layer
+                    try:
+                        sender.send(src_pages, layers=range(layer, layer + 1), last=layer == 1)
+                    except AdmissionClosed:
+                        return
+                    rig.trace.add("admitted", layer)
+                    if aborted.is_set():
+                        admitted_after_abort.append(layer)
+
+            async def abort() -> None:
+                # (a point a schedule never reaches, such as a second engine call where the
+                # two layers coalesced into one: the abort comes after everything else)
+                with trio.move_on_after(SETTLE / 2):
+                    await at(rig.trace, point, steps)
+                rig.abort_from_decode()
+                aborted.set()
+
+            nursery.start_soon(model_loop)
+            nursery.start_soon(abort)
+            await trio.sleep(SETTLE)
+            nursery.cancel_scope.cancel()
+
+        assert aborted.is_set(), "the abort never ran"
+        assert admitted_after_abort == [], "a layer was admitted after the ABORT"
+        assert all(landed_at_success), "Success sent before every layer had landed"
+        statuses = rig.trace.sent(wire.Status)
+        assert len(statuses) == 1, statuses
+        kinds = rig.trace.kinds()
+        acks = rig.trace.sent(wire.AbortAck)
+        assert len(acks) == 1, "not exactly one ack"
+        ack_at = next(i for i, (_k, m) in enumerate(rig.trace.events) if m is acks[0])
+        assert kinds.count("start") == kinds[:ack_at].count("return"), "ack before the drain"
+        assert rig.released == [0], "release ran while a write was in flight, or not once"
+        release_at = kinds.index("release")
+        assert kinds.count("start") == kinds[:release_at].count("return")
+        if seen is not None:
+            seen.add("Success" if statuses[0].ok else "Failed")
+            seen.add(f"{kinds.count('start')} writes")
+
+    return scenario
+
+
+def test_layers_vs_abort_every_schedule() -> None:
+    points: list[Point] = [("begin", 0), ("admitted", 1), ("start", 1), ("return", 1),
+                           ("admitted", 2), ("start", 2)]
+    seen: set[str] = set()
+    for point in points:
+        for steps in range(2):
+            assert_explored(layers_vs_abort(point, steps, seen), first_only=True)
+    # both outcomes, and layers written in one call (coalesced), in two, and not at all
+    assert seen == {"Success", "Failed", "0 writes", "1 writes", "2 writes"}, seen

@@ -67,6 +67,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from ._bench_layers import LayerBenchOptions, run_layerwise
 from ._bootstrap import open_bootstrap_server
 from ._decode import DecodeAgent, DecodeConfig, open_decode
 from ._errors import AdmissionClosed
@@ -130,12 +131,28 @@ class BenchOptions:
     #: where every phase's KV pools and aux buffers live: host memory, or CUDA device 0
     #: (:func:`trio_pd._demo.make_pool`, as the demo's ``--device``)
     device: Literal["host", "cuda"] = "host"
+    #: the layer-wise phase (:mod:`trio_pd._bench_layers`): model layers, pages per request,
+    #: simulated compute per layer (ms), and rounds of one request of each mode, alternated
+    layer_layers: int = 8
+    layer_pages: int = 32
+    layer_compute_ms: float = 4.0
+    layer_rounds: int = 10
 
     @classmethod
     def quick(cls, engine: str = "mooncake") -> BenchOptions:
         return cls(
             engine=engine, total_mib=16, concurrency=8, ceiling_repeats=1, abort_requests=4,
-            overhead_samples=60, scale_rooms=(50, 200),
+            overhead_samples=60, scale_rooms=(50, 200), layer_layers=4, layer_pages=8,
+            layer_compute_ms=2.0, layer_rounds=2,
+        )
+
+    @property
+    def layer_options(self) -> LayerBenchOptions:
+        """The layer-wise phase's options."""
+        return LayerBenchOptions(
+            engine=self.engine, layers=self.layer_layers, pages=self.layer_pages,
+            compute_ms=self.layer_compute_ms, rounds=self.layer_rounds, secure=self.secure,
+            seed=self.seed, device=self.device,
         )
 
     @classmethod
@@ -152,8 +169,8 @@ class BenchOptions:
         """What makes these options unusable (the CLI refuses them before anything starts)."""
         if self.preset == "peer":
             return peer_demo_options(self).option_problem()
-        if self.preset != "default":
-            return f"--preset must be peer (or left out), got {self.preset!r}"
+        if self.preset not in ("default", "layers"):
+            return f"--preset must be peer or layers (or left out), got {self.preset!r}"
         from ._demo import DemoOptions
 
         # the demo's own refusals: the engine's module, and for device memory cuda-python,
@@ -987,7 +1004,15 @@ def run_tp_mismatch(s: _Setup, progress: Progress) -> None:
 
 def run(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[str, Any]:
     """Every phase (or the peer preset's one); returns the JSON-able summary."""
-    r = run_peer(opts, progress) if opts.preset == "peer" else _run_phases(opts, progress)
+    if opts.preset == "peer":
+        r = run_peer(opts, progress)
+    elif opts.preset == "layers":
+        r = {"preset": "layers", "options": asdict(opts), "layerwise": run_layerwise(
+            opts.layer_options)}
+        progress("layerwise")
+        r["targets"] = targets_met(r)
+    else:
+        r = _run_phases(opts, progress)
     r["device"] = opts.device
     if opts.device == "cuda":
         from ._demo import DEMO_DEVICE
@@ -1008,6 +1033,8 @@ def _run_phases(opts: BenchOptions, progress: Progress) -> dict[str, Any]:
         run_facade(s, progress)
         run_facades(s, progress)
         run_tp_mismatch(s, progress)
+        s.results["layerwise"] = run_layerwise(opts.layer_options)
+        progress("layerwise")
     finally:  # every engine that had them registered is closed by now
         _close_pools([s.src, s.dst, s.small_src, s.small_dst])
     r = s.results
@@ -1042,17 +1069,30 @@ def phases(opts: BenchOptions) -> list[str]:
     if opts.preset == "peer":
         n = opts.load_requests
         return [f"peer: {i}/{n} requests (prefill, decode in own processes)" for i in range(n)]
+    if opts.preset == "layers":
+        return ["layerwise"]
     return ["ceiling", "trio_pd", "aborts", "overhead", *(f"scale {n}" for n in opts.scale_rooms),
-            "facade", "facades", "tp mismatch"]
+            "facade", "facades", "tp mismatch", "layerwise"]
 
 
 def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
     def le(v: float | None, t: float) -> bool | None:
         return None if v is None else v <= t
 
+    lw = r.get("layerwise")
+    layers = {
+        # the transfer left after the last layer's compute is a layer's, not the request's
+        "layerwise_tail<=2_layers": (
+            lw["layerwise_after_compute_ms"]["p50"] <= 2 * lw["layer_transfer_ms_est"]
+            if lw else None
+        ),
+    }
+    if r.get("preset") == "layers":
+        return layers
     ten_k = [x for x in r.get("scale", []) if x["rooms"] == 10_000]
     ratio = _ratio_target(r["options"]["engine"])
     return {
+        **layers,
         f"ratio>={ratio}": r["ratio"] >= ratio,
         "loop_cpu<=500us/request": le(r.get("loop_cpu_us_per_request"),
                                       TARGETS["loop_cpu_us_per_request"]),
@@ -1081,6 +1121,10 @@ def problems(r: dict[str, Any]) -> list[str]:
     out = [f"peer: {x}" for x in r["peer"]["problems"]] if "peer" in r else []
     if r.get("preset") == "peer":
         return out
+    if r.get("layerwise", {}).get("corrupt"):
+        out.append(f"layerwise: corrupt requests = {r['layerwise']['corrupt']}")
+    if r.get("preset") == "layers":
+        return out
     if r["corrupt_pages"]:
         out.append(f"corrupt_pages = {r['corrupt_pages']}")
     if r["failed"]:
@@ -1106,6 +1150,14 @@ def table(r: dict[str, Any]) -> Any:
 
     if r.get("preset") == "peer":
         return _peer_table(r["peer"], _pools_text(r))
+    if r.get("preset") == "layers":
+        t = Table(title="trio-pd bench, layer-wise streaming")
+        t.add_column("metric")
+        t.add_column("value", justify="right")
+        t.add_column("target")
+        t.add_column("")
+        _layer_rows(t, r["layerwise"], mark)
+        return t
     o = r["options"]
     t = Table(title=f"trio-pd bench ({o['engine']}, {r['requests']} requests x "
                     f"{o['request_pages']} pages, chunks of {o['chunk_pages']}, "
@@ -1160,9 +1212,31 @@ def table(r: dict[str, Any]) -> Any:
                   f"{f['asyncio_us_per_request']} µs ({f['thread_over_trio_us']:+} / "
                   f"{f['asyncio_over_trio_us']:+})", "<= +300 µs",
                   mark("facades<=300us/request"))
+    if "layerwise" in r:
+        _layer_rows(t, r["layerwise"], mark)
     t.add_row("verified", f"{r['verified_bytes'] / 1e6:.1f} MB, corrupt pages "
               f"{r['corrupt_pages']}", "", "")
     return t
+
+
+def _layer_rows(t: Any, lw: dict[str, Any], mark: Callable[[str], str]) -> None:
+    """The layer-wise phase's rows (:mod:`trio_pd._bench_layers`)."""
+    o = lw["options"]
+
+    def span(d: dict[str, float]) -> str:
+        return f"p50 {d['p50']} ms ({d['min']} to {d['max']})"
+
+    what = (f"{o['layers']} layers x {lw['layer_bytes'] / 2**20:g} MiB, {o['compute_ms']} ms "
+            f"compute per layer, {o['rounds']} rounds")
+    t.add_row(f"layer-wise: after the last layer's compute → Success, whole ({what})",
+              span(lw["whole_after_compute_ms"]), "", "")
+    t.add_row("layer-wise: after the last layer's compute → Success, layer by layer",
+              span(lw["layerwise_after_compute_ms"]),
+              f"<= 2 layers ({2 * lw['layer_transfer_ms_est']:.1f} ms)",
+              mark("layerwise_tail<=2_layers"))
+    t.add_row("layer-wise: request start → Success (whole / layer by layer)",
+              f"{lw['whole_ttft_ms']['p50']} / {lw['layerwise_ttft_ms']['p50']} ms "
+              f"({lw['ttft_saved_ms']:+} saved)", "", "")
 
 
 def _pools_text(r: dict[str, Any]) -> str:
@@ -1231,6 +1305,13 @@ def plot(r: dict[str, Any], path: str) -> None:
     if r.get("preset") == "peer":
         _plot_peer(plt, r["peer"], path)
         return
+    if r.get("preset") == "layers":
+        fig, ax = plt.subplots(1, 1, figsize=(7, 4.5))
+        _plot_layers(ax, r["layerwise"])
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [f"ceiling: {m}" for m in r["ceiling_gbps_by_mode"]] + ["trio_pd"]
     vals = [*r["ceiling_gbps_by_mode"].values(), r["trio_pd_gbps"]]
@@ -1257,6 +1338,26 @@ def plot(r: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_layers(ax: Any, lw: dict[str, Any]) -> None:
+    """Whole vs layer by layer: after the last layer's compute, and from the request's
+    start, each a p50 bar with the run's min and max."""
+    names = ["after last compute", "request start"]
+    x = np.arange(len(names))
+    for i, (mode, color) in enumerate((("whole", "#999999"), ("layerwise", "#1f77b4"))):
+        stats = [lw[f"{mode}_after_compute_ms"], lw[f"{mode}_ttft_ms"]]
+        p50 = [d["p50"] for d in stats]
+        err = [[d["p50"] - d["min"] for d in stats], [d["max"] - d["p50"] for d in stats]]
+        bars = ax.bar(x + (i - 0.5) * 0.38, p50, 0.38, yerr=err, capsize=4, color=color,
+                      label="whole request" if mode == "whole" else "layer by layer")
+        ax.bar_label(bars, fmt="%.1f")
+    o = lw["options"]
+    ax.set_xticks(x, [f"{n} → decode Success" for n in names])
+    ax.set_ylabel("ms (p50, min to max)")
+    ax.set_title(f"layer-wise streaming ({o['engine']}): {o['layers']} layers of "
+                 f"{lw['layer_bytes'] / 2**20:g} MiB, {o['compute_ms']} ms compute each")
+    ax.legend()
 
 
 def _plot_peer(plt: Any, p: dict[str, Any], path: str) -> None:

@@ -37,7 +37,7 @@ from ._errors import (
     copy_error,
 )
 from ._lane import LaneClosed
-from ._memory import PoolSpec, stamp_aux_row
+from ._memory import PoolSpec, layer_buffers, layer_view, stamp_aux_row
 from ._peers import DecodePeer, PeerRegistry
 from ._plan import (
     Blocks,
@@ -182,6 +182,8 @@ class ChunkRunner:
         self._metrics = metrics
         #: where head slices for decode ranks of a larger TP are gathered (_staging)
         self.staging = StagingArea(staging_bytes if host_source(pool) else 0)
+        #: layer-wise chunks: (id(pool), a, b) -> (pool, its view of layers [a, b))
+        self._views: dict[tuple[int, int, int], tuple[PoolSpec, PoolSpec]] = {}
         self._staging_lock = trio.Lock()
 
     async def run(  # noqa: ASYNC910 (the nursery's exit is a schedule point on every path)
@@ -315,6 +317,8 @@ class ChunkRunner:
         (when they are staged: the reservation is then ``call.staged``)."""
         parts: list[Blocks] = []
         prepare = None
+        # layer-wise: both sides seen as pools of the chunk's layers only (their buffers)
+        src_pool, dst_pool = self._layer_views(chunk.layers, peer)
         src_pages = chunk.pages
         skip = target.prefix - chunk.start  # pages of the chunk decode holds already
         if skip > 0:
@@ -325,21 +329,22 @@ class ChunkRunner:
             mha_heads = peer.heads if self.pool.layout == "mha" else None
             r = None
             if staging and self.staging.registered:
-                r = self.staging.reserve(staged_bytes(self.pool, peer.pool, len(dst)))
+                r = self.staging.reserve(staged_bytes(src_pool, dst_pool, len(dst)))
                 if r is None:
                     self.counters.bump("staging_full")
             if r is not None:
                 call.staged = r
                 assert mha_heads is not None
-                parts.append(plan_staged(self.pool, peer.pool, dst, r.addr))
+                parts.append(plan_staged(src_pool, dst_pool, dst, r.addr))
                 prepare = self.staging.gatherer(
-                    self.pool, src_pages, mha_heads, r, peer.pool.item_lens
+                    self.pool, src_pages, mha_heads, r, dst_pool.item_lens,
+                    buffers=self._buffers(chunk.layers),
                 )
             else:
                 # both page lists were validated when they arrived (admit, add_target)
                 parts.append(
                     plan_pages(
-                        self.pool, peer.pool, src_pages, dst, heads=mha_heads,
+                        src_pool, dst_pool, src_pages, dst, heads=mha_heads,
                         pages_checked=True,
                     )
                 )
@@ -358,6 +363,33 @@ class ChunkRunner:
                 call.staged = None
             raise
         return blocks, prepare
+
+    def _layer_views(
+        self, layers: tuple[int, int] | None, peer: DecodePeer
+    ) -> tuple[PoolSpec, PoolSpec]:
+        """Our pool and the peer's (already our stage's layers of decode's pool) as pools
+        of ``layers`` only (:func:`~trio_pd._memory.layer_view`: MHA's K and V buffers of
+        those layers, MLA's one each, per-buffer geometry kept); both whole for None. Made
+        once per (pool, range): an agent has one pool, a peer one."""
+        if layers is None:
+            return self.pool, peer.pool
+        return self._view(self.pool, layers), self._view(peer.pool, layers)
+
+    def _view(self, pool: PoolSpec, layers: tuple[int, int]) -> PoolSpec:
+        key = (id(pool), *layers)
+        hit = self._views.get(key)
+        if hit is None or hit[0] is not pool:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            hit = self._views[key] = (pool, layer_view(pool, layers[0], layers[1] - layers[0]))
+        return hit[1]
+
+    def _buffers(self, layers: tuple[int, int] | None) -> list[int] | None:
+        """Our pool's buffer indices of ``layers`` (None: every buffer)."""
+        if layers is None:
+            return None
+        a, b = layers
+        return layer_buffers(self.pool.layout, self.pool.num_layers, a, b - a)
 
     def _settle_staging(self, room: PrefillRoom, calls: list[_Call]) -> None:
         """Staging ranges of the chunk's calls: back to the area if the call completed or

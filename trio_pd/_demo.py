@@ -37,7 +37,7 @@ from ._decode import DecodeConfig, open_decode
 from ._errors import AdmissionClosed
 from ._memory import PoolSpec, read_aux_stamp
 from ._plan import chunk_ranges
-from ._prefill import PrefillConfig, open_prefill
+from ._prefill import PrefillConfig, PrefillSender, open_prefill
 from ._security import TOKEN_ENV
 from ._state import KVPoll
 from ._topology import head_range
@@ -131,6 +131,10 @@ class DemoOptions:
     #: at once shorten it; a real write still under way at the fence would then show as a
     #: late write
     quarantine_fence: float | None = None
+    #: layer-wise streaming (docs/layerwise.md): each chunk is sent layer by layer, each
+    #: layer after a short simulated compute, the last layer of the last chunk ``last``;
+    #: an abort "mid-chunk" lands after the first chunk's first layer
+    layerwise: bool = False
 
     @property
     def stage_layers(self) -> int:
@@ -528,6 +532,26 @@ def _engine(opts: DemoOptions, role: str, rank: int) -> TransferEngine:
     return engine
 
 
+async def _send_layers(
+    sender: PrefillSender, pages: npt.NDArray[np.int64], last: bool, state_slots: Any,
+    layers: int, rng: random.Random, abort_after_first: bool,
+) -> None:
+    """One chunk, layer by layer (``DemoOptions.layerwise``): each layer after a short
+    simulated compute (on top of the chunk's); the state slots with the last layer of the
+    last chunk. With ``abort_after_first`` the scheduler aborts once the first layer is
+    sent: the request then has some layers written and the others never (the next layer's
+    send raises AdmissionClosed, as a model loop's would)."""
+    await trio.sleep(rng.random() * 0.0005)  # the first layer's compute
+    for layer in range(layers):
+        if layer:
+            await trio.sleep(rng.random() * 0.0005)  # the layer's compute
+        final = last and layer == layers - 1
+        sender.send(pages, layers=range(layer, layer + 1), last=final,
+                    state_slots=state_slots if final else None)
+        if abort_after_first and layer == 0:
+            sender.abort("demo: abort between layers")
+
+
 async def _bounded_wait(wait: Callable[[], Any], bound: float) -> KVPoll | None:
     with trio.move_on_after(bound):
         result: KVPoll = await wait()
@@ -614,8 +638,13 @@ async def run_prefill_rank(
                         last = i == len(ranges) - 1
                         await trio.sleep(rng.random() * 0.002)  # the scheduler computes
                         try:
-                            sender.send(pages[a:b], last=last,
-                                        state_slots=state_slots if last else None)
+                            if opts.layerwise:
+                                await _send_layers(sender, pages[a:b], last, state_slots,
+                                                   pool.spec.num_layers, rng,
+                                                   point == "mid_chunk" and i == 0)
+                            else:
+                                sender.send(pages[a:b], last=last,
+                                            state_slots=state_slots if last else None)
                         except AdmissionClosed:
                             break
                         if point == "mid_chunk" and i == 0:

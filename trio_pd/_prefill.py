@@ -208,6 +208,16 @@ class _Room:
         return self._lock
 
 
+def layer_range(layers: range | None) -> tuple[int, int] | None:
+    """``send``'s ``layers`` as ``(a, b)``; :class:`ProtocolError` unless a non-empty range
+    of step 1 (the pool's bounds are the room machine's check)."""
+    if layers is None:
+        return None
+    if not isinstance(layers, range) or layers.step != 1 or len(layers) == 0:
+        raise ProtocolError(f"layers must be a non-empty range of step 1, got {layers!r}")
+    return layers.start, layers.stop
+
+
 class PrefillSender(RoomHandle["PrefillAgent", _Room]):
     """The scheduler's handle for one room on a prefill rank (≈ SGLang's ``KVSender``).
 
@@ -230,10 +240,22 @@ class PrefillSender(RoomHandle["PrefillAgent", _Room]):
         self,
         pages: npt.ArrayLike,
         *,
+        layers: range | None = None,
         last: bool = False,
         state_slots: Sequence[npt.ArrayLike] | None = None,
     ) -> None:
         """Admit the next chunk: ``pages`` are source page ids, in request order. Non-blocking.
+
+        ``layers`` (layer-wise streaming, docs/layerwise.md): ``range(a, b)`` of the pool's
+        layers (with pipeline stages, the stage's own: its layer 0 is ``first_layer``) says
+        only those layers of ``pages`` are ready; they are written while the model computes
+        the next. Each layer's pages go in request order, and a send's layers must all be at
+        the same request page: the chunk is those layers of the request's next pages for
+        them. Each layer of a page is admitted once. Left out: every layer.
+
+        ``last=True`` marks the request's last send: after it every layer of every page must
+        have been admitted. The aux row and the state slots go with it, so decode can see
+        Success only once every layer of every page has landed.
 
         ``state_slots``, with the last chunk of a pool with state components
         (:class:`~trio_pd.StateSpec`): this rank's slots of each component for the request,
@@ -242,11 +264,18 @@ class PrefillSender(RoomHandle["PrefillAgent", _Room]):
         ``on_release``. Left out, the request has no slots of any component.
 
         Raises :class:`~trio_pd.AdmissionClosed` if the room was aborted or failed, and
-        :class:`ProtocolError` for page ids outside the pool, a chunk past ``num_pages``, or
-        state slots that do not fit the pool's components (or come before the last chunk).
+        :class:`ProtocolError` (counted ``sends_refused``; the room is unchanged) for page
+        ids outside the pool, a chunk past ``num_pages``, state slots that do not fit the
+        pool's components (or come before the last chunk), a ``layers`` that is not a range
+        of the pool's layers, a layer of a page admitted a second time, or a last send that
+        leaves some layer of some page unadmitted.
         """
         room, agent = self._room, self._agent
-        due = room.machine.admit(page_ids(pages), last, state_slots)
+        try:
+            due = room.machine.admit(page_ids(pages), last, state_slots, layer_range(layers))
+        except ProtocolError:
+            agent.counters.bump("sends_refused")
+            raise
         if not room.sent and agent.metrics is not None:
             room.sent, room.started = True, time.perf_counter()
         agent._carry(room, due)
@@ -387,6 +416,7 @@ class PrefillAgent:
         machine = PrefillRoom(
             room, num_pages, aux_slot, self.pool.num_pages,
             tuple(st.slots for st in self.pool.states), epoch=epoch,
+            num_layers=self.pool.num_layers,
         )
         rec = _Room(machine, on_release)
         if self.metrics is not None:

@@ -17,6 +17,8 @@ admission closes before an ack target exists (I2)      :meth:`PrefillRoom.close`
                                                        :meth:`PrefillRoom.on_abort`
 a lease from admission to terminal I/O (I3)            :meth:`PrefillRoom.admit`,
                                                        :meth:`PrefillRoom.chunk_settled`
+each layer of a page admitted once; the last chunk     :meth:`RequestPages.check`
+completes every layer (layer-wise streaming)
 an engine error quarantines, it does not free          :meth:`PrefillRoom.chunk_settled`
 when publication is due                                :attr:`PrefillRoom.publish_due`
 Success or Failed, and the sends, with no gap (§5.4)   :meth:`PrefillRoom.publish`
@@ -226,12 +228,153 @@ class Target:
 
 @dataclass(eq=False, slots=True)
 class Chunk:
-    """Admitted source pages ``[start, start + len(pages))`` of the room, under ``lease``."""
+    """Admitted source pages ``[start, start + len(pages))`` of the room, under ``lease``:
+    layers ``[layers[0], layers[1])`` of them (pool layer indices), or every layer (None)."""
 
     lease: Lease
     pages: Pages
     start: int
     last: bool
+    layers: tuple[int, int] | None = None
+
+
+@dataclass(eq=False, slots=True)
+class RequestPages:
+    """Which pages of which layers of one request were admitted: the rule every front end
+    (the room machine, the thread facade's own check) applies to a send, in one place.
+
+    Plain chunks cover every layer of the request's next pages. Layer-wise streaming
+    (docs/layerwise.md): a chunk covers layers ``[a, b)`` of the next pages *for those
+    layers*, which must all be at the same request page; its page ids are those any other
+    layer admitted at the same request pages, and none of them is already another request
+    page, so a layer of a page is never admitted twice. The last chunk leaves every layer of
+    every page admitted: its aux row and state slots mean "the request is complete".
+
+    Invariant: ``layer_pages[i]`` (or ``sent`` for every layer while it is None) only grows,
+    and a refused chunk (:meth:`check` raised) changes nothing that counts.
+    """
+
+    room: int
+    num_pages: int
+    num_layers: int
+    #: request pages admitted for every layer (the least of ``layer_pages``)
+    sent: int = 0
+    #: request pages admitted so far, layer by layer; None until the first chunk of some
+    #: layers only (until then every layer is at ``sent``)
+    layer_pages: list[int] | None = None
+    #: the source page id admitted at each request page (-1: none yet); made at the first
+    #: chunk of some layers only
+    page_at: Pages | None = None
+    #: the page ids of the plain chunks, in order (kept by reference: ``page_at`` is built
+    #: from them if the request turns layer-wise)
+    admitted: list[Pages] = field(default_factory=list)
+    #: the last chunk was admitted
+    last: bool = False
+
+    def check_open(self) -> None:
+        if self.last:
+            raise ProtocolError(f"room {self.room}: a chunk after the last one")
+
+    def check(
+        self, pages: Pages, last: bool, layers: tuple[int, int] | None
+    ) -> tuple[int, tuple[int, int] | None]:
+        """Refuse a chunk that breaks the rule above (:class:`ProtocolError`); else the
+        request page it starts at, and its layers (None: every layer)."""
+        self.check_open()
+        if layers == (0, self.num_layers):
+            layers = None  # every layer: a plain chunk
+        if layers is None and self.layer_pages is None:
+            end = self.sent + len(pages)
+            if end > self.num_pages or (last and end != self.num_pages):
+                raise ProtocolError(
+                    f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
+                    + (" (the last chunk must end at num_pages)" if last else "")
+                )
+            return self.sent, None
+        a, b = layers if layers is not None else (0, self.num_layers)
+        if not 0 <= a < b <= self.num_layers:
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) are not a range inside the pool's "
+                f"{self.num_layers} layers"
+            )
+        counts = self.layer_pages or [self.sent] * self.num_layers
+        start = counts[a]
+        if any(counts[i] != start for i in range(a, b)):
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) are at different request pages "
+                f"({counts[a:b]}); one send continues layers that are at the same page"
+            )
+        if len(pages):  # (first: a layer sent again says so, not that it runs past the end)
+            self._check_ids(np.asarray(pages, dtype=np.int64), start, counts, a, b)
+        end = start + len(pages)
+        if end > self.num_pages:
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) would end at page {end} of "
+                f"{self.num_pages}"
+            )
+        if last:
+            after = [end if a <= i < b else n for i, n in enumerate(counts)]
+            short = next((i for i, n in enumerate(after) if n != self.num_pages), None)
+            if short is not None:
+                raise ProtocolError(
+                    f"room {self.room}: the last send leaves layer {short} at page "
+                    f"{after[short]} of {self.num_pages}: it must complete every layer of "
+                    "every page"
+                )
+        return start, layers
+
+    def _check_ids(
+        self, ids: Pages, start: int, counts: list[int], a: int, b: int
+    ) -> None:
+        page_at = self._page_at()
+        known = page_at[start : start + ids.size]  # (shorter where it runs past the end)
+        seen = np.zeros(ids.size, dtype=bool)
+        seen[: known.size] = known >= 0
+        clash = seen.copy()
+        clash[: known.size] &= known != ids[: known.size]
+        if clash.any():
+            k = int(np.flatnonzero(clash)[0])
+            raise ProtocolError(
+                f"room {self.room}: request page {start + k} is page {int(known[k])} in "
+                f"the layers admitted before, not {int(ids[k])}"
+            )
+        fresh = ids[~seen]
+        again = fresh[np.isin(fresh, page_at)] if fresh.size else fresh
+        if again.size:
+            page = int(again[0])
+            where = int(np.flatnonzero(page_at == page)[0])
+            written = [i for i in range(a, b) if counts[i] > where]
+            raise ProtocolError(
+                f"room {self.room}: page {page} is request page {where} already"
+                + (f", and its layer {written[0]} was admitted: each layer of a page is "
+                   "written once" if written else "")
+            )
+
+    def _page_at(self) -> Pages:
+        if self.page_at is None:
+            self.page_at = np.full(self.num_pages, -1, dtype=np.int64)
+            if self.admitted:
+                done = np.concatenate(self.admitted).astype(np.int64, copy=False)
+                self.page_at[: done.size] = done
+        return self.page_at
+
+    def advance(
+        self, start: int, pages: Pages, last: bool, layers: tuple[int, int] | None
+    ) -> None:
+        """Record a chunk :meth:`check` passed (``start`` and ``layers`` as it returned)."""
+        end = start + len(pages)
+        self.last = last
+        if layers is None and self.layer_pages is None:
+            self.sent = end
+            if len(pages):
+                self.admitted.append(pages)
+            return
+        a, b = layers if layers is not None else (0, self.num_layers)
+        counts = self.layer_pages or [self.sent] * self.num_layers
+        self._page_at()[start:end] = pages
+        counts[a:b] = [end] * (b - a)
+        self.layer_pages = counts
+        self.sent = min(counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +415,8 @@ class PrefillRoom:
     state_sizes: tuple[int, ...] = ()
     #: this rank's slots of each state component, given with the last chunk
     state_slots: tuple[Pages, ...] = ()
+    #: layers of this rank's pool, for the layer ranges of :meth:`admit`
+    num_layers: int = 1
     cell: StatusCell = field(default_factory=StatusCell)
     leases: LeaseBook = field(init=False)
     acks: AckBook = field(default_factory=AckBook)
@@ -286,14 +431,29 @@ class PrefillRoom:
     waiting: list[Chunk] = field(default_factory=list)
     #: handed to the workers and not yet taken (dict as an ordered set: a third the size)
     queued: dict[Chunk, None] = field(default_factory=dict)
-    sent_pages: int = 0
-    last_admitted: bool = False
+    #: which pages of which layers were admitted (one rule for every front end)
+    intake: RequestPages = field(init=False)
     published: bool = False
     released: bool = False
     forgotten: bool = False
 
     def __post_init__(self) -> None:
         self.leases = LeaseBook(self.room)
+        self.intake = RequestPages(self.room, self.num_pages, self.num_layers)
+
+    @property
+    def sent_pages(self) -> int:
+        """Request pages admitted for every layer."""
+        return self.intake.sent
+
+    @property
+    def layer_pages(self) -> list[int] | None:
+        """Layer-wise: request pages admitted, layer by layer (None: never layer-wise)."""
+        return self.intake.layer_pages
+
+    @property
+    def last_admitted(self) -> bool:
+        return self.intake.last
 
     @property
     def ready(self) -> bool:
@@ -304,14 +464,17 @@ class PrefillRoom:
 
     def admit(
         self, pages: Pages, last: bool, state_slots: Sequence[npt.ArrayLike] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> Due:
         """The scheduler hands over the next chunk. Takes its lease at once (I3) or raises
         :class:`AdmissionClosed` (closed room, I2) / :class:`ProtocolError` (a chunk past
         ``num_pages``, after the last one, with page ids outside the pool, or state slots
         that are not one list per state component, inside it, or given before the last
-        chunk). The state slots go with the last chunk, under its lease."""
-        if self.last_admitted:
-            raise ProtocolError(f"room {self.room}: a chunk after the last one")
+        chunk). The state slots go with the last chunk, under its lease.
+
+        ``layers`` ``(a, b)``: the chunk is layers ``[a, b)`` of its pages only (layer-wise
+        streaming, :class:`RequestPages`); None: every layer, the request's next pages."""
+        self.intake.check_open()
         validate_pages(pages, self.pool_pages)
         slots: tuple[Pages, ...] = ()
         if state_slots is not None or (last and self.state_sizes):
@@ -320,16 +483,10 @@ class PrefillRoom:
             slots = check_state_slots(
                 self.state_sizes, () if state_slots is None else state_slots, "source"
             )
-        end = self.sent_pages + len(pages)
-        if end > self.num_pages or (last and end != self.num_pages):
-            raise ProtocolError(
-                f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
-                + (" (the last chunk must end at num_pages)" if last else "")
-            )
+        start, layers = self.intake.check(pages, last, layers)
         lease = self.leases.admit(len(pages))  # raises AdmissionClosed: I2
-        chunk = Chunk(lease, pages, self.sent_pages, last)
-        self.sent_pages = end
-        self.last_admitted = last
+        chunk = Chunk(lease, pages, start, last, layers)
+        self.intake.advance(start, pages, last, layers)
         self.state_slots = slots
         if not self.ready:
             self.waiting.append(chunk)
@@ -339,10 +496,14 @@ class PrefillRoom:
         return [RunChunks(1)]
 
     def take_chunks(self, limit: int) -> tuple[Chunk, int] | None:
-        """The oldest queued chunk, joined by the chunks queued right behind it (contiguous,
-        up to ``limit`` pages in all): one chunk, one lease, one engine call; with how many
-        chunks joined it. None if the queue is empty (its chunks were cancelled, or an
-        earlier take coalesced them).
+        """The oldest queued chunk, joined by the chunks queued right behind it: one chunk,
+        one lease, one engine call; with how many chunks joined it. None if the queue is
+        empty (its chunks were cancelled, or an earlier take coalesced them).
+
+        Chunks join along one direction: the next pages of the same layers (contiguous, up
+        to ``limit`` pages in all), or, layer-wise, the next layers of the same pages (a
+        model faster than its transfers queues several layers of a chunk before a worker
+        gets to them: they go as one call, not one per layer).
 
         Each take is the room's *oldest* chunks: every chunk is taken, in admission order,
         whichever worker runs first (the agent keeps one job queued per room while chunks
@@ -353,19 +514,39 @@ class PrefillRoom:
         del self.queued[first]
         npages = len(first.pages)
         group = [first]
+        layers = first.layers
         for following in self.queued:  # admission order (a dict keeps insertion order)
             n = len(following.pages)
-            if following.start != first.start + npages or npages + n > limit:
+            if (
+                following.layers == first.layers
+                and layers == first.layers
+                and following.start == first.start + npages
+                and npages + n <= limit
+            ):
+                npages += n
+            elif (
+                len(group) == 1 or layers != first.layers
+            ) and layers is not None and following.layers is not None and (
+                following.start == first.start
+                and n == len(first.pages)
+                and following.layers[0] == layers[1]
+            ):
+                layers = (layers[0], following.layers[1])
+            else:
                 break
             group.append(following)
-            npages += n
         if len(group) == 1:
             return first, 0
         for following in group[1:]:
             del self.queued[following]
         lease = self.leases.merge([c.lease for c in group])
-        pages = np.concatenate([c.pages for c in group])
-        return Chunk(lease, pages, first.start, group[-1].last), len(group) - 1
+        if layers != first.layers:
+            pages = first.pages  # (the same pages, more layers)
+            if layers == (0, self.num_layers):
+                layers = None
+        else:
+            pages = np.concatenate([c.pages for c in group])
+        return Chunk(lease, pages, first.start, group[-1].last, layers), len(group) - 1
 
     def chunk_settled(self, chunk: Chunk, outcome: Outcome, failure: TransferError | None) -> Due:
         """A chunk's engine calls are all terminal (its nursery exited). ``outcome`` is how
@@ -1049,6 +1230,7 @@ __all__ = [
     "Quarantine",
     "Refused",
     "Release",
+    "RequestPages",
     "RunChunks",
     "SendAborts",
     "SendAck",

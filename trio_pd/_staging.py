@@ -136,24 +136,27 @@ class StagingArea:
 
     def gatherer(
         self, pool: PoolSpec, pages: npt.NDArray[np.int64], heads: tuple[int, int],
-        r: Reservation, dst_item_lens: tuple[int, ...],
+        r: Reservation, dst_item_lens: tuple[int, ...], buffers: list[int] | None = None,
     ) -> Callable[[], None]:
         """The copy that fills ``r`` with heads ``[h0, h1)`` of ``pages`` of every buffer of
-        ``pool``, in :func:`~trio_pd._plan.plan_staged`'s layout; run by the lane's thread
-        right before the engine call (:meth:`gather`)."""
+        ``pool`` (or of ``buffers`` of it, in that order: a layer-wise chunk's layers; then
+        ``dst_item_lens`` is theirs), in :func:`~trio_pd._plan.plan_staged`'s layout; run by
+        the lane's thread right before the engine call (:meth:`gather`)."""
         assert self._mem is not None
         n = int(pages.size)
         start = r.addr - self._base
         parts = []
-        for b, view in enumerate(self._views(pool)):
+        views = self._views(pool)
+        for k, b in enumerate(range(pool.num_buffers) if buffers is None else buffers):
+            view = views[b]
             hb = pool.head_bytes_of(b)
             width = (heads[1] - heads[0]) * hb
             offset = (heads[0] - pool.first_head) * hb
-            out = self._mem[start : start + n * dst_item_lens[b]].reshape(
+            out = self._mem[start : start + n * dst_item_lens[k]].reshape(
                 n, pool.page_size, width
             )
             parts.append((view[:, :, offset : offset + width], out))
-            start += n * dst_item_lens[b]
+            start += n * dst_item_lens[k]
         return lambda: self.gather(parts, pages)
 
     def _views(self, pool: PoolSpec) -> list[npt.NDArray[np.uint8]]:

@@ -62,6 +62,9 @@ class AgentStatistics:
     #: prefill: chunks that joined the engine call of the room's chunk queued before them
     #: (``PrefillConfig.coalesce_pages``)
     chunks_coalesced: int = 0
+    #: prefill: sends refused with a ProtocolError (a layer of a page admitted twice, a page
+    #: past the request, a last send that leaves layers unadmitted...; docs/layerwise.md)
+    sends_refused: int = 0
     #: prefill: chunk writes that rode in another room's engine call to the same decode peer
     #: (a lane joins what is queued; see PrefillConfig.batch_blocks)
     chunks_batched: int = 0
@@ -176,6 +179,7 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "strangers_refused": "both",
     "engine_calls": "prefill",  # the chunk runner (_chunks): only prefill writes
     "chunks_coalesced": "prefill",
+    "sends_refused": "prefill",
     "chunks_batched": "prefill",
     "chunks_staged": "prefill",
     "staging_full": "prefill",

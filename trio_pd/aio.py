@@ -546,17 +546,20 @@ class AioSender(_AioRoom[PrefillSender]):
     """
 
     async def send(  # noqa: ASYNC910 - never suspends
-        self, pages: npt.ArrayLike, *, last: bool = False,
+        self, pages: npt.ArrayLike, *, layers: range | None = None, last: bool = False,
         state_slots: Sequence[npt.ArrayLike] | None = None,
     ) -> None:
         """Admit the next chunk, with the request's state slots if it is the last (see
         :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`): its errors
-        (``AdmissionClosed``, ``ProtocolError``) are raised here.
+        (``AdmissionClosed``, ``ProtocolError``) are raised here. ``layers``: only those
+        layers of ``pages`` are ready (layer-wise streaming, as ``PrefillSender.send``).
 
         **Cancellation:** never suspends, so never cancelled: when it returns the chunk was
         admitted; when it raises, it was not.
         """
-        self.host._now(partial(self.handle.send, pages, last=last, state_slots=state_slots))
+        self.host._now(partial(
+            self.handle.send, pages, layers=layers, last=last, state_slots=state_slots
+        ))
 
     def _leave(self, why: str) -> None:
         if self.handle.poll() not in (KVPoll.Success, KVPoll.Failed):

@@ -158,6 +158,9 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
                    help="comma-separated: fail,partial,delay_before,delay_after,stall,late")
     p.add_argument("--fault-delay", type=_number, default=d.fault_delay,
                    help="seconds the delay faults wait")
+    p.add_argument("--layerwise", action="store_true",
+                   help="send each chunk layer by layer, a short compute before each layer "
+                   "(layer-wise streaming, docs/layerwise.md)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the request plan, aborts and faults")
     p.add_argument("--processes", action="store_true",
@@ -300,10 +303,14 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
                    "device 0 (the bare-engine ceiling then moves device memory too; needs "
                    "cuda-python, a device, and an engine build that moves device memory)")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds; for tests)")
-    p.add_argument("--preset", choices=("peer",), default=None,
+    p.add_argument("--preset", choices=("peer", "layers"), default=None,
                    help="peer: instead of the phases above, 200 requests (20 with --quick) of "
                    "32 pages x 16 buffers of 16 KiB, 8-page chunks, 8 in flight, random page "
-                   "layout, with prefill and decode in separate OS processes (docs/bench.md)")
+                   "layout, with prefill and decode in separate OS processes; layers: only "
+                   "the layer-wise phase, whole requests against layer by layer with a "
+                   "simulated compute per layer (docs/bench.md)")
+    p.add_argument("--layer-compute-ms", type=float, default=None, metavar="MS",
+                   help="the layer-wise phase's simulated prefill compute per layer")
     p.add_argument("--coalesce-pages", type=_at_least(1), default=None, metavar="N",
                    help="the prefill agent's coalesce_pages (default: its own; 1: one engine "
                    "call per chunk)")
@@ -333,6 +340,12 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         opts = _bench.BenchOptions.quick(args.engine) if args.quick else _bench.BenchOptions(
             engine=args.engine
         )
+        if args.preset == "layers":
+            opts = replace(opts, preset="layers")
+    if args.layer_compute_ms is not None:
+        if args.layer_compute_ms < 0:
+            parser.error("--layer-compute-ms must not be negative")
+        opts = replace(opts, layer_compute_ms=args.layer_compute_ms)
     if args.coalesce_pages is not None:
         opts = replace(opts, coalesce_pages=args.coalesce_pages)
     if args.secure and args.insecure:

@@ -62,8 +62,9 @@ from ._memory import (
     page_ids,
     validate_pages,
 )
-from ._prefill import PrefillAgent, PrefillSender
+from ._prefill import PrefillAgent, PrefillSender, layer_range
 from ._prefill import open_prefill as _open_prefill
+from ._rooms import RequestPages
 from ._state import KVPoll
 from ._stats import AgentStatistics
 from .engines import TransferEngine
@@ -563,8 +564,8 @@ class SyncSender(_Handle):
         self._epoch = epoch
         self._lock = threading.Lock()  # the scheduler-side book below
         self._num_pages: int | None = None
-        self._sent = 0
-        self._last = False
+        #: the pages (and layers) sent so far: the agent's own rule, checked here
+        self._intake: RequestPages | None = None
 
     def init(self, num_pages: int, aux_slot: int) -> None:
         """Create the room on the prefill rank: ``num_pages`` source pages will come in
@@ -593,9 +594,10 @@ class SyncSender(_Handle):
             else:  # in use, or on its way to be: the trio thread answers (TransferError)
                 p._call(p._init, self, num_pages, aux_slot)
             self._num_pages = num_pages
+            self._intake = RequestPages(room, num_pages, p._pool.num_layers)
 
     def send(
-        self, pages: npt.ArrayLike, *, last: bool = False,
+        self, pages: npt.ArrayLike, *, layers: range | None = None, last: bool = False,
         state_slots: Sequence[npt.ArrayLike] | None = None,
     ) -> None:
         """Hand the next chunk over: ``pages`` are source page ids, in request order; the
@@ -604,17 +606,22 @@ class SyncSender(_Handle):
         :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`). The ids are copied: the
         array may be reused at once.
 
+        ``layers``: ``range(a, b)``, only those layers of ``pages`` are ready (layer-wise
+        streaming, as :meth:`PrefillSender.send <trio_pd.PrefillSender.send>`: each layer
+        of a page once, the last send completes every layer of every page).
+
         The scheduler's thread (the trio thread works too). Never blocks: the chunk is
         posted to the trio thread. Raises :class:`~trio_pd.ProtocolError`, checked here, for
         a send before :meth:`init`, page ids outside the pool or repeated, a chunk past
-        ``num_pages``, a last chunk that does not end there, or one after the last, and
-        state slots that do not fit the pool's components or come before the last chunk. A
-        chunk
+        ``num_pages``, a last chunk that does not end there (or, layer-wise, leaves a layer
+        of a page unsent), one after the last, a layer of a page sent twice, and state slots
+        that do not fit the pool's components or come before the last chunk. A chunk
         for a room that failed or was aborted meanwhile is dropped (its pages are not
         trio_pd's); :meth:`poll` says Failed.
         """
         ids = np.array(page_ids(pages))  # (a copy)
         pool = self._prefill._pool
+        span = layer_range(layers)
         validate_pages(ids, pool.num_pages)
         slots = None
         if state_slots is not None or (last and pool.states):
@@ -625,18 +632,18 @@ class SyncSender(_Handle):
                 "source",
             )
         with self._lock:
-            if self._num_pages is None:
+            intake = self._intake
+            if intake is None:
                 raise ProtocolError(f"room {self.room}: send before init")
-            if self._last:
-                raise ProtocolError(f"room {self.room}: a chunk after the last one")
-            end = self._sent + len(ids)
-            if end > self._num_pages or (last and end != self._num_pages):
-                raise ProtocolError(
-                    f"room {self.room}: chunk ends at page {end} of {self._num_pages}"
-                    + (" (the last chunk must end at num_pages)" if last else "")
-                )
-            self._sent, self._last = end, last
-            self._prefill._thread.post(self._prefill._send, self, ids, last, slots)
+            try:
+                start, span = intake.check(ids, last, span)
+            except ProtocolError:  # (counted where the agent's counters live)
+                self._prefill._thread.post(self._prefill.agent.counters.bump, "sends_refused")
+                raise
+            intake.advance(start, ids, last, span)
+            self._prefill._thread.post(
+                self._prefill._send, self, ids, last, slots, None if span is None else layers
+            )
 
     def _leave(self, why: str) -> None:
         if self.poll() not in _TERMINAL:
@@ -1014,13 +1021,14 @@ class SyncPrefill(_Agent[PrefillAgent]):
     def _send(
         self, h: SyncSender, pages: npt.NDArray[np.int64], last: bool,
         state_slots: tuple[npt.NDArray[np.int64], ...] | None = None,
+        layers: range | None = None,
     ) -> None:
         inner = h._inner
         if inner is None:
             return  # its creation was refused: the room failed; the pages never became ours
         assert isinstance(inner, PrefillSender)
         try:
-            inner.send(pages, last=last, state_slots=state_slots)
+            inner.send(pages, layers=layers, last=last, state_slots=state_slots)
         except AdmissionClosed:
             pass  # failed or aborted meanwhile: the chunk's pages never became trio_pd's
         except TransferError as exc:  # (checked on the scheduler's side: not expected)

@@ -91,7 +91,7 @@ from .._memory import (
     describe_pool,
     page_ids,
 )
-from .._prefill import PrefillAgent, PrefillConfig
+from .._prefill import PrefillAgent, PrefillConfig, layer_range
 from .._security import SECURE_ENV, TOKEN_ENV
 from .._state import KVPoll as KVPoll
 from .._stats import AgentStatistics
@@ -1313,6 +1313,8 @@ class KVSender(_Handle):
             facade.thread.post(_announce, facade, self.room, room_epoch(self.room))
         self._num: int | None = None
         self._sent = 0
+        #: layer-wise (``send(layers=)``): pages sent so far, layer by layer; None before
+        self._layer_sent: list[int] | None = None
         self._aux_index = 0
         self._claim = threading.Lock()  # init and abort decide here who came first
         #: aborted before init: the room never reaches trio_pd's facade
@@ -1412,6 +1414,8 @@ class KVSender(_Handle):
         kv_indices: npt.ArrayLike,
         state_indices: Sequence[Any] | None = None,
         num_kv_tokens: int | None = None,
+        *,
+        layers: range | None = None,
     ) -> None:
         """Hand the next chunk of source page ids over; the chunk that brings the total to
         ``num_kv_indices`` is the last, and carries the request's metadata rows (read in
@@ -1430,6 +1434,15 @@ class KVSender(_Handle):
         :meth:`trio_pd.sync.SyncSender.send` (before init, bad ids, past the total; state
         slots outside their state type, repeated, or before the last chunk), and for
         ``state_indices`` that are not one list per state type.
+
+        ``layers`` (trio_pd's, not SGLang's; docs/layerwise.md): ``range(a, b)`` of the
+        pool's layers (the stage's own with pipeline parallelism): only those layers of the
+        chunk are ready, and they move while the model computes the next. The send that
+        completes every layer of every page is the last. Where SGLang's forward pass would
+        call it: once a layer's KV for the chunk is in memory (on a GPU, after that layer's
+        kernels completed: a CUDA event recorded after the layer, waited for before this
+        call), from the scheduler's thread, with the chunk's ``kv_indices``; the chunk's
+        ordinary ``send`` is then left out.
         """
         if self._num is None:
             raise ProtocolError(f"room {self.room}: send before init")
@@ -1437,6 +1450,9 @@ class KVSender(_Handle):
         ids = page_ids(kv_indices)
         if self._started is None:
             self._started = time.perf_counter()
+        if layers is not None or self._layer_sent is not None:
+            self._send_layers(ids, slots, layers)
+            return
         if self._early:
             self._sent += len(ids)
             return
@@ -1447,6 +1463,30 @@ class KVSender(_Handle):
             self._mgr.aux.gather(self._aux_index)
         self._sender.send(ids, last=last, state_slots=slots)
         self._sent += len(ids)
+
+    def _send_layers(
+        self, ids: npt.NDArray[np.int64], slots: Any, layers: range | None
+    ) -> None:
+        """:meth:`send` of some layers: the last is the one that completes every layer."""
+        assert self._num is not None
+        num_layers = self._mgr.pool.num_layers
+        a, b = layer_range(layers) or (0, num_layers)
+        if not 0 <= a < b <= num_layers:
+            raise ProtocolError(
+                f"room {self.room}: layers [{a}, {b}) are not inside the pool's {num_layers}"
+            )
+        after = list(self._layer_sent or [self._sent] * num_layers)
+        after[a:b] = [after[a] + len(ids)] * (b - a)
+        if self._early:
+            self._layer_sent, self._sent = after, min(after)
+            return
+        last = min(after) >= self._num
+        if slots is not None and not last and not any(len(s) for s in slots):
+            slots = None  # (no slot named: nothing to move before the last chunk)
+        if last and min(after) == self._num:
+            self._mgr.aux.gather(self._aux_index)
+        self._sender.send(ids, layers=layers, last=last, state_slots=slots)
+        self._layer_sent, self._sent = after, min(after)
 
     def poll(self) -> KVPoll:
         """The request's :class:`KVPoll`, as SGLang's: Bootstrapping until every decode rank
