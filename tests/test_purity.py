@@ -17,11 +17,15 @@ from pathlib import Path
 import trio_pd
 
 CORE = ["_state", "_rooms", "_plan", "_memory", "_topology", "_wire"]
+#: the bootstrap service's pure parts: the records it and its clients exchange, the rank
+#: table and the DP-attention records (the HTTP around them is elsewhere)
+BOOTSTRAP_PURE = ["_bootstrap_records", "_bootstrap_ranks", "_bootstrap_dp"]
 FORBIDDEN = [
     "trio",
     "zmq",
     "hypercorn",
     "httpx",
+    "prometheus_client",
     "trio_pd.engines",
     "trio_pd._prefill",
     "trio_pd._decode",
@@ -59,6 +63,14 @@ def _offenders(loaded: list[str]) -> list[str]:
 def test_pure_core_imports_no_io() -> None:
     loaded = _loaded(CORE)
     assert {f"trio_pd.{name}" for name in CORE} <= set(loaded)
+    assert _offenders(loaded) == []
+
+
+def test_bootstrap_tables_import_no_io() -> None:
+    """The rank table and the DP records decide without HTTP: importing them pulls in
+    neither trio, nor hypercorn, nor httpx."""
+    loaded = _loaded(BOOTSTRAP_PURE)
+    assert {f"trio_pd.{name}" for name in BOOTSTRAP_PURE} <= set(loaded)
     assert _offenders(loaded) == []
 
 

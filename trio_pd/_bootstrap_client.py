@@ -1,5 +1,6 @@
 """The bootstrap client: what prefill and decode ranks use to reach a bootstrap service, and
-the two records it carries (SPEC §2, §6).
+the records it carries (SPEC §2, §6; the records themselves are ``_bootstrap_records``,
+pure, and importable from here too).
 
 The service itself (routes, validation, the HTTP server) is in ``_bootstrap``; the agents
 import only this module, so a rank never imports the HTTP server. Every failure is a
@@ -16,44 +17,43 @@ prefill DP rank creates; :meth:`BootstrapClient.query_dp_ranks` asks it.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
-import os
-import re
-import socket
 import ssl
-import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from http import HTTPStatus
 from types import TracebackType
-from typing import Annotated, Any, Final, TypeVar
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from typing import TypeVar
 
 import httpx
 import msgspec
 import trio
 
+from ._bootstrap_records import MAX_DP_BATCH as MAX_DP_BATCH
+from ._bootstrap_records import MAX_DP_SIZE as MAX_DP_SIZE
+from ._bootstrap_records import MAX_LAYERS as MAX_LAYERS
+from ._bootstrap_records import MAX_PP_SIZE as MAX_PP_SIZE
+from ._bootstrap_records import UNKNOWN_DP_RANK as UNKNOWN_DP_RANK
+from ._bootstrap_records import DpRanks as DpRanks
+from ._bootstrap_records import DpRoom as DpRoom
+from ._bootstrap_records import PrefillRankInfo as PrefillRankInfo
+from ._bootstrap_records import Topology as Topology
+from ._bootstrap_records import check_dp as check_dp
+from ._bootstrap_records import check_pp as check_pp
+from ._bootstrap_records import dp_url as dp_url
+from ._bootstrap_records import split_dp_url as split_dp_url
+from ._bootstrap_transport import TokenProof as TokenProof
+from ._bootstrap_transport import Transport
+from ._bootstrap_transport import transport_reason as transport_reason
 from ._errors import (
     BootstrapError,
     BootstrapUnreachable,
-    ConfigurationError,
     NotReady,
-    UnknownRank,
 )
-from ._memory import DTYPE_PATTERN, UNKNOWN_DTYPE
 from ._security import (
-    ANSWER_HEADER,
-    AUTH_SCHEME,
-    NONCE_HEADER,
-    STALE_HEADER,
-    answer_mac,
     default_token,
-    request_mac,
 )
-from ._wire import MAX_STATES, StateWire
 
 __all__ = [
     "BootstrapClient",
@@ -72,310 +72,9 @@ logger = logging.getLogger("trio_pd.bootstrap")
 
 _T = TypeVar("_T")
 
-#: Largest DP size a registration may name (and ``tp_size * dp_size`` is at most
-#: ``MAX_TP_SIZE`` of the service: one bootstrap service holds at most that many ranks).
-MAX_DP_SIZE: Final = 1024
-#: Largest PP size a registration may name (``tp_size * dp_size * pp_size`` is at most the
-#: service's ``MAX_TP_SIZE`` too).
-MAX_PP_SIZE: Final = 256
-#: Bound of ``first_layer + num_layers`` in a registration (a model's layer count).
-MAX_LAYERS: Final = 1 << 16
-#: Most rooms one ``/register_dp_rank`` or ``/query_dp_ranks`` request may carry.
-MAX_DP_BATCH: Final = 1024
-#: What ``/query_dp_ranks`` answers for a room it holds no record of (or a record of another
-#: use of the room id, under another epoch).
-UNKNOWN_DP_RANK: Final = -1
-_DP_QUERY: Final = re.compile(r"[0-9]{1,9}")
-
-
-def check_dp(dp_rank: int, dp_size: int, what: str) -> None:
-    """:class:`~trio_pd.ConfigurationError` unless ``0 <= dp_rank < dp_size <= MAX_DP_SIZE``
-    (ints, not bools)."""
-    for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigurationError(f"{what}: {name} must be an int, not {value!r}")
-    if not 1 <= dp_size <= MAX_DP_SIZE:
-        raise ConfigurationError(f"{what}: dp_size {dp_size} outside [1, {MAX_DP_SIZE}]")
-    if not 0 <= dp_rank < dp_size:
-        raise ConfigurationError(f"{what}: dp_rank {dp_rank} outside [0, dp_size={dp_size})")
-
-
-def check_pp(pp_rank: int, pp_size: int, first_layer: int, num_layers: int, what: str) -> None:
-    """:class:`~trio_pd.ConfigurationError` unless ``0 <= pp_rank < pp_size <=
-    MAX_PP_SIZE``, ``first_layer >= 0`` (0 for stage 0), ``num_layers >= 1`` and
-    ``first_layer + num_layers <= MAX_LAYERS`` (ints, not bools)."""
-    for name, value in (("pp_rank", pp_rank), ("pp_size", pp_size),
-                        ("first_layer", first_layer)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigurationError(f"{what}: {name} must be an int, not {value!r}")
-    if not 1 <= pp_size <= MAX_PP_SIZE:
-        raise ConfigurationError(f"{what}: pp_size {pp_size} outside [1, {MAX_PP_SIZE}]")
-    if not 0 <= pp_rank < pp_size:
-        raise ConfigurationError(f"{what}: pp_rank {pp_rank} outside [0, pp_size={pp_size})")
-    if first_layer < 0 or (pp_rank == 0 and first_layer != 0):
-        raise ConfigurationError(
-            f"{what}: first_layer {first_layer}: PP stage 0 starts at layer 0, and no stage "
-            "starts below it"
-        )
-    if num_layers < 1 or first_layer + num_layers > MAX_LAYERS:
-        raise ConfigurationError(
-            f"{what}: layers {first_layer}..{first_layer + num_layers - 1} (the pool's "
-            f"{num_layers}) must be at least one and end below {MAX_LAYERS}"
-        )
-
-
-def dp_url(url: str, dp_rank: int) -> str:
-    """The URL of DP rank ``dp_rank`` of the prefill instance whose bootstrap service is at
-    ``url``: ``url?dp_rank=K``, and ``url`` itself for DP rank 0 (the service's ``/route``
-    without a ``dp_rank`` is DP rank 0's)."""
-    base, _ = split_dp_url(url)
-    return base if dp_rank == 0 else f"{base}?dp_rank={dp_rank}"
-
-
-def split_dp_url(url: str) -> tuple[str, int | None]:
-    """``(base URL, DP rank)`` of a URL made by :func:`dp_url` (the DP rank None when the URL
-    names none). A URL whose query is anything but one ``dp_rank=K`` is returned as it is."""
-    parts = urlsplit(url)
-    if not parts.query:
-        return url.rstrip("/"), None
-    query = parse_qs(parts.query, keep_blank_values=True)
-    values = query.get("dp_rank", [])
-    if set(query) != {"dp_rank"} or len(values) != 1 or not _DP_QUERY.fullmatch(values[0]):
-        return url.rstrip("/"), None
-    base = urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")).rstrip("/")
-    return base, int(values[0])
-
-
-# --------------------------------------------------------------------------------------------
-# Data
-
-
-class PrefillRankInfo(msgspec.Struct, frozen=True):
-    """What one prefill rank publishes about itself.
-
-    ``endpoint`` is the rank's ZeroMQ control endpoint (``"tcp://10.0.0.5:5555"``);
-    ``engine_session`` is how peers address its transfer engine. ``kv_heads`` is the model's
-    total number of KV heads for MHA, and 1 for MLA.
-    """
-
-    tp_rank: Annotated[int, msgspec.Meta(ge=0)]
-    tp_size: Annotated[int, msgspec.Meta(ge=1)]
-    endpoint: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
-    engine: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    engine_session: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
-    layout: str
-    kv_heads: Annotated[int, msgspec.Meta(ge=1)]
-    page_size: Annotated[int, msgspec.Meta(ge=1)]
-    #: a second control endpoint that takes only heartbeat pings, so a backlog of transfer
-    #: messages on ``endpoint`` never delays them ("" = use ``endpoint``)
-    heartbeat_endpoint: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-    #: the rest of the pool's shape, so a decode rank can check that its pool pairs with this
-    #: instance before it registers (0: not published, by an older prefill)
-    head_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
-    num_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
-    aux_item_len: Annotated[int, msgspec.Meta(ge=0)] = 0
-    #: the rank's CURVE public key (z85) when authentication is on, "" when it is off: decode
-    #: connects to ``endpoint`` and ``heartbeat_endpoint`` as a CURVE client of this key, and
-    #: takes a STATUS, ABORT_ACK or PONG for this rank only from it (docs/security.md)
-    control_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
-    #: DP attention: the DP rank whose TP group this rank belongs to, and how many DP ranks
-    #: the instance has (every rank agrees on it). 0 and 1 without DP attention
-    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
-    dp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
-    #: pipeline parallelism: the PP stage this rank's TP group is, how many stages the
-    #: instance has (every rank agrees on it), and the model layer its pool's first layer is
-    #: (it holds ``num_layers`` layers from there). 0, 1 and 0 without pipeline parallelism
-    pp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
-    pp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
-    first_layer: Annotated[int, msgspec.Meta(ge=0)] = 0
-    #: per-buffer geometry and several aux buffers: the bytes per head of each of the rank's
-    #: KV buffers, and the row bytes of each aux buffer, so that a decode rank can check them
-    #: before it registers (empty: not published, by an older prefill)
-    buffer_head_bytes: Annotated[
-        tuple[Annotated[int, msgspec.Meta(ge=1)], ...], msgspec.Meta(max_length=4096)
-    ] = ()
-    aux_item_lens: Annotated[
-        tuple[Annotated[int, msgspec.Meta(ge=1)], ...], msgspec.Meta(max_length=64)
-    ] = ()
-    #: the pool's state components, so that a decode rank can check that its own pair with
-    #: them before it registers (empty: none, or an older prefill that does not say)
-    states: Annotated[tuple[StateWire, ...], msgspec.Meta(max_length=MAX_STATES)] = ()
-    #: what its KV bytes hold (:attr:`~trio_pd.PoolSpec.kv_dtype`; "unknown": it does not
-    #: say, or an older prefill): a decode pool that names another fails to pair, and a
-    #: decode rank sends its own in REGISTER only to a rank that published one
-    kv_dtype: Annotated[str, msgspec.Meta(pattern=f"^{DTYPE_PATTERN}$")] = UNKNOWN_DTYPE
-
-    @property
-    def rank_id(self) -> int:
-        """The rank's id in STATUS and ABORT_ACK: ``pp_rank * tp_size + tp_rank`` (its TP
-        rank, without pipeline parallelism)."""
-        return self.pp_rank * self.tp_size + self.tp_rank
-
-
-#: the most bytes of one answer the client reads: a whole topology is at most a few MiB
-#: (the service takes a rank's registration of at most 64 KiB), so 32 MiB leaves room for
-#: 512 ranks of that size
-MAX_ANSWER_BYTES: Final = 32 * 1024 * 1024
-
-
-class Topology(msgspec.Struct, frozen=True):
-    """Every rank of a prefill instance (of one of its DP ranks, with DP attention), stage
-    by stage: ``ranks[s * tp_size + t]`` is TP rank ``t`` of PP stage ``s`` (``ranks[i].tp_rank
-    == i`` without pipeline parallelism), all of DP rank ``dp_rank``."""
-
-    tp_size: int
-    ranks: list[PrefillRankInfo]
-    dp_rank: int = 0
-    dp_size: int = 1
-    pp_size: int = 1
-
-    def stage(self, pp_rank: int) -> list[PrefillRankInfo]:
-        """The TP ranks of PP stage ``pp_rank``, in TP order."""
-        return self.ranks[pp_rank * self.tp_size : (pp_rank + 1) * self.tp_size]
-
-
-_RoomId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-
-
-class DpRoom(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One room in a DP-rank registration or query: its id and, when the side that sends it
-    knows it, the epoch of this use of the room id (None: any use)."""
-
-    room: _RoomId
-    epoch: _RoomId | None = None
-
-
-class DpRanks(msgspec.Struct, frozen=True):
-    """The answer to ``/query_dp_ranks``: the instance's DP size, and the DP rank holding each
-    room asked about, in the order asked (:data:`UNKNOWN_DP_RANK` where the service holds no
-    record of that use of the room)."""
-
-    dp_size: int
-    dp_ranks: list[int]
-
 
 # --------------------------------------------------------------------------------------------
 # The client
-
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    """``exc`` and every exception behind it (causes, contexts, members of groups), nearest
-    first, each once."""
-    seen: list[BaseException] = []
-    todo = [exc]
-    while todo:
-        e = todo.pop(0)
-        if any(e is s for s in seen):
-            continue
-        seen.append(e)
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
-    return seen
-
-
-def _untrusted(exc: BaseException) -> str | None:
-    """What the certificate verification that failed under ``exc`` said, or None."""
-    for e in _causes(exc):
-        if isinstance(e, ssl.SSLCertVerificationError):
-            return str(e.verify_message or e.reason or e)
-    return None
-
-
-def transport_reason(exc: BaseException) -> str:
-    """Why a connection failed, in words, from the most telling exception behind ``exc``:
-    httpx's own message says only "all attempts to connect ... failed" for a refused
-    connection, and nothing at all for a failed TLS handshake."""
-    causes = _causes(exc)
-    for e in causes:
-        if isinstance(e, ssl.SSLCertVerificationError):
-            return f"TLS certificate verification failed: {e.verify_message or e.reason}"
-    for e in causes:
-        if isinstance(e, ssl.SSLError):
-            return f"TLS handshake failed: {e.reason or e}"
-        if isinstance(e, socket.gaierror):
-            return f"cannot resolve the host name ({e.strerror or e})"
-        if isinstance(e, ConnectionRefusedError):
-            return "connection refused"
-        if isinstance(e, TimeoutError):
-            return "connection timed out"
-        if isinstance(e, OSError) and e.errno:
-            return os.strerror(e.errno).lower()
-    for e in causes:
-        if str(e):
-            return f"{type(e).__name__}: {e}"
-    return type(exc).__name__
-
-
-def _phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return ""
-
-
-#: the service's paths that need no proof of the token
-OPEN_PATHS: Final = frozenset({"/health", "/metrics", "/nonce"})
-
-
-class TokenProof(httpx.Auth):
-    """httpx authentication that proves the cluster token without sending it
-    (docs/security.md): each request to a path that needs the token carries
-    ``Authorization: TRIO-PD-HMAC <nonce> <proof>``, :func:`~trio_pd._security.request_mac`
-    over a one-time nonce the service issued, the method, the target and the body.
-
-    Nonces come from the service's answers (each hands out a fresh one) and, when none is
-    left, from ``GET /nonce``; at most :data:`KEEP` are kept, each used only within
-    :data:`MAX_AGE` seconds of its arrival (the service takes it for 30). An answer ``401``
-    that says the nonce was stale (:data:`~trio_pd._security.STALE_HEADER`: expired, or
-    issued by a service since restarted) is retried once with the nonce it handed out.
-    """
-
-    requires_request_body = True
-    KEEP = 16
-    MAX_AGE = 10.0
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-        self._nonces: deque[tuple[str, float]] = deque(maxlen=self.KEEP)
-
-    def keep(self, response: httpx.Response) -> None:
-        """Keep the nonce ``response`` hands out, if any."""
-        nonce = response.headers.get(NONCE_HEADER)
-        if nonce:
-            self._nonces.append((nonce, time.monotonic()))
-
-    def _take(self) -> str | None:
-        while self._nonces:
-            nonce, at = self._nonces.pop()
-            if time.monotonic() - at < self.MAX_AGE:
-                return nonce
-        return None
-
-    def _sign(self, request: httpx.Request, nonce: str) -> None:
-        proof = request_mac(
-            self.token, nonce, request.method, request.url.raw_path, request.content
-        )
-        request.headers["authorization"] = f"{AUTH_SCHEME} {nonce} {proof}"
-
-    def auth_flow(self, request: httpx.Request) -> Any:
-        if request.url.path in OPEN_PATHS:
-            yield request
-            return
-        nonce = self._take()
-        if nonce is None:
-            fetch = httpx.Request("GET", request.url.copy_with(path="/nonce", query=None))
-            answer = yield fetch
-            self.keep(answer)
-            nonce = self._take() or ""
-        self._sign(request, nonce)
-        response = yield request
-        if response.status_code == 401 and response.headers.get(STALE_HEADER):
-            fresh = response.headers.get(NONCE_HEADER)
-            if fresh:  # (its nonce may have expired, or been taken by an earlier try)
-                self._sign(request, fresh)
-                response = yield request
-        self.keep(response)
 
 
 class BootstrapClient:
@@ -408,27 +107,21 @@ class BootstrapClient:
         #: the DP rank the URL names (None: the plain URL, DP rank 0)
         self.dp_rank: int | None = dp_rank
         self.url = url.rstrip("/")
-        # Certificate verification only means something for https; skipping it for plain
-        # http avoids loading the CA bundle (~80 ms) for every client.
-        plain = httpx.URL(self.url).scheme == "http"
-        if isinstance(verify, str):  # a CA bundle (a self-signed service's certificate)
-            verify = ssl.create_default_context(cafile=verify)
         #: the cluster token, proven (never sent) with every request that needs it, and the
         #: key every answer to one is checked under
         self.token = (default_token() if token is None else token) or None
-        self._proof = None if self.token is None else TokenProof(self.token)
         #: why the last :meth:`wait_ready` retried (None: it has not had to)
         self.waiting: BootstrapError | None = None
-        #: the IP address the last answer came from (None: none yet): where this host
-        #: reached the service, whatever name the URL gives
-        self.server_address: str | None = None
         #: a decode rank's CURVE public key (z85), announced with every route read so that
         #: the service vouches for it to the prefill ranks (None: not announced)
         self.announce_key: str | None = None
-        self._http = httpx.AsyncClient(
-            base_url=self.url, timeout=None, trust_env=False, verify=False if plain else verify,
-            auth=self._proof,
-        )
+        self._transport = Transport(self.url, self.token, verify)
+
+    @property
+    def server_address(self) -> str | None:
+        """The IP address the last answer came from (None: none yet): where this host
+        reached the service, whatever name the URL gives."""
+        return self._transport.server_address
 
     def __repr__(self) -> str:
         return f"<BootstrapClient {self.url}>"
@@ -451,7 +144,7 @@ class BootstrapClient:
         **Cancellation:** the connections are closed even if cancelled (closing a socket
         does not wait), then ``Cancelled`` propagates.
         """
-        await self._http.aclose()
+        await self._transport.http.aclose()
 
     async def register(self, info: PrefillRankInfo) -> None:
         """Register (or re-register) one prefill rank.
@@ -462,7 +155,7 @@ class BootstrapClient:
         **Cancellation:** safe to cancel; the registration may or may not have been stored
         (registering again is harmless, it replaces).
         """
-        await self._request(
+        await self._transport.request(
             "PUT",
             "/route",
             content=msgspec.json.encode(info),
@@ -478,8 +171,8 @@ class BootstrapClient:
 
         **Cancellation:** safe to cancel; nothing changes on the service.
         """
-        response = await self._request("GET", "/route", params=self._dp_params())
-        topology = self._decode(response, Topology)
+        response = await self._transport.request("GET", "/route", params=self._dp_params())
+        topology = self._transport.decode(response, Topology)
         tp_size, pp_size = topology.tp_size, topology.pp_size
         if not (tp_size >= 1 and pp_size >= 1 and len(topology.ranks) == tp_size * pp_size):
             # (checked before the rank list below is built: a tp_size of 10**9 would be
@@ -508,8 +201,8 @@ class BootstrapClient:
         params = {"tp_rank": str(tp_rank), **self._dp_params()}
         if pp_rank:
             params["pp_rank"] = str(pp_rank)
-        response = await self._request("GET", "/route", params=params)
-        info = self._decode(response, PrefillRankInfo)
+        response = await self._transport.request("GET", "/route", params=params)
+        info = self._transport.decode(response, PrefillRankInfo)
         if info.tp_rank != tp_rank or info.dp_rank != (self.dp_rank or 0) or (
             info.pp_rank != pp_rank
         ):
@@ -532,8 +225,8 @@ class BootstrapClient:
 
         **Cancellation:** safe to cancel; nothing changes on the service.
         """
-        response = await self._request("GET", "/key", params={"key": key})
-        answer = self._decode(response, dict[str, bool])
+        response = await self._transport.request("GET", "/key", params={"key": key})
+        answer = self._transport.decode(response, dict[str, bool])
         return answer.get("vouched") is True
 
     async def register_dp_rooms(self, dp_rank: int, rooms: Sequence[DpRoom]) -> None:
@@ -549,7 +242,7 @@ class BootstrapClient:
         (registering again is harmless).
         """
         body = {"dp_rank": dp_rank, "rooms": list(rooms)}
-        await self._request(
+        await self._transport.request(
             "POST", "/register_dp_rank", content=msgspec.json.encode(body),
             headers={"content-type": "application/json"},
         )
@@ -566,11 +259,11 @@ class BootstrapClient:
         **Cancellation:** safe to cancel; nothing changes on the service.
         """
         body = {"rooms": list(rooms)}
-        response = await self._request(
+        response = await self._transport.request(
             "POST", "/query_dp_ranks", content=msgspec.json.encode(body),
             headers={"content-type": "application/json"},
         )
-        answer = self._decode(response, DpRanks)
+        answer = self._transport.decode(response, DpRanks)
         if (
             not 1 <= answer.dp_size <= MAX_DP_SIZE
             or len(answer.dp_ranks) != len(rooms)
@@ -651,102 +344,11 @@ class BootstrapClient:
         **Cancellation:** safe to cancel.
         """
         try:
-            response = await self._http.get("/health")
+            response = await self._transport.http.get("/health")
         except httpx.TransportError:
             await trio.lowlevel.checkpoint()
             return False
         return response.status_code == 200
-
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request, its answer read whole but kept only up to :data:`MAX_ANSWER_BYTES`:
-        past that the answer is a :class:`BootstrapError` (a 400 MiB one used to grow the
-        decode process by 800 MiB). One that says it is longer is refused unread; one that
-        does not say is read to its end and dropped (leaving httpx's stream half read warns
-        of unclosed generators), so a service that never stops is ended by the caller's
-        timeout, with at most the bound in memory."""
-        too_big = BootstrapError(
-            f"{method} {path} on bootstrap service {self.url}: the answer is over "
-            f"{MAX_ANSWER_BYTES} bytes"
-        )
-        try:
-            async with self._http.stream(method, path, **kwargs) as streamed:
-                stream = streamed.extensions.get("network_stream")
-                try:
-                    server = stream.get_extra_info("server_addr") if stream else None
-                except OSError:  # (the service answered and closed already: ENOTCONN)
-                    server = None
-                if isinstance(server, tuple) and server:
-                    self.server_address = str(server[0])
-                declared = streamed.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
-                    raise too_big
-                body: bytearray | None = bytearray()
-                async for chunk in streamed.aiter_bytes():  # (decoded: a gzip bomb counts)
-                    if body is not None:
-                        body += chunk
-                        if len(body) > MAX_ANSWER_BYTES:
-                            body = None  # (what is left is read and dropped)
-        except httpx.TransportError as exc:
-            untrusted = _untrusted(exc)
-            if untrusted is not None:  # (not a service that has not started: no retry helps)
-                raise BootstrapError(
-                    f"bootstrap service at {self.url}: TLS certificate verification failed: "
-                    f"{untrusted} (trust its certificate with bootstrap_verify=, "
-                    "docs/security.md)"
-                ) from exc
-            raise BootstrapUnreachable(
-                f"bootstrap service at {self.url} unreachable: {transport_reason(exc)}"
-            ) from exc
-        if body is None:
-            raise too_big
-        if self.token is not None and path not in OPEN_PATHS:
-            self._check_answer(method, path, streamed, bytes(body))
-        response = httpx.Response(
-            streamed.status_code, headers=streamed.headers, content=bytes(body),
-            request=streamed.request,
-        )
-        if response.status_code == 200:
-            return response
-        try:
-            reason = msgspec.json.decode(response.content, type=dict[str, Any])["error"]
-        except (msgspec.DecodeError, KeyError):
-            reason = response.text[:200]
-        message = (
-            f"{method} {path} on bootstrap service {self.url}: "
-            f"{response.status_code} {_phrase(response.status_code)}: {reason}"
-        )
-        if response.status_code == 503:
-            raise NotReady(message)
-        if response.status_code == 404 and path == "/route":
-            raise UnknownRank(message)
-        raise BootstrapError(message)
-
-    def _check_answer(
-        self, method: str, path: str, streamed: httpx.Response, body: bytes
-    ) -> None:
-        """The answer must carry the service's proof of the token, bound to the nonce of
-        the request it answers (:func:`~trio_pd._security.answer_mac`): otherwise it was not
-        the cluster's service that wrote it, or it was altered on the way (a route's CURVE
-        key swapped), and it is refused whatever it says."""
-        assert self.token is not None
-        claim = streamed.request.headers.get("authorization", "").split(" ")
-        nonce = claim[1] if len(claim) == 3 else ""
-        fresh = streamed.headers.get(NONCE_HEADER, "")
-        want = answer_mac(self.token, nonce, streamed.status_code, body, fresh)
-        if not hmac.compare_digest(want, streamed.headers.get(ANSWER_HEADER, "")):
-            raise BootstrapError(
-                f"{method} {path} on bootstrap service {self.url}: the answer "
-                f"({streamed.status_code}) does not prove the cluster token (a service "
-                "without the token, or an answer altered on the way): refused"
-            )
-
-    def _decode(self, response: httpx.Response, type_: type[_T]) -> _T:
-        try:
-            return msgspec.json.decode(response.content, type=type_)
-        except msgspec.DecodeError as exc:
-            raise BootstrapError(
-                f"bootstrap service at {self.url} sent a malformed {type_.__name__}: {exc}"
-            ) from exc
 
 
 # --------------------------------------------------------------------------------------------

@@ -261,7 +261,7 @@ class DemoOptions:
         return None if problem is None else f"--device cuda --engine {self.engine}: {problem}"
 
     def _topology_problem(self) -> str | None:
-        from ._bootstrap import MAX_TP_SIZE
+        from ._bootstrap_ranks import MAX_TP_SIZE
         from ._topology import pairing_problem, source_ranks
 
         for name in ("prefill_tp", "decode_tp"):

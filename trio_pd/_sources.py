@@ -109,6 +109,107 @@ class Instance:
     failed: bool = False
 
 
+class WriterCheck:
+    """Whether a prefill rank that writes our pages is gone: a probe, and our engine's fence
+    when the probe is refused. Only a proven fence makes it GONE (SPEC §5.6)."""
+
+    def __init__(self, *, engine: TransferEngine, probe_timeout: float,
+                 threads: _probe.ProbeThreads, counters: Counters) -> None:
+        self.engine, self.probe_timeout = engine, probe_timeout
+        self.probe_threads, self.counters = threads, counters
+
+    async def liveness(self, rank: PrefillRank) -> Liveness:
+        """Probe a prefill rank (a writer of our pages). GONE only once our own engine has
+        fenced it off: a probe that is refused (REFUSED) makes the fence worth trying, and
+        the answer is GONE if the fence is proven, else UNKNOWN (the pages stay held). A
+        change of what its probes answer is logged once (unknown, answering again; the fence
+        logs its own outcome), not every probe: a held room's writers are probed at every ack
+        timeout."""
+        if rank.fenced or rank.closed:
+            await trio.lowlevel.checkpoint()
+            return Liveness.GONE
+        state = await _probe.probe(
+            self.engine,
+            rank.session,
+            control_endpoint=rank.endpoint,
+            timeout=self.probe_timeout,
+            threads=self.probe_threads,
+            counters=self.counters,
+        )
+        refused = state is Liveness.REFUSED
+        if refused:
+            state = Liveness.GONE if await self._fence(rank) else Liveness.UNKNOWN
+        seen, rank.probed = rank.probed, state
+        if state is seen or (seen is None and state is Liveness.ALIVE):
+            return state
+        if state is Liveness.UNKNOWN and not refused:
+            log.warning(
+                "prefill rank %d at %s: no answer to a probe within %g s (unreachable, stopped "
+                "or hung: its liveness is unknown); pages it may write stay held",
+                rank.rank_id, rank.endpoint, self.probe_timeout,
+            )
+        elif state is Liveness.ALIVE:
+            log.info("prefill rank %d at %s answers a probe again", rank.rank_id, rank.endpoint)
+        return state
+
+    async def _fence(self, rank: PrefillRank) -> bool:
+        """Have our engine fence off ``rank``'s writes (``fence_writer``, in a thread, within
+        ``probe_timeout``); True once proven. One fence per rank at a time: a probe that
+        finds one under way waits for its answer. What it proved is logged; UNPROVEN is
+        counted ``writers_unfenced``, UNKNOWN ``checks_unknown``."""
+        if rank.fencing is not None:
+            await rank.fencing.wait()
+            return rank.fenced
+        rank.fencing = done = trio.Event()
+        try:
+            fence = await self._make_fence(rank)
+        finally:
+            rank.fencing = None
+            done.set()
+        if fence is None:
+            self.counters.bump("checks_unknown")
+            log.warning("prefill rank %d (%s) refused a connection; the fence of its writes "
+                        "did not answer within %g s: its pages stay held", rank.rank_id,
+                        rank.endpoint, self.probe_timeout)
+        elif fence.proven:
+            rank.fenced = True
+            self.counters.bump("writers_fenced")
+            log.warning("prefill rank %d (%s) is gone: %s", rank.rank_id, rank.endpoint,
+                        fence.detail)
+        elif fence.outcome is FenceOutcome.UNKNOWN:
+            self.counters.bump("checks_unknown")
+            log.warning("prefill rank %d (%s) refused a connection, but its writes could not "
+                        "be fenced now: %s: its pages stay held", rank.rank_id, rank.endpoint,
+                        fence.detail)
+        else:
+            self.counters.bump("writers_unfenced")
+            log.warning("prefill rank %d (%s) refused a connection, but nothing proves its "
+                        "writes are over: %s: its pages stay held until it acks", rank.rank_id,
+                        rank.endpoint, fence.detail)
+        return rank.fenced
+
+    async def _make_fence(self, rank: PrefillRank) -> Fence | None:
+        """The engine's fence of ``rank``, or None if it gave no answer in time (or there
+        was no thread for it)."""
+        hosts = await _probe.peer_hosts(self.engine, rank.session, rank.endpoint)
+        if not hosts:
+            return Fence(FenceOutcome.UNKNOWN if hosts is not None else FenceOutcome.UNPROVEN,
+                         "its host does not resolve" if hosts is not None
+                         else "it is reached over no TCP host")
+        with trio.move_on_after(self.probe_timeout):
+            try:
+                # (abandoned on cancel: a fence touches no page; the limiter's token is held
+                # until the thread returns, as for a probe)
+                return await trio.to_thread.run_sync(
+                    fence_writer, self.engine, rank.session, hosts,
+                    limiter=self.probe_threads.limiter, abandon_on_cancel=True,
+                )
+            except Exception as exc:  # (no thread, a closed engine: it did not run)
+                log.warning("the fence of prefill rank %d could not run: %r", rank.rank_id, exc)
+                await trio.lowlevel.checkpoint()
+        return None
+
+
 class Sources:
     """Resolve, register, heartbeat, loss (SPEC §5.6, §8.14)."""
 
@@ -148,6 +249,9 @@ class Sources:
         #: probes (and fences) run in their own threads: bounded, one probe per rank at a
         #: time, so a hung rank holds up no other (see _probe)
         self.probe_threads = _probe.ProbeThreads()
+        #: the probe and fence of a rank that writes our pages
+        self.writers = WriterCheck(engine=engine, probe_timeout=probe_timeout,
+                                   threads=self.probe_threads, counters=counters)
         self.nursery: trio.Nursery | None = None
         #: the cluster token: sent to bootstrap services, and the key of REGISTER proofs
         self.token: str | None = None
@@ -180,7 +284,9 @@ class Sources:
                     raise client.no_answer(self.bootstrap_timeout) from None
             server = client.server_address
             if server is not None and not is_own_address(server):
-                problem = loopback_problem(self._published(topo), server)
+                problem = loopback_problem(
+                    _published(topo, self.engine, self.control.endpoint), server
+                )
                 if problem is not None:
                     raise IncompatiblePeer(f"prefill instance {inst.url}: {problem}")
             infos = [await _numeric(info) for info in self._source_infos(topo)]
@@ -211,19 +317,6 @@ class Sources:
         inst.dp_size = topo.dp_size
         self._on_resolved(inst)
 
-    def _published(self, topo: Topology) -> list[tuple[str, str, str]]:
-        """Every address the instance's ranks and this rank publish, as ``(whose, address,
-        the option that sets it)``."""
-        engine = f"make_engine({self.engine.name!r}, host=)"
-        out = [("this decode rank's control endpoint", self.control.endpoint,
-                "open_decode(host=)"),
-               ("this decode rank's engine session", self.engine.session_id, engine)]
-        for r in topo.ranks:
-            out += [(f"prefill rank {r.rank_id}'s control endpoint", r.endpoint,
-                     "open_prefill(host=)"),
-                    (f"prefill rank {r.rank_id}'s engine session", r.engine_session, engine)]
-        return out
-
     def _source_infos(self, topo: Topology) -> list[PrefillRankInfo]:
         """The prefill ranks this decode rank reads from: its TP source ranks in every PP
         stage (stage by stage), once every stage is checked to pair with our pool (each
@@ -233,52 +326,7 @@ class Sources:
             raise IncompatiblePeer(
                 f"prefill uses engine {first.engine!r}, this decode rank {self.engine.name!r}"
             )
-        pool = self.pool
-        problems: list[str] = []
-        next_layer = 0  # pipeline parallelism: where the next stage must start
-        for s in range(topo.pp_size):
-            head = topo.stage(s)[0]
-            layers = head.num_layers or (pool.num_layers if topo.pp_size == 1 else 0)
-            # bytes per head buffer by buffer, against our buffers of the stage's layers, and
-            # every aux buffer's row bytes, when the prefill rank published them
-            ours = _stage_head_bytes(pool, head.first_layer, layers)
-            by_buffer = bool(head.buffer_head_bytes) and ours is not None
-            problem = pairing_problem(
-                layout=head.layout,  # type: ignore[arg-type]
-                page_size=head.page_size,
-                head_bytes=(head.buffer_head_bytes if by_buffer
-                            else head.head_bytes or pool.head_bytes),
-                num_layers=layers,
-                aux_item_len=head.aux_item_lens or head.aux_item_len or pool.aux_item_len,
-                kv_heads=head.kv_heads,
-                prefill_tp=topo.tp_size,
-                peer_layout=pool.layout,
-                peer_page_size=pool.page_size,
-                peer_head_bytes=ours if by_buffer and ours is not None else pool.head_bytes,
-                peer_num_layers=pool.num_layers,
-                # (an older prefill publishes the first aux buffer's row bytes alone)
-                peer_aux_item_len=pool.aux_item_lens if head.aux_item_lens else pool.aux_item_len,
-                peer_rank=self.tp_rank,
-                peer_tp=self.tp_size,
-                peer_heads=pool.heads,
-                peer_first_head=pool.first_head,
-                first_layer=head.first_layer,
-                pp_rank=s,
-                pp_size=topo.pp_size,
-                kv_dtype=head.kv_dtype,
-                peer_kv_dtype=pool.kv_dtype,
-            )
-            problem = problem or _states_problem(head, pool, topo.tp_size, self.tp_size,
-                                                 topo.pp_size)
-            if problem is not None and problem not in problems:
-                problems.append(problem)
-            if topo.pp_size > 1 and head.first_layer != next_layer:
-                problems.append(f"PP stage {s} starts at layer {head.first_layer}, not at "
-                                f"{next_layer} (the stages must hold every layer once, in order)")
-            next_layer = head.first_layer + layers
-        if not problems and topo.pp_size > 1 and next_layer != pool.num_layers:
-            problems.append(f"layers: the {topo.pp_size} PP stages hold layers 0.."
-                            f"{next_layer - 1}, decode holds {pool.num_layers}")
+        problems = _pairing_problems(topo, self.pool, self.tp_rank, self.tp_size)
         infos: list[PrefillRankInfo] = []
         if _pairs_tp(topo.tp_size, self.tp_size, self.tp_rank):  # (else: problems says why)
             tp_sources = source_ranks(self.tp_rank, topo.tp_size, self.tp_size)
@@ -430,95 +478,72 @@ class Sources:
                 del self.instances[url]
 
     async def liveness(self, rank: PrefillRank) -> Liveness:
-        """Probe a prefill rank (a writer of our pages). GONE only once our own engine has
-        fenced it off: a probe that is refused (REFUSED) makes the fence worth trying, and
-        the answer is GONE if the fence is proven, else UNKNOWN (the pages stay held). A
-        change of what its probes answer is logged once (unknown, answering again; the fence
-        logs its own outcome), not every probe: a held room's writers are probed at every ack
-        timeout."""
-        if rank.fenced or rank.closed:
-            await trio.lowlevel.checkpoint()
-            return Liveness.GONE
-        state = await _probe.probe(
-            self.engine,
-            rank.session,
-            control_endpoint=rank.endpoint,
-            timeout=self.probe_timeout,
-            threads=self.probe_threads,
-            counters=self.counters,
+        """:meth:`WriterCheck.liveness` of ``rank``."""
+        return await self.writers.liveness(rank)
+
+def _published(topo: Topology, engine: TransferEngine, endpoint: str) -> list[tuple[str, str, str]]:
+    """Every address the instance's ranks and this rank (its control ``endpoint``, its
+    ``engine``) publish, as ``(whose, address, the option that sets it)``."""
+    made = f"make_engine({engine.name!r}, host=)"
+    out = [("this decode rank's control endpoint", endpoint, "open_decode(host=)"),
+           ("this decode rank's engine session", engine.session_id, made)]
+    for r in topo.ranks:
+        out += [(f"prefill rank {r.rank_id}'s control endpoint", r.endpoint,
+                 "open_prefill(host=)"),
+                (f"prefill rank {r.rank_id}'s engine session", r.engine_session, made)]
+    return out
+
+
+def _pairing_problems(topo: Topology, pool: PoolSpec, tp_rank: int, tp_size: int) -> list[str]:
+    """Why the instance's PP stages do not pair with decode rank ``tp_rank`` of ``tp_size``
+    holding ``pool`` (each stage's layers inside ours, and the stages together holding
+    exactly our layers); empty when they do."""
+    problems: list[str] = []
+    next_layer = 0  # pipeline parallelism: where the next stage must start
+    for s in range(topo.pp_size):
+        head = topo.stage(s)[0]
+        layers = head.num_layers or (pool.num_layers if topo.pp_size == 1 else 0)
+        # bytes per head buffer by buffer, against our buffers of the stage's layers, and
+        # every aux buffer's row bytes, when the prefill rank published them
+        ours = _stage_head_bytes(pool, head.first_layer, layers)
+        by_buffer = bool(head.buffer_head_bytes) and ours is not None
+        problem = pairing_problem(
+            layout=head.layout,  # type: ignore[arg-type]
+            page_size=head.page_size,
+            head_bytes=(head.buffer_head_bytes if by_buffer
+                        else head.head_bytes or pool.head_bytes),
+            num_layers=layers,
+            aux_item_len=head.aux_item_lens or head.aux_item_len or pool.aux_item_len,
+            kv_heads=head.kv_heads,
+            prefill_tp=topo.tp_size,
+            peer_layout=pool.layout,
+            peer_page_size=pool.page_size,
+            peer_head_bytes=ours if by_buffer and ours is not None else pool.head_bytes,
+            peer_num_layers=pool.num_layers,
+            # (an older prefill publishes the first aux buffer's row bytes alone)
+            peer_aux_item_len=pool.aux_item_lens if head.aux_item_lens else pool.aux_item_len,
+            peer_rank=tp_rank,
+            peer_tp=tp_size,
+            peer_heads=pool.heads,
+            peer_first_head=pool.first_head,
+            first_layer=head.first_layer,
+            pp_rank=s,
+            pp_size=topo.pp_size,
+            kv_dtype=head.kv_dtype,
+            peer_kv_dtype=pool.kv_dtype,
         )
-        refused = state is Liveness.REFUSED
-        if refused:
-            state = Liveness.GONE if await self._fence(rank) else Liveness.UNKNOWN
-        seen, rank.probed = rank.probed, state
-        if state is seen or (seen is None and state is Liveness.ALIVE):
-            return state
-        if state is Liveness.UNKNOWN and not refused:
-            log.warning(
-                "prefill rank %d at %s: no answer to a probe within %g s (unreachable, stopped "
-                "or hung: its liveness is unknown); pages it may write stay held",
-                rank.rank_id, rank.endpoint, self.probe_timeout,
-            )
-        elif state is Liveness.ALIVE:
-            log.info("prefill rank %d at %s answers a probe again", rank.rank_id, rank.endpoint)
-        return state
-
-    async def _fence(self, rank: PrefillRank) -> bool:
-        """Have our engine fence off ``rank``'s writes (``fence_writer``, in a thread, within
-        ``probe_timeout``); True once proven. One fence per rank at a time: a probe that
-        finds one under way waits for its answer. What it proved is logged; UNPROVEN is
-        counted ``writers_unfenced``, UNKNOWN ``checks_unknown``."""
-        if rank.fencing is not None:
-            await rank.fencing.wait()
-            return rank.fenced
-        rank.fencing = done = trio.Event()
-        try:
-            fence = await self._make_fence(rank)
-        finally:
-            rank.fencing = None
-            done.set()
-        if fence is None:
-            self.counters.bump("checks_unknown")
-            log.warning("prefill rank %d (%s) refused a connection; the fence of its writes "
-                        "did not answer within %g s: its pages stay held", rank.rank_id,
-                        rank.endpoint, self.probe_timeout)
-        elif fence.proven:
-            rank.fenced = True
-            self.counters.bump("writers_fenced")
-            log.warning("prefill rank %d (%s) is gone: %s", rank.rank_id, rank.endpoint,
-                        fence.detail)
-        elif fence.outcome is FenceOutcome.UNKNOWN:
-            self.counters.bump("checks_unknown")
-            log.warning("prefill rank %d (%s) refused a connection, but its writes could not "
-                        "be fenced now: %s: its pages stay held", rank.rank_id, rank.endpoint,
-                        fence.detail)
-        else:
-            self.counters.bump("writers_unfenced")
-            log.warning("prefill rank %d (%s) refused a connection, but nothing proves its "
-                        "writes are over: %s: its pages stay held until it acks", rank.rank_id,
-                        rank.endpoint, fence.detail)
-        return rank.fenced
-
-    async def _make_fence(self, rank: PrefillRank) -> Fence | None:
-        """The engine's fence of ``rank``, or None if it gave no answer in time (or there
-        was no thread for it)."""
-        hosts = await _probe.peer_hosts(self.engine, rank.session, rank.endpoint)
-        if not hosts:
-            return Fence(FenceOutcome.UNKNOWN if hosts is not None else FenceOutcome.UNPROVEN,
-                         "its host does not resolve" if hosts is not None
-                         else "it is reached over no TCP host")
-        with trio.move_on_after(self.probe_timeout):
-            try:
-                # (abandoned on cancel: a fence touches no page; the limiter's token is held
-                # until the thread returns, as for a probe)
-                return await trio.to_thread.run_sync(
-                    fence_writer, self.engine, rank.session, hosts,
-                    limiter=self.probe_threads.limiter, abandon_on_cancel=True,
-                )
-            except Exception as exc:  # (no thread, a closed engine: it did not run)
-                log.warning("the fence of prefill rank %d could not run: %r", rank.rank_id, exc)
-                await trio.lowlevel.checkpoint()
-        return None
+        problem = problem or _states_problem(head, pool, topo.tp_size, tp_size,
+                                             topo.pp_size)
+        if problem is not None and problem not in problems:
+            problems.append(problem)
+        if topo.pp_size > 1 and head.first_layer != next_layer:
+            problems.append(f"PP stage {s} starts at layer {head.first_layer}, not at "
+                            f"{next_layer} (the stages must hold every layer once, in order)")
+        next_layer = head.first_layer + layers
+    if not problems and topo.pp_size > 1 and next_layer != pool.num_layers:
+        problems.append(f"layers: the {topo.pp_size} PP stages hold layers 0.."
+                        f"{next_layer - 1}, decode holds {pool.num_layers}")
+    return problems
 
 
 async def _numeric(info: PrefillRankInfo) -> PrefillRankInfo:

@@ -258,13 +258,13 @@ def garbage_body(rng: random.Random, base: dict[str, Any]) -> bytes:
 
 def is_valid_registration(body: bytes) -> bool:
     """Would the service store it? (Those are withheld: they are not garbage.)"""
-    from trio_pd._bootstrap import _invalid_reason
+    from trio_pd._bootstrap_ranks import invalid_reason
 
     try:
         info = msgspec.json.decode(body, type=PrefillRankInfo)
     except msgspec.DecodeError:
         return False
-    return _invalid_reason(info) is None and info.tp_size == 2
+    return invalid_reason(info) is None and info.tp_size == 2
 
 
 @pytest.mark.timeout(900)

@@ -400,6 +400,81 @@ class _Link:
         self.rate = 1e9  # bytes per second; corrected by the first large batches
 
 
+class _PeerBook:
+    """What the engine knows of each peer: the order of its calls (:class:`_Order`, which
+    proves a failed call over) and its link's pace (:class:`_Link`, how long a wait sleeps).
+    Thread-safe: one lock, held for the bookkeeping only, never across an engine call."""
+
+    def __init__(self, *, ordered: bool) -> None:
+        self._lock = threading.Lock()
+        self._links: dict[str, _Link] = {}
+        #: calls per peer, numbered in the order they were handed to the engine; they prove
+        #: a failed call over only on one ordered connection (``ordered``)
+        self._orders: dict[str, _Order] = {}
+        self._ordered = ordered
+
+    def expect(self, peer: str, nbytes: int, now: float) -> float:
+        """When a batch of ``nbytes`` to ``peer`` submitted ``now`` should be complete (it
+        queues behind the peer's earlier batches)."""
+        with self._lock:
+            link = self._links.get(peer)
+            if link is None:
+                link = self._links[peer] = _Link()
+            expected_done = max(now, link.busy_until) + nbytes / link.rate
+            link.busy_until = expected_done
+            return expected_done
+
+    def number(self, peer: str) -> int:
+        """The number of the call to ``peer`` being handed to the engine now."""
+        with self._lock:
+            order = self._orders.get(peer)
+            if order is None:
+                order = self._orders[peer] = _Order()
+            number = order.started
+            order.started += 1
+            return number
+
+    def completed(self, peer: str, number: int) -> None:
+        with self._lock:
+            order = self._orders[peer]
+            order.proven = max(order.proven, number + 1)
+
+    def seen(self, flight: _InFlight, ok: bool, *, slept: bool, woke: float,
+             done: float) -> None:
+        """``flight`` was seen complete at ``done`` (``ok``: written), after a wait that
+        ``slept`` until ``woke``: correct the link's pace, and the call's order when ok."""
+        with self._lock:
+            link = self._links[flight.peer]
+            if ok and flight.nbytes >= _RATE_MIN_BYTES:
+                if slept and done - woke < _DONE_ON_WAKE_S:
+                    # complete before we looked: we only know it was faster than we thought
+                    link.rate = min(link.rate * 1.25, _MAX_RATE)
+                else:
+                    took = done - max(flight.submitted, link.done_at)
+                    if took > 0:
+                        link.rate = 0.75 * link.rate + 0.25 * (flight.nbytes / took)
+            link.done_at = done
+            if not ok:
+                link.busy_until = done  # whatever was queued behind it is not on time either
+            else:
+                order = self._orders[flight.peer]
+                order.proven = max(order.proven, flight.number + 1)
+
+    def mark(self, peer: str) -> int | None:
+        """:meth:`MooncakeEngine.call_mark`."""
+        if not self._ordered:
+            return None
+        with self._lock:
+            order = self._orders.get(peer)
+            return 0 if order is None else order.started
+
+    def flushed(self, peer: str, mark: int) -> bool:
+        """:meth:`MooncakeEngine.flushed`."""
+        with self._lock:
+            order = self._orders.get(peer)
+            return order is not None and order.proven > mark
+
+
 @dataclass(eq=False, slots=True)
 class _InFlight:
     """One submitted batch (the :class:`Pending` of :meth:`MooncakeEngine.submit`)."""
@@ -417,6 +492,94 @@ class _InFlight:
 
     def wait(self) -> None:
         self.owner._wait(self)
+
+
+def _by_location(regions: list[Region]) -> dict[str, list[Region]]:
+    """``regions`` by their Mooncake location (:func:`mooncake_location`), in the order the
+    locations first appear; :class:`~trio_pd.EngineError` for a device region when the
+    wheel is not the CUDA build."""
+    groups: dict[str, list[Region]] = {}
+    for r in regions:
+        groups.setdefault(mooncake_location(r.kind), []).append(r)
+    device = [loc for loc in groups if loc != "*"]
+    if device and not _cuda_build():
+        raise EngineError(
+            f"mooncake: regions on {', '.join(device)} need the CUDA build of the wheel "
+            f"(pip install mooncake-transfer-engine); {_PIP_NAME} moves host memory only"
+        )
+    return groups
+
+
+def _register_groups(engine: Any, groups: dict[str, list[Region]]) -> None:
+    """One ``batch_register_memory`` per location; on a failure, deregister what the
+    earlier calls registered, then raise."""
+    done: list[int] = []
+    for location, group in groups.items():
+        bases = [r.base for r in group]
+        rc = engine.batch_register_memory(bases, [r.length for r in group], location)
+        if rc != 0:
+            error = EngineError(
+                f"mooncake batch_register_memory of {len(group)} regions at "
+                f"{location!r} returned {rc}",
+                code=rc,
+            )
+            if done and engine.batch_unregister_memory(done) != 0:
+                error.add_note(f"and deregistering the {len(done)} regions before failed")
+            raise error
+        done.extend(bases)
+
+
+def _initialize(host: str, protocol: str, device: str) -> tuple[Any, int, int | None]:
+    """A new engine on ``host`` (``initialize`` with the P2P handshake), its RPC port and its
+    TCP transport's data port: the one listener, besides the RPC port, that initialising
+    opened (None if that cannot be told: then there is no fence)."""
+    _MooncakeTE = import_engine_class()
+    _quiet_info_logs()
+    bare = host.strip().removeprefix("[").removesuffix("]")
+    with _build_lock:
+        before = _listening()
+        engine: Any = _MooncakeTE()
+        rc = engine.initialize(bare, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise EngineError(
+                f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
+                f"returned {rc}",
+                code=rc,
+            )
+        after = _listening()
+    rpc_port = engine.get_rpc_port()
+    new = (after - before - {rpc_port}) if before is not None and after is not None else set()
+    return engine, rpc_port, new.pop() if len(new) == 1 else None
+
+
+def _fence(session: str, hosts: Sequence[str], port: int | None, *, rdma: bool) -> Fence:
+    """:meth:`MooncakeEngine.fence_writer` for an engine whose TCP data port is ``port``
+    (None: not known) and that may use RDMA (``rdma``)."""
+    if rdma:
+        return Fence(FenceOutcome.UNPROVEN, "this engine may use RDMA (an RDMA device is "
+                     "present, MC_FORCE_TCP is not set): trio_pd makes no RDMA fence")
+    if port is None:
+        return Fence(FenceOutcome.UNPROVEN, "the TCP transport's data port of this engine "
+                     "is not known")
+    refused = _refuses(session)
+    if refused is None:
+        return Fence(FenceOutcome.UNKNOWN, f"the writer's engine port {session} gave no "
+                     "answer")
+    if not refused:
+        return Fence(FenceOutcome.UNPROVEN, f"the writer's engine at {session} still "
+                     "accepts connections: it may send what it queued on a new one")
+    try:
+        shut, left = fence_accepted(port, hosts, bound=FENCE_BOUND_S)
+    except OSError as exc:
+        return Fence(FenceOutcome.UNKNOWN, f"could not fence connections from "
+                     f"{', '.join(hosts)}: {exc}")
+    if left:
+        return Fence(FenceOutcome.UNKNOWN, f"{left} of {shut} connections from "
+                     f"{', '.join(hosts)} to data port {port} still readable after "
+                     f"{FENCE_BOUND_S:g} s", shut)
+    return Fence(FenceOutcome.PROVEN, f"the writer's engine at {session} refuses "
+                 f"connections, and the {shut} connection(s) from {', '.join(hosts)} to "
+                 f"data port {port} are shut and closed", shut)
 
 
 class MooncakeEngine(ClosesOnExit):
@@ -453,38 +616,19 @@ class MooncakeEngine(ClosesOnExit):
         check_advertised_host(host, "mooncake engine")  # (its session id is host:rpc_port)
         _check_family(host)
         _set_env_defaults()
-        _MooncakeTE = import_engine_class()
-        _quiet_info_logs()
-        bare = host.strip().removeprefix("[").removesuffix("]")
-        with _build_lock:
-            before = _listening()
-            engine: Any = _MooncakeTE()
-            rc = engine.initialize(bare, "P2PHANDSHAKE", protocol, device)
-            if rc != 0:
-                raise EngineError(
-                    f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
-                    f"returned {rc}",
-                    code=rc,
-                )
-            after = _listening()
+        engine, rpc_port, data_port = _initialize(host, protocol, device)
         self._engine: Any = engine
-        rpc_port = engine.get_rpc_port()
+        bare = host.strip().removeprefix("[").removesuffix("]")
         self._session_id = f"{bracketed(bare)}:{rpc_port}"
-        #: the TCP transport's data port: the one listener, besides the RPC port, that
-        #: initialising opened (None if that cannot be told: then there is no fence)
-        new = (after - before - {rpc_port}) if before is not None and after is not None else set()
-        self._data_port: int | None = new.pop() if len(new) == 1 else None
+        #: the TCP transport's data port (None if it cannot be told: then there is no fence)
+        self._data_port: int | None = data_port
         self._rdma = _rdma_possible()
         self._lock = threading.Lock()  # registration book and close
         self._registered: dict[int, int] = {}  # base -> length
         self._closed = False
         self._budget = _PeerBudget(min(max_blocks_in_flight_per_peer, _queue_cap()))
-        self._links_lock = threading.Lock()
-        self._links: dict[str, _Link] = {}
-        #: calls per peer, numbered in the order they were handed to the engine (under
-        #: ``_links_lock``); they prove a failed call over only on one ordered connection
-        self._orders: dict[str, _Order] = {}
-        self._ordered = not self._rdma and _one_lane()
+        #: each peer's calls in order and its link's pace
+        self._peers = _PeerBook(ordered=not self._rdma and _one_lane())
 
     def __repr__(self) -> str:
         return f"<MooncakeEngine {self._session_id}{' closed' if self._closed else ''}>"
@@ -523,31 +667,9 @@ class MooncakeEngine(ClosesOnExit):
         :class:`~trio_pd.EngineError` before registering anything."""
         if not regions:
             return
-        groups: dict[str, list[Region]] = {}
-        for r in regions:
-            groups.setdefault(mooncake_location(r.kind), []).append(r)
-        device = [loc for loc in groups if loc != "*"]
-        if device and not _cuda_build():
-            raise EngineError(
-                f"mooncake: regions on {', '.join(device)} need the CUDA build of the wheel "
-                f"(pip install mooncake-transfer-engine); {_PIP_NAME} moves host memory only"
-            )
+        groups = _by_location(regions)
         with self._lock:
-            engine = self._live_engine()
-            done: list[int] = []
-            for location, group in groups.items():
-                bases = [r.base for r in group]
-                rc = engine.batch_register_memory(bases, [r.length for r in group], location)
-                if rc != 0:
-                    error = EngineError(
-                        f"mooncake batch_register_memory of {len(group)} regions at "
-                        f"{location!r} returned {rc}",
-                        code=rc,
-                    )
-                    if done and engine.batch_unregister_memory(done) != 0:
-                        error.add_note(f"and deregistering the {len(done)} regions before failed")
-                    raise error
-                done.extend(bases)
+            _register_groups(self._live_engine(), groups)
             for r in regions:
                 self._registered[r.base] = r.length
 
@@ -636,10 +758,10 @@ class MooncakeEngine(ClosesOnExit):
             dsts = dst[lo:hi].tolist()
             sizes = lens[lo:hi].tolist()
             with self._budget.hold(peer, hi - lo):
-                number = self._number(peer)
+                number = self._peers.number(peer)
                 rc = engine.batch_transfer_sync_write(peer, srcs, dsts, sizes)
             if rc == 0:
-                self._completed(peer, number)
+                self._peers.completed(peer, number)
             else:
                 raise EngineError(
                     f"mooncake write to {peer} failed (rc={rc}) in sub-batch {k + 1}/{parts} "
@@ -651,13 +773,8 @@ class MooncakeEngine(ClosesOnExit):
     def _submit(self, engine: Any, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> _InFlight:
         nbytes = int(lens.sum())
         now = time.monotonic()
-        with self._links_lock:
-            link = self._links.get(peer)
-            if link is None:
-                link = self._links[peer] = _Link()
-            expected_done = max(now, link.busy_until) + nbytes / link.rate
-            link.busy_until = expected_done
-        number = self._number(peer)
+        expected_done = self._peers.expect(peer, nbytes, now)
+        number = self._peers.number(peer)
         bid = engine.batch_transfer_async_write(peer, src.tolist(), dst.tolist(), lens.tolist())
         if bid in _NO_BATCH:
             why = ("the engine did not submit the batch" if bid == 0 else
@@ -689,43 +806,13 @@ class MooncakeEngine(ClosesOnExit):
             done = time.monotonic()
         finally:
             self._budget.give(flight.peer, flight.blocks)
-        with self._links_lock:
-            link = self._links[flight.peer]
-            if rc == 0 and flight.nbytes >= _RATE_MIN_BYTES:
-                if slept and done - woke < _DONE_ON_WAKE_S:
-                    # complete before we looked: we only know it was faster than we thought
-                    link.rate = min(link.rate * 1.25, _MAX_RATE)
-                else:
-                    took = done - max(flight.submitted, link.done_at)
-                    if took > 0:
-                        link.rate = 0.75 * link.rate + 0.25 * (flight.nbytes / took)
-            link.done_at = done
-            if rc != 0:
-                link.busy_until = done  # whatever was queued behind it is not on time either
-            else:
-                order = self._orders[flight.peer]
-                order.proven = max(order.proven, flight.number + 1)
+        self._peers.seen(flight, rc == 0, slept=slept, woke=woke, done=done)
         if rc != 0:
             raise EngineError(
                 f"mooncake write to {flight.peer} failed (rc={rc}) for {flight.blocks} blocks: "
                 f"outcome unknown: some blocks may have been written",
                 code=rc,
             )
-
-    def _number(self, peer: str) -> int:
-        """The number of the call to ``peer`` being handed to the engine now."""
-        with self._links_lock:
-            order = self._orders.get(peer)
-            if order is None:
-                order = self._orders[peer] = _Order()
-            number = order.started
-            order.started += 1
-            return number
-
-    def _completed(self, peer: str, number: int) -> None:
-        with self._links_lock:
-            order = self._orders[peer]
-            order.proven = max(order.proven, number + 1)
 
     def call_mark(self, peer: str) -> int | None:
         """Where the calls to ``peer`` stand now: :meth:`flushed` tells when a call handed to
@@ -734,19 +821,13 @@ class MooncakeEngine(ClosesOnExit):
         docstring). None where no call can prove it: the TCP transport may use more than
         one connection to a peer (``MC_TCP_LANES_PER_PEER`` is not 1), or RDMA may be in
         use, whose queues trio_pd has not measured."""
-        if not self._ordered:
-            return None
-        with self._links_lock:
-            order = self._orders.get(peer)
-            return 0 if order is None else order.started
+        return self._peers.mark(peer)
 
     def flushed(self, peer: str, mark: int) -> bool:
         """Whether a call to ``peer`` handed to the engine at or after ``mark``
         (:meth:`call_mark`) has completed: everything queued for the peer before it has
         left the engine."""
-        with self._links_lock:
-            order = self._orders.get(peer)
-            return order is not None and order.proven > mark
+        return self._peers.flushed(peer, mark)
 
     def probe(self, peer: str) -> bool:
         """``send_probe`` answers at once for a live or a dead peer, but takes about 60 s for a
@@ -771,32 +852,7 @@ class MooncakeEngine(ClosesOnExit):
         gives no answer, or the tables or sockets cannot be read or reached, or a connection
         still holds unread bytes after :data:`FENCE_BOUND_S`."""
         self._live_engine()
-        port = self._data_port
-        if self._rdma:
-            return Fence(FenceOutcome.UNPROVEN, "this engine may use RDMA (an RDMA device is "
-                         "present, MC_FORCE_TCP is not set): trio_pd makes no RDMA fence")
-        if port is None:
-            return Fence(FenceOutcome.UNPROVEN, "the TCP transport's data port of this engine "
-                         "is not known")
-        refused = _refuses(session)
-        if refused is None:
-            return Fence(FenceOutcome.UNKNOWN, f"the writer's engine port {session} gave no "
-                         "answer")
-        if not refused:
-            return Fence(FenceOutcome.UNPROVEN, f"the writer's engine at {session} still "
-                         "accepts connections: it may send what it queued on a new one")
-        try:
-            shut, left = fence_accepted(port, hosts, bound=FENCE_BOUND_S)
-        except OSError as exc:
-            return Fence(FenceOutcome.UNKNOWN, f"could not fence connections from "
-                         f"{', '.join(hosts)}: {exc}")
-        if left:
-            return Fence(FenceOutcome.UNKNOWN, f"{left} of {shut} connections from "
-                         f"{', '.join(hosts)} to data port {port} still readable after "
-                         f"{FENCE_BOUND_S:g} s", shut)
-        return Fence(FenceOutcome.PROVEN, f"the writer's engine at {session} refuses "
-                     f"connections, and the {shut} connection(s) from {', '.join(hosts)} to "
-                     f"data port {port} are shut and closed", shut)
+        return _fence(session, hosts, self._data_port, rdma=self._rdma)
 
     def close(self) -> None:
         """Deregister what is still registered and drop the engine. Idempotent.

@@ -311,6 +311,120 @@ class _Request:
             raise self.error
 
 
+def _xfer_descs(agent: Any, addrs: Addrs, lens: Lens, kind: MemoryKind) -> Any:
+    """NIXL transfer descriptors for blocks at ``addrs`` of ``lens`` bytes in memory of
+    ``kind``."""
+    mem_type, device = _nixl_type(kind)
+    rows = np.empty((len(addrs), 3), dtype=np.uint64)
+    rows[:, 0] = addrs
+    rows[:, 1] = lens
+    rows[:, 2] = device
+    return agent.get_xfer_descs(rows, mem_type)
+
+
+def _parts(
+    local: _KindMap, remote: _KindMap, src: Addrs, dst: Addrs
+) -> list[tuple[MemoryKind, MemoryKind, npt.NDArray[np.intp] | None]]:
+    """The blocks grouped by (local kind, remote kind): one NIXL request each. ``None``
+    for indices: all the blocks (the common case: one kind on each side, no lookup)."""
+    if local.single is not None and remote.single is not None:
+        return [(local.single, remote.single, None)]
+    width = len(remote.kinds)
+    pairs = local.codes_of(src) * width + remote.codes_of(dst)
+    found = np.unique(pairs)
+    if len(found) == 1:
+        k = int(found[0])
+        return [(local.kinds[k // width], remote.kinds[k % width], None)]
+    return [
+        (local.kinds[int(k) // width], remote.kinds[int(k) % width], np.flatnonzero(pairs == k))
+        for k in found
+    ]
+
+
+def _register_region(agent: Any, r: Region, kind: MemoryKind) -> Any:
+    """Register ``r`` as memory of ``kind`` with ``agent``: its registration descriptors."""
+    mem_type, device = _nixl_type(kind)
+    try:
+        descs = agent.get_reg_descs([(r.base, r.length, device, "")], mem_type)
+        agent.register_memory(descs)
+    except Exception as exc:
+        raise EngineError(f"nixl register of {r} failed: {exc!r}") from exc
+    return descs
+
+
+def _errors(api: Any, *names: str) -> tuple[type[BaseException], ...]:
+    """The binding's exception classes of these names (those this version has)."""
+    return tuple(getattr(api.nixlBind, n) for n in names if hasattr(api.nixlBind, n))
+
+
+def _tear_down(
+    agent: Any, unfinished: list[Any], peers: list[str], regs: list[tuple[Region, Any]]
+) -> list[str]:
+    """Release the kept requests, forget the peers, deregister the regions: what failed."""
+    for handle in unfinished:  # (NIXL cancels what it can; the agent's end stops the rest)
+        with contextlib.suppress(Exception):
+            agent.release_xfer_handle(handle)
+    errors: list[str] = []
+    for peer in peers:
+        try:
+            agent.remove_remote_agent(peer)
+        except Exception as exc:
+            errors.append(f"remove {peer}: {exc!r}")
+    for region, descs in regs:
+        try:
+            agent.deregister_memory(descs)
+        except Exception as exc:
+            errors.append(f"deregister {region}: {exc!r}")
+    return errors
+
+
+class _Unfinished:
+    """Requests that timed out while still posted, per peer: kept, not released (a release
+    asks NIXL to cancel, and a cancelled write may still land), until NIXL says they ended.
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: dict[str, list[Any]] = {}
+
+    def keep(self, peer: str, handle: Any) -> None:
+        with self._lock:
+            self._handles.setdefault(peer, []).append(handle)
+
+    def ended(self, peer: str, agent: Any) -> bool:
+        """Whether none of ``peer``'s kept requests is still "PROC" (asked of ``agent``;
+        None: the agent is gone, and its requests with it). Those that ended are released
+        and forgotten."""
+        with self._lock:
+            handles = self._handles.get(peer, [])
+            if agent is None:
+                self._handles.pop(peer, None)
+                return True
+            left = []
+            for handle in handles:
+                try:
+                    state = agent.check_xfer_state(handle)
+                except Exception:
+                    state = "ERR"
+                if state == "PROC":
+                    left.append(handle)
+                    continue
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
+            if left:
+                self._handles[peer] = left
+            else:
+                self._handles.pop(peer, None)
+            return not left
+
+    def take_all(self) -> list[Any]:
+        """Every kept request, forgotten here (the agent's close releases them)."""
+        with self._lock:
+            handles = [h for hs in self._handles.values() for h in hs]
+            self._handles.clear()
+            return handles
+
+
 class NixlEngine(ClosesOnExit):
     """A NIXL agent over UCX. The agent name (``name``, default ``"trio-pd-<uuid>"``) is the
     session id and must be unique among the agents that talk to each other.
@@ -345,13 +459,9 @@ class NixlEngine(ClosesOnExit):
             self._agent: Any = _build_agent(api, self._name, progress_delay_us)
         except Exception as exc:
             raise EngineError(f"nixl agent {self._name!r} could not be built: {exc!r}") from exc
-        gone = ("nixlRemoteDisconnectError", "nixlNotFoundError")
-        self._gone_errors: tuple[type[BaseException], ...] = tuple(
-            getattr(api.nixlBind, n) for n in gone if hasattr(api.nixlBind, n)
-        )
-        self._not_allowed: tuple[type[BaseException], ...] = tuple(
-            getattr(api.nixlBind, n) for n in ("nixlNotAllowedError",) if hasattr(api.nixlBind, n)
-        )
+        #: the binding's errors for a peer gone, and for metadata it will not load over
+        self._gone_errors = _errors(api, "nixlRemoteDisconnectError", "nixlNotFoundError")
+        self._not_allowed = _errors(api, "nixlNotAllowedError")
         self._lock = threading.Lock()  # registrations, peers, close
         self._registered: dict[int, tuple[Region, Any]] = {}  # base -> (region, reg descs)
         self._peers: dict[str, bytes] = {}  # session id -> metadata loaded
@@ -361,8 +471,7 @@ class NixlEngine(ClosesOnExit):
         self._peer_kinds: dict[str, _KindMap] = {}
         self._closed = False
         #: requests that timed out still posted, per peer, kept until they end (flushed)
-        self._unfinished_lock = threading.Lock()
-        self._unfinished: dict[str, list[Any]] = {}
+        self._unfinished = _Unfinished()
 
     def __repr__(self) -> str:
         return f"<NixlEngine {self._name}{' closed' if self._closed else ''}>"
@@ -396,12 +505,7 @@ class NixlEngine(ClosesOnExit):
                     if r.base in self._registered:
                         raise EngineError(f"nixl: region at {r.base:#x} is already registered")
                     kind = r.kind or self._default
-                    mem_type, device = _nixl_type(kind)
-                    try:
-                        descs = agent.get_reg_descs([(r.base, r.length, device, "")], mem_type)
-                        agent.register_memory(descs)
-                    except Exception as exc:
-                        raise EngineError(f"nixl register of {r} failed: {exc!r}") from exc
+                    descs = _register_region(agent, r, kind)
                     self._registered[r.base] = (Region(r.base, r.length, kind), descs)
             finally:
                 self._local = _KindMap([r for r, _ in self._registered.values()], self._default)
@@ -486,34 +590,6 @@ class NixlEngine(ClosesOnExit):
 
     # -- data --------------------------------------------------------------------------------
 
-    def _descs(self, agent: Any, addrs: Addrs, lens: Lens, kind: MemoryKind) -> Any:
-        mem_type, device = _nixl_type(kind)
-        rows = np.empty((len(addrs), 3), dtype=np.uint64)
-        rows[:, 0] = addrs
-        rows[:, 1] = lens
-        rows[:, 2] = device
-        return agent.get_xfer_descs(rows, mem_type)
-
-    def _parts(
-        self, peer: str, src: Addrs, dst: Addrs
-    ) -> list[tuple[MemoryKind, MemoryKind, npt.NDArray[np.intp] | None]]:
-        """The blocks grouped by (local kind, remote kind): one NIXL request each. ``None``
-        for indices: all the blocks (the common case: one kind on each side, no lookup)."""
-        local = self._local
-        remote = self._peer_kinds.get(peer) or _KindMap([], self._default)
-        if local.single is not None and remote.single is not None:
-            return [(local.single, remote.single, None)]
-        width = len(remote.kinds)
-        pairs = local.codes_of(src) * width + remote.codes_of(dst)
-        found = np.unique(pairs)
-        if len(found) == 1:
-            k = int(found[0])
-            return [(local.kinds[k // width], remote.kinds[k % width], None)]
-        return [
-            (local.kinds[int(k) // width], remote.kinds[int(k) % width], np.flatnonzero(pairs == k))
-            for k in found
-        ]
-
     def write(self, peer: str, src: Addrs, dst: Addrs, lens: Lens) -> None:
         """One NIXL WRITE request for all blocks; returns when it is DONE: :meth:`submit`,
         then its ``wait()``."""
@@ -548,10 +624,11 @@ class NixlEngine(ClosesOnExit):
         agent = self._live_agent()
         built: list[tuple[Any, int, int]] = []  # (handle, blocks, bytes)
         try:
-            for local_kind, remote_kind, idx in self._parts(peer, src, dst):
+            remote_kinds = self._peer_kinds.get(peer) or _KindMap([], self._default)
+            for local_kind, remote_kind, idx in _parts(self._local, remote_kinds, src, dst):
                 s, d, sizes = (src, dst, lens) if idx is None else (src[idx], dst[idx], lens[idx])
-                local = self._descs(agent, s, sizes, local_kind)
-                remote = self._descs(agent, d, sizes, remote_kind)
+                local = _xfer_descs(agent, s, sizes, local_kind)
+                remote = _xfer_descs(agent, d, sizes, remote_kind)
                 handle = agent.initialize_xfer("WRITE", local, remote, peer, b"")
                 built.append((handle, len(s), int(sizes.sum())))
         except Exception as exc:
@@ -574,8 +651,7 @@ class NixlEngine(ClosesOnExit):
         return flights[0] if len(flights) == 1 else _Requests(flights)
 
     def _keep_unfinished(self, peer: str, handle: Any) -> None:
-        with self._unfinished_lock:
-            self._unfinished.setdefault(peer, []).append(handle)
+        self._unfinished.keep(peer, handle)
 
     def call_mark(self, peer: str) -> int | None:
         """0: NIXL proves a failed request over by its own state (:meth:`flushed`), whatever
@@ -588,28 +664,7 @@ class NixlEngine(ClosesOnExit):
         "PROC" is kept, not released (module docstring), and asked again here: once it has
         ended (DONE or ERR) it is released and forgotten. (``mark`` is not used: a later
         request that completes proves nothing about an earlier one here.)"""
-        agent = self._agent
-        with self._unfinished_lock:
-            handles = self._unfinished.get(peer, [])
-            if agent is None or self._closed:  # (the agent is gone, and its requests)
-                self._unfinished.pop(peer, None)
-                return True
-            left = []
-            for handle in handles:
-                try:
-                    state = agent.check_xfer_state(handle)
-                except Exception:
-                    state = "ERR"
-                if state == "PROC":
-                    left.append(handle)
-                    continue
-                with contextlib.suppress(Exception):
-                    agent.release_xfer_handle(handle)
-            if left:
-                self._unfinished[peer] = left
-            else:
-                self._unfinished.pop(peer, None)
-            return not left
+        return self._unfinished.ended(peer, None if self._closed else self._agent)
 
     def probe(self, peer: str) -> bool:
         """False only if UCX reports the connection to a loaded peer lost; True otherwise
@@ -666,23 +721,7 @@ class NixlEngine(ClosesOnExit):
             self._peer_kinds.clear()
             regs = list(self._registered.values())
             self._registered.clear()
-        with self._unfinished_lock:
-            unfinished = [h for hs in self._unfinished.values() for h in hs]
-            self._unfinished.clear()
-        for handle in unfinished:  # (NIXL cancels what it can; the agent's end stops the rest)
-            with contextlib.suppress(Exception):
-                agent.release_xfer_handle(handle)
-        errors: list[str] = []
-        for peer in peers:
-            try:
-                agent.remove_remote_agent(peer)
-            except Exception as exc:
-                errors.append(f"remove {peer}: {exc!r}")
-        for region, descs in regs:
-            try:
-                agent.deregister_memory(descs)
-            except Exception as exc:
-                errors.append(f"deregister {region}: {exc!r}")
+        errors = _tear_down(agent, self._unfinished.take_all(), peers, regs)
         del agent  # the agent's destructor stops its progress thread
         if errors:
             raise EngineError(f"nixl close of {self._name}: " + "; ".join(errors))
