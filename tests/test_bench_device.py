@@ -180,8 +180,8 @@ def test_bench_on_device_pools_of_the_stand_in(
         assert regs and {kind for kind, _ in regs} == {device_kind}, regs
         registered.append(set().union(*(bases for _, bases in regs)))
     # ceiling, trio_pd, overhead, facade (8); the facades phase, a pair per driver (6); TP
-    # 1->1, 1->4 (7)
-    assert len(registered) == 8 + 6 + 7
+    # 1->1, 1->4 (7); the layer-wise phase, one pair (2)
+    assert len(registered) == 8 + 6 + 7 + 2
     big, tiny = s.src.spec.buffer_bases[0], s.small_src.spec.buffer_bases[0]
     assert any({big, tiny} <= bases for bases in registered), registered
 
