@@ -16,7 +16,7 @@ from pathlib import Path
 
 import trio_pd
 
-CORE = ["_state", "_rooms", "_plan", "_memory", "_topology", "_wire"]
+CORE = ["_state", "_rooms", "_tables", "_plan", "_memory", "_topology", "_wire"]
 FORBIDDEN = [
     "trio",
     "zmq",
