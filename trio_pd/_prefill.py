@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Literal, cast
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 import trio
@@ -688,15 +687,8 @@ class PrefillAgent:
     def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
         """TRANSFER from a decode rank: the table checks it and says where it goes
         (:meth:`PrefillRooms.on_transfer <trio_pd._tables.PrefillRooms.on_transfer>`)."""
-        state_slots: tuple[tuple[int, ...], ...] = (
-            () if msg.state_slots is msgspec.UNSET else msg.state_slots
-        )
-        self._carry_at(msg.room, self.table.on_transfer(
-            msg.room, endpoint=msg.endpoint, decode_rank=msg.decode_rank, epoch=msg.epoch,
-            aux_slot=msg.aux_slot, num_pages=msg.num_pages, required=msg.required,
-            dst_pages=pages, prefix_pages=msg.prefix_pages, state_slots=state_slots,
-            peer=self._peer_view(msg.endpoint), refused=self.peers.refused.get(msg.endpoint),
-        ))
+        peer, refused = self._peer_view(msg.endpoint), self.peers.refused.get(msg.endpoint)
+        self._carry_at(msg.room, self.table.on_transfer(msg, pages, peer, refused))
 
     def _on_abort(self, msg: _wire.Abort) -> None:
         """ABORT from a decode rank: to the room if it is this use, else tombstoned and acked

@@ -21,7 +21,9 @@ rule                                                   here
 messages keyed by (room, epoch) (I4), prefill          :meth:`PrefillRooms.on_transfer`,
                                                        :meth:`PrefillRooms.on_abort`
 an ABORT for a use not held is acked, tombstoned       :meth:`PrefillRooms.on_abort`
+tombstones are bounded, oldest dropped first           :class:`Tombstones`
 TRANSFERs before the room: parked, bounded             :meth:`PrefillRooms._park`
+a TRANSFER only from the decode rank it registered as  :func:`_sender_problem`
 a failed room's late TRANSFER is answered Failed       :meth:`PrefillRooms.forget`
 messages keyed by (room, epoch) (I4), decode           :meth:`DecodeRooms.room_for`
 the room deadlines (§5.6), and what each expiry does   :class:`PrefillDeadlines`,
@@ -39,6 +41,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+from msgspec import UNSET
 
 from ._errors import IncompatiblePeer, ProtocolError, TransferAborted, TransferError
 from ._memory import check_aux_slot, check_state_slots, validate_pages
@@ -58,6 +61,7 @@ from ._rooms import (
     reason_of,
 )
 from ._state import KVPoll
+from ._wire import Transfer
 
 # --------------------------------------------------------------------------------------------
 # Prefill
@@ -133,6 +137,78 @@ class _Parked:
         return len(self.dst_pages) + sum(len(s) for s in self.state_slots)
 
 
+class Tombstones:
+    """The (room, epoch)s decode aborted while this rank held nothing of them, bounded.
+
+    Each lasts until the expiry its :class:`Arm` names; past ``limit`` the oldest goes at
+    once (a peer's ABORTs must not grow memory without bound; a TRANSFER for a tombstone gone
+    early is parked, and dropped at the bootstrap deadline). An expiry of a tombstone that
+    was dropped early and made again finds another generation and leaves the new one.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        #: room -> its tombstoned epochs
+        self.rooms: dict[int, set[int]] = {}
+        #: every (room, epoch) held, oldest first -> the generation of its expiry
+        self._order: dict[tuple[int, int], int] = {}
+        self._generation = 0
+
+    def __contains__(self, use: tuple[int, int]) -> bool:
+        return use in self._order
+
+    def add(self, room: int, epoch: int, after: float) -> Arm | None:
+        """Tombstone (room, epoch); the expiry to arm, or None if it was already there."""
+        if (room, epoch) in self._order:
+            return None
+        if len(self._order) >= self.limit:
+            self._drop(*next(iter(self._order)))
+        self._generation += 1
+        self.rooms.setdefault(room, set()).add(epoch)
+        self._order[(room, epoch)] = self._generation
+        return Arm("tombstone", after, ("tombstone", room, epoch, self._generation))
+
+    def expire(self, room: int, epoch: int, generation: int) -> None:
+        if self._order.get((room, epoch)) == generation:
+            self._drop(room, epoch)
+
+    def _drop(self, room: int, epoch: int) -> None:
+        del self._order[(room, epoch)]
+        epochs = self.rooms[room]
+        epochs.discard(epoch)
+        if not epochs:
+            del self.rooms[room]
+
+
+def _sender_problem(peer: DecodePeerView | None, endpoint: str, decode_rank: int) -> str | None:
+    """Why a TRANSFER from ``endpoint`` naming ``decode_rank`` is refused whatever room it
+    names, or None: the endpoint is not registered, it names another decode rank than it
+    registered as (its REGISTER's rank decided which heads, aux row and state units it
+    gets), or this prefill rank does not write to that rank."""
+    if peer is None:
+        return f"TRANSFER from unregistered endpoint {endpoint}"
+    if decode_rank != peer.decode_rank:
+        return (f"TRANSFER from {endpoint} names decode rank {decode_rank}; it registered "
+                f"as rank {peer.decode_rank}")
+    if decode_rank not in peer.served:
+        return (f"TRANSFER from decode rank {decode_rank} of TP {peer.decode_tp}: this "
+                "prefill rank does not write to it")
+    return None
+
+
+def _add_target(
+    machine: PrefillRoom, peer: DecodePeerView, decode_rank: int, epoch: int, aux_slot: int,
+    num_pages: int, pages: npt.NDArray[np.integer[Any]], prefix_pages: int = 0,
+    state_slots: Sequence[npt.ArrayLike] = (),
+) -> Due:
+    """Hand a TRANSFER from ``peer`` to the room's machine."""
+    return machine.add_target(
+        endpoint=peer.endpoint, session=peer.session, decode_rank=decode_rank, epoch=epoch,
+        aux_slot=aux_slot, num_pages=num_pages, dst_pages=pages, peer=peer.pool,
+        expected=len(peer.served), prefix_pages=prefix_pages, state_slots=state_slots,
+    )
+
+
 class PrefillRooms(Generic[R]):
     """The rooms of one prefill rank, and what arrives for rooms it does not hold.
 
@@ -143,7 +219,8 @@ class PrefillRooms(Generic[R]):
       rooms and ``max_page_ids`` page ids; past that a TRANSFER is refused before its page
       ids are looked at), dropped at the bootstrap deadline;
     * ``tombstones``: (room, epoch)s decode aborted while this rank held nothing of them: a
-      late TRANSFER for one is refused; each lasts ``deadlines.tombstone``;
+      late TRANSFER for one is refused; each lasts ``deadlines.tombstone``, at most
+      ``max_tombstones`` at once (:class:`Tombstones`);
     * ``aborted_parked``: room -> epoch of a parked use its ABORT cancelled: that use's
       ``sender()`` fails at once;
     * ``failed_recently``: room -> why a failed room failed, after it was forgotten: a late
@@ -160,30 +237,18 @@ class PrefillRooms(Generic[R]):
     ) -> None:
         self.deadlines = deadlines or PrefillDeadlines()
         self.max_rooms, self.max_page_ids = max_rooms, max_page_ids
-        self.max_tombstones = max_tombstones
         #: room id -> the record of its use now; an entry leaves on :meth:`forget`
         self.rooms: dict[int, R] = {}
         self.parked: dict[int, dict[int, _Parked]] = {}
         #: page ids (and state slots) held by ``parked``, always their sum
         self.parked_page_ids = 0
-        self.tombstones: dict[int, set[int]] = {}
-        #: every (room, epoch) in ``tombstones``, oldest first: past ``max_tombstones`` the
-        #: oldest goes (a peer's ABORTs must not grow memory without bound; a TRANSFER for
-        #: a tombstone gone early is parked, and dropped at the bootstrap deadline)
-        #: (the value: the generation of the expiry armed for it)
-        self._tombstone_order: dict[tuple[int, int], int] = {}
+        self._tombstones = Tombstones(max_tombstones)
         self.aborted_parked: dict[int, int] = {}
         self.failed_recently: dict[int, str] = {}
         #: ("parked" | "failed", room) -> generation of the expiry armed for the entry there
         #: now: an expiry of an earlier entry of the room id finds another and does nothing
         self._armed: dict[tuple[str, int], int] = {}
         self._generation = 0
-
-    def __len__(self) -> int:
-        return len(self.rooms)
-
-    def __iter__(self) -> Iterator[R]:
-        return iter(list(self.rooms.values()))
 
     def get(self, room: int) -> R | None:
         return self.rooms.get(room)
@@ -193,8 +258,10 @@ class PrefillRooms(Generic[R]):
         self._armed[(kind, room)] = self._generation
         return Arm(kind, self.deadlines.bootstrap, (kind, room, self._generation))
 
-    def tombstoned(self, room: int, epoch: int) -> bool:
-        return epoch in self.tombstones.get(room, ())
+    @property
+    def tombstones(self) -> dict[int, set[int]]:
+        """Room -> the epochs tombstoned for it (read-only view)."""
+        return self._tombstones.rooms
 
     # ---------------------------------------------------------------- the scheduler
 
@@ -212,7 +279,7 @@ class PrefillRooms(Generic[R]):
         due: Due = [Arm("bootstrap", self.deadlines.bootstrap, RoomDeadline("bootstrap", rec))]
         aborted = self.aborted_parked.pop(room, None)
         if (aborted is not None and epoch in (None, aborted)) or (
-            epoch is not None and self.tombstoned(room, epoch)
+            epoch is not None and (room, epoch) in self._tombstones
         ):
             # decode aborted this very use before the scheduler created it here: fail now
             # rather than at the bootstrap deadline
@@ -222,7 +289,7 @@ class PrefillRooms(Generic[R]):
         for parked in pending.values():
             peer = peer_of(parked.endpoint)
             if peer is not None and peer.session == parked.session:  # else decode restarted
-                due += self._add_target(
+                due += _add_target(
                     machine, peer, parked.decode_rank, parked.epoch, parked.aux_slot,
                     parked.num_pages, parked.dst_pages, parked.prefix_pages,
                     parked.state_slots,
@@ -251,7 +318,7 @@ class PrefillRooms(Generic[R]):
         if held is not None:
             return held.machine.cell.status
         if epoch is not None and (
-            self.tombstoned(room, epoch) or self.aborted_parked.get(room) == epoch
+            (room, epoch) in self._tombstones or self.aborted_parked.get(room) == epoch
         ):
             return KVPoll.Failed
         parked = [p for p in self.parked.get(room, {}).values()
@@ -265,34 +332,25 @@ class PrefillRooms(Generic[R]):
     # ---------------------------------------------------------------- messages
 
     def on_transfer(
-        self,
-        room_id: int,
-        *,
-        endpoint: str,
-        decode_rank: int,
-        epoch: int,
-        aux_slot: int,
-        num_pages: int,
-        required: int,
-        dst_pages: npt.NDArray[np.integer[Any]],
-        prefix_pages: int,
-        state_slots: Sequence[Sequence[int]],
-        peer: DecodePeerView | None,
+        self, msg: Transfer, pages: npt.NDArray[np.integer[Any]], peer: DecodePeerView | None,
         refused: str | None = None,
     ) -> Due:
-        """A decode rank's TRANSFER (from ``endpoint``, registered as ``peer``; ``refused``
-        is why its REGISTER was refused, if it was). In order: a TRANSFER for a tombstoned
+        """A decode rank's TRANSFER ``msg`` with its page ids ``pages`` (from the endpoint it
+        names, registered as ``peer``; ``refused`` is why its REGISTER was refused, if it
+        was). In order: a TRANSFER for a tombstoned
         (room, epoch) is late; one from an endpoint that is not registered, or that names
         another decode rank than it registered as, or one this rank does not write to, is
         rejected (a refused registration's room fails with the reason); a late one is
         answered Failed (and fails this use of the room if that is the aborted use); one
         for a room held goes to its machine; the rest is checked and parked."""
+        room_id, epoch, endpoint = msg.room, msg.epoch, msg.endpoint
+        state_slots = () if msg.state_slots is UNSET else msg.state_slots
         rec = self.rooms.get(room_id)
         machine = rec.machine if rec is not None else None
         due: Due = []
         refuse: str | None = None
         abort_room = False
-        if self.tombstoned(room_id, epoch):
+        if (room_id, epoch) in self._tombstones:
             # A decode rank aborted this (room, epoch) while nothing of it was here. Another
             # rank's TRANSFER can still be on its way: answer it, or it waits its deadline.
             due.append(Count("late_messages"))
@@ -300,79 +358,45 @@ class PrefillRooms(Generic[R]):
             abort_room = machine is not None and machine.epoch in (None, epoch)
         elif machine is None and room_id in self.failed_recently:
             refuse = self.failed_recently[room_id]
-        if peer is None:  # first: a TRANSFER from nowhere changes no room (but a refused one)
-            if refused is not None and machine is not None:
+        problem = _sender_problem(peer, endpoint, msg.decode_rank)
+        if problem is not None:  # (it changes no room, but a refused registration's)
+            if peer is None and refused is not None and machine is not None:
                 due += machine.close(IncompatiblePeer(refused))
-            return [*due, Reject(ProtocolError(f"TRANSFER from unregistered endpoint {endpoint}"))]
-        if decode_rank != peer.decode_rank:
-            # (its REGISTER's rank decided which heads, aux row and state units it gets)
-            return [*due, Reject(ProtocolError(
-                f"TRANSFER from {endpoint} names decode rank {decode_rank}; it registered "
-                f"as rank {peer.decode_rank}"
-            ))]
-        if decode_rank not in peer.served:
-            return [*due, Reject(ProtocolError(
-                f"TRANSFER from decode rank {decode_rank} of TP {peer.decode_tp}: this prefill "
-                "rank does not write to it"
-            ))]
+            return [*due, Reject(ProtocolError(problem))]
+        assert peer is not None
         if refuse is not None:
             if abort_room and machine is not None:
                 error = TransferAborted(f"room {room_id} was aborted by decode before this use")
                 due += machine.close(error)
             return [*due, SendFailed(endpoint, epoch, refuse)]
         if machine is not None:
-            return self._add_target(
-                machine, peer, decode_rank, epoch, aux_slot, num_pages, dst_pages,
-                prefix_pages, state_slots,
+            return _add_target(
+                machine, peer, msg.decode_rank, epoch, msg.aux_slot, msg.num_pages, pages,
+                msg.prefix_pages, state_slots,
             )
-        return self._park(
-            room_id, peer, decode_rank=decode_rank, epoch=epoch, aux_slot=aux_slot,
-            num_pages=num_pages, required=required, dst_pages=dst_pages,
-            prefix_pages=prefix_pages, state_slots=state_slots,
-        )
-
-    @staticmethod
-    def _add_target(
-        machine: PrefillRoom, peer: DecodePeerView, decode_rank: int, epoch: int, aux_slot: int,
-        num_pages: int, pages: npt.NDArray[np.integer[Any]], prefix_pages: int = 0,
-        state_slots: Sequence[npt.ArrayLike] = (),
-    ) -> Due:
-        return machine.add_target(
-            endpoint=peer.endpoint, session=peer.session, decode_rank=decode_rank, epoch=epoch,
-            aux_slot=aux_slot, num_pages=num_pages, dst_pages=pages, peer=peer.pool,
-            expected=len(peer.served), prefix_pages=prefix_pages, state_slots=state_slots,
-        )
+        return self._park(msg, pages, state_slots, peer)
 
     def _park(
-        self,
-        room_id: int,
-        peer: DecodePeerView,
-        *,
-        decode_rank: int,
-        epoch: int,
-        aux_slot: int,
-        num_pages: int,
-        required: int,
-        dst_pages: npt.NDArray[np.integer[Any]],
-        prefix_pages: int,
-        state_slots: Sequence[Sequence[int]],
+        self, msg: Transfer, dst_pages: npt.NDArray[np.integer[Any]],
+        state_slots: Sequence[Sequence[int]], peer: DecodePeerView,
     ) -> Due:
         """Keep a TRANSFER for a room the scheduler has not created yet. Checked now, not
         when the room is made: a bad or stray TRANSFER must neither displace a good one nor
         surface later in ``sender()``. What could not be parked anyway is rejected before
         its page ids are looked at (sorting 4M ids costs the event loop ~0.1 s)."""
+        room_id, decode_rank = msg.room, msg.decode_rank
         try:
             self.check_park(
                 room_id, decode_rank, len(dst_pages) + sum(len(s) for s in state_slots)
             )
             validate_pages(dst_pages, peer.pool.num_pages)
-            check_aux_slot(aux_slot, peer.pool.aux_slots, "decode aux slot")
+            check_aux_slot(msg.aux_slot, peer.pool.aux_slots, "decode aux slot")
             checked = check_state_slots(peer.pool.state_slots, state_slots, "destination")
         except ProtocolError as exc:
             return [Reject(exc)]
         entry = _Parked(
-            peer.endpoint, peer.session, decode_rank, epoch, aux_slot, num_pages, required,
-            dst_pages, prefix_pages, checked,
+            peer.endpoint, peer.session, decode_rank, msg.epoch, msg.aux_slot, msg.num_pages,
+            msg.required, dst_pages, msg.prefix_pages, checked,
         )
         pending = self.parked.get(room_id)
         due: Due = []
@@ -416,23 +440,8 @@ class PrefillRooms(Generic[R]):
                     self.aborted_parked[room_id] = epoch
             if not pending:
                 del self.parked[room_id]
-        if not self.tombstoned(room_id, epoch):
-            if len(self._tombstone_order) >= self.max_tombstones:  # (bounded: drop the oldest)
-                self._drop_tombstone(*next(iter(self._tombstone_order)))
-            self._generation += 1
-            self.tombstones.setdefault(room_id, set()).add(epoch)
-            self._tombstone_order[(room_id, epoch)] = self._generation
-            key = ("tombstone", room_id, epoch, self._generation)
-            due.append(Arm("tombstone", self.deadlines.tombstone, key))
-        return [*due, SendAck(endpoint, epoch)]
-
-    def _drop_tombstone(self, room_id: int, epoch: int) -> None:
-        self._tombstone_order.pop((room_id, epoch), None)
-        epochs = self.tombstones.get(room_id)
-        if epochs is not None:
-            epochs.discard(epoch)
-            if not epochs:
-                del self.tombstones[room_id]
+        arm = self._tombstones.add(room_id, epoch, self.deadlines.tombstone)
+        return [*due, arm, SendAck(endpoint, epoch)] if arm else [*due, SendAck(endpoint, epoch)]
 
     # ---------------------------------------------------------------- deadlines
 
@@ -454,8 +463,7 @@ class PrefillRooms(Generic[R]):
                     self.parked_page_ids -= parked.page_ids
                 self.aborted_parked.pop(room_id, None)
             case ("tombstone", int(room_id), int(epoch), int(generation)):
-                if self._tombstone_order.get((room_id, epoch)) == generation:
-                    self._drop_tombstone(room_id, epoch)
+                self._tombstones.expire(room_id, epoch, generation)
         return []
 
     # ---------------------------------------------------------------- closing
