@@ -4,6 +4,9 @@
   (every required rank's Success *and* the aux row stamped with this room and epoch), the one
   failure path, and when held pages may go back (every contacted rank acked its drain,
   reported Success, or is proven gone).
+  :class:`~trio_pd._tables.DecodeRooms` holds the rooms, decides which use a STATUS or
+  ABORT_ACK is for (a late one changes nothing), and owns every room deadline. Both are pure:
+  they return what is due.
 * :class:`~trio_pd._sources.Sources` finds the prefill instances, registers with their ranks,
   runs the heartbeat and probes writers (three-valued liveness).
 * :class:`~trio_pd._outbox.Outbox` carries the ABORTs: one retry policy, one pending ABORT per

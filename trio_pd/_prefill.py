@@ -12,7 +12,8 @@
   STATUS): one retry policy, bounded.
 
 This module does the I/O the machines ask for (:meth:`PrefillAgent._carry`) and nothing
-else: the worker tasks, the publication lock (§5.4), the listener's dispatch, deadlines.
+else: the worker tasks, the publication lock (§5.4), the listener's dispatch, and the one
+timers task that hands each deadline the table armed back to it.
 """
 
 from __future__ import annotations
@@ -434,21 +435,29 @@ class PrefillAgent:
             return
         effect: Effect | None = None
         for effect in due:
-            match effect:
-                case SendAck(endpoint=endpoint, epoch=epoch):
-                    self._send_ack(room, epoch, endpoint)
-                case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
-                    self._send_failed(room, epoch, endpoint, reason)
-                case Arm(after=after, key=key):
-                    self.timers.after(after, partial(self._timer_due, key))
-                case Count(name=name):
-                    self.counters.bump(name)
-                case Reject():
-                    pass  # (raised below, once the rest is carried out)
-                case _:
-                    raise AssertionError(f"prefill cannot do {effect!r} without room {room}")
-        effect = None
+            self._carry_one(room, effect)
+        effect = None  # (no name for a Reject's error in this frame: _raise_reject)
         _raise_reject(due)
+
+    def _carry_one(self, room: int, effect: Effect) -> None:
+        """An effect that needs no room record: what the table decides about a (room, epoch)
+        this rank may not hold, and the timers and counts of any room."""
+        match effect:
+            case SendAck(endpoint=endpoint, epoch=epoch):
+                self._send_ack(room, epoch, endpoint)
+            case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
+                self._send_failed(room, epoch, endpoint, reason)
+            case Arm(after=after, key=key):
+                self.timers.after(after, partial(self._timer_due, key))
+            case Count(name=name):
+                self.counters.bump(name)
+            case Refused(error=error):
+                self.counters.bump("refused_messages")
+                log.warning("room %d: refused a TRANSFER: %s", room, error)
+            case Reject():
+                pass  # (raised by the caller once the rest is carried out: _raise_reject)
+            case _:
+                raise AssertionError(f"prefill cannot do {effect!r} (room {room})")
 
     def _timer_due(self, key: Hashable) -> None:
         """A deadline the table armed has passed: it decides what that means."""
@@ -502,24 +511,11 @@ class PrefillAgent:
                 case Failed(error=error):
                     count_room_end(self.counters, self.metrics, rec.started, error)
                     rec.terminal.set()
-                case SendAck(endpoint=endpoint, epoch=epoch):
-                    self._send_ack(room, epoch, endpoint)
-                case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
-                    self._send_failed(room, epoch, endpoint, reason)
                 case Quarantine(lease=lease):
                     self._quarantine(rec, lease)
-                case Refused(error=error):
-                    self.counters.bump("refused_messages")
-                    log.warning("room %d: refused a TRANSFER: %s", room, error)
-                case Arm(after=after, key=key):
-                    self.timers.after(after, partial(self._timer_due, key))
-                case Count(name=name):
-                    self.counters.bump(name)
-                case Reject():
-                    pass  # (raised below, once the rest is carried out)
                 case _:
-                    raise AssertionError(f"prefill cannot do {effect!r}")
-        effect = None
+                    self._carry_one(room, effect)
+        effect = None  # (no name for a Reject's error in this frame: _raise_reject)
         _raise_reject(due)
 
     def _send_ack(self, room: int, epoch: int, endpoint: str) -> None:
