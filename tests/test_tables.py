@@ -7,7 +7,9 @@ effects the tables return.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import trio_pd
 from trio_pd._errors import ProtocolError, TransferAborted, TransferError, TransferTimeout
 from trio_pd._rooms import (
     Arm,
@@ -563,3 +566,14 @@ class PrefillTableRules(RuleBasedStateMachine):
 
 TestPrefillTableRules = PrefillTableRules.TestCase
 TestPrefillTableRules.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("shell", ["_prefill.py", "_decode.py"])
+def test_the_agents_arm_no_room_deadline_of_their_own(shell: str) -> None:
+    """Every room deadline is a table's: an agent puts a timer on its timers task only to
+    hand an expiry back to its table (``_timer_due``), never with a deadline or an action of
+    its own (a new one belongs in ``PrefillDeadlines`` / ``DecodeDeadlines``)."""
+    source = (Path(trio_pd.__file__).parent / shell).read_text()
+    calls = re.findall(r"timers\.(?:after|at)\(([^\n]*)", source)
+    assert calls, "no timer armed at all: the check no longer looks at the right thing"
+    assert all(c.startswith("after, partial(self._timer_due, key))") for c in calls), calls
