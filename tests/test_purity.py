@@ -16,7 +16,7 @@ from pathlib import Path
 
 import trio_pd
 
-CORE = ["_state", "_rooms", "_plan", "_memory", "_topology", "_wire"]
+CORE = ["_state", "_rooms", "_tables", "_plan", "_memory", "_topology", "_wire"]
 #: the bootstrap service's pure parts: the records it and its clients exchange, the rank
 #: table and the DP-attention records (the HTTP around them is elsewhere)
 BOOTSTRAP_PURE = ["_bootstrap_records", "_bootstrap_ranks", "_bootstrap_dp"]

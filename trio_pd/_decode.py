@@ -4,6 +4,9 @@
   (every required rank's Success *and* the aux row stamped with this room and epoch), the one
   failure path, and when held pages may go back (every contacted rank acked its drain,
   reported Success, or is proven gone).
+  :class:`~trio_pd._tables.DecodeRooms` holds the rooms, decides which use a STATUS or
+  ABORT_ACK is for (a late one changes nothing), and owns every room deadline. Both are pure:
+  they return what is due.
 * :class:`~trio_pd._sources.Sources` finds the prefill instances, registers with their ranks,
   runs the heartbeat and probes writers (three-valued liveness).
 * :class:`~trio_pd._outbox.Outbox` carries the ABORTs: one retry policy, one pending ABORT per
@@ -24,7 +27,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -69,7 +72,9 @@ from ._memory import (
 from ._outbox import Outbox
 from ._probe import wait_idle
 from ._rooms import (
+    Arm,
     ArmAckDeadline,
+    Count,
     DecodeRoom,
     Due,
     Failed,
@@ -85,6 +90,7 @@ from ._service import serve
 from ._sources import Instance, PrefillRank, Sources
 from ._state import KVPoll, Liveness
 from ._stats import AgentStatistics, Counters, count_room_end
+from ._tables import DecodeDeadlines, DecodeRooms, RoomDeadline
 from ._timers import Timers
 from ._topology import model_kv_heads
 from .engines import TransferEngine
@@ -330,7 +336,11 @@ class DecodeAgent:
             metrics=lambda: self.metrics,
         )
         self.sources.token = self.security.token
-        self._rooms: dict[int, _Room] = {}
+        #: the rooms, the intake of STATUS and ABORT_ACK, and every room deadline (pure)
+        self.table: DecodeRooms[_Room] = DecodeRooms(DecodeDeadlines(
+            waiting=config.waiting_timeout, ack=config.ack_timeout,
+            release_policy=config.release_policy,
+        ))
         #: DP attention: which prefill DP rank holds a room the caller did not say
         self.router: DpRouter[_Room] = DpRouter(
             sources=self.sources, timers=self.timers, counters=self.counters,
@@ -340,6 +350,10 @@ class DecodeAgent:
         #: rooms whose pages are held for a drain (failed, named to a prefill rank)
         self.held = trio_util.AsyncValue(0)
         self._token = trio.lowlevel.current_trio_token()
+
+    @property
+    def _rooms(self) -> dict[int, _Room]:
+        return self.table.rooms
 
     @property
     def _instances(self) -> dict[str, Instance]:
@@ -388,8 +402,7 @@ class DecodeAgent:
         rec = _Room(DecodeRoom(room, epoch), inst, dp_rank=None if url is None else dp_rank or 0)
         if self.metrics is not None:
             rec.started = time.perf_counter()
-        self._rooms[room] = rec
-        self.timers.after(self.config.waiting_timeout, partial(self._init_due, rec))
+        self._carry(rec, self.table.open(rec))
         if url is None:
             self.router.route(rec, bootstrap_url)
         elif inst.ready:
@@ -440,11 +453,7 @@ class DecodeAgent:
     def _abort(self, rec: _Room, reason: str) -> None:
         """The scheduler gave ``rec`` up (:meth:`DecodeReceiver.abort`): fail it, or, if it
         had succeeded unseen, hand its pages back now."""
-        machine = rec.machine
-        if machine.status is KVPoll.Success:
-            self._carry(rec, machine.unclaimed())
-        else:
-            self._carry(rec, machine.fail(rec.withdrawn or TransferAborted(reason)))
+        self._carry(rec, self.table.give_up(rec, rec.withdrawn or TransferAborted(reason)))
 
     def _bind(self, rec: _Room) -> None:
         """The instance is resolved: the room knows its source ranks."""
@@ -496,13 +505,13 @@ class DecodeAgent:
         for effect in due:
             match effect:  # (the success path's effects first: fewer checks)
                 case SendTransfers():
+                    self._carry(rec, [self.table.timer(rec, "waiting")])
                     self._send_transfers(rec)
                 case Succeeded():
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Forget():
-                    if self._rooms.get(machine.room) is rec:
-                        del self._rooms[machine.room]
+                    self.table.forget(rec)
                     for rank in rec.sources:
                         rank.rooms.discard(machine.room)
                 case Failed(error=error):
@@ -516,7 +525,11 @@ class DecodeAgent:
                 case SendAborts(ranks=ranks):
                     self._send_aborts(rec, ranks)
                 case ArmAckDeadline():
-                    self.timers.after(self.config.ack_timeout, partial(self._ack_due, rec))
+                    self._carry(rec, [self.table.timer(rec, "ack")])
+                case Arm(after=after, key=key):
+                    self.timers.after(after, partial(self._timer_due, key))
+                case Count(name=name):
+                    self.counters.bump(name)
                 case Release(how=how):
                     if how == "peer_gone":
                         self.counters.bump("released_peer_gone")
@@ -546,7 +559,6 @@ class DecodeAgent:
     def _send_transfers(self, rec: _Room) -> None:
         machine = rec.machine
         assert machine.pages is not None
-        self.timers.after(self.config.waiting_timeout, partial(self._waiting_due, rec))
         for rank in rec.sources:
             if rank.lost:
                 error = PeerLost(f"prefill rank {rank.rank_id} is lost")
@@ -595,28 +607,11 @@ class DecodeAgent:
 
     # ------------------------------------------------------------------ deadlines, probes
 
-    def _waiting_due(self, rec: _Room) -> None:
-        due = rec.machine.waiting_deadline(self.config.waiting_timeout)
-        if due:
-            self.counters.bump("timeouts")
-        self._carry(rec, due)
-
-    def _init_due(self, rec: _Room) -> None:
-        """A receiver never given ``init`` within ``waiting_timeout`` is failed and forgotten
-        (:meth:`DecodeRoom.init_deadline <trio_pd._rooms.DecodeRoom.init_deadline>`)."""
-        due = rec.machine.init_deadline(self.config.waiting_timeout)
-        if due:
-            self.counters.bump("rooms_reclaimed")
-            if rec.machine.status is KVPoll.Failed and any(isinstance(e, Failed) for e in due):
-                self.counters.bump("timeouts")
-        self._carry(rec, due)
-
-    def _ack_due(self, rec: _Room) -> None:
-        """Acks are late. Report; re-ask; free only under the configured policy."""
-        if rec.machine.released or rec.machine.book is None:
-            return
-        self.counters.bump("timeouts")
-        self._carry(rec, rec.machine.ack_deadline(self.config.release_policy))
+    def _timer_due(self, key: Hashable) -> None:
+        """A deadline the table armed has passed: it decides what that means
+        (:meth:`DecodeRooms.handle_timer <trio_pd._tables.DecodeRooms.handle_timer>`)."""
+        if isinstance(key, RoomDeadline):
+            self._carry(key.rec, self.table.handle_timer(key))
 
     async def _probe_writer(self, rec: _Room, rank: PrefillRank) -> None:
         """If the writer is proven gone, its writes are over: it counts as drained."""
@@ -657,26 +652,30 @@ class DecodeAgent:
                 f"from {sender}: not that rank's key"
             )
 
-    def _room_for(self, room_id: int, epoch: int) -> _Room | None:
-        rec = self._rooms.get(room_id)
-        if rec is None or rec.machine.epoch != epoch or rec.machine.book is None:
-            self.counters.bump("late_messages")  # I4: a late message for another use of the room
-            return None
-        return rec
-
     def _on_status(self, msg: _wire.Status, sender: str | None = None) -> None:
-        rec = self._room_for(msg.room, msg.epoch)
-        if rec is not None:
-            self._check_source(rec, msg, sender)
-            aux_ok = partial(self._aux_matches, rec)
-            self._carry(rec, rec.machine.on_status(msg.rank, msg.ok, msg.reason, aux_ok))
+        check = partial(self._check_source, msg=msg, sender=sender)
+        due = self.table.on_status(
+            msg.room, msg.epoch, msg.rank, msg.ok, msg.reason, self._aux_matches, check
+        )
+        self._carry_at(msg.room, due)
 
     def _on_ack(self, msg: _wire.AbortAck, sender: str | None = None) -> None:
-        rec = self._room_for(msg.room, msg.epoch)
+        check = partial(self._check_source, msg=msg, sender=sender)
+        self._carry_at(msg.room, self.table.on_ack(msg.room, msg.epoch, msg.rank, check))
+
+    def _carry_at(self, room: int, due: Due) -> None:
+        """:meth:`_carry` for what the table made due about ``room``, held here or not (a
+        late message is only counted)."""
+        rec = self._rooms.get(room)
         if rec is not None:
-            self._check_source(rec, msg, sender)
-            self.counters.bump("acks_received")
-            self._carry(rec, rec.machine.on_ack(msg.rank))
+            self._carry(rec, due)
+            return
+        for effect in due:
+            match effect:
+                case Count(name=name):
+                    self.counters.bump(name)
+                case _:
+                    raise AssertionError(f"decode cannot do {effect!r} without room {room}")
 
     def _on_bye(self, msg: _wire.Bye, sender: str | None = None) -> None:
         """The prefill rank at ``msg.endpoint`` closed after its last engine call (a BYE): it

@@ -1,8 +1,9 @@
 """The prefill agent: a facade that wires the parts of a prefill rank together.
 
 * :class:`~trio_pd._rooms.PrefillRoom` (one per room) decides everything about a room;
-  :class:`~trio_pd._rooms.TransferBook` decides where TRANSFERs and ABORTs for rooms this
-  rank does not hold go. Both are pure: they return what is due.
+  :class:`~trio_pd._tables.PrefillRooms` holds the rooms and decides what arrives at their
+  edge: TRANSFERs and ABORTs for rooms this rank does not hold, and every room deadline.
+  Both are pure: they return what is due.
 * :class:`~trio_pd._chunks.ChunkRunner` runs a chunk's engine calls in one nursery, inside the
   room's cancel scope (SPEC §5.1, §5.2).
 * :class:`~trio_pd._peers.PeerRegistry` holds the decode peers, their lanes, failed marks and
@@ -11,7 +12,8 @@
   STATUS): one retry policy, bounded.
 
 This module does the I/O the machines ask for (:meth:`PrefillAgent._carry`) and nothing
-else: the worker tasks, the publication lock (§5.4), the listener's dispatch, deadlines.
+else: the worker tasks, the publication lock (§5.4), the listener's dispatch, and the one
+timers task that hands each deadline the table armed back to it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 import trio
@@ -45,7 +46,6 @@ from ._control import ControlPlane, sweep_idle_sockets
 from ._errors import (
     AuthenticationError,
     ConfigurationError,
-    IncompatiblePeer,
     ProtocolError,
     TransferAborted,
     TransferError,
@@ -59,17 +59,18 @@ from ._memory import (
     as_index,
     check_aux_slot,
     check_num_pages,
-    check_state_slots,
     page_ids,
-    validate_pages,
 )
 from ._outbox import Outbox
-from ._peers import DecodePeer, PeerRegistry
+from ._peers import PeerRegistry
 from ._probe import wait_idle
 from ._rooms import (
+    Arm,
     CancelWork,
     Chunk,
+    Count,
     Due,
+    Effect,
     Failed,
     Forget,
     PeerPool,
@@ -77,18 +78,18 @@ from ._rooms import (
     PublishDue,
     Quarantine,
     Refused,
+    Reject,
     Release,
     RunChunks,
     SendAck,
     SendFailed,
     Succeeded,
-    TransferBook,
-    reason_of,
 )
 from ._security import Keypair, Security, check_register_mac, resolve
 from ._service import serve, serve_nursery
 from ._state import KVPoll, Lease, Outcome
 from ._stats import AgentStatistics, Counters, count_room_end
+from ._tables import DecodePeerView, PrefillDeadlines, PrefillRooms, RoomDeadline
 from ._timers import Timers
 from ._topology import model_kv_heads, served_decode_ranks
 from .engines import TransferEngine
@@ -295,6 +296,15 @@ class PrefillSender(RoomHandle["PrefillAgent", _Room]):
         if self._status() not in (KVPoll.Success, KVPoll.Failed):
             self.abort(f"the room's async with block was left before the room ended{why}")
 
+def _raise_reject(due: Due) -> None:
+    """Raise the error of a :class:`Reject` the table put last in ``due``. It is popped off
+    the list first, and the caller holds no name for it: a frame in the error's traceback
+    that still referred to it would make a cycle, and keep a refused TRANSFER's page ids
+    (up to 16 MiB) alive until the garbage collector ran."""
+    if due and isinstance(due[-1], Reject):
+        raise cast(Reject, due.pop()).error
+
+
 class PrefillAgent:
     """One prefill rank. Make one with :func:`open_prefill`."""
 
@@ -366,14 +376,24 @@ class PrefillAgent:
         self._closing = False  # set by _shutdown_rooms
         #: quarantined leases of every room: a closing agent waits for them (_wait_quarantines)
         self.quarantines = trio_util.AsyncValue(0)
-        self.book = TransferBook(
-            max_rooms=config.max_pending_meta, max_page_ids=config.max_pending_page_ids
+        #: the rooms, what arrives for rooms not held, and every room deadline (pure)
+        self.table: PrefillRooms[_Room] = PrefillRooms(
+            PrefillDeadlines(bootstrap=config.bootstrap_timeout, tombstone=config.tombstone_ttl),
+            max_rooms=config.max_pending_meta, max_page_ids=config.max_pending_page_ids,
         )
         #: chunk and publication jobs, queued per destination (a stalled peer holds up only
         #: the rooms that write to it) and run by at most ``config.workers`` tasks each
         self.jobs = JobQueues[tuple[_Room, _Job]](self._run_job, config.workers)
-        self._rooms: dict[int, _Room] = {}
         self._token = trio.lowlevel.current_trio_token()
+
+    @property
+    def _rooms(self) -> dict[int, _Room]:
+        return self.table.rooms
+
+    @property
+    def book(self) -> PrefillRooms[_Room]:
+        """The table's memory of parked TRANSFERs and tombstones (read by tests)."""
+        return self.table
 
     # ------------------------------------------------------------------ public API
 
@@ -421,24 +441,10 @@ class PrefillAgent:
         rec = _Room(machine, on_release)
         if self.metrics is not None:
             rec.started = time.perf_counter()
-        self._rooms[room] = rec
         if self.dp_announcer is not None:  # DP attention: decode routes the room by this
             self.dp_announcer.announce(room, epoch)
             rec.announced = (room, epoch)
-        self.timers.after(self.config.bootstrap_timeout, partial(self._bootstrap_due, rec))
-        aborted = self.book.take_aborted(room)  # a parked TRANSFER of this use was aborted
-        if (aborted is not None and epoch in (None, aborted)) or (
-            epoch is not None and self.book.tombstoned(room, epoch)  # this very use aborted
-        ):
-            # decode aborted this very use before the scheduler created it here: fail now
-            # rather than at the bootstrap deadline
-            self._carry(rec, rec.machine.close(TransferAborted(f"room {room} aborted by decode")))
-        for parked in self.book.take_parked(room):
-            peer = self.peers.get(parked.endpoint)
-            if peer is not None and peer.session == parked.session:  # else decode restarted
-                self._add_target(rec, peer, parked.decode_rank, parked.epoch, parked.aux_slot,
-                                 parked.num_pages, parked.dst_pages, parked.prefix_pages,
-                                 parked.state_slots)
+        self._carry(rec, self.table.open(rec, self._peer_view))
         return PrefillSender(self, rec)
 
     def decode_metadata(self, room: int, epoch: int | None) -> KVPoll:
@@ -448,23 +454,7 @@ class PrefillAgent:
         Bootstrapping before, Failed if decode already aborted it. Read-only; for a
         scheduler that holds a request back until decode has reserved its pages (SGLang's
         bootstrap queue). A room this rank holds answers its own status."""
-        held = self._rooms.get(room)
-        if held is not None:
-            return held.machine.cell.status
-        if epoch is not None and (
-            self.book.tombstoned(room, epoch) or self.book.aborted_parked.get(room) == epoch
-        ):
-            return KVPoll.Failed
-        parked = [p for p in self.book.parked.get(room, {}).values()
-                  if epoch is None or p.epoch == epoch]
-        if not parked:
-            return KVPoll.Bootstrapping
-        peer = self.peers.get(parked[0].endpoint)
-        if peer is None:
-            return KVPoll.Bootstrapping
-        wanted = served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp)
-        got = {p.decode_rank for p in parked}
-        return KVPoll.WaitingForInput if got.issuperset(wanted) else KVPoll.Bootstrapping
+        return self.table.decode_metadata(room, epoch, self._peer_view)
 
     def statistics(self) -> AgentStatistics:
         rooms = [r.machine for r in self._rooms.values()]
@@ -476,9 +466,60 @@ class PrefillAgent:
 
     # ------------------------------------------------------------------ doing what is due
 
+    def _carry_at(self, room: int, due: Due) -> None:
+        """Carry out what the table made due for ``room``, held here or not."""
+        rec = self._rooms.get(room)
+        if rec is not None:
+            self._carry(rec, due)
+            return
+        effect: Effect | None = None
+        for effect in due:
+            self._carry_one(room, effect)
+        effect = None  # (no name for a Reject's error in this frame: _raise_reject)
+        _raise_reject(due)
+
+    def _carry_one(self, room: int, effect: Effect) -> None:
+        """An effect that needs no room record: what the table decides about a (room, epoch)
+        this rank may not hold, and the timers and counts of any room."""
+        match effect:
+            case SendAck(endpoint=endpoint, epoch=epoch):
+                self._send_ack(room, epoch, endpoint)
+            case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
+                self._send_failed(room, epoch, endpoint, reason)
+            case Arm(after=after, key=key):
+                self.timers.after(after, partial(self._timer_due, key))
+            case Count(name=name):
+                self.counters.bump(name)
+            case Refused(error=error):
+                self.counters.bump("refused_messages")
+                log.warning("room %d: refused a TRANSFER: %s", room, error)
+            case Reject():
+                pass  # (raised by the caller once the rest is carried out: _raise_reject)
+            case _:
+                raise AssertionError(f"prefill cannot do {effect!r} (room {room})")
+
+    def _timer_due(self, key: Hashable) -> None:
+        """A deadline the table armed has passed: it decides what that means."""
+        due = self.table.handle_timer(key)
+        if isinstance(key, RoomDeadline):  # (the table's own expiries make nothing due)
+            self._carry(key.rec, due)
+
+    def _peer_view(self, endpoint: str) -> DecodePeerView | None:
+        """What the table needs of the decode peer registered at ``endpoint``."""
+        peer = self.peers.get(endpoint)
+        if peer is None:
+            return None
+        pool = PeerPool(peer.pool.num_pages, peer.pool.aux_slots,
+                        tuple(st.slots for st in peer.pool.states))
+        served = tuple(served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp))
+        return DecodePeerView(
+            peer.endpoint, peer.session, peer.decode_rank, peer.decode_tp, pool, served
+        )
+
     def _carry(self, rec: _Room, due: Due, *, in_worker: bool = False) -> None:
         """Carry out what a room machine made due. Synchronous: it never waits."""
         room = rec.machine.room
+        effect: Effect | None = None
         for effect in due:
             match effect:  # (the success path's effects first: fewer checks)
                 case RunChunks():
@@ -501,31 +542,21 @@ class PrefillAgent:
                             log.exception("room %d: on_release raised", room)
                     rec.released.set()
                 case Forget():
-                    if self._rooms.get(room) is rec:
-                        del self._rooms[room]
                     if rec.announced is not None and self.dp_announcer is not None:
                         self.dp_announcer.forget(*rec.announced)  # (a reuse is announced)
-                    if rec.machine.cell.status is KVPoll.Failed:
-                        key = self.book.room_failed(room, reason_of(rec.machine.cell.failure))
-                        expire = partial(self.book.expire, key)
-                        self.timers.after(self.config.bootstrap_timeout, expire)
+                    self._carry(rec, self.table.forget(rec))
                 case CancelWork(reason=reason):
                     for scope in list(rec.scopes):
                         scope.cancel(reason)
                 case Failed(error=error):
                     count_room_end(self.counters, self.metrics, rec.started, error)
                     rec.terminal.set()
-                case SendAck(endpoint=endpoint, epoch=epoch):
-                    self._send_ack(room, epoch, endpoint)
-                case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
-                    self._send_failed(room, epoch, endpoint, reason)
                 case Quarantine(lease=lease):
                     self._quarantine(rec, lease)
-                case Refused(error=error):
-                    self.counters.bump("refused_messages")
-                    log.warning("room %d: refused a TRANSFER: %s", room, error)
                 case _:
-                    raise AssertionError(f"prefill cannot do {effect!r}")
+                    self._carry_one(room, effect)
+        effect = None  # (no name for a Reject's error in this frame: _raise_reject)
+        _raise_reject(due)
 
     def _send_ack(self, room: int, epoch: int, endpoint: str) -> None:
         ack = _wire.AbortAck(v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.rank_id)
@@ -700,95 +731,15 @@ class PrefillAgent:
             self._ping_keys[sender] = None
 
     def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
-        state_slots: tuple[tuple[int, ...], ...] = (
-            () if msg.state_slots is msgspec.UNSET else msg.state_slots
-        )
-        rec = self._rooms.get(msg.room)
-        verdict = self.book.on_transfer(msg.room, msg.epoch, rec.machine if rec else None)
-        if verdict.late:
-            self.counters.bump("late_messages")
-        peer = self.peers.get(msg.endpoint)
-        if peer is None:  # first: a TRANSFER from nowhere changes no room (but a refused one)
-            refused = self.peers.refused.get(msg.endpoint)
-            if refused is not None and rec is not None:
-                self._carry(rec, rec.machine.close(IncompatiblePeer(refused)))
-            raise ProtocolError(f"TRANSFER from unregistered endpoint {msg.endpoint}")
-        if msg.decode_rank != peer.decode_rank:
-            # (its REGISTER's rank decided which heads, aux row and state units it gets)
-            raise ProtocolError(
-                f"TRANSFER from {msg.endpoint} names decode rank {msg.decode_rank}; it "
-                f"registered as rank {peer.decode_rank}"
-            )
-        if msg.decode_rank not in served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp):
-            raise ProtocolError(
-                f"TRANSFER from decode rank {msg.decode_rank} of TP {peer.decode_tp}: prefill "
-                f"rank {self.tp_rank} of TP {self.tp_size} does not write to it"
-            )
-        if verdict.refuse is not None:
-            if verdict.abort_room is not None and rec is not None:
-                error = TransferAborted(f"room {msg.room} was aborted by decode before this use")
-                self._carry(rec, rec.machine.close(error))
-            self._send_failed(msg.room, msg.epoch, msg.endpoint, verdict.refuse)
-            return
-        if rec is None:
-            # Checked now, not when the scheduler creates the room: a bad or stray TRANSFER
-            # must neither displace a good one nor surface later in sender(). What could not
-            # be parked anyway is refused before its page ids are looked at.
-            self.book.check_park(
-                msg.room, msg.decode_rank, len(pages) + sum(len(s) for s in state_slots)
-            )
-            validate_pages(pages, peer.pool.num_pages)
-            check_aux_slot(msg.aux_slot, peer.pool.aux_slots, "decode aux slot")
-            checked = check_state_slots(
-                [st.slots for st in peer.pool.states], state_slots, "destination"
-            )
-            parked = self.book.park(
-                msg.room, endpoint=msg.endpoint, session=peer.session,
-                decode_rank=msg.decode_rank, epoch=msg.epoch,
-                aux_slot=msg.aux_slot, num_pages=msg.num_pages, required=msg.required,
-                dst_pages=pages, prefix_pages=msg.prefix_pages, state_slots=checked,
-            )
-            if parked.expire is not None:
-                expire = partial(self.book.expire, parked.expire)
-                self.timers.after(self.config.bootstrap_timeout, expire)
-            return
-        self._add_target(
-            rec, peer, msg.decode_rank, msg.epoch, msg.aux_slot, msg.num_pages, pages,
-            msg.prefix_pages, state_slots,
-        )
-
-    def _add_target(
-        self, rec: _Room, peer: DecodePeer, decode_rank: int, epoch: int, aux_slot: int,
-        num_pages: int, pages: npt.NDArray[np.integer[Any]], prefix_pages: int = 0,
-        state_slots: Sequence[npt.ArrayLike] = (),
-    ) -> None:
-        self._carry(rec, rec.machine.add_target(
-            endpoint=peer.endpoint, session=peer.session, decode_rank=decode_rank, epoch=epoch,
-            aux_slot=aux_slot, num_pages=num_pages, dst_pages=pages,
-            peer=PeerPool(peer.pool.num_pages, peer.pool.aux_slots,
-                          tuple(st.slots for st in peer.pool.states)),
-            expected=len(served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp)),
-            prefix_pages=prefix_pages, state_slots=state_slots,
-        ))
+        """TRANSFER from a decode rank: the table checks it and says where it goes
+        (:meth:`PrefillRooms.on_transfer <trio_pd._tables.PrefillRooms.on_transfer>`)."""
+        peer, refused = self._peer_view(msg.endpoint), self.peers.refused.get(msg.endpoint)
+        self._carry_at(msg.room, self.table.on_transfer(msg, pages, peer, refused))
 
     def _on_abort(self, msg: _wire.Abort) -> None:
         """ABORT from a decode rank: to the room if it is this use, else tombstoned and acked
-        (:meth:`TransferBook.on_abort <trio_pd._rooms.TransferBook.on_abort>`)."""
-        rec = self._rooms.get(msg.room)
-        verdict = self.book.on_abort(msg.room, msg.epoch, rec.machine if rec else None)
-        if verdict.room is not None and rec is not None:
-            self._carry(rec, rec.machine.on_abort(msg.endpoint, msg.epoch))
-            return
-        if verdict.expire is not None:
-            self.timers.after(self.config.tombstone_ttl, partial(self.book.expire, verdict.expire))
-        if verdict.ack:
-            self._send_ack(msg.room, msg.epoch, msg.endpoint)
-
-    def _bootstrap_due(self, rec: _Room) -> None:
-        due = rec.machine.bootstrap_deadline(self.config.bootstrap_timeout)
-        if due:
-            self.counters.bump("timeouts")
-        self._carry(rec, due)
+        (:meth:`PrefillRooms.on_abort <trio_pd._tables.PrefillRooms.on_abort>`)."""
+        self._carry_at(msg.room, self.table.on_abort(msg.room, msg.epoch, msg.endpoint))
 
     # ------------------------------------------------------------------ shutdown
 
@@ -853,12 +804,11 @@ class PrefillAgent:
         range is held (``ChunkRunner.close_staging``)."""
         self._closing = True
         self.peers.drop_fences()
-        for room in list(self.book.parked):
-            for parked in self.book.take_parked(room):
-                self._send_failed(room, parked.epoch, parked.endpoint, CLOSED)
-                self._send_ack(room, parked.epoch, parked.endpoint)
-        for rec in list(self._rooms.values()):
-            self._carry(rec, rec.machine.shutdown(CLOSED))
+        for room, rec, due in self.table.shutdown(CLOSED):
+            if rec is None:
+                self._carry_at(room, due)
+            else:
+                self._carry(rec, due)
 
 
 @one_error

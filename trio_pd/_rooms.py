@@ -24,7 +24,7 @@ when publication is due                                :attr:`PrefillRoom.publis
 Success or Failed, and the sends, with no gap (§5.4)   :meth:`PrefillRoom.publish`
 the drain ack once nothing is held (§5.5)              :meth:`PrefillRoom._settle`
 release exactly once, forget after it                  :meth:`PrefillRoom._settle`
-messages keyed by (room, epoch) (I4)                   :class:`TransferBook`
+messages keyed by (room, epoch) (I4)                   :mod:`._tables`
 TRANSFER validation                                    :meth:`PrefillRoom.add_target`
 decode's three-way status and Success rule (I6)        :meth:`DecodeRoom.status`,
                                                        :meth:`DecodeRoom.on_status`
@@ -182,6 +182,42 @@ class ProbeWriters:
     ranks: tuple[int, ...]
 
 
+# --------------------------------------------------------------------------------------------
+# Effects of the tables (:mod:`._tables`): deadlines, counts, refusals
+# --------------------------------------------------------------------------------------------
+
+TimerKind: TypeAlias = Literal[
+    "bootstrap", "parked", "failed", "tombstone", "waiting", "init", "ack"
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """Either side: hand ``key`` back to the agent's table's ``handle_timer`` once ``after`` seconds
+    have passed. The table reads no clock, so the delay is relative: the agent turns it into
+    a deadline at once. An expiry that is no longer wanted is ignored by the table, so the
+    agent never disarms anything."""
+
+    kind: TimerKind
+    after: float
+    key: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """Either side: bump the agent's counter ``name`` (a timeout, a late message)."""
+
+    name: Literal["timeouts", "late_messages", "rooms_reclaimed", "acks_received"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Either side: the message is refused; raise ``error`` to the listener (which counts
+    it) once the effects before it are carried out. Always the last effect."""
+
+    error: TransferError
+
+
 Effect: TypeAlias = (
     RunChunks
     | CancelWork
@@ -198,6 +234,9 @@ Effect: TypeAlias = (
     | SendAborts
     | ArmAckDeadline
     | ProbeWriters
+    | Arm
+    | Count
+    | Reject
 )
 Due: TypeAlias = list[Effect]
 
@@ -709,7 +748,8 @@ class PrefillRoom:
     def on_abort(self, endpoint: str, epoch: int) -> Due:
         """ABORT from a decode rank for *this* use (its epoch matches): close admission, then
         register the ack target, then ack once nothing is held (SPEC §5.5; the order is I2).
-        The caller (:class:`TransferBook`) routes ABORTs of other epochs elsewhere."""
+        The caller (:meth:`PrefillRooms.on_abort <trio_pd._tables.PrefillRooms.on_abort>`)
+        routes ABORTs of other epochs elsewhere."""
         due = self.close(TransferAborted(f"aborted by decode {endpoint}"))
         self.acks.add_target(self.leases, endpoint, epoch)
         return due + self._settle()
@@ -766,205 +806,6 @@ class PrefillRoom:
             self.forgotten = True
             due.append(Forget())
         return due
-
-
-@dataclass(eq=False, slots=True)
-class _Parked:
-    """A TRANSFER that came before the scheduler created its room."""
-
-    endpoint: str
-    session: str
-    decode_rank: int
-    epoch: int
-    aux_slot: int
-    num_pages: int
-    required: int
-    #: as decode sent them (int32): a parked TRANSFER costs 4 bytes per page id
-    dst_pages: npt.NDArray[np.integer[Any]]
-    prefix_pages: int = 0
-    #: decode's slots of each state component, as sent (checked when the room takes it)
-    state_slots: tuple[npt.NDArray[np.integer[Any]], ...] = ()
-
-    @property
-    def page_ids(self) -> int:
-        """Page ids and state slots it keeps (what the book's bound counts)."""
-        return len(self.dst_pages) + sum(len(s) for s in self.state_slots)
-
-
-@dataclass(slots=True)
-class Verdict:
-    """What :class:`TransferBook` decided about one TRANSFER or ABORT."""
-
-    #: route it to this room's machine
-    room: PrefillRoom | None = None
-    #: answer with a Failed STATUS (reason)
-    refuse: str | None = None
-    #: send ABORT_ACK (the (room, epoch) provably holds nothing here)
-    ack: bool = False
-    #: a new tombstone or parked entry: arm its expiry (key for :meth:`TransferBook.expire`)
-    expire: Hashable | None = None
-    #: a message for a use that is over: counted as late
-    late: bool = False
-    #: the room is that aborted use (it had not seen its epoch yet): fail it too
-    abort_room: PrefillRoom | None = None
-
-
-@dataclass(slots=True)
-class TransferBook:
-    """Prefill's book of what arrives for rooms it does not hold: parked TRANSFERs (decode's
-    metadata can beat the scheduler's ``sender()``), tombstones (ABORTs for a (room, epoch)
-    this rank never held or already concluded) and recently failed rooms (a late TRANSFER
-    for one is answered Failed rather than left to wait).
-
-    Everything is keyed by (room, epoch) (I4): an ABORT for an old epoch never touches a
-    later use of the room. Bounded: at most ``max_rooms`` parked rooms and ``max_page_ids``
-    parked page ids; past that a TRANSFER is refused (:meth:`check_park` says so before its
-    page ids are even looked at).
-    """
-
-    max_rooms: int = 100_000
-    max_page_ids: int = 16 * 1024 * 1024
-    parked: dict[int, dict[int, _Parked]] = field(default_factory=dict)
-    parked_page_ids: int = 0
-    #: room -> epochs that decode aborted while this rank held nothing of them
-    tombstones: dict[int, set[int]] = field(default_factory=dict)
-    #: room -> epoch of a parked TRANSFER that its ABORT cancelled: the next ``sender()``
-    #: for the room is that use, and fails at once
-    aborted_parked: dict[int, int] = field(default_factory=dict)
-    #: room -> why it failed, for late TRANSFERs after it was forgotten
-    failed_recently: dict[int, str] = field(default_factory=dict)
-    #: ("parked" | "failed", room) -> the generation of the expiry armed for the entry there
-    #: now: an expiry armed for an earlier entry of the same room id finds another generation
-    #: and leaves the newer entry alone
-    _armed: dict[tuple[str, int], int] = field(default_factory=dict)
-    _generation: int = 0
-
-    def _arm(self, kind: str, room_id: int) -> Hashable:
-        self._generation += 1
-        self._armed[(kind, room_id)] = self._generation
-        return (kind, room_id, self._generation)
-
-    def tombstoned(self, room: int, epoch: int) -> bool:
-        return epoch in self.tombstones.get(room, ())
-
-    def on_transfer(self, room_id: int, epoch: int, room: PrefillRoom | None) -> Verdict:
-        """Where a TRANSFER goes: refused (tombstoned, or its room failed and was forgotten),
-        to its room, or parked (the caller then calls :meth:`park`)."""
-        if self.tombstoned(room_id, epoch):
-            # A decode rank aborted this (room, epoch) while nothing of it was here. Another
-            # rank's TRANSFER can still be on its way: answer it, or it waits its deadline.
-            why = f"room {room_id} was aborted before this TRANSFER came"
-            this_use = room is not None and room.epoch in (None, epoch)
-            return Verdict(refuse=why, late=True, abort_room=room if this_use else None)
-        if room is not None:
-            return Verdict(room=room)
-        if room_id in self.failed_recently:
-            return Verdict(refuse=self.failed_recently[room_id])
-        return Verdict()
-
-    def park(
-        self,
-        room_id: int,
-        *,
-        endpoint: str,
-        session: str,
-        decode_rank: int,
-        epoch: int,
-        aux_slot: int,
-        num_pages: int,
-        required: int,
-        dst_pages: npt.NDArray[np.integer[Any]],
-        prefix_pages: int = 0,
-        state_slots: tuple[npt.NDArray[np.integer[Any]], ...] = (),
-    ) -> Verdict:
-        """Keep a TRANSFER for a room the scheduler has not created yet. Raises
-        :class:`ProtocolError` for a duplicate or past the bounds."""
-        entry = _Parked(
-            endpoint, session, decode_rank, epoch, aux_slot, num_pages, required, dst_pages,
-            prefix_pages, state_slots,
-        )
-        self.check_park(room_id, decode_rank, entry.page_ids)
-        pending = self.parked.get(room_id)
-        verdict = Verdict()
-        if pending is None:
-            pending = self.parked[room_id] = {}
-            verdict.expire = self._arm("parked", room_id)
-        pending[decode_rank] = entry
-        self.parked_page_ids += entry.page_ids
-        return verdict
-
-    def check_park(self, room_id: int, decode_rank: int, num_pages: int) -> None:
-        """Raise :class:`ProtocolError` if a TRANSFER of ``num_pages`` page ids for
-        ``room_id`` from ``decode_rank`` could not be parked: O(1), so the caller refuses it
-        before validating its page ids (sorting 4M ids costs the event loop ~0.1 s)."""
-        pending = self.parked.get(room_id)
-        if pending is not None and decode_rank in pending:
-            raise ProtocolError(
-                f"a second TRANSFER for room {room_id} from decode rank {decode_rank}"
-            )
-        if pending is None and len(self.parked) >= self.max_rooms:
-            raise ProtocolError("too many TRANSFERs for rooms this rank does not know")
-        if self.parked_page_ids + num_pages > self.max_page_ids:
-            raise ProtocolError("too many parked page ids for rooms this rank does not know")
-
-    def take_parked(self, room_id: int) -> list[_Parked]:
-        """The TRANSFERs parked for a room the scheduler now creates."""
-        pending = self.parked.pop(room_id, {})
-        self.parked_page_ids -= sum(p.page_ids for p in pending.values())
-        return list(pending.values())
-
-    def take_aborted(self, room_id: int) -> int | None:
-        """The epoch of a parked use of ``room_id`` that decode already aborted, if any."""
-        return self.aborted_parked.pop(room_id, None)
-
-    def on_abort(self, room_id: int, epoch: int, room: PrefillRoom | None) -> Verdict:
-        """Where an ABORT goes. To the room only if it is this use (same epoch). Otherwise
-        (an unknown room, a concluded one, or one whose use has not told its epoch yet) this
-        (room, epoch) provably holds nothing here: ack at once and leave a tombstone so a
-        late TRANSFER for it is refused. A parked TRANSFER of that epoch is dropped, and the
-        room's next ``sender()`` (that very use) fails at once."""
-        if room is not None and room.epoch == epoch:
-            return Verdict(room=room, late=False)
-        verdict = Verdict(ack=True)
-        pending = self.parked.get(room_id)
-        if pending is not None:
-            for rank, parked in list(pending.items()):
-                if parked.epoch == epoch:
-                    del pending[rank]
-                    self.parked_page_ids -= parked.page_ids
-                    self.aborted_parked[room_id] = epoch
-            if not pending:
-                del self.parked[room_id]
-        epochs = self.tombstones.setdefault(room_id, set())
-        if epoch not in epochs:
-            epochs.add(epoch)
-            verdict.expire = ("tombstone", room_id, epoch)
-        return verdict
-
-    def room_failed(self, room_id: int, reason: str) -> Hashable:
-        """A failed room was forgotten; returns the expiry key to arm."""
-        self.failed_recently[room_id] = reason
-        return self._arm("failed", room_id)
-
-    def expire(self, key: Hashable) -> None:
-        """An expiry armed by one of the verdicts above is due."""
-        match key:
-            case ("parked" | "failed" as kind, int(room_id), int(generation)):
-                if self._armed.get((kind, room_id)) != generation:
-                    return  # armed for an earlier entry of this room id, since replaced
-                del self._armed[(kind, room_id)]
-                if kind == "failed":
-                    self.failed_recently.pop(room_id, None)
-                    return
-                for parked in self.parked.pop(room_id, {}).values():
-                    self.parked_page_ids -= parked.page_ids
-                self.aborted_parked.pop(room_id, None)
-            case ("tombstone", int(room_id), int(epoch)):
-                epochs = self.tombstones.get(room_id)
-                if epochs is not None:
-                    epochs.discard(epoch)
-                    if not epochs:
-                        del self.tombstones[room_id]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1237,8 +1078,10 @@ __all__ = [
     "SendFailed",
     "SendTransfers",
     "Succeeded",
+    "TimerKind",
     "Target",
-    "TransferBook",
-    "Verdict",
+    "Arm",
+    "Count",
+    "Reject",
     "reason_of",
 ]
