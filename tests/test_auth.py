@@ -40,14 +40,16 @@ from trio_pd import (
     IncompatiblePeer,
     KVPoll,
     PrefillConfig,
-    _wire,
     open_bootstrap_server,
     open_decode,
     open_prefill,
 )
-from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo, TokenProof
-from trio_pd._control import ControlPlane
-from trio_pd._security import (
+from trio_pd.bootstrap._bootstrap_client import BootstrapClient, PrefillRankInfo, TokenProof
+from trio_pd.core import _wire
+from trio_pd.core._stats import Counters
+from trio_pd.engines import make_engine
+from trio_pd.io._control import ControlPlane
+from trio_pd.io._security import (
     Keypair,
     ZapGate,
     answer_mac,
@@ -56,9 +58,7 @@ from trio_pd._security import (
     register_mac,
     resolve,
 )
-from trio_pd._stats import Counters
-from trio_pd._zmq import Socket, open_socket
-from trio_pd.engines import make_engine
+from trio_pd.io._zmq import Socket, open_socket
 
 from .helpers.agents import Pair, host_pool, open_pair, poll_until
 from .helpers.net import self_signed

@@ -32,8 +32,7 @@ from trio_pd import (
     PrefillAgent,
     cli,
 )
-from trio_pd._demo import DemoOptions, run_in_process
-from trio_pd._memory import (
+from trio_pd.core._memory import (
     AUX_STAMP,
     HOST,
     MemoryKind,
@@ -42,8 +41,8 @@ from trio_pd._memory import (
     describe_pool,
     read_aux_stamp,
 )
-from trio_pd._plan import plan_aux, validate_blocks
-from trio_pd._topology import pairing_problem
+from trio_pd.core._plan import plan_aux, validate_blocks
+from trio_pd.core._topology import pairing_problem
 from trio_pd.engines import TransferEngine
 from trio_pd.testing.pools import (
     DEST_POISON,
@@ -52,6 +51,7 @@ from trio_pd.testing.pools import (
     aux_bytes,
     extra_aux_lens,
 )
+from trio_pd.tools._demo import DemoOptions, run_in_process
 
 from .helpers.agents import host_pool, open_pair
 from .helpers.faults import abort_a_stalled_write, stall_every_write

@@ -2,7 +2,7 @@
 
 Bad messages go through a raw ZeroMQ PUSH socket connected to ``agent.endpoint``, so they
 reach the real listener exactly as a broken or hostile peer would send them. Replies to a
-fake decode land on a real :class:`~trio_pd._control.ControlPlane` (tests/helpers/peers.py,
+fake decode land on a real :class:`~trio_pd.io._control.ControlPlane` (tests/helpers/peers.py,
 with the barrier that orders them).
 """
 
@@ -25,8 +25,8 @@ from trio_pd import (
     KVPoll,
     ProtocolError,
     TransferAborted,
-    _wire,
 )
+from trio_pd.core import _wire
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
 
@@ -478,14 +478,14 @@ def test_page_ids_that_are_not_integers_are_refused_not_truncated(pages: Any) ->
     """Page ids were cast with ``np.array(pages, dtype=np.int64)`` first, so [4.7, 5.2]
     became pages 4 and 5 (and the room succeeded, with other pages than the caller meant);
     None, "ab" and 2**70 raised TypeError, ValueError, OverflowError."""
-    from trio_pd._memory import page_ids
+    from trio_pd.core._memory import page_ids
 
     with pytest.raises(ProtocolError, match="page ids"):
         page_ids(pages)
 
 
 def test_indices_are_integers_or_refused() -> None:
-    from trio_pd._memory import as_index, page_ids
+    from trio_pd.core._memory import as_index, page_ids
 
     assert page_ids(np.array([[1, 2], [3, 4]], dtype=np.uint16)).tolist() == [1, 2, 3, 4]
     assert page_ids([]).dtype == np.int64  # (an empty list is float64 to numpy)
@@ -541,7 +541,7 @@ async def test_an_answer_that_breaks_the_resolver_is_contained(
     IndexError, as a lying topology once raised) is that resolution's failure, logged, and
     the failure of the room waiting on it; it used to leave the one task that resolves every
     instance and close the agent with every room on it. The next rooms are served."""
-    from trio_pd import _sources
+    from trio_pd.agents import _sources
 
     real = _sources.Sources._source_infos
     broken = [True]

@@ -1,5 +1,5 @@
 """Batching across rooms: chunk writes of several rooms queued at once for the same decode peer
-share one engine call (``PrefillConfig.batch_blocks``; the lane's "joining", trio_pd/_lane.py).
+share one engine call (``PrefillConfig.batch_blocks``; the lane's "joining", trio_pd/io/_lane.py).
 
 Real engines, real ZeroMQ, the real bootstrap. The first write is held at a
 :class:`~trio_pd.engines.fault.FaultEngine` stall gate, so the next rooms' chunks are queued on

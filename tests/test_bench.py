@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from trio_pd import KVPoll, _bench, _demo, cli
+from trio_pd import KVPoll, cli
+from trio_pd.tools import _bench, _demo
 
 from .helpers.engines import ENGINES
 

@@ -21,9 +21,11 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from trio_pd import _bench, _cuda, _demo, cli
+from trio_pd import cli
 from trio_pd.engines import mooncake as mooncake_adapter
+from trio_pd.io import _cuda
 from trio_pd.testing.device import DeviceKVPool
+from trio_pd.tools import _bench, _demo
 
 from .helpers import fake_cuda as kinds
 from .helpers.engines import ENGINES

@@ -18,16 +18,16 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
 
-from trio_pd import _bootstrap
-from trio_pd._bootstrap import BootstrapServer, open_bootstrap_server, serve_bootstrap
-from trio_pd._bootstrap_client import (
+from trio_pd.bootstrap import _bootstrap
+from trio_pd.bootstrap._bootstrap import BootstrapServer, open_bootstrap_server, serve_bootstrap
+from trio_pd.bootstrap._bootstrap_client import (
     BootstrapClient,
     PrefillRankInfo,
     Topology,
     transport_reason,
 )
-from trio_pd._bootstrap_limits import MAX_BODY_BYTES
-from trio_pd._errors import (
+from trio_pd.bootstrap._bootstrap_limits import MAX_BODY_BYTES
+from trio_pd.core._errors import (
     BootstrapError,
     BootstrapUnreachable,
     NotReady,
@@ -763,7 +763,7 @@ async def test_an_answer_too_big_to_be_a_topology_is_refused(
     MiB); past MAX_ANSWER_BYTES (32 MiB; lowered here to keep the test small) it is now a
     BootstrapError, refused unread when its Content-Length says so, else read to its end
     and dropped, keeping no more than the bound."""
-    from trio_pd import _bootstrap_transport
+    from trio_pd.bootstrap import _bootstrap_transport
 
     monkeypatch.setattr(_bootstrap_transport, "MAX_ANSWER_BYTES", 1 << 20)
     body = b'{"tp_size": 1, "ranks": [], "pad": "' + b"x" * (3 << 20) + b'"}'

@@ -18,9 +18,9 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from trio_pd._bootstrap import BootstrapServer, open_bootstrap_server
-from trio_pd._bootstrap_client import PrefillRankInfo
-from trio_pd._errors import ConfigurationError
+from trio_pd.bootstrap._bootstrap import BootstrapServer, open_bootstrap_server
+from trio_pd.bootstrap._bootstrap_client import PrefillRankInfo
+from trio_pd.core._errors import ConfigurationError
 
 # Raw requests at the service's HTTP mechanics: security off, explicitly (with it on, the
 # default, a stranger gets nowhere: tests/test_auth.py)

@@ -3,7 +3,7 @@
 Every example nests ``open_prefill`` / ``open_decode`` inside ``open_bootstrap_server()``, and
 each of them owns a nursery, so without a boundary a ``ConfigurationError`` from
 ``open_prefill``, a failed registration, or the caller's own exception came out wrapped in
-(nested) groups that ``except ConfigurationError`` misses. The rule (``trio_pd._errors.
+(nested) groups that ``except ConfigurationError`` misses. The rule (``trio_pd.core._errors.
 one_error``): the caller's exception comes out as itself; one error of ours becomes that
 error, raised from the group; unrelated failures stay a group. The real engine, the real
 bootstrap service; the thread and asyncio facades too.
@@ -28,8 +28,8 @@ from trio_pd import (
     open_prefill,
     sync,
 )
-from trio_pd._errors import one_error
 from trio_pd.aio import open_trio_host
+from trio_pd.core._errors import one_error
 from trio_pd.engines import ClosingEngine, make_engine
 
 from .helpers.agents import host_pool

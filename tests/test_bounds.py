@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 import trio
 
-from trio_pd import DecodeConfig, KVPoll, PrefillConfig, _wire
-from trio_pd._lane import Lane
+from trio_pd import DecodeConfig, KVPoll, PrefillConfig
+from trio_pd.core import _wire
 from trio_pd.engines import make_engine
+from trio_pd.io._lane import Lane
 
 from .helpers.agents import open_pair, poll_until
 from .helpers.peers import (
@@ -328,7 +329,7 @@ async def test_bootstrap_rank_counts_and_shapes_are_bounded() -> None:
     import msgspec
 
     from trio_pd import open_bootstrap_server
-    from trio_pd._bootstrap_client import PrefillRankInfo
+    from trio_pd.bootstrap._bootstrap_client import PrefillRankInfo
 
     def info(tp_rank: int, tp_size: int = 2) -> bytes:
         return msgspec.json.encode(PrefillRankInfo(

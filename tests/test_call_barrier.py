@@ -110,7 +110,7 @@ async def test_a_failed_call_still_delivering_keeps_decode_pages_until_it_is_flu
 #: its memory and its metadata (hex), then waits for a line on stdin.
 _PEER = """
 import ctypes, mmap, os, sys
-from trio_pd._memory import HOST, Region
+from trio_pd.core._memory import HOST, Region
 from trio_pd.engines import make_engine
 path, size = sys.argv[1], int(sys.argv[2])
 mm = mmap.mmap(os.open(path, os.O_RDWR), size)
@@ -127,7 +127,7 @@ sys.stdin.readline()
 _WRITER = """
 import json, mmap, signal, subprocess, sys, time
 import numpy as np
-from trio_pd._memory import HOST, Region
+from trio_pd.core._memory import HOST, Region
 from trio_pd.engines import EngineError, call_mark, flushed, make_engine
 SIZE, BLK, N = 640 << 20, 1 << 20, 512
 path = f"/dev/shm/trio_pd_barrier_{os.getpid()}"
@@ -284,7 +284,7 @@ def test_fault_engine_late_write_is_not_flushed_until_made() -> None:
     """The test wrapper answers for its own simulated engine: a ``late`` fault's write is
     still to come, so flushed() is False until it has been made (whatever the wrapped
     engine says), and True after."""
-    from trio_pd._memory import HOST, Region
+    from trio_pd.core._memory import HOST, Region
 
     target, inner = make_engine("mooncake"), make_engine("mooncake")
     fault = FaultEngine(inner, lambda _i, _p, _n: Fault("late", delay_s=0.5))

@@ -27,8 +27,10 @@ import httpx
 import pytest
 
 import trio_pd
-from trio_pd import KVPoll, _bench, _bootstrap, _demo, cli
-from trio_pd._bootstrap_client import TokenProof
+from trio_pd import KVPoll, cli
+from trio_pd.bootstrap import _bootstrap
+from trio_pd.bootstrap._bootstrap_client import TokenProof
+from trio_pd.tools import _bench, _demo
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -31,7 +31,7 @@ import numpy.typing as npt
 import pytest
 
 import trio_pd
-import trio_pd._cuda
+import trio_pd.io._cuda
 from trio_pd import (
     ConfigurationError,
     DecodeConfig,
@@ -40,7 +40,6 @@ from trio_pd import (
     TransferAborted,
     TransferError,
 )
-from trio_pd._memory import MemoryKind
 from trio_pd.compat import sglang
 from trio_pd.compat.sglang import (
     AuxRows,
@@ -54,6 +53,7 @@ from trio_pd.compat.sglang import (
     pool_from_kvargs,
     states_from_kvargs,
 )
+from trio_pd.core._memory import MemoryKind
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator
@@ -900,7 +900,7 @@ def test_device_metadata_buffers_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     host memcpys); the KV buffers may live anywhere. (CUDA's answer is stood in for.)"""
     meta = [np.zeros((8, 16), np.int32), np.zeros((8, 4), np.float32)]
     device_ptr = int(meta[1].ctypes.data)
-    monkeypatch.setattr(trio_pd._cuda, "classify", lambda address: MemoryKind(
+    monkeypatch.setattr(trio_pd.io._cuda, "classify", lambda address: MemoryKind(
         0 if address == device_ptr else None))
     with pytest.raises(ConfigurationError, match=r"aux_data_ptrs\[1\] is in cuda:0 memory"):
         AuxRows(_args(_raw(2, 1024), 256, meta))
@@ -1051,7 +1051,7 @@ def test_native_aux_maps_each_metadata_buffer_to_an_aux_buffer(
     stood in for here)."""
     meta = [np.zeros((12, 16), np.int32), np.zeros((12, 5), np.float64)]
     device_ptr = int(meta[1].ctypes.data)
-    monkeypatch.setattr(trio_pd._cuda, "classify", lambda address: MemoryKind(
+    monkeypatch.setattr(trio_pd.io._cuda, "classify", lambda address: MemoryKind(
         0 if address == device_ptr else None))
     args = _args(_raw(2, 1024), 256, meta)
     aux = AuxRows(args, native=True)

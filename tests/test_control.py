@@ -11,9 +11,9 @@ from contextlib import asynccontextmanager
 import trio
 import zmq
 
-from trio_pd import _wire
-from trio_pd._control import ControlPlane
-from trio_pd._stats import Counters
+from trio_pd.core import _wire
+from trio_pd.core._stats import Counters
+from trio_pd.io._control import ControlPlane
 
 V = _wire.WIRE_VERSION
 

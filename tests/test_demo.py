@@ -1,4 +1,4 @@
-"""The demo driver (``trio_pd._demo``) and the ``trio-pd demo`` command, on real engines."""
+"""The demo driver (``trio_pd.tools._demo``) and the ``trio-pd demo`` command, on real engines."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import sys
 import trio
 
 from trio_pd import KVPoll
-from trio_pd._demo import DemoOptions, RankResult, check, plan_requests, run_in_process, summarize
+from trio_pd.tools._demo import (
+    DemoOptions,
+    RankResult,
+    check,
+    plan_requests,
+    run_in_process,
+    summarize,
+)
 
 SMALL = dict(requests=20, concurrency=8, max_tokens=256, chunk_pages=4, layers=2)
 

@@ -2,7 +2,7 @@
 path cannot run; and the demo on device pools end to end on the CUDA stand-in of
 tests/helpers/fake_cuda.py, whose "device" allocations are host memory it checks every copy
 against. Pool creation, the fill, the sanitizer's poison, the aux stamp and the verification
-all go through trio_pd._cuda's copies there, and the engines are asked to register device
+all go through trio_pd.io._cuda's copies there, and the engines are asked to register device
 memory. The real device run is tests/test_gpu.py's ``test_demo_on_device_pools``.
 """
 
@@ -20,12 +20,14 @@ import numpy as np
 import pytest
 import trio
 
-from trio_pd import KVPoll, _cuda, _demo, cli
-from trio_pd._memory import stamp_aux_row
+from trio_pd import KVPoll, cli
+from trio_pd.core._memory import stamp_aux_row
 from trio_pd.engines import mooncake as mooncake_adapter
+from trio_pd.io import _cuda
 from trio_pd.testing import device
 from trio_pd.testing.device import DeviceKVPool
 from trio_pd.testing.pools import SOURCE_POISON
+from trio_pd.tools import _demo
 
 from .helpers import fake_cuda as kinds
 from .helpers.engines import ENGINES

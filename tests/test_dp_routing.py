@@ -37,8 +37,10 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._bootstrap import BootstrapServer
-from trio_pd._bootstrap_client import (
+from trio_pd.agents._decode import DecodeReceiver
+from trio_pd.agents._prefill import PrefillSender
+from trio_pd.bootstrap._bootstrap import BootstrapServer
+from trio_pd.bootstrap._bootstrap_client import (
     MAX_DP_BATCH,
     UNKNOWN_DP_RANK,
     BootstrapClient,
@@ -47,11 +49,9 @@ from trio_pd._bootstrap_client import (
     TokenProof,
     dp_url,
 )
-from trio_pd._decode import DecodeReceiver
-from trio_pd._errors import ConfigurationError, NotReady
-from trio_pd._prefill import PrefillSender
-from trio_pd._security import default_token
+from trio_pd.core._errors import ConfigurationError, NotReady
 from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.io._security import default_token
 from trio_pd.testing.pools import (
     DEST_POISON,
     SOURCE_POISON,
@@ -673,7 +673,7 @@ async def test_the_demo_routes_two_prefill_dp_ranks(engine: str) -> None:
     bootstrap service, each serving every other request; decode finds the right one for every
     room by asking the service (a room sent to the other DP rank would never be served, and
     fail at its deadline). Aborts and faults included: nothing late, corrupt or leaked."""
-    from trio_pd._demo import DemoOptions, check, run_in_process
+    from trio_pd.tools._demo import DemoOptions, check, run_in_process
 
     opts = DemoOptions(requests=24, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,
                        chunk_pages=3, layers=1, head_bytes=16, kv_heads=4, prefill_tp=2,

@@ -22,7 +22,7 @@ import numpy.typing as npt
 import pytest
 import trio
 
-from trio_pd._errors import ConfigurationError, EngineError
+from trio_pd.core._errors import ConfigurationError, EngineError
 from trio_pd.engines import Region, TransferEngine, make_engine, start_write
 from trio_pd.engines.fault import Fault, FaultEngine
 

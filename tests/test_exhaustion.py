@@ -14,18 +14,18 @@ import sys
 import pytest
 import trio
 
-from trio_pd import _wire
-from trio_pd._control import ControlPlane
-from trio_pd._stats import Counters
+from trio_pd.core import _wire
+from trio_pd.core._stats import Counters
+from trio_pd.io._control import ControlPlane
 
 from .helpers.child import NO_DESCRIPTORS, run_child
 
 _SEND_WITHOUT_DESCRIPTORS = NO_DESCRIPTORS + """
 import json
 import trio
-from trio_pd import _wire
-from trio_pd._control import ControlPlane
-from trio_pd._stats import Counters
+from trio_pd.core import _wire
+from trio_pd.io._control import ControlPlane
+from trio_pd.core._stats import Counters
 
 async def main():
     counters = Counters()
@@ -96,7 +96,7 @@ import json, logging, resource, sys
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-from trio_pd import _descriptors
+from trio_pd.io import _descriptors
 now = _descriptors.prepare("decode rank 0")
 print(json.dumps({"now": now, "hard": hard,
                   "soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}))

@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from trio_pd import DecodeConfig, KVPoll, PrefillConfig, open_decode, open_prefill
-from trio_pd._memory import HOST, Region
+from trio_pd.core._memory import HOST, Region
 from trio_pd.engines import EngineError, Fence, FenceOutcome, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.engines.mooncake import MooncakeEngine

@@ -22,16 +22,16 @@ from trio_pd import (
     DecodeConfig,
     KVPoll,
     PrefillConfig,
-    _wire,
     open_bootstrap_server,
     open_decode,
     open_prefill,
 )
-from trio_pd._control import ControlPlane
-from trio_pd._errors import BootstrapUnreachable
-from trio_pd._sources import is_own_address, loopback_problem
-from trio_pd._stats import Counters
+from trio_pd.agents._sources import is_own_address, loopback_problem
+from trio_pd.core import _wire
+from trio_pd.core._errors import BootstrapUnreachable
+from trio_pd.core._stats import Counters
 from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.io._control import ControlPlane
 
 from .helpers.agents import host_pool
 from .helpers.net import free_port, self_signed

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_pd import ConfigurationError, PoolSpec
-from trio_pd._memory import describe_pool
-from trio_pd._plan import plan_pages, validate_blocks
+from trio_pd.core._memory import describe_pool
+from trio_pd.core._plan import plan_pages, validate_blocks
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -179,7 +179,7 @@ def test_describe_pool_takes_the_geometry() -> None:
 async def test_the_demo_verifies_per_buffer_geometry(engine: str, geometry: dict) -> None:  # type: ignore[type-arg]
     """Every byte of every request lands where the decode rank's own layout keeps it, for
     head-major pages and K != V buffers with P != D, and padded page strides."""
-    from trio_pd._demo import DemoOptions, check, run_in_process
+    from trio_pd.tools._demo import DemoOptions, check, run_in_process
 
     from .helpers.engines import ENGINES
 
@@ -198,7 +198,7 @@ async def test_the_demo_verifies_per_buffer_geometry(engine: str, geometry: dict
 async def test_geometry_with_aborts_and_faults_leaves_no_trace() -> None:
     """Aborts and engine faults on head-major, K != V, padded pools (P 2 -> D 4): no page
     written after its release, none leaked, every Success verified."""
-    from trio_pd._demo import DemoOptions, check, run_in_process
+    from trio_pd.tools._demo import DemoOptions, check, run_in_process
 
     opts = DemoOptions(requests=30, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,
                        chunk_pages=3, layers=1, head_bytes=16, v_head_bytes=8, page_pad=5,

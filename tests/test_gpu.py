@@ -25,11 +25,9 @@ from typing import Literal
 import numpy as np
 import pytest
 
-from trio_pd import (
-    _cuda,
-)
-from trio_pd._memory import MemoryKind
+from trio_pd.core._memory import MemoryKind
 from trio_pd.engines import Region
+from trio_pd.io import _cuda
 from trio_pd.testing.device import engine_problem
 
 from .helpers.device import (

@@ -43,7 +43,7 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd import _wire as wire
+from trio_pd.core import _wire as wire
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy
 from trio_pd.testing.pools import DEST_POISON, HostKVPool, PageAllocator, page_rows
@@ -114,7 +114,7 @@ def patched_sends(
     """Patch the control plane's ``send_nowait`` for every agent made after this (patched on
     the class, so also a bound method an agent keeps): record every send attempt, and answer
     ``False`` (the peer's socket is full) where ``refuse(endpoint, msg)``."""
-    from trio_pd._control import ControlPlane
+    from trio_pd.io._control import ControlPlane
 
     attempts: list[tuple[str, wire.Message]] = []
     real = ControlPlane.send_nowait

@@ -28,20 +28,13 @@ import pytest
 import trio
 import zmq
 
-from trio_pd import (
-    DecodeAgent,
-    KVPoll,
-    PrefillAgent,
-    ProtocolError,
-    _wire,
-    open_decode,
-    open_prefill,
-)
-from trio_pd._control import ControlPlane
-from trio_pd._stats import AgentStatistics, Counters
-from trio_pd._wire import validate_endpoint
-from trio_pd._zmq import Socket
+from trio_pd import DecodeAgent, KVPoll, PrefillAgent, ProtocolError, open_decode, open_prefill
+from trio_pd.core import _wire
+from trio_pd.core._stats import AgentStatistics, Counters
+from trio_pd.core._wire import validate_endpoint
 from trio_pd.engines import TransferEngine, make_engine
+from trio_pd.io._control import ControlPlane
+from trio_pd.io._zmq import Socket
 from trio_pd.testing.pools import HostKVPool
 
 from .helpers.agents import Pair, host_pool, open_pair, poll_until

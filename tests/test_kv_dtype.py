@@ -14,14 +14,14 @@ from trio_pd import (
     IncompatiblePeer,
     KVPoll,
     ProtocolError,
-    _wire,
     describe_pool,
     open_bootstrap_server,
     open_decode,
     open_prefill,
 )
-from trio_pd._memory import kv_dtype_name
-from trio_pd._topology import pairing_problem
+from trio_pd.core import _wire
+from trio_pd.core._memory import kv_dtype_name
+from trio_pd.core._topology import pairing_problem
 from trio_pd.engines import make_engine
 from trio_pd.testing.pools import HostKVPool
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pd._lane import Lane, LaneClosed, run_to_end
+from trio_pd.io._lane import Lane, LaneClosed, run_to_end
 
 BOUND = 10.0  # seconds; nothing here should take more than a fraction of it
 

@@ -17,14 +17,14 @@ import pytest
 import trio
 
 from trio_pd import AdmissionClosed, KVPoll, ProtocolError
-from trio_pd._demo import DemoOptions
-from trio_pd._memory import layer_buffers, layer_view
-from trio_pd._plan import plan_pages
-from trio_pd._rooms import PeerPool, PrefillRoom, PublishDue, RunChunks
-from trio_pd._state import Outcome
+from trio_pd.core._memory import layer_buffers, layer_view
+from trio_pd.core._plan import plan_pages
+from trio_pd.core._rooms import PeerPool, PrefillRoom, PublishDue, RunChunks
+from trio_pd.core._state import Outcome
 from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, PageAllocator
+from trio_pd.tools._demo import DemoOptions
 
 from .helpers.agents import host_pool, open_pair, poll_until
 from .helpers.aio import open_agents as open_aio_agents
@@ -397,7 +397,7 @@ async def test_the_demo_streams_layers_with_aborts_and_faults(
     """`trio-pd demo --layerwise`: every chunk layer by layer, aborts (one between the first
     chunk's layers) and engine faults (a late write among them) at layer granularity:
     nothing corrupt, late, leaked or read after release; nothing freed by timeout."""
-    from trio_pd._demo import check, run_in_process
+    from trio_pd.tools._demo import check, run_in_process
 
     shape = {"kv_heads": 4, **shape}
     opts = DemoOptions(requests=30, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,

@@ -47,10 +47,10 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd import _wire as wire
-from trio_pd._chunks import Write
-from trio_pd._rooms import Chunk, PrefillRoom
-from trio_pd._topology import head_range
+from trio_pd.agents._chunks import Write
+from trio_pd.core import _wire as wire
+from trio_pd.core._rooms import Chunk, PrefillRoom
+from trio_pd.core._topology import head_range
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool

@@ -40,9 +40,9 @@ import numpy.typing as npt
 import pytest
 import trio
 
-from trio_pd import ConfigurationError, EngineError, KVPoll, _cuda, open_decode, open_prefill
-from trio_pd import _wire as wire
-from trio_pd._memory import (
+from trio_pd import ConfigurationError, EngineError, KVPoll, open_decode, open_prefill
+from trio_pd.core import _wire as wire
+from trio_pd.core._memory import (
     HOST,
     MemoryKind,
     PoolSpec,
@@ -52,9 +52,10 @@ from trio_pd._memory import (
     read_aux_stamp,
     stamp_aux_row,
 )
-from trio_pd._plan import concat, plan_aux, plan_pages, validate_blocks
+from trio_pd.core._plan import concat, plan_aux, plan_pages, validate_blocks
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines import mooncake as mooncake_adapter
+from trio_pd.io import _cuda
 from trio_pd.testing.device import DeviceKVPool
 from trio_pd.testing.pools import HostKVPool, PageAllocator
 

@@ -30,7 +30,7 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._stats import SIDES, AgentStatistics
+from trio_pd.core._stats import SIDES, AgentStatistics
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.metrics import STATISTICS_NAMES, AgentMetrics

@@ -1,5 +1,5 @@
 """Host names are resolved off every I/O thread, bounded in time, before any ZeroMQ socket
-sees them (``trio_pd._names``). The real thing, a resolver that never answers in a network
+sees them (``trio_pd.io._names``). The real thing, a resolver that never answers in a network
 namespace, is in the chaos session (tests/chaos/test_dns.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import trio
 
-from trio_pd import ConfigurationError, _names, open_decode
+from trio_pd import ConfigurationError, open_decode
 from trio_pd.engines import make_engine
+from trio_pd.io import _names
 from trio_pd.testing.pools import HostKVPool
 
 

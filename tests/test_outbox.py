@@ -1,4 +1,4 @@
-"""trio_pd._outbox: one retry policy for every control message that must arrive.
+"""trio_pd.io._outbox: one retry policy for every control message that must arrive.
 
 Most tests give the outbox a scripted ``send_nowait`` (no sockets) and the real ``Timers``
 running under ``autojump_clock``, and assert what was asked to be sent, and when. The last one
@@ -17,12 +17,12 @@ import pytest
 import trio
 import zmq
 
-from trio_pd import _wire
-from trio_pd._control import ControlPlane
-from trio_pd._outbox import Outbox
-from trio_pd._stats import Counters
-from trio_pd._timers import Timers
-from trio_pd._zmq import open_socket
+from trio_pd.core import _wire
+from trio_pd.core._stats import Counters
+from trio_pd.io._control import ControlPlane
+from trio_pd.io._outbox import Outbox
+from trio_pd.io._timers import Timers
+from trio_pd.io._zmq import open_socket
 
 V = _wire.WIRE_VERSION
 A, B = "tcp://127.0.0.1:1001", "tcp://127.0.0.1:1002"

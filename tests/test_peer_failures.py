@@ -30,7 +30,7 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._state import Liveness
+from trio_pd.core._state import Liveness
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy
 from trio_pd.metrics import AgentMetrics

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trio_pd import _memory
-from trio_pd._errors import ProtocolError, RegionError
-from trio_pd._memory import PoolSpec, Region, validate_pages
-from trio_pd._plan import (
+from trio_pd.core import _memory
+from trio_pd.core._errors import ProtocolError, RegionError
+from trio_pd.core._memory import PoolSpec, Region, validate_pages
+from trio_pd.core._plan import (
     Blocks,
     chunk_ranges,
     concat,
@@ -33,7 +33,13 @@ from trio_pd._plan import (
     total_bytes,
     validate_blocks,
 )
-from trio_pd._topology import aux_writer, head_range, served_decode_ranks, source_ranks, write_heads
+from trio_pd.core._topology import (
+    aux_writer,
+    head_range,
+    served_decode_ranks,
+    source_ranks,
+    write_heads,
+)
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

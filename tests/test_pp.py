@@ -30,10 +30,10 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._bootstrap_client import BootstrapClient, PrefillRankInfo
-from trio_pd._errors import ConfigurationError, NotReady
-from trio_pd._memory import layer_buffers, layer_view
-from trio_pd._topology import head_range, pairing_problem, source_ranks, writes_aux
+from trio_pd.bootstrap._bootstrap_client import BootstrapClient, PrefillRankInfo
+from trio_pd.core._errors import ConfigurationError, NotReady
+from trio_pd.core._memory import layer_buffers, layer_view
+from trio_pd.core._topology import head_range, pairing_problem, source_ranks, writes_aux
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import AUX_ITEM_LEN, HostKVPool
@@ -470,7 +470,7 @@ async def test_the_demo_runs_pp_with_aborts_and_faults() -> None:
     """`trio-pd demo --prefill-pp 2 --prefill-tp 2 --decode-tp 2`: every decode rank gathers
     both stages' layers, verified byte for byte (the pools' bytes are the model layer's);
     aborts and faults included: nothing late, corrupt or leaked, nothing freed by timeout."""
-    from trio_pd._demo import DemoOptions, check, run_in_process
+    from trio_pd.tools._demo import DemoOptions, check, run_in_process
 
     opts = DemoOptions(requests=24, concurrency=6, min_tokens=1, max_tokens=48, page_size=4,
                        chunk_pages=3, layers=4, head_bytes=16, kv_heads=4, prefill_tp=2,

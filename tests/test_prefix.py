@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from trio_pd import KVPoll, ProtocolError
-from trio_pd import _wire as wire
-from trio_pd._demo import DemoOptions, check, run_in_process
+from trio_pd.core import _wire as wire
+from trio_pd.tools._demo import DemoOptions, check, run_in_process
 
 from .helpers.agents import open_pair
 

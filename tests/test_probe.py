@@ -1,8 +1,8 @@
-"""Three-valued liveness (SPEC §5.6): trio_pd._probe against real engines and real processes.
+"""Three-valued liveness (SPEC §5.6): trio_pd.io._probe against real engines and real processes.
 
 A peer here is a real OS process: it builds a real engine, binds a real ZeroMQ PULL socket as
 its "control endpoint", prints where both are, and waits for its stdin to close. The tests
-kill, stop and continue it with signals and check what :func:`trio_pd._probe.probe` can say:
+kill, stop and continue it with signals and check what :func:`trio_pd.io._probe.probe` can say:
 ALIVE while it runs, REFUSED once it is dead (its ports refuse: a hint, never GONE, since a
 dead process's kernel may still deliver what its sockets held, and a closed agent's engine
 may still run), UNKNOWN while it is stopped (a hung engine probe proves nothing).
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import pytest
 import trio
 
-from trio_pd._probe import ProbeThreads, _host_port, port_refuses, probe, wait_idle
-from trio_pd._state import Liveness
+from trio_pd.core._state import Liveness
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import FaultEngine
+from trio_pd.io._probe import ProbeThreads, _host_port, port_refuses, probe, wait_idle
 
 from .helpers.child import NO_DESCRIPTORS, run_child
 from .helpers.engines import HAVE_NIXL
@@ -340,8 +340,8 @@ async def test_nixl_killed_peer_is_refused_via_its_control_endpoint() -> None:
 _PROBE_WITHOUT_DESCRIPTORS = NO_DESCRIPTORS + """
 import json, socket
 import trio
-from trio_pd._probe import ProbeThreads, probe
-from trio_pd._stats import Counters
+from trio_pd.io._probe import ProbeThreads, probe
+from trio_pd.core._stats import Counters
 
 class NoEngine:  # (the probe cannot get as far as the engine)
     name = "nixl"

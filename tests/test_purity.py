@@ -1,6 +1,6 @@
 """The pure core imports no I/O: not trio, not zmq, not an engine, not the agents (SPEC §5).
 
-``trio_pd/__init__.py`` imports the agents, so a plain ``import trio_pd._rooms`` runs it and
+``trio_pd/__init__.py`` imports the agents, so a plain ``import trio_pd.core._rooms`` runs it and
 pulls trio in whatever ``_rooms`` does. The check therefore runs in a fresh interpreter that
 installs an empty stand-in for the ``trio_pd`` package (its ``__path__`` the real directory,
 its ``__init__`` never run) and imports the core modules through it: whatever lands in
@@ -16,10 +16,18 @@ from pathlib import Path
 
 import trio_pd
 
-CORE = ["_state", "_rooms", "_tables", "_plan", "_memory", "_topology", "_wire"]
+CORE = sorted(  # every module of the pure core package
+    "core." + p.stem for p in (Path(trio_pd.__file__).parent / "core").glob("_*.py")
+    if p.stem != "__init__"
+)
+assert CORE, "trio_pd/core/ holds no module: is this the checkout's trio_pd?"
 #: the bootstrap service's pure parts: the records it and its clients exchange, the rank
 #: table and the DP-attention records (the HTTP around them is elsewhere)
-BOOTSTRAP_PURE = ["_bootstrap_records", "_bootstrap_ranks", "_bootstrap_dp"]
+BOOTSTRAP_PURE = [
+    "bootstrap._bootstrap_records",
+    "bootstrap._bootstrap_ranks",
+    "bootstrap._bootstrap_dp",
+]
 FORBIDDEN = [
     "trio",
     "zmq",
@@ -27,9 +35,9 @@ FORBIDDEN = [
     "httpx",
     "prometheus_client",
     "trio_pd.engines",
-    "trio_pd._prefill",
-    "trio_pd._decode",
-    "trio_pd._control",
+    "trio_pd.agents._prefill",
+    "trio_pd.agents._decode",
+    "trio_pd.io._control",
 ]
 
 PROBE = """
@@ -76,4 +84,4 @@ def test_bootstrap_tables_import_no_io() -> None:
 
 def test_the_probe_sees_an_impure_import() -> None:
     """The probe itself works: importing an agent module through it does show trio."""
-    assert "trio" in _offenders(_loaded(["_prefill"]))
+    assert "trio" in _offenders(_loaded(["agents._prefill"]))

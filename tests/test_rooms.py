@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from trio_pd._errors import (
+from trio_pd.core._errors import (
     AdmissionClosed,
     EngineError,
     PeerLost,
@@ -36,7 +36,7 @@ from trio_pd._errors import (
     TransferAborted,
     TransferError,
 )
-from trio_pd._rooms import (
+from trio_pd.core._rooms import (
     ArmAckDeadline,
     CancelWork,
     Chunk,
@@ -58,7 +58,7 @@ from trio_pd._rooms import (
     SendTransfers,
     Succeeded,
 )
-from trio_pd._state import KVPoll, Lease, Outcome
+from trio_pd.core._state import KVPoll, Lease, Outcome
 
 POOL = 64
 PEER = PeerPool(64, 8)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from trio_pd._demo import DemoOptions, run_in_process
+from trio_pd.tools._demo import DemoOptions, run_in_process
 
 from .helpers.faults import break_the_drain
 

@@ -53,14 +53,14 @@ from trio_pd import (
     PrefillAgent,
     PrefillConfig,
 )
-from trio_pd import _wire as wire
-from trio_pd._chunks import Write
-from trio_pd._lane import run_to_end
-from trio_pd._memory import stamp_aux_row
-from trio_pd._prefill import _Room
-from trio_pd._sources import Instance as _Instance
-from trio_pd._sources import PrefillRank as _PrefillRank
+from trio_pd.agents._chunks import Write
+from trio_pd.agents._prefill import _Room
+from trio_pd.agents._sources import Instance as _Instance
+from trio_pd.agents._sources import PrefillRank as _PrefillRank
+from trio_pd.core import _wire as wire
+from trio_pd.core._memory import stamp_aux_row
 from trio_pd.engines import start_write
+from trio_pd.io._lane import run_to_end
 from trio_pd.testing import explore, replay
 from trio_pd.testing.pools import HostKVPool
 
@@ -120,7 +120,7 @@ def inline_run_sync(trace: Trace, *, duration: int = 1) -> Callable[..., Awaitab
         thread_name: str | None = None,
     ) -> Any:
         # trio_pd never abandons an engine call; a probe or a fence (which touch no page) are
-        # the calls it may abandon (trio_pd._probe: the probe's thread function; decode's
+        # the calls it may abandon (trio_pd.io._probe: the probe's thread function; decode's
         # fence_writer)
         abandonable = {"probe", "_probe_in_thread", "fence_writer"}
         assert not abandon_on_cancel or getattr(fn, "__name__", "") in abandonable, fn

@@ -1,4 +1,4 @@
-"""The kernel's send queues as proof that a failed call's bytes are gone (trio_pd._sendq), and
+"""The kernel's send queues as proof that a failed call's bytes are gone (trio_pd.io._sendq), and
 the quarantine that waits for it.
 
 On a real partition (tests/chaos/test_netns.py) Mooncake kept a timed-out call's block in the
@@ -28,9 +28,9 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._sendq import DrainWatch, parse, snapshot
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
+from trio_pd.io._sendq import DrainWatch, parse, snapshot
 
 from .helpers.agents import host_pool
 from .helpers.child import NO_DESCRIPTORS, run_child
@@ -194,7 +194,7 @@ async def a_failed_write(
 #: run in a child process: every descriptor taken, then a snapshot of the tables
 _SNAPSHOT_WITHOUT_DESCRIPTORS = NO_DESCRIPTORS + """
 import json
-from trio_pd._sendq import snapshot
+from trio_pd.io._sendq import snapshot
 taken = take_every_descriptor()
 try:
     answer = {"snapshot": repr(snapshot(["127.0.0.1"]))}
@@ -220,7 +220,7 @@ async def test_a_send_queue_check_that_cannot_run_keeps_the_quarantine(
     out, counted ``checks_unknown`` and ``quarantine_unknown``, and the agent serves on; once
     the tables can be read again the quarantine ends. (Before: the error escaped into the
     agent's task and closed the agent.)"""
-    from trio_pd import _sendq
+    from trio_pd.io import _sendq
 
     real = _sendq.snapshot
 

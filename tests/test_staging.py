@@ -1,4 +1,4 @@
-"""Staged head slices (trio_pd._staging): when decode runs at a larger TP than prefill, a
+"""Staged head slices (trio_pd.core._staging): when decode runs at a larger TP than prefill, a
 chunk's head slices are gathered into the prefill rank's staging area and written as one
 block per run of destination pages.
 
@@ -22,13 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_pd import KVPoll, PrefillConfig
-from trio_pd._demo import DemoOptions
-from trio_pd._plan import Blocks, plan_pages, plan_staged, staged_bytes, stages_heads
-from trio_pd._staging import UNIT, StagingArea
-from trio_pd._topology import write_heads
+from trio_pd.core._plan import Blocks, plan_pages, plan_staged, staged_bytes, stages_heads
+from trio_pd.core._staging import UNIT, StagingArea
+from trio_pd.core._topology import write_heads
 from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import HostKVPool
+from trio_pd.tools._demo import DemoOptions
 
 from .helpers.agents import poll_until
 from .helpers.cluster import open_cluster
@@ -292,7 +292,7 @@ async def test_the_area_stays_allocated_when_the_agent_closes_with_a_range_held(
     agent closing then handed it back with the room's source pages, so close_staging found
     nothing held and let the area be freed (found by a review). The range stays held and
     the area is kept for the life of the process."""
-    from trio_pd import _chunks
+    from trio_pd.agents import _chunks
 
     # (the rule is the agent's, whatever the engine; the close gives up waiting for the
     # quarantine after 0.5 s)

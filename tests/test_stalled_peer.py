@@ -27,7 +27,7 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._jobs import JobQueues
+from trio_pd.agents._jobs import JobQueues
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from trio_pd._errors import AdmissionClosed, TransferError
-from trio_pd._state import (
+from trio_pd.core._errors import AdmissionClosed, TransferError
+from trio_pd.core._state import (
     AckBook,
     DecodeBook,
     KVPoll,

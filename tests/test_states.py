@@ -32,18 +32,18 @@ from trio_pd import (
     PrefillAgent,
     ProtocolError,
     StateSpec,
-    _sources,
-    _wire,
     cli,
     open_decode,
     open_prefill,
 )
-from trio_pd._demo import DemoOptions, run_in_process
-from trio_pd._memory import HOST, PoolSpec, describe_pool
-from trio_pd._plan import plan_states, validate_blocks
-from trio_pd._topology import served_decode_ranks, source_ranks, state_cuts, state_problem
+from trio_pd.agents import _sources
+from trio_pd.core import _wire
+from trio_pd.core._memory import HOST, PoolSpec, describe_pool
+from trio_pd.core._plan import plan_states, validate_blocks
+from trio_pd.core._topology import served_decode_ranks, source_ranks, state_cuts, state_problem
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import DEST_POISON, HostKVPool, PageAllocator, StateShape
+from trio_pd.tools._demo import DemoOptions, run_in_process
 
 from .helpers.agents import host_pool, open_pair
 from .helpers.faults import abort_a_stalled_write, stall_every_write
@@ -460,7 +460,7 @@ async def test_more_state_slots_than_a_transfer_carries_are_refused_up_front(
     later, in the task that resolves every room's instance, and the error tore the decode
     agent down (or, once resolved, ``init`` raised with the room half made, and its
     ``on_release`` still ran at its deadline)."""
-    from trio_pd._memory import MAX_REQUEST_STATE_SLOTS
+    from trio_pd.core._memory import MAX_REQUEST_STATE_SLOTS
 
     many = MAX_REQUEST_STATE_SLOTS + 1
     tiny = StateShape("swa", (1,))

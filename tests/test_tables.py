@@ -1,4 +1,4 @@
-"""The room tables (``trio_pd._tables``), driven by plain calls: no trio, no engine, no socket.
+"""The room tables (``trio_pd.core._tables``), driven by plain calls: no trio, no engine, no socket.
 
 What arrives at the edge of a room (a TRANSFER before the room, an ABORT for a use not held, a
 deadline after the room id was reused) and what each deadline's expiry does, asserted on the
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import trio_pd
-from trio_pd._errors import ProtocolError, TransferAborted, TransferError, TransferTimeout
-from trio_pd._rooms import (
+from trio_pd.core._errors import ProtocolError, TransferAborted, TransferError, TransferTimeout
+from trio_pd.core._rooms import (
     Arm,
     ArmAckDeadline,
     Count,
@@ -39,8 +39,8 @@ from trio_pd._rooms import (
     SendTransfers,
     Succeeded,
 )
-from trio_pd._state import KVPoll
-from trio_pd._tables import (
+from trio_pd.core._state import KVPoll
+from trio_pd.core._tables import (
     DecodeDeadlines,
     DecodePeerView,
     DecodeRooms,
@@ -48,7 +48,7 @@ from trio_pd._tables import (
     PrefillRooms,
     RoomDeadline,
 )
-from trio_pd._wire import WIRE_VERSION, Transfer
+from trio_pd.core._wire import WIRE_VERSION, Transfer
 
 POOL = 64
 DEADLINES = PrefillDeadlines(bootstrap=30.0, tombstone=120.0)

@@ -18,9 +18,9 @@ from trio_pd import (
     RemoteFailure,
     TransferAborted,
 )
-from trio_pd._demo import DemoOptions, check, run_in_process
 from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine
+from trio_pd.tools._demo import DemoOptions, check, run_in_process
 
 from .helpers.agents import poll_until
 from .helpers.cluster import open_cluster

@@ -30,11 +30,11 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd import _wire as wire
-from trio_pd._demo import DemoOptions, RankResult, summarize
-from trio_pd._plan import chunk_ranges
+from trio_pd.core import _wire as wire
+from trio_pd.core._plan import chunk_ranges
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
+from trio_pd.tools._demo import DemoOptions, RankResult, summarize
 
 from .helpers.agents import Pair, host_pool, open_pair, poll_until
 

@@ -1,4 +1,4 @@
-"""trio_pd._wire: round trips, and strict refusal of anything malformed (SPEC §6)."""
+"""trio_pd.core._wire: round trips, and strict refusal of anything malformed (SPEC §6)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trio_pd._errors import ProtocolError
-from trio_pd._memory import PoolSpec
-from trio_pd._wire import (
+from trio_pd.core._errors import ProtocolError
+from trio_pd.core._memory import PoolSpec
+from trio_pd.core._wire import (
     MAX_AUX_BUFFERS,
     MAX_BUFFERS,
     MAX_ENDPOINT_CHARS,

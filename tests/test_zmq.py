@@ -1,4 +1,4 @@
-"""trio_pd._zmq: the trio adapter for ZeroMQ sockets, over real sockets (tcp and inproc)."""
+"""trio_pd.io._zmq: the trio adapter for ZeroMQ sockets, over real sockets (tcp and inproc)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import trio
 import trio.testing
 import zmq
 
-from trio_pd._zmq import Socket, open_socket
+from trio_pd.io._zmq import Socket, open_socket
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 

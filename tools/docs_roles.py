@@ -6,7 +6,7 @@ trio_pd's docstrings cross-reference with Sphinx roles (``:class:`~trio_pd.PoolS
 rewrites each role, once the package is loaded, into an mkdocs-autorefs link. The name is
 resolved the way Python would resolve it where the docstring is (the object, then its
 parents and their imports), and the link goes to the public name the reference shows it
-under (``trio_pd._memory.PoolSpec`` is shown as ``trio_pd.PoolSpec``). ``~`` keeps only
+under (``trio_pd.core._memory.PoolSpec`` is shown as ``trio_pd.PoolSpec``). ``~`` keeps only
 the last part of the name as the link's text, as in Sphinx.
 
 A public object with a docstring is one the reference must show: its link is required,

@@ -3,7 +3,7 @@ device-to-device on the same bytes as the ceiling. Run by tools/gpu-check; on it
 
     python tools/gpu_bench.py --json gpu-bench.json [--mib 256] [--block-kib 1024]
 
-Both buffers are ``cudaMalloc`` on device 0 (trio_pd._cuda). Each engine gets a writer and a
+Both buffers are ``cudaMalloc`` on device 0 (trio_pd.io._cuda). Each engine gets a writer and a
 reader engine in this process (loopback: Mooncake over TCP unless it finds RDMA, NIXL over
 UCX), registers the buffers with their kind (``cuda:0``), and writes the whole source as
 ``block``-sized blocks scattered into the destination; the destination is copied back and
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from trio_pd import _cuda
-from trio_pd._memory import MemoryKind
+from trio_pd.core._memory import MemoryKind
 from trio_pd.engines import Region, TransferEngine, make_engine
+from trio_pd.io import _cuda
 
 DEVICE = 0
 

@@ -2,41 +2,41 @@
 
 import importlib.metadata as _metadata
 
-from ._bootstrap import open_bootstrap_server as open_bootstrap_server
-from ._bootstrap import serve_bootstrap as serve_bootstrap
-from ._bootstrap_client import BootstrapClient as BootstrapClient
-from ._decode import DecodeAgent as DecodeAgent
-from ._decode import DecodeConfig as DecodeConfig
-from ._decode import DecodeReceiver as DecodeReceiver
-from ._decode import open_decode as open_decode
-from ._errors import AdmissionClosed as AdmissionClosed
-from ._errors import AuthenticationError as AuthenticationError
-from ._errors import BootstrapError as BootstrapError
-from ._errors import BootstrapUnreachable as BootstrapUnreachable
-from ._errors import ConfigurationError as ConfigurationError
-from ._errors import EngineError as EngineError
-from ._errors import IncompatiblePeer as IncompatiblePeer
-from ._errors import NotReady as NotReady
-from ._errors import PeerLost as PeerLost
-from ._errors import ProtocolError as ProtocolError
-from ._errors import RegionError as RegionError
-from ._errors import RemoteFailure as RemoteFailure
-from ._errors import TransferAborted as TransferAborted
-from ._errors import TransferError as TransferError
-from ._errors import TransferTimeout as TransferTimeout
-from ._errors import UnknownRank as UnknownRank
-from ._errors import UnknownRoom as UnknownRoom
-from ._memory import MemoryKind as MemoryKind
-from ._memory import PoolSpec as PoolSpec
-from ._memory import StateSpec as StateSpec
-from ._memory import buffer_region as buffer_region
-from ._memory import describe_pool as describe_pool
-from ._prefill import PrefillAgent as PrefillAgent
-from ._prefill import PrefillConfig as PrefillConfig
-from ._prefill import PrefillSender as PrefillSender
-from ._prefill import open_prefill as open_prefill
-from ._state import KVPoll as KVPoll
-from ._stats import AgentStatistics as AgentStatistics
+from .agents._decode import DecodeAgent as DecodeAgent
+from .agents._decode import DecodeConfig as DecodeConfig
+from .agents._decode import DecodeReceiver as DecodeReceiver
+from .agents._decode import open_decode as open_decode
+from .agents._prefill import PrefillAgent as PrefillAgent
+from .agents._prefill import PrefillConfig as PrefillConfig
+from .agents._prefill import PrefillSender as PrefillSender
+from .agents._prefill import open_prefill as open_prefill
+from .bootstrap._bootstrap import open_bootstrap_server as open_bootstrap_server
+from .bootstrap._bootstrap import serve_bootstrap as serve_bootstrap
+from .bootstrap._bootstrap_client import BootstrapClient as BootstrapClient
+from .core._errors import AdmissionClosed as AdmissionClosed
+from .core._errors import AuthenticationError as AuthenticationError
+from .core._errors import BootstrapError as BootstrapError
+from .core._errors import BootstrapUnreachable as BootstrapUnreachable
+from .core._errors import ConfigurationError as ConfigurationError
+from .core._errors import EngineError as EngineError
+from .core._errors import IncompatiblePeer as IncompatiblePeer
+from .core._errors import NotReady as NotReady
+from .core._errors import PeerLost as PeerLost
+from .core._errors import ProtocolError as ProtocolError
+from .core._errors import RegionError as RegionError
+from .core._errors import RemoteFailure as RemoteFailure
+from .core._errors import TransferAborted as TransferAborted
+from .core._errors import TransferError as TransferError
+from .core._errors import TransferTimeout as TransferTimeout
+from .core._errors import UnknownRank as UnknownRank
+from .core._errors import UnknownRoom as UnknownRoom
+from .core._memory import MemoryKind as MemoryKind
+from .core._memory import PoolSpec as PoolSpec
+from .core._memory import StateSpec as StateSpec
+from .core._memory import buffer_region as buffer_region
+from .core._memory import describe_pool as describe_pool
+from .core._state import KVPoll as KVPoll
+from .core._stats import AgentStatistics as AgentStatistics
 
 try:  # one version source: pyproject.toml, through the installed package's metadata
     __version__: str = _metadata.version("trio-pd")

@@ -41,13 +41,13 @@ import outcome
 import trio
 import trio.lowlevel
 
-from ._bootstrap import BootstrapServer, open_bootstrap_server
-from ._closing import how_ended
-from ._decode import DecodeAgent, DecodeReceiver, open_decode
-from ._errors import TransferError
-from ._prefill import PrefillAgent, PrefillSender, open_prefill
-from ._state import KVPoll
-from ._stats import AgentStatistics
+from .agents._decode import DecodeAgent, DecodeReceiver, open_decode
+from .agents._prefill import PrefillAgent, PrefillSender, open_prefill
+from .bootstrap._bootstrap import BootstrapServer, open_bootstrap_server
+from .core._closing import how_ended
+from .core._errors import TransferError
+from .core._state import KVPoll
+from .core._stats import AgentStatistics
 
 __all__ = [
     "AioDecode",

@@ -16,7 +16,8 @@ from typing import Any, NoReturn
 
 import trio
 
-from . import __version__, _lifeline
+from . import __version__
+from .io import _lifeline
 
 #: the exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it
 INTERRUPTED = 130
@@ -88,7 +89,7 @@ def _common() -> argparse.ArgumentParser:
 
 
 def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from ._demo import DemoOptions
+    from .tools._demo import DemoOptions
 
     d = DemoOptions()
     p: argparse.ArgumentParser = sub.add_parser(
@@ -175,7 +176,7 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from ._demo import DemoOptions
+    from .tools._demo import DemoOptions
 
     names = {f.name for f in fields(DemoOptions)}
     given = {k: v for k, v in vars(args).items() if k in names}
@@ -205,7 +206,7 @@ def _with_progress(total: int, quiet: bool, run: Callable[[Callable[[], None]], 
 
 
 def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ._demo import Interrupt, check, run_in_process, run_processes, run_sigint_aware
+    from .tools._demo import Interrupt, check, run_in_process, run_processes, run_sigint_aware
 
     if args.secure and args.insecure:
         parser.error("--secure and --insecure contradict each other")
@@ -247,7 +248,7 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _print_summary(s: dict[str, Any], problems: list[str], signum: int | None = None) -> None:
-    from ._demo import DEMO_DEVICE
+    from .tools._demo import DEMO_DEVICE
 
     outcome = f"  succeeded {s['succeeded']}   failed {s['failed']}   aborted {s['aborted']}"
     if s.get("interrupted"):
@@ -325,7 +326,7 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
 
 
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import _bench
+    from .tools import _bench
 
     if args.plot:
         problem = _bench.plot_problem(args.plot)
@@ -416,10 +417,10 @@ def _bootstrap_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Arg
 def _cmd_bootstrap(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prometheus_client import CollectorRegistry
 
-    from ._bootstrap import open_bootstrap_server
-    from ._demo import Interrupt, run_sigint_aware
-    from ._errors import BootstrapError, ConfigurationError
-    from ._security import resolve
+    from .bootstrap._bootstrap import open_bootstrap_server
+    from .core._errors import BootstrapError, ConfigurationError
+    from .io._security import resolve
+    from .tools._demo import Interrupt, run_sigint_aware
 
     registry = CollectorRegistry() if args.metrics else None
     secure: bool | None = False  # --insecure: the service says so itself, once
@@ -466,7 +467,7 @@ def _interrupted(exc: BaseException) -> bool:
 
 def _cmd_worker(argv: Sequence[str]) -> int:
     """The hidden ``_worker`` command: one rank of ``demo --processes``."""
-    from ._demo import DemoOptions, quiet_engine_logs, run_sigint_aware, run_worker
+    from .tools._demo import DemoOptions, quiet_engine_logs, run_sigint_aware, run_worker
 
     w = _Parser(prog="trio-pd _worker", description="internal: one rank of demo --processes")
     w.add_argument("role", choices=("prefill", "decode"))
@@ -526,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the command's parser, so the line names the command
         commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    from ._demo import quiet_engine_logs
+    from .tools._demo import quiet_engine_logs
 
     # set before any engine exists; rank processes inherit it
     quiet_engine_logs(args.verbose)

@@ -50,7 +50,7 @@ role, and only with that role's series. The families are
     failed (unreachable, timed out, incompatible: ``error``).
 ``trio_pd_agent_<field>`` (``role, rank``)
     Every :class:`~trio_pd.AgentStatistics` field the attached agent's role keeps
-    (``trio_pd._stats.SIDES``), read from ``agent.statistics()`` at scrape time, so they
+    (``trio_pd.core._stats.SIDES``), read from ``agent.statistics()`` at scrape time, so they
     always equal ``statistics()``: gauges for ``rooms_active``, ``leases_live``,
     ``leases_quarantined`` and ``pages_held``, counters (``..._total``) for the rest.
     Names put the unit last (Prometheus naming); two fields are renamed for it:
@@ -87,7 +87,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ._stats import SIDES, AgentStatistics, Side
+from .core._stats import SIDES, AgentStatistics, Side
 
 __all__ = ["STATISTICS_NAMES", "AgentMetrics", "StatisticsSource"]
 

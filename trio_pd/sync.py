@@ -45,14 +45,22 @@ import numpy.typing as npt
 import trio
 import trio.lowlevel
 
-from ._bootstrap import BootstrapServer
-from ._bootstrap import open_bootstrap_server as _open_bootstrap_server
-from ._bootstrap_client import MAX_DP_SIZE, check_dp, split_dp_url
-from ._closing import ClosesOnExit, LeavesOnExit
-from ._decode import DecodeAgent, DecodeConfig, DecodeReceiver
-from ._decode import open_decode as _open_decode
-from ._errors import AdmissionClosed, ProtocolError, TransferAborted, TransferError, TransferTimeout
-from ._memory import (
+from .agents._decode import DecodeAgent, DecodeConfig, DecodeReceiver
+from .agents._decode import open_decode as _open_decode
+from .agents._prefill import PrefillAgent, PrefillSender, layer_range
+from .agents._prefill import open_prefill as _open_prefill
+from .bootstrap._bootstrap import BootstrapServer
+from .bootstrap._bootstrap import open_bootstrap_server as _open_bootstrap_server
+from .bootstrap._bootstrap_client import MAX_DP_SIZE, check_dp, split_dp_url
+from .core._closing import ClosesOnExit, LeavesOnExit
+from .core._errors import (
+    AdmissionClosed,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+)
+from .core._memory import (
     PoolSpec,
     as_index,
     check_aux_slot,
@@ -62,11 +70,9 @@ from ._memory import (
     page_ids,
     validate_pages,
 )
-from ._prefill import PrefillAgent, PrefillSender, layer_range
-from ._prefill import open_prefill as _open_prefill
-from ._rooms import RequestPages
-from ._state import KVPoll
-from ._stats import AgentStatistics
+from .core._rooms import RequestPages
+from .core._state import KVPoll
+from .core._stats import AgentStatistics
 from .engines import TransferEngine
 
 __all__ = [

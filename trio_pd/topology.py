@@ -12,12 +12,12 @@ rank of a PP stage writes it (the last stage's aux writer only).
 Each raises ``ValueError`` for TP sizes that cannot pair.
 """
 
-from ._topology import aux_writer as aux_writer
-from ._topology import head_range as head_range
-from ._topology import served_decode_ranks as served_decode_ranks
-from ._topology import source_ranks as source_ranks
-from ._topology import write_heads as write_heads
-from ._topology import writes_aux as writes_aux
+from .core._topology import aux_writer as aux_writer
+from .core._topology import head_range as head_range
+from .core._topology import served_decode_ranks as served_decode_ranks
+from .core._topology import source_ranks as source_ranks
+from .core._topology import write_heads as write_heads
+from .core._topology import writes_aux as writes_aux
 
 __all__ = [
     "aux_writer", "head_range", "served_decode_ranks", "source_ranks", "write_heads",

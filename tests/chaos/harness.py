@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from trio_pd._sendq import Row, rows
+from trio_pd.io._sendq import Row, rows
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 

@@ -35,7 +35,8 @@ import json, socket, sys, threading, time
 import numpy as np
 import trio
 import zmq
-from trio_pd import _wire, open_bootstrap_server, open_decode, open_prefill
+from trio_pd.core import _wire
+from trio_pd import open_bootstrap_server, open_decode, open_prefill
 from trio_pd.engines import make_engine
 from trio_pd.testing.pools import HostKVPool
 

@@ -45,12 +45,12 @@ import trio
 import trio.lowlevel
 
 from trio_pd import DecodeConfig, KVPoll, PrefillConfig, open_decode, open_prefill
-from trio_pd._demo import RankResult, Request, _verify
-from trio_pd._errors import AdmissionClosed
-from trio_pd._plan import chunk_ranges
+from trio_pd.core._errors import AdmissionClosed
+from trio_pd.core._plan import chunk_ranges
 from trio_pd.engines import make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool, PageAllocator, page_rows
+from trio_pd.tools._demo import RankResult, Request, _verify
 
 GUARD_POISON = 0xA5
 GUARD_ROWS = 4

@@ -1,6 +1,6 @@
 """Generators for the fuzz session: valid control messages drawn with ``random.Random`` (fast
 enough for a million inputs, where hypothesis is not), the ways to spoil them, and the check
-of what :func:`trio_pd._wire.decode` may return.
+of what :func:`trio_pd.core._wire.decode` may return.
 
 Every mutation is a pure function of the generator's state, so a failing input is found again
 from its seed and index (the tests print both, and the frames, for anything that escapes).
@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from trio_pd import _wire
-from trio_pd._wire import (
+from trio_pd.core import _wire
+from trio_pd.core._wire import (
     MAX_BUFFERS,
     MAX_ENDPOINT_CHARS,
     MAX_ENGINE_META_BYTES,

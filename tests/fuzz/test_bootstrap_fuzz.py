@@ -38,7 +38,7 @@ import pytest
 import trio
 
 from trio_pd import open_bootstrap_server
-from trio_pd._bootstrap_client import PrefillRankInfo
+from trio_pd.bootstrap._bootstrap_client import PrefillRankInfo
 
 from ._gen import report
 
@@ -258,7 +258,7 @@ def garbage_body(rng: random.Random, base: dict[str, Any]) -> bytes:
 
 def is_valid_registration(body: bytes) -> bool:
     """Would the service store it? (Those are withheld: they are not garbage.)"""
-    from trio_pd._bootstrap_ranks import invalid_reason
+    from trio_pd.bootstrap._bootstrap_ranks import invalid_reason
 
     try:
         info = msgspec.json.decode(body, type=PrefillRankInfo)

@@ -44,10 +44,11 @@ import numpy as np
 import pytest
 import trio
 
-from trio_pd import KVPoll, ProtocolError, _wire, open_decode, open_prefill
-from trio_pd._control import ControlPlane
-from trio_pd._stats import AgentStatistics
+from trio_pd import KVPoll, ProtocolError, open_decode, open_prefill
+from trio_pd.core import _wire
+from trio_pd.core._stats import AgentStatistics
 from trio_pd.engines import make_engine
+from trio_pd.io._control import ControlPlane
 from trio_pd.testing.pools import HostKVPool
 
 from ..helpers.agents import host_pool

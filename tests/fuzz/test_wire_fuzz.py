@@ -1,6 +1,6 @@
 """Every wire decoder under generated hostile input (issue 14, item 5, part 1).
 
-The invariant (``trio_pd._wire`` module docstring): :func:`~trio_pd._wire.decode` either
+The invariant (``trio_pd.core._wire`` module docstring): :func:`~trio_pd.core._wire.decode` either
 returns a well-typed message that satisfies every documented bound, or raises
 :class:`ProtocolError`; never anything else, and never slowly. A decoded message re-encodes
 to frames that decode equal.
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_pd import ProtocolError
-from trio_pd._wire import decode, encode
+from trio_pd.core._wire import decode, encode
 
 from ..helpers.wire import STRATEGIES, any_message, msgpack_values, mutate, mutations
 from ._gen import (

@@ -17,9 +17,9 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._demo import DemoOptions, _pool
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.testing.pools import HostKVPool
+from trio_pd.tools._demo import DemoOptions, _pool
 
 
 @dataclass

@@ -25,7 +25,7 @@ from trio_pd import (
     open_decode,
     open_prefill,
 )
-from trio_pd._topology import head_range
+from trio_pd.core._topology import head_range
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy
 from trio_pd.testing.device import DeviceKVPool, engine_problem

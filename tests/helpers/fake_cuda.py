@@ -23,9 +23,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from trio_pd import _cuda
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines import mooncake as mooncake_adapter
+from trio_pd.io import _cuda
 
 
 class Err(enum.IntEnum):

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import trio
 
-from trio_pd import DecodeReceiver, PrefillSender, _prefill
-from trio_pd._lane import run_to_end
+from trio_pd import DecodeReceiver, PrefillSender
+from trio_pd.agents import _prefill
 from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine
+from trio_pd.io._lane import run_to_end
 
 
 def stall_every_write(

@@ -20,11 +20,12 @@ import numpy as np
 import trio
 import zmq
 
-from trio_pd import KVPoll, PrefillSender, _wire
-from trio_pd._control import ControlPlane
-from trio_pd._stats import Counters
-from trio_pd._zmq import Socket, open_socket
+from trio_pd import KVPoll, PrefillSender
+from trio_pd.core import _wire
+from trio_pd.core._stats import Counters
 from trio_pd.engines import TransferEngine
+from trio_pd.io._control import ControlPlane
+from trio_pd.io._zmq import Socket, open_socket
 
 from .agents import Pair, poll_until
 

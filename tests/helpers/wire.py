@@ -8,7 +8,7 @@ from typing import Any, Literal
 import numpy as np
 from hypothesis import strategies as st
 
-from trio_pd._wire import (
+from trio_pd.core._wire import (
     MAX_POOL_PAGES,
     MAX_REASON_CHARS,
     WIRE_VERSION,

@@ -79,10 +79,11 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import sync
-from .._closing import ClosesOnExit
-from .._decode import DecodeConfig
-from .._errors import ConfigurationError, ProtocolError, TransferAborted, TransferError
-from .._memory import (
+from ..agents._decode import DecodeConfig
+from ..agents._prefill import PrefillAgent, PrefillConfig, layer_range
+from ..core._closing import ClosesOnExit
+from ..core._errors import ConfigurationError, ProtocolError, TransferAborted, TransferError
+from ..core._memory import (
     AUX_STAMP,
     PoolSpec,
     StateSpec,
@@ -91,12 +92,11 @@ from .._memory import (
     describe_pool,
     page_ids,
 )
-from .._prefill import PrefillAgent, PrefillConfig, layer_range
-from .._security import SECURE_ENV, TOKEN_ENV
-from .._state import KVPoll as KVPoll
-from .._stats import AgentStatistics
-from .._topology import head_range
+from ..core._state import KVPoll as KVPoll
+from ..core._stats import AgentStatistics
+from ..core._topology import head_range
 from ..engines import ENGINE_NAMES, TransferEngine, make_engine
+from ..io._security import SECURE_ENV, TOKEN_ENV
 
 __all__ = [
     "AuxRows",
@@ -516,7 +516,7 @@ def _common_slots(
 def _require_host(ptr: int, what: str) -> None:
     """Refuse a pointer CUDA reports as device memory (without cuda-python nothing can
     tell, and every pointer counts as host memory)."""
-    from .._cuda import classify
+    from ..io._cuda import classify
 
     kind = classify(ptr)
     if kind.is_device:

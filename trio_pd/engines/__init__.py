@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from .._errors import ConfigurationError
-from .._errors import EngineError as EngineError
+from ..core._errors import ConfigurationError
+from ..core._errors import EngineError as EngineError
 from ._base import Addrs as Addrs
 from ._base import ClosingEngine as ClosingEngine
 from ._base import Deferred as Deferred

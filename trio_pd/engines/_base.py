@@ -2,7 +2,7 @@
 
 Every method here is *blocking* and thread-safe: the trio layer calls the data-moving ones only
 from threads, never on the event loop: writes and ``add_peer`` on the destination's lane
-(``trio_pd._lane.Lane``), probes through ``trio.to_thread.run_sync`` with a limiter of their own.
+(``trio_pd.io._lane.Lane``), probes through ``trio.to_thread.run_sync`` with a limiter of their own.
 An adapter never retries and never hides an error: a failed write raises
 :class:`~trio_pd.EngineError`, which means "outcome unknown" (some blocks may have landed).
 """
@@ -18,7 +18,7 @@ from typing import Protocol, Self, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from .._memory import Region as Region  # (the protocol's vocabulary: adapters import it here)
+from ..core._memory import Region as Region  # (the protocol's vocabulary: adapters import it here)
 
 Addrs = npt.NDArray[np.uint64]
 Lens = npt.NDArray[np.uint64]

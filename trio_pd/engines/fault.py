@@ -54,9 +54,9 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from .._closing import ClosesOnExit
-from .._errors import EngineError
-from .._memory import HOST
+from ..core._closing import ClosesOnExit
+from ..core._errors import EngineError
+from ..core._memory import HOST
 from ._base import (
     Addrs,
     Fence,

@@ -65,12 +65,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .._closing import ClosesOnExit
-from .._errors import ConfigurationError, EngineError
-from .._memory import MemoryKind
-from .._probe import _host_port
-from .._sendq import fence_accepted, listening_ports
-from .._wire import bracketed, check_advertised_host, ip_literal
+from ..core._closing import ClosesOnExit
+from ..core._errors import ConfigurationError, EngineError
+from ..core._memory import MemoryKind
+from ..core._wire import bracketed, check_advertised_host, ip_literal
+from ..io._probe import _host_port
+from ..io._sendq import fence_accepted, listening_ports
 from ._base import Addrs, Deferred, Fence, FenceOutcome, Lens, Pending, Region, check_lengths
 
 #: the most blocks one ``batch_transfer_sync_write`` call carries
@@ -842,7 +842,7 @@ class MooncakeEngine(ClosesOnExit):
         closed, or its process is gone: it can open no new connection for what it queued)
         *and* every connection we accepted from ``hosts`` on our data port has been shut down
         and then seen closed by our engine, or past the shutdown with nothing left unread
-        (:func:`~trio_pd._sendq.fence_accepted`): a byte that still comes on one meets a reset.
+        (:func:`~trio_pd.io._sendq.fence_accepted`): a byte that still comes on one meets a reset.
         Every writer on those hosts loses its connections: a call of another writer in flight
         then fails (-1, outcome unknown) and its next call reconnects (measured: about 1 s
         later). UNPROVEN while the writer's engine still accepts connections (it may send what

@@ -36,7 +36,7 @@ Limits:
 
 Memory kinds. NIXL names a memory type (DRAM, or VRAM with a CUDA device id) in every
 descriptor list, and one list holds one type. The adapter registers each region with its own
-type, from the region's :class:`~trio_pd._memory.MemoryKind` (a region of unstated kind takes
+type, from the region's :class:`~trio_pd.core._memory.MemoryKind` (a region of unstated kind takes
 the ``mem_type`` / ``device_id`` the engine was built with), so one agent can hold a pool whose
 KV buffers are on a GPU and whose aux buffer is in host memory. A write's remote descriptors
 must carry the types the *peer* registered, which NIXL's metadata does not hand back to Python:
@@ -61,9 +61,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._closing import ClosesOnExit
-from .._errors import ConfigurationError, EngineError
-from .._memory import HOST, MemoryKind
+from ..core._closing import ClosesOnExit
+from ..core._errors import ConfigurationError, EngineError
+from ..core._memory import HOST, MemoryKind
 from ._base import Addrs, Deferred, Fence, FenceOutcome, Lens, Pending, Region, check_lengths
 
 _PIP_NAME = "nixl-cu12"  # pip install --no-deps nixl-cu12 (its torch requirement is not needed)
@@ -431,7 +431,7 @@ class NixlEngine(ClosesOnExit):
 
     ``mem_type`` is "DRAM" for host pools or "VRAM" for device pools; ``device_id`` is the
     CUDA device ordinal of VRAM pools (0 for DRAM). They apply to regions registered without
-    a kind; a region's own :class:`~trio_pd._memory.MemoryKind` wins (module docstring).
+    a kind; a region's own :class:`~trio_pd.core._memory.MemoryKind` wins (module docstring).
     ``progress_delay_us``: see the module docstring. ``transfer_timeout_s``: see
     :meth:`write`. Raises :class:`~trio_pd.ConfigurationError` if the wheel is missing,
     :class:`~trio_pd.EngineError` if the agent cannot be built.

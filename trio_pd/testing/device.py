@@ -18,10 +18,9 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from .. import _cuda
-from .._closing import ClosesOnExit
-from .._errors import ConfigurationError, EngineError
-from .._memory import (
+from ..core._closing import ClosesOnExit
+from ..core._errors import ConfigurationError, EngineError
+from ..core._memory import (
     AUX_STAMP,
     HOST,
     MemoryKind,
@@ -29,6 +28,7 @@ from .._memory import (
     buffer_region,
     describe_pool,
 )
+from ..io import _cuda
 from .pools import AUX_ITEM_LEN, HostRows, Rows, aux_bytes, kv_bytes
 
 __all__ = [

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from .._memory import HOST, PoolSpec, StateSpec
+from ..core._memory import HOST, PoolSpec, StateSpec
 
 #: poison byte of released source (prefill) pages and of released destination (decode) pages
 SOURCE_POISON = 0x5A

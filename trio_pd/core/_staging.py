@@ -1,0 +1,191 @@
+"""Staged head slices: a prefill rank's host staging area, and the gather into it.
+
+When decode runs at a larger TP than prefill (MHA), each decode rank holds a subset of the
+heads a prefill page holds. Copied in place, that is one block per token slot per page per
+buffer (a 64-page chunk of 32-token pages and 16 buffers: 32,768 blocks of a few hundred
+bytes), and the engine's cost per block is the whole cost. Staged, the prefill rank first
+gathers the slices of a chunk into one contiguous range of its own registered memory, laid
+out as the destination pages are, and writes a few large blocks: one per run of consecutive
+destination pages per buffer (:func:`~trio_pd.core._plan.plan_staged`). The destination's side
+needs nothing: its pages receive whole token slots, so they are contiguous already.
+
+**The lifetime rule of a reservation** (a range of the area one engine call reads):
+
+* the gather writes it on the lane's thread, right before the engine call that reads it
+  (``_chunks.Write``), so a call that never starts never touches it;
+* it goes back to the area once its call is known to read it no more: the call completed, or
+  never started;
+* a call that failed (its outcome unknown: the engine may still be reading) keeps its
+  reservation until the room's pages are released, which the room machine allows only once
+  no write of the room can still be in flight (the quarantine, docs/lifetimes.md). So a range
+  is never gathered into again while an engine may still read it for another write.
+
+The area is allocated and registered with the engine the first time a chunk needs it, and
+only then. A chunk that finds no room in it (``staging_full``) is written in place, per token
+slot, as without staging: a room is never held back waiting for staging.
+
+Host pools only: the gather reads the source pages with numpy. A pool whose KV buffers are
+not stated to be host memory (:attr:`~trio_pd.PoolSpec.region_kinds`) is written in place;
+a device pool would gather with a strided device copy (``cudaMemcpy2DAsync``) at
+:meth:`StagingArea.gather`, the one place that reads source pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from ._memory import HOST, PoolSpec, Region
+
+#: the area's allocation unit (bytes): a reservation is a run of whole units
+UNIT = 64 * 1024
+#: the area's start is aligned to this (a page: what engines that pin memory want)
+ALIGN = 4096
+
+
+class Reservation:
+    """A contiguous range of the staging area, held for one engine call."""
+
+    __slots__ = ("addr", "first", "nbytes", "units")
+
+    def __init__(self, first: int, units: int, addr: int, nbytes: int) -> None:
+        self.first = first
+        self.units = units
+        self.addr = addr
+        self.nbytes = nbytes
+
+
+def host_source(pool: PoolSpec) -> bool:
+    """Whether ``pool``'s KV buffers are stated to be host memory (so numpy may read them)."""
+    kinds = pool.region_kinds
+    return kinds is not None and all(k == HOST for k in kinds[: pool.num_buffers])
+
+
+class StagingArea:
+    """``nbytes`` of host memory (rounded down to whole :data:`UNIT` s), reserved first-fit in
+    runs of units. Not thread-safe: the trio thread reserves and gives back; the lanes'
+    threads only gather into reservations they were handed."""
+
+    def __init__(self, nbytes: int, unit: int = UNIT) -> None:
+        if nbytes < 0:
+            raise ValueError(f"staging bytes must be >= 0, got {nbytes}")
+        self.unit = unit
+        self.units = nbytes // unit
+        #: one byte per unit: 0 free, 1 reserved (``bytearray.find`` finds a free run in C)
+        self._map = bytearray(self.units)
+        self._mem: npt.NDArray[np.uint8] | None = None
+        self._base = 0
+        #: registered with the engine (set by whoever registered :attr:`region`)
+        self.registered = False
+        #: True once registering failed: chunks are written in place from then on
+        self.disabled = False
+        #: reservations of failed calls, by the room that must release them
+        self._held: dict[object, list[Reservation]] = {}
+        self.units_reserved = 0
+        self._source: tuple[PoolSpec, list[npt.NDArray[np.uint8]]] | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.units > 0 and not self.disabled
+
+    @property
+    def region(self) -> Region:
+        """The area's memory, allocated on first use (host memory, page-aligned)."""
+        if self._mem is None:
+            raw = np.empty(self.units * self.unit + ALIGN, dtype=np.uint8)
+            skip = -raw.ctypes.data % ALIGN
+            self._mem = raw[skip : skip + self.units * self.unit]
+            self._base = int(self._mem.ctypes.data)
+        return Region(self._base, self.units * self.unit, HOST)
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """A free run of units holding ``nbytes``, or None when there is none now."""
+        k = -(-nbytes // self.unit)
+        if nbytes <= 0 or k > self.units:
+            return None
+        first = self._map.find(bytes(k))
+        if first < 0:
+            return None
+        self._map[first : first + k] = b"\x01" * k
+        self.units_reserved += k
+        base = self.region.base
+        return Reservation(first, k, base + first * self.unit, nbytes)
+
+    def give(self, r: Reservation) -> None:
+        """Hand a reservation back: no engine call can read it any more."""
+        self._map[r.first : r.first + r.units] = bytes(r.units)
+        self.units_reserved -= r.units
+
+    def hold(self, owner: object, r: Reservation) -> None:
+        """Keep ``r`` until :meth:`release_held` for ``owner``: its call failed, and the
+        engine may still read it."""
+        self._held.setdefault(owner, []).append(r)
+
+    def release_held(self, owner: object) -> None:
+        """``owner``'s pages were released: no write of it can still be in flight."""
+        for r in self._held.pop(owner, ()):
+            self.give(r)
+
+    @property
+    def held(self) -> int:
+        """Reservations kept for failed calls."""
+        return sum(len(v) for v in self._held.values())
+
+    def gatherer(
+        self, pool: PoolSpec, pages: npt.NDArray[np.int64], heads: tuple[int, int],
+        r: Reservation, dst_item_lens: tuple[int, ...], buffers: list[int] | None = None,
+    ) -> Callable[[], None]:
+        """The copy that fills ``r`` with heads ``[h0, h1)`` of ``pages`` of every buffer of
+        ``pool`` (or of ``buffers`` of it, in that order: a layer-wise chunk's layers; then
+        ``dst_item_lens`` is theirs), in :func:`~trio_pd.core._plan.plan_staged`'s layout; run by
+        the lane's thread right before the engine call (:meth:`gather`)."""
+        assert self._mem is not None
+        n = int(pages.size)
+        start = r.addr - self._base
+        parts = []
+        views = self._views(pool)
+        for k, b in enumerate(range(pool.num_buffers) if buffers is None else buffers):
+            view = views[b]
+            hb = pool.head_bytes_of(b)
+            width = (heads[1] - heads[0]) * hb
+            offset = (heads[0] - pool.first_head) * hb
+            out = self._mem[start : start + n * dst_item_lens[k]].reshape(
+                n, pool.page_size, width
+            )
+            parts.append((view[:, :, offset : offset + width], out))
+            start += n * dst_item_lens[k]
+        return lambda: self.gather(parts, pages)
+
+    def _views(self, pool: PoolSpec) -> list[npt.NDArray[np.uint8]]:
+        """numpy views ``(num_pages, page_size, slot bytes)`` of the host pool's KV buffers,
+        with each buffer's page stride (made once: an agent has one pool)."""
+        if self._source is None or self._source[0] is not pool:
+            views = []
+            for b, base in enumerate(pool.buffer_bases):
+                size = pool.buffer_length(b)
+                raw = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base))
+                slot = pool.heads * pool.head_bytes_of(b)
+                views.append(np.lib.stride_tricks.as_strided(
+                    raw, (pool.num_pages, pool.page_size, slot), (pool.strides[b], slot, 1),
+                    writeable=False,
+                ))
+            self._source = (pool, views)
+        return self._source[1]
+
+    @staticmethod
+    def gather(
+        parts: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
+        pages: npt.NDArray[np.int64],
+    ) -> None:
+        """For each buffer, copy its slice of every token slot of ``pages`` (``source``, a
+        view of the slice's bytes of every page) into its range of the reservation
+        (``out``): the one place source pages are read for staging (a device pool would
+        issue a strided device copy here)."""
+        for source, out in parts:
+            # (pages were checked against the pool when they were admitted.) Indexing, not
+            # np.take: take copies a strided source whole first (the pool's every page:
+            # measured 30x slower for a 64-page chunk of a 1,024-page pool)
+            out[...] = source[pages]
