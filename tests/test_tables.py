@@ -568,7 +568,7 @@ TestPrefillTableRules = PrefillTableRules.TestCase
 TestPrefillTableRules.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 
 
-@pytest.mark.parametrize("shell", ["_prefill.py", "_decode.py"])
+@pytest.mark.parametrize("shell", ["agents/_prefill.py", "agents/_decode.py"])
 def test_the_agents_arm_no_room_deadline_of_their_own(shell: str) -> None:
     """Every room deadline is a table's: an agent puts a timer on its timers task only to
     hand an expiry back to its table (``_timer_due``), never with a deadline or an action of
