@@ -634,15 +634,15 @@ async def test_reply_endpoints_cannot_push_out_registered_keys() -> None:
     """Keys for reply endpoints a PING names are bounded apart from registered peers' keys,
     and never replace the key a peer's own endpoint registered with."""
     plane = ControlPlane("127.0.0.1", Counters(), keys=Keypair.generate())
-    plane.MAX_REPLY_KEYS = 8
+    plane.keyring.MAX_REPLY_KEYS = 8
     try:
         peer, other = Keypair.generate().public_text, Keypair.generate().public_text
         plane.authorize("tcp://127.0.0.1:10", peer)
         plane.authorize("tcp://127.0.0.1:10", other, reply=True)
         for port in range(100, 150):
             plane.authorize(f"tcp://127.0.0.1:{port}", other, reply=True)
-        assert plane._server_keys == {"tcp://127.0.0.1:10": peer.encode()}
-        assert len(plane._reply_keys) == 8
+        assert plane.keyring._server_keys == {"tcp://127.0.0.1:10": peer.encode()}
+        assert len(plane.keyring._reply_keys) == 8
         with pytest.raises(AuthenticationError):
             plane.authorize("tcp://127.0.0.1:11", "not a key")
     finally:

@@ -90,7 +90,7 @@ async def test_distinct_reply_endpoints_keep_sockets_bounded(
                 await sock.send_multipart(_wire.encode(ping))
             await barrier(sock, fake)
         grown = open_fds() - fds
-        assert len(pair.prefill.control._push) <= cap
+        assert len(pair.prefill.control.senders._push) <= cap
         assert stat(pair.prefill, "sockets_evicted") >= 1_100 - cap
         assert stat(pair.prefill, "handler_errors") == 0
         assert grown < 4 * cap, f"{grown} more fds after 1,100 reply endpoints"
@@ -108,8 +108,8 @@ async def test_idle_sockets_are_closed_by_the_sweep(engine_name: str, bootstrap_
                 ping = _wire.Ping(v=V, nonce=i, endpoint=unused_endpoint(i))
                 await sock.send_multipart(_wire.encode(ping))
             await barrier(sock, fake)
-            assert any(e == unused_endpoint(0) for e in pair.prefill.control._push)
-            push = pair.prefill.control._push
+            assert any(e == unused_endpoint(0) for e in pair.prefill.control.senders._push)
+            push = pair.prefill.control.senders._push
             with trio.fail_after(5):
                 await poll_until(lambda: not any(unused_endpoint(i) in push for i in range(20)))
             assert stat(pair.prefill, "sockets_evicted") >= 20

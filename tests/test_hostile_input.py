@@ -222,7 +222,7 @@ async def test_send_nowait_refuses_a_bad_endpoint_and_makes_no_socket() -> None:
             with pytest.raises(ProtocolError):
                 cp.send_nowait(bad, pong)
         assert counters["bad_endpoints"] == 5
-        assert not cp._push
+        assert not cp.senders._push
         assert live_sockets(cp) == 2  # the two PULL sockets, nothing else
     finally:
         with trio.fail_after(3):
@@ -246,7 +246,7 @@ async def test_send_nowait_closes_the_socket_when_connect_fails(
         with pytest.raises(ProtocolError, match="cannot connect"):
             cp.send_nowait("tcp://127.0.0.1:9", _wire.Pong(v=V, nonce=1, rank=0))
         monkeypatch.undo()
-        assert not cp._push and live_sockets(cp) == 2
+        assert not cp.senders._push and live_sockets(cp) == 2
         assert counters["bad_endpoints"] == 1
     finally:
         with trio.fail_after(3):

@@ -1,49 +1,18 @@
-"""Prefill's decode peers: who registered, whether their pools fit, the lane that carries every
-engine call to each, failed marks, and the quarantine fences that keep an errored write's
-pages out until its peers are proven quiet or gone.
-
-A failed engine call fails the rooms in that call and nothing else while its peer answers
-(SPEC §5.7): the call's rooms, and any chunk for that peer that comes meanwhile, wait for a
-probe of the peer (:meth:`PeerRegistry.verdict`). ALIVE: the failure stays with the call's
-rooms (the engine's error), and the waiting chunks go ahead. Anything else marks the peer
-failed (:meth:`PeerRegistry.mark_failed`): the call's rooms fail with
-:class:`~trio_pd.PeerLost` naming why, and later chunks fail fast until a probe answers ALIVE
-or the peer registers again.
-
-Liveness is three-valued (:class:`~trio_pd.core._state.Liveness`, probed by
-:mod:`trio_pd.io._probe`):
-a quarantine ends once every peer the failed call wrote to answered ALIVE after the engine's
-own deadline for the call, or refused a connect where it listened (it closed, or its process
-is gone), *and* the kernel shows that every byte we wrote to the peers' hosts has been
-received there (:mod:`trio_pd.io._sendq`: an engine that gave up on a call may have left its
-bytes in a TCP send queue, which the link delivers whenever it moves again). A refusal alone
-ends nothing. UNKNOWN (a hung probe, an unreachable host, a check that could not run) keeps
-the pages out for another fence (``quarantine_unknown``), and so do bytes still queued
-(``quarantine_undrained``).
-
-An engine may keep a failed call's blocks queued in its own memory and send them after the
-call returned (Mooncake's TCP transport does; so does NIXL with a request that timed out
-still posted: :func:`~trio_pd.engines.keeps_failed_calls`); neither a probe nor our kernel
-sees those. For such an engine, the quarantine of a failed call to a peer that answers also
-waits for the engine's proof that nothing of the call is left
-(:func:`~trio_pd.engines.flushed`: on Mooncake a later call to that peer that completed; on
-NIXL the kept request's own end). Where
-none has since the call failed, the fence makes one, on the peer's lane: it writes again
-the first byte of the failed call's last block (the same byte, from source pages the
-quarantine still holds, into a page decode holds until our ack). An engine that cannot give
-that proof keeps the pages out, counted ``quarantine_unflushed``, as does a barrier that
-fails.
+"""Prefill's decode peers: who registered, whether their pools fit, and the lane that carries
+every engine call to each (:class:`PeerRegistry`). Two concerns have their own modules, over
+the registry's peers: failed marks and probes (:mod:`trio_pd.agents._peer_probes`: a failed
+engine call fails the rooms in that call and nothing else while its peer answers, SPEC §5.7),
+and the quarantine fences that keep an errored write's pages out until its peers are proven
+quiet or gone (:mod:`trio_pd.agents._quarantine`, SPEC §5.6).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
 import trio
 
 from ..core import _wire
@@ -59,26 +28,16 @@ from ..core._topology import (
     write_heads,
     writes_aux,
 )
-from ..engines import TransferEngine, call_mark, flushed, keeps_failed_calls
-from ..io import _probe, _sendq
+from ..engines import TransferEngine
+from ..io import _probe
 from ..io._lane import Lane
 from ..io._timers import Timers
+from ._peer_probes import PeerProbes, _Probe
+from ._quarantine import Quarantines
 
 log = logging.getLogger("trio_pd.prefill")
 
 EngineCall = Callable[[Lane, Callable[[], object]], Awaitable[object]]
-
-#: seconds between two looks at the kernel's send queues while a quarantine waits on them
-_DRAIN_POLL = 0.05
-
-
-@functools.cache
-def _warn_no_tables() -> None:
-    log.warning(
-        "no TCP tables to read on this host (/proc/net/tcp): a quarantine ends when its peers "
-        "answer after the engine's deadline, without the kernel's word that the failed call's "
-        "bytes are gone"
-    )
 
 
 @dataclass(eq=False, slots=True)
@@ -126,37 +85,15 @@ class DecodePeer:
         return self.probe is not None
 
 
-@dataclass(eq=False, slots=True)
-class _Probe:
-    """A probe of one peer under way and, once ``done``, what it answered."""
-
-    done: trio.Event = field(default_factory=trio.Event)
-    state: Liveness = Liveness.UNKNOWN
-
-
-@dataclass(eq=False, slots=True)
-class _Flush:
-    """A failed call to ``peer`` whose blocks the engine may still hold: ``mark`` is where
-    the engine's calls to the peer stood once it had returned (None: the engine can prove
-    nothing), ``tail`` the (source, destination) of its last block."""
-
-    peer: DecodePeer
-    mark: int | None
-    tail: tuple[int, int]
-
-
-@dataclass(eq=False, slots=True)
-class _Fence:
-    lease: Lease
-    peers: list[DecodePeer]
-    end: Callable[[], None]
-    #: the lease's failed calls that the engine must prove over (:meth:`PeerRegistry._flush`)
-    flushes: list[_Flush] = field(default_factory=list)
-
 
 class PeerRegistry:
-    """The decode peers of one prefill rank (SPEC §5.7: a peer that is not alive fails fast;
-    §5.6: quarantines end on proof only)."""
+    """The decode peers of one prefill rank: owns the table of registrations (REGISTER, its
+    pairing check, the cap and who is dropped to make room, the refused endpoints), each
+    peer's lane, its engine session being added or removed, and what the parts share: the
+    engine, the fence, the counters, the timers, the nursery and how an engine call reaches a
+    lane. Failed marks and probes are :attr:`probes` (SPEC §5.7: a peer that is not alive
+    fails fast), quarantine fences :attr:`quarantines` (§5.6: they end on proof only); the
+    few calls the chunk runner and the agent make of those pass through here."""
 
     def __init__(
         self,
@@ -210,9 +147,9 @@ class PeerRegistry:
         self.probe_threads = _probe.ProbeThreads()
         self.nursery: trio.Nursery | None = None
         self._peers: dict[str, DecodePeer] = {}
-        self._fences: dict[Lease, _Fence] = {}
-        #: a settling chunk's failed calls, until its quarantine takes them (:meth:`failed_calls`)
-        self._failed: dict[Lease, list[tuple[DecodePeer, tuple[int, int]]]] = {}
+        #: the peers' failed marks and probes, and the quarantine fences (their own modules)
+        self.probes = PeerProbes(self)
+        self.quarantines = Quarantines(self)
         #: endpoints whose REGISTER was refused, with why (bounded, oldest dropped): a TRANSFER
         #: from one fails its room with the reason instead of leaving it to its deadline
         self.refused: dict[str, str] = {}
@@ -303,7 +240,7 @@ class PeerRegistry:
             if old is not None:  # a new engine behind the endpoint (decode restarted)
                 old.lane.close()  # what it has queued still runs; later calls: LaneClosed
                 self._forget_endpoint(msg.endpoint)
-                self._registration_over(old, "registered again with another engine session")
+                self.probes.registration_over(old, "registered again with another engine session")
         peer = DecodePeer(
             msg.endpoint,
             msg.decode_rank,
@@ -344,7 +281,7 @@ class PeerRegistry:
         the least recently used idle one (see :meth:`register`). False if none may go.
         One pass over the peers; it runs only when every slot is taken."""
         now = trio.current_time()
-        fenced = {id(p) for fence in self._fences.values() for p in fence.peers}
+        fenced = self.quarantines.fenced()
         victim: DecodePeer | None = None
         for peer in self._peers.values():
             if not peer.ready.is_set() or peer.lane.outstanding or peer.probing:
@@ -401,260 +338,37 @@ class PeerRegistry:
         try:
             await self.run_engine_call(peer.lane, partial(self.engine.add_peer, peer.session, meta))
         except Exception as exc:
-            self.mark_failed(peer, f"the engine could not add it ({exc})")
-            self.reprobe(peer)  # (a probe that answers ALIVE ends the mark)
+            self.probes.mark_failed(peer, f"the engine could not add it ({exc})")
+            self.probes.reprobe(peer)  # (a probe that answers ALIVE ends the mark)
             await trio.lowlevel.checkpoint()
         peer.ready.set()
 
-    # ---------------------------------------------------------------- failed marks, probes
-
-    def mark_failed(self, peer: DecodePeer, why: str) -> None:
-        """``peer`` is not alive as far as we know (``why``): later chunks to it fail fast with
-        :class:`~trio_pd.PeerLost` until a probe answers ALIVE or it registers again. Counted
-        (``peers_failed``) and logged once per mark (a peer proven gone was logged as such)."""
-        peer.lost = why
-        if peer.failed:
-            return
-        peer.failed = True
-        self.counters.bump("peers_failed")
-        if not peer.gone:
-            log.warning("decode peer %s lost: %s; chunks to it fail fast until it answers a probe",
-                        peer.endpoint, why)
+    # ------------------------------------- what the chunk runner and the agent ask of the others
 
     def reprobe(self, peer: DecodePeer) -> None:
-        """Probe ``peer`` in the background unless a probe of it is under way (a chunk met its
-        failed mark: one that answers ALIVE ends it)."""
-        self._start_probe(peer)
+        """:meth:`PeerProbes.reprobe <trio_pd.agents._peer_probes.PeerProbes.reprobe>`."""
+        self.probes.reprobe(peer)
 
     async def verdict(self, peer: DecodePeer) -> Liveness:
-        """Is ``peer`` alive? The answer of the probe of it under way, or of a new one, applied
-        to its failed mark (see :meth:`liveness`). Asked when an engine call to it failed, and
-        by a chunk for it that comes while that probe runs: until the answer, nobody can tell a
-        failed call (its rooms fail, nothing else) from a lost peer (everything to it fails).
+        """:meth:`PeerProbes.verdict <trio_pd.agents._peer_probes.PeerProbes.verdict>`.
 
-        **Cancellation:** cancellable while it waits; the probe carries on for the others
-        (it is the registry's task). A cancelled caller learns nothing."""
-        probe = self._start_probe(peer)
-        if probe is None:  # the agent is closing: no probe starts any more
-            await trio.lowlevel.checkpoint()
-            return Liveness.UNKNOWN
-        await probe.done.wait()
-        return probe.state
-
-    def _start_probe(self, peer: DecodePeer) -> _Probe | None:
-        if peer.probe is None and self.nursery is not None:
-            peer.probe = _Probe()
-            self.nursery.start_soon(self._probe_failed, peer, peer.probe)
-        return peer.probe
-
-    async def liveness(self, peer: DecodePeer) -> Liveness:
-        """Probe ``peer``: ALIVE when its engine answers; REFUSED when its control endpoint or
-        its engine's port refuses connections (its registration is over; no proof that our
-        bytes to it are gone); UNKNOWN otherwise. The answer sets or ends its failed mark:
-        marked only while it is not alive (SPEC §5.7). A peer whose registration is over
-        answers GONE at once (a registration that no chunk can use any more)."""
-        if peer.gone:
-            await trio.lowlevel.checkpoint()
-            return Liveness.GONE
-        state = await _probe.probe(
-            self.engine,
-            peer.session,
-            control_endpoint=peer.endpoint,
-            timeout=self.fence,
-            threads=self.probe_threads,
-            counters=self.counters,
-        )
-        if state is Liveness.ALIVE:
-            if peer.failed:  # any probe that answers ends the fast-fail mark
-                peer.failed = False
-                self.counters.bump("peers_back")
-                log.info("decode peer %s answers a probe again: chunks to it go ahead",
-                         peer.endpoint)
-        elif state is Liveness.REFUSED:
-            why = "refuses connections where it listened (its agent or process is gone)"
-            self._registration_over(peer, why)
-            self.mark_failed(peer, f"it {why}")
-        else:
-            self.mark_failed(
-                peer,
-                f"no answer to a probe within {self.fence:g} s (unreachable, stopped or hung: "
-                "its liveness is unknown)",
-            )
-        return state
-
-    async def _probe_failed(self, peer: DecodePeer, probe: _Probe) -> None:
-        try:
-            probe.state = await self.liveness(peer)
-        finally:
-            if peer.probe is probe:
-                peer.probe = None
-            probe.done.set()
-
-    def _registration_over(self, peer: DecodePeer, why: str) -> None:
-        """``peer``'s registration is over (``why``): counted and logged once. Its quarantines
-        still end at their fence only, once our send queues to it are seen drained
-        (:meth:`_confirm`): neither a refusal nor a new session proves our bytes to it gone."""
-        if peer.gone:
-            return
-        peer.gone = True
-        self.counters.bump("peers_lost")
-        log.warning("decode peer %s (engine session %s) %s: its registration is over",
-                    peer.endpoint, peer.session, why)
-
-    # ---------------------------------------------------------------- quarantine fences
+        **Cancellation:** as there."""
+        return await self.probes.verdict(peer)
 
     def failed_calls(
         self, lease: Lease, calls: list[tuple[DecodePeer, tuple[int, int]]]
     ) -> None:
-        """The engine calls of ``lease``'s chunk that failed, each with the (source,
-        destination) of its last block: told by the chunk runner as the chunk settles, just
-        before the lease's quarantine starts (:meth:`quarantine` takes them)."""
-        self._failed[lease] = calls
+        """:meth:`Quarantines.failed_calls
+        <trio_pd.agents._quarantine.Quarantines.failed_calls>`."""
+        self.quarantines.failed_calls(lease, calls)
 
     def quarantine(self, lease: Lease, peers: list[DecodePeer], end: Callable[[], None]) -> None:
-        """``lease``'s write errored: keep its pages out until every peer it wrote to answers
-        a probe after the engine's own deadline for the call (``fence``: by then the engine
-        has given the call up), or refuses connections, with our kernel's send queues to them
-        seen empty (what the call left there has been received), and, for an engine that
-        keeps a failed call's blocks, the engine's proof that nothing of each failed call to
-        a peer that answers is left (:meth:`_flush`). ``end()`` runs once, on that proof."""
-        fence = _Fence(lease, peers, end)
-        failed = self._failed.pop(lease, [])
-        if failed and keeps_failed_calls(self.engine):
-            for peer, tail in failed:  # (the calls have returned: marks taken now are after)
-                fence.flushes.append(_Flush(peer, call_mark(self.engine, peer.session), tail))
-        self._fences[lease] = fence
-        self.timers.after(self.fence, partial(self._fence_passed, fence))
-
-    def _fence_passed(self, fence: _Fence) -> None:
-        if self._fences.get(fence.lease) is fence and self.nursery is not None:
-            self.nursery.start_soon(self._confirm, fence)
-
-    async def _confirm(self, fence: _Fence) -> None:
-        await trio.lowlevel.checkpoint()
-        states: list[Liveness] = []
-        for peer in fence.peers:
-            states.append(await self.liveness(peer))
-        if self._fences.get(fence.lease) is not fence:
-            return
-        if any(s is Liveness.UNKNOWN for s in states):
-            self.counters.bump("quarantine_unknown")
-            log.warning(
-                "quarantine of %d pages kept: peer liveness unknown (%s)",
-                fence.lease.npages, ", ".join(p.endpoint for p in fence.peers),
-            )
-            self.timers.after(self.fence, partial(self._fence_passed, fence))
-            return
-        # what the engine kept of the failed calls to peers that answer: gone only once a
-        # later call to the peer completed (a peer that refuses can be sent nothing more)
-        alive = {id(p) for p, s in zip(fence.peers, states, strict=True) if s is Liveness.ALIVE}
-        for flush in fence.flushes:
-            if id(flush.peer) not in alive:
-                continue
-            why = await self._flush(flush)
-            if self._fences.get(fence.lease) is not fence:
-                return  # (ended meanwhile)
-            if why is not None:
-                self.counters.bump("quarantine_unflushed")
-                log.warning("quarantine of %d pages kept (%s): %s", fence.lease.npages,
-                            flush.peer.endpoint, why)
-                self.timers.after(self.fence, partial(self._fence_passed, fence))
-                return
-        # every peer answered, or refused (closed, or its process gone): a refusal proves
-        # nothing about the bytes already sent to it, so both wait for the kernel's word
-        drained = await self._sent_bytes_acknowledged(fence.peers)
-        if self._fences.get(fence.lease) is not fence:
-            return  # (ended meanwhile)
-        if drained:
-            self._end_fence(fence)
-            return
-        if drained is None:
-            self.counters.bump("quarantine_unknown")
-            why = "our send queues to them could not be read"
-        else:
-            self.counters.bump("quarantine_undrained")
-            why = "bytes written to them are still in the kernel's send queue"
-        log.warning("quarantine of %d pages kept (%s): %s", fence.lease.npages,
-                    ", ".join(p.endpoint for p in fence.peers), why)
-        self.timers.after(self.fence, partial(self._fence_passed, fence))
-
-    async def _flush(self, flush: _Flush) -> str | None:
-        """Has the engine proven that nothing of the failed call ``flush`` is left in it
-        (:func:`~trio_pd.engines.flushed`)? On Mooncake a later call to the peer that
-        completed proves it (the engine sends a peer's blocks in order); if none has, make
-        one: the first byte of the failed call's last block written again, on the peer's
-        lane. (On NIXL only the kept request's end proves it; the write changes nothing.)
-        None once proven; otherwise why not."""
-        peer, mark = flush.peer, flush.mark
-        if mark is None:
-            await trio.lowlevel.checkpoint()
-            return (f"engine {self.engine.name!r} cannot prove that a failed call's blocks to "
-                    f"{peer.session} are gone (for Mooncake: more than one TCP connection per "
-                    "peer, or RDMA)")
-        if flushed(self.engine, peer.session, mark):
-            await trio.lowlevel.checkpoint()
-            return None
-        src, dst = flush.tail
-        one = np.ones(1, dtype=np.uint64)
-        barrier = partial(self.engine.write, peer.session, np.array([src], dtype=np.uint64),
-                          np.array([dst], dtype=np.uint64), one)
-        try:
-            await self.run_engine_call(peer.lane, barrier)
-        except Exception as exc:  # (LaneClosed: it registered again; an engine error)
-            await trio.lowlevel.checkpoint()
-            return f"a barrier write to {peer.session} failed: {exc}"
-        if flushed(self.engine, peer.session, mark):
-            return None
-        return f"the engine holds a failed call's blocks to {peer.session} still"
-
-    async def _sent_bytes_acknowledged(self, peers: list[DecodePeer]) -> bool | None:
-        """Has every TCP connection of ours to these peers' hosts been seen with an empty send
-        queue (see :mod:`trio_pd.io._sendq`), within one ``fence``? An engine's failed call may
-        have left bytes there, which TCP delivers (into pages) whenever the link moves again:
-        a peer answering a probe proves only that the link moves now.
-
-        False if not within the fence, or if a peer's host does not resolve. True at once for
-        peers reached over no TCP at all (in-process). Where the platform has no such tables
-        (not Linux) there is no such evidence: True, with a warning once, so the quarantine
-        rests on the engine's deadline alone there. None (unknown, counted ``checks_unknown``)
-        where the tables exist but cannot be read now, e.g. with no descriptor left: a check
-        that cannot run is never taken for "drained"."""
-        await trio.lowlevel.checkpoint()
-        hosts: set[str] = set()
-        for peer in peers:
-            named = await _probe.peer_hosts(self.engine, peer.session, peer.endpoint)
-            if named is not None and not named:
-                return False
-            hosts.update(named or ())
-        if not hosts:
-            return True
-        watch = _sendq.DrainWatch()
-        with trio.move_on_after(self.fence):
-            while True:
-                try:
-                    snap = await trio.to_thread.run_sync(_sendq.snapshot, sorted(hosts))
-                except (OSError, RuntimeError) as exc:  # (no descriptor, no thread)
-                    self.counters.bump("checks_unknown")
-                    log.warning("send queues to %s could not be read: %r", sorted(hosts), exc)
-                    return None
-                if snap is None:
-                    _warn_no_tables()
-                    return True
-                if watch.observe(snap):
-                    return True
-                await trio.sleep(_DRAIN_POLL)
-        log.info("send queues to %s not seen empty in %d looks: %s", sorted(hosts),
-                 watch.looks, sorted(watch.pending))
-        return False
-
-    def _end_fence(self, fence: _Fence) -> None:
-        if self._fences.pop(fence.lease, None) is fence:
-            fence.end()
+        """:meth:`Quarantines.quarantine <trio_pd.agents._quarantine.Quarantines.quarantine>`."""
+        self.quarantines.quarantine(lease, peers, end)
 
     def drop_fences(self) -> None:
-        """The agent is closing: the rooms end their own quarantines (our own pages)."""
-        self._fences.clear()
-        self._failed.clear()
+        """:meth:`Quarantines.drop_fences <trio_pd.agents._quarantine.Quarantines.drop_fences>`."""
+        self.quarantines.drop_fences()
 
     def close(self) -> None:
         """No more engine calls: let every lane's thread finish and exit."""

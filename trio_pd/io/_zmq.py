@@ -14,7 +14,8 @@ descriptor in the usual sense:
 * ``zmq.EVENTS`` (``POLLIN`` / ``POLLOUT``) is the truth. It must be read *after* the last
   libzmq call and before going to sleep on the descriptor.
 
-:class:`Socket` keeps three rules so that any number of trio tasks may share one socket:
+:class:`Socket` keeps three rules so that any number of trio tasks may share one socket (its
+waiters and their wake-ups are its :class:`_Readiness`; its libzmq calls are its own):
 
 1. **One task sleeps on the descriptor** (trio allows only one ``wait_readable`` per fd).
    Other waiting tasks park in a per-direction :class:`trio.lowlevel.ParkingLot`. When the
@@ -55,6 +56,89 @@ _POLLOUT: Final = int(zmq.POLLOUT)
 _CLOSED_ERRNOS: Final = frozenset({zmq.ETERM, zmq.ENOTSOCK})
 
 
+class _Readiness:
+    """Every task waiting on one zmq socket, and how each is woken (the module's rules 1 to
+    3): the one task sleeping on the descriptor, its direction and its private cancel scope,
+    and the tasks parked meanwhile, by direction. Its :class:`Socket` hands readiness out
+    through :meth:`poll` after each of its libzmq calls; ``check_open`` is the socket's (it
+    raises :exc:`trio.ClosedResourceError` once the socket is closed)."""
+
+    def __init__(
+        self, zsock: zmq.Socket[bytes], fd: int, check_open: Callable[[], None]
+    ) -> None:
+        self._zsock = zsock
+        #: the socket's descriptor (``zmq.FD``): readable when its command mailbox has news
+        self.fd = fd
+        self._check_open = check_open
+        # The task sleeping in wait_readable(fd), its direction, and its private scope, which
+        # other tasks cancel to wake it ("kick") when zmq.EVENTS says its direction is ready.
+        self._fd_scope: trio.CancelScope | None = None
+        self._fd_flag = 0
+        # Tasks waiting while another task sleeps on the fd, by direction.
+        self._parked_in = trio.lowlevel.ParkingLot()
+        self._parked_out = trio.lowlevel.ParkingLot()
+
+    def has_waiters(self) -> bool:
+        return self._fd_scope is not None or bool(self._parked_in) or bool(self._parked_out)
+
+    def poll(self) -> int:
+        """Read ``zmq.EVENTS`` (itself a libzmq call that may drain the fd) and wake every
+        waiter whose direction it reports ready."""
+        self._check_open()
+        try:
+            events = int(self._zsock.get(zmq.EVENTS))
+        except zmq.ZMQError as exc:
+            if exc.errno in _CLOSED_ERRNOS:
+                raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
+            raise
+        if events & _POLLIN:
+            self._parked_in.unpark_all()
+        if events & _POLLOUT:
+            self._parked_out.unpark_all()
+        if self._fd_scope is not None and events & self._fd_flag:
+            self._fd_scope.cancel(reason="zmq.EVENTS reports the socket ready")
+        return events
+
+    def unpark_all(self) -> None:
+        if self._parked_in:  # (after every wait on the fd: most often nobody is parked)
+            self._parked_in.unpark_all()
+        if self._parked_out:
+            self._parked_out.unpark_all()
+
+    def wake_all(self) -> None:
+        self.unpark_all()
+        if self._fd_scope is not None:
+            self._fd_scope.cancel(reason="waking every waiter of this zmq socket")
+
+    async def wait(self, flag: int) -> None:
+        """Sleep until *flag* may have become ready. May return spuriously; the caller retries.
+
+        Cancellable; nothing is consumed or sent while waiting.
+        """
+        events = self.poll()
+        if events & flag:
+            # EVENTS says go, but the operation just said EAGAIN (it may not have processed
+            # the pending commands). Retry, but yield first so that a socket whose EVENTS
+            # and operations disagree can never spin the event loop.
+            await trio.lowlevel.checkpoint()
+            return
+        if self._fd_scope is None:
+            # Become the one task sleeping on the fd.
+            self._fd_flag = flag
+            with trio.CancelScope() as scope:
+                self._fd_scope = scope
+                try:
+                    await trio.lowlevel.wait_readable(self.fd)
+                finally:
+                    # Whatever woke us (readable, kicked, cancelled, closed), others may now
+                    # sleep unwatched: let them all re-check and elect a new fd task.
+                    self._fd_scope = None
+                    self.unpark_all()
+        else:
+            lot = self._parked_in if flag == _POLLIN else self._parked_out
+            await lot.park()
+
+
 class Socket:
     """A zmq socket driven from trio. One per zmq socket; several trio tasks may use it.
 
@@ -80,17 +164,12 @@ class Socket:
         if zsock.closed:
             raise ValueError("cannot wrap a closed zmq socket")
         self._zsock = zsock
-        self._fd: int = int(zsock.get(zmq.FD))
+        fd = int(zsock.get(zmq.FD))
         if int(zsock.get(zmq.LINGER)) == -1:
             zsock.set(zmq.LINGER, 0)
         self._closed = False
-        # The task sleeping in wait_readable(fd), its direction, and its private scope, which
-        # other tasks cancel to wake it ("kick") when zmq.EVENTS says its direction is ready.
-        self._fd_scope: trio.CancelScope | None = None
-        self._fd_flag = 0
-        # Tasks waiting while another task sleeps on the fd, by direction.
-        self._parked_in = trio.lowlevel.ParkingLot()
-        self._parked_out = trio.lowlevel.ParkingLot()
+        #: every task waiting on this socket, and how they are woken (rules 1 to 3)
+        self._ready = _Readiness(zsock, fd, self._check_open)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -131,74 +210,14 @@ class Socket:
     def _after_call(self) -> None:
         """The call just made may have drained the fd: if anyone is waiting on it, make sure
         they learn what it may have hidden from them (rule 2)."""
-        if self._closed or not self._has_waiters():
+        if self._closed or not self._ready.has_waiters():
             return
         try:
-            self._poll_events()
+            self._ready.poll()
         except (trio.ClosedResourceError, zmq.ZMQError):
             # Don't let the hand-out replace the outcome of the call just made; wake every
             # waiter instead, so that each meets the error on a call of its own.
-            self._wake_all()
-
-    def _has_waiters(self) -> bool:
-        return self._fd_scope is not None or bool(self._parked_in) or bool(self._parked_out)
-
-    def _poll_events(self) -> int:
-        """Read ``zmq.EVENTS`` (itself a libzmq call that may drain the fd) and wake every
-        waiter whose direction it reports ready."""
-        self._check_open()
-        try:
-            events = int(self._zsock.get(zmq.EVENTS))
-        except zmq.ZMQError as exc:
-            if exc.errno in _CLOSED_ERRNOS:
-                raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
-            raise
-        if events & _POLLIN:
-            self._parked_in.unpark_all()
-        if events & _POLLOUT:
-            self._parked_out.unpark_all()
-        if self._fd_scope is not None and events & self._fd_flag:
-            self._fd_scope.cancel(reason="zmq.EVENTS reports the socket ready")
-        return events
-
-    def _unpark_all(self) -> None:
-        if self._parked_in:  # (after every wait on the fd: most often nobody is parked)
-            self._parked_in.unpark_all()
-        if self._parked_out:
-            self._parked_out.unpark_all()
-
-    def _wake_all(self) -> None:
-        self._unpark_all()
-        if self._fd_scope is not None:
-            self._fd_scope.cancel(reason="waking every waiter of this zmq socket")
-
-    async def _wait(self, flag: int) -> None:
-        """Sleep until *flag* may have become ready. May return spuriously; the caller retries.
-
-        Cancellable; nothing is consumed or sent while waiting.
-        """
-        events = self._poll_events()
-        if events & flag:
-            # EVENTS says go, but the operation just said EAGAIN (it may not have processed
-            # the pending commands). Retry, but yield first so that a socket whose EVENTS
-            # and operations disagree can never spin the event loop.
-            await trio.lowlevel.checkpoint()
-            return
-        if self._fd_scope is None:
-            # Become the one task sleeping on the fd.
-            self._fd_flag = flag
-            with trio.CancelScope() as scope:
-                self._fd_scope = scope
-                try:
-                    await trio.lowlevel.wait_readable(self._fd)
-                finally:
-                    # Whatever woke us (readable, kicked, cancelled, closed), others may now
-                    # sleep unwatched: let them all re-check and elect a new fd task.
-                    self._fd_scope = None
-                    self._unpark_all()
-        else:
-            lot = self._parked_in if flag == _POLLIN else self._parked_out
-            await lot.park()
+            self._ready.wake_all()
 
     async def _run(self, flag: int, op: Callable[[], _T], missed: bool = False) -> _T:
         """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it.
@@ -215,7 +234,7 @@ class Socket:
                 return result
         while True:
             # Cancelled can only come out of _wait, before op() succeeded: nothing consumed.
-            await self._wait(flag)
+            await self._ready.wait(flag)
             try:
                 return op()
             except trio.WouldBlock:
@@ -306,7 +325,7 @@ class Socket:
         Raises:
           trio.ClosedResourceError: if the socket was closed.
         """
-        return bool(self._poll_events() & _POLLIN)
+        return bool(self._ready.poll() & _POLLIN)
 
     async def recv_multipart(self, *, missed: bool = False) -> list[bytes]:
         """Receive one whole multipart message, waiting until one arrives.
@@ -360,8 +379,8 @@ class Socket:
         if self._closed:
             return
         self._closed = True
-        trio.lowlevel.notify_closing(self._fd)
-        self._unpark_all()
+        trio.lowlevel.notify_closing(self._ready.fd)
+        self._ready.unpark_all()
         self._zsock.close()
 
     async def aclose(self) -> None:
