@@ -803,7 +803,7 @@ class PrefillAgent:
 
         Source pages go back, but not the staging ranges of failed calls: the engine may
         still read them, and the area stays allocated for the life of the process once any
-        range is held (``ChunkRunner.close_staging``)."""
+        range is held (``ChunkPlanner.close_staging``)."""
         self._closing = True
         self.peers.drop_fences()
         for room, rec, due in self.table.shutdown(CLOSED):
@@ -998,5 +998,5 @@ async def open_prefill(
             await wait_idle(agent.peers.probe_threads.limiter, agent.peers.fence)
             if registered:
                 await trio.to_thread.run_sync(engine.unregister, regions)
-            await agent.runner.close_staging()
+            await agent.runner.planner.close_staging()
             await agent.control.aclose()
