@@ -162,118 +162,28 @@ def room_error(group: BaseExceptionGroup[Exception]) -> TransferError:
     return err
 
 
-class ChunkRunner:
-    """Runs chunks for a prefill agent's workers."""
+class ChunkPlanner:
+    """A chunk's blocks for each destination, and the staging area they may go through.
+
+    Owns the agent's staging area (head slices for decode ranks of a larger TP are gathered
+    there, see _staging): its registration with the engine, the ranges a plan reserves, and
+    what becomes of a range once its call is over (:meth:`settle_staging`). Also keeps the
+    layer-wise views of the pools. Makes no engine write: that is the runner's.
+    """
 
     def __init__(
-        self,
-        *,
-        engine: TransferEngine,
-        pool: PoolSpec,
-        peers: PeerRegistry,
-        counters: Counters,
-        metrics: Callable[[], AgentMetrics | None],
-        staging_bytes: int = 0,
+        self, *, engine: TransferEngine, pool: PoolSpec, counters: Counters, staging_bytes: int
     ) -> None:
         self.engine = engine
         self.pool = pool
-        self.peers = peers
         self.counters = counters
-        self._metrics = metrics
         #: where head slices for decode ranks of a larger TP are gathered (_staging)
         self.staging = StagingArea(staging_bytes if host_source(pool) else 0)
         #: layer-wise chunks: (id(pool), a, b) -> (pool, its view of layers [a, b))
         self._views: dict[tuple[int, int, int], tuple[PoolSpec, PoolSpec]] = {}
         self._staging_lock = trio.Lock()
 
-    async def run(  # noqa: ASYNC910 (the nursery's exit is a schedule point on every path)
-        self,
-        room: PrefillRoom,
-        scopes: dict[trio.CancelScope, None],
-        chunk: Chunk,
-        settle: Callable[[Outcome, TransferError | None], None],
-    ) -> None:
-        """Run ``chunk`` of ``room`` to the end of all its engine calls, then call
-        ``settle(outcome, failure)`` synchronously, on every path (also while an outer
-        cancellation propagates): ``failure`` is the error that fails the room, or None.
-        Never raises a chunk's error.
-
-        **Cancellation:** ``scopes`` gets the chunk's cancel scope while it runs: cancelling
-        it skips every call not yet started; calls already started are waited for. An outer
-        cancellation (the agent closing) is the same and then propagates, after the calls.
-        """
-        calls: list[_Call] = []
-        failure: TransferError | None = None
-        ran_to_end = False
-        scope = trio.CancelScope()
-        try:
-            try:
-                with scope:
-                    scopes[scope] = None
-                    if room.leases.closed:
-                        scope.cancel("room closed before the chunk started")
-                    try:
-                        await self._transfer(room, chunk, calls)
-                        ran_to_end = True
-                    finally:
-                        scopes.pop(scope, None)
-            except* Exception as group:  # planning, validation or engine: the room fails
-                failure = room_error(group)
-        finally:
-            self._settle_staging(room, calls)
-            outcome = outcome_of(calls)
-            if outcome is Outcome.ERROR:  # (its quarantine, due in settle, takes them)
-                self.peers.failed_calls(
-                    chunk.lease,
-                    [(c.peer, c.tail) for c in calls if c.state == "error" and c.peer is not None],
-                )
-            if ran_to_end and not calls:
-                outcome = Outcome.COMPLETED  # nothing to write here (a dummy rank): done
-            elif outcome is Outcome.CANCELLED and failure is None and not scope.cancel_called:
-                # cancelled from outside: the agent is closing before the chunk was written
-                failure = TransferAborted(f"room {room.room}: the prefill agent is closing")
-            settle(outcome, failure)
-
-    async def _transfer(self, room: PrefillRoom, chunk: Chunk, calls: list[_Call]) -> None:
-        """The chunk's engine calls, one per destination rank, in one nursery: it exits only
-        when every one has (SPEC §5.1, scenarios 1 and 2). Each starts as a child as soon as
-        it is planned; with one destination the call runs in the nursery's body."""
-        single = len(room.targets) == 1
-        async with trio.open_nursery() as nursery:
-            for target in room.targets.values():
-                peer = self.peers.get(target.endpoint)
-                if peer is None or peer.session != target.session:
-                    raise PeerLost(
-                        f"decode peer {target.endpoint} re-registered with another engine session"
-                    )
-                if not peer.ready.is_set():
-                    await peer.ready.wait()  # not started yet: cancellable
-                staging = self._stages(peer, chunk)
-                if staging and not self.staging.registered:
-                    await self._register_staging()  # once per agent; cancellable until then
-                call = _Call()
-                blocks, prepare = self._plan(room, chunk, target, peer, call, staging)
-                if len(blocks.lens) == 0:
-                    continue  # a dummy rank for this destination: bookkeeping only
-                calls.append(call)  # (settling gives back or keeps its staging range)
-                call.peer = peer
-                call.tail = (int(blocks.src[-1]), int(blocks.dst[-1]))
-                if peer.probing and not peer.failed:
-                    # a write to it has just failed: this room was not in that call, and
-                    # the peer may well be alive (SPEC §5.7). Not started yet: cancellable
-                    await self.peers.verdict(peer)
-                if peer.failed:
-                    self.peers.reprobe(peer)  # (unless a probe is running)
-                    raise PeerLost(
-                        f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
-                        "fast until it answers a probe or registers again"
-                    )
-                if single:
-                    await self._engine_call(peer, blocks, call, prepare)
-                else:
-                    nursery.start_soon(self._engine_call, peer, blocks, call, prepare)
-
-    def _stages(self, peer: DecodePeer, chunk: Chunk) -> bool:
+    def stages(self, peer: DecodePeer, chunk: Chunk) -> bool:
         """Whether this chunk's pages for ``peer`` go through staging (see _staging)."""
         return (
             len(chunk.pages) > 0
@@ -281,7 +191,7 @@ class ChunkRunner:
             and stages_heads(self.pool, peer.pool, peer.heads)
         )
 
-    async def _register_staging(self) -> None:
+    async def register_staging(self) -> None:
         async with self._staging_lock:
             if self.staging.registered or self.staging.disabled:
                 return
@@ -309,7 +219,7 @@ class ChunkRunner:
         except Exception as exc:
             log.warning("could not deregister the staging area: %s", exc)
 
-    def _plan(
+    def plan(
         self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer, call: _Call,
         staging: bool,
     ) -> tuple[Blocks, Callable[[], None] | None]:
@@ -391,7 +301,7 @@ class ChunkRunner:
         a, b = layers
         return layer_buffers(self.pool.layout, self.pool.num_layers, a, b - a)
 
-    def _settle_staging(self, room: PrefillRoom, calls: list[_Call]) -> None:
+    def settle_staging(self, room: PrefillRoom, calls: list[_Call]) -> None:
         """Staging ranges of the chunk's calls: back to the area if the call completed or
         never started; kept until the room's pages are released if it failed (the engine
         may still read them: see _staging)."""
@@ -404,6 +314,118 @@ class ChunkRunner:
                 self.staging.hold(room, r)
             else:
                 self.staging.give(r)
+
+
+class ChunkRunner:
+    """Runs chunks for a prefill agent's workers: the chunk's nursery, its engine calls on
+    the peers' lanes, the outcome handed to the room. Plans come from its :class:`ChunkPlanner`."""
+
+    def __init__(
+        self,
+        *,
+        engine: TransferEngine,
+        pool: PoolSpec,
+        peers: PeerRegistry,
+        counters: Counters,
+        metrics: Callable[[], AgentMetrics | None],
+        staging_bytes: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.peers = peers
+        self.counters = counters
+        self._metrics = metrics
+        self.planner = ChunkPlanner(
+            engine=engine, pool=pool, counters=counters, staging_bytes=staging_bytes
+        )
+        #: the planner's staging area (one object for the agent's life)
+        self.staging = self.planner.staging
+
+    async def run(  # noqa: ASYNC910 (the nursery's exit is a schedule point on every path)
+        self,
+        room: PrefillRoom,
+        scopes: dict[trio.CancelScope, None],
+        chunk: Chunk,
+        settle: Callable[[Outcome, TransferError | None], None],
+    ) -> None:
+        """Run ``chunk`` of ``room`` to the end of all its engine calls, then call
+        ``settle(outcome, failure)`` synchronously, on every path (also while an outer
+        cancellation propagates): ``failure`` is the error that fails the room, or None.
+        Never raises a chunk's error.
+
+        **Cancellation:** ``scopes`` gets the chunk's cancel scope while it runs: cancelling
+        it skips every call not yet started; calls already started are waited for. An outer
+        cancellation (the agent closing) is the same and then propagates, after the calls.
+        """
+        calls: list[_Call] = []
+        failure: TransferError | None = None
+        ran_to_end = False
+        scope = trio.CancelScope()
+        try:
+            try:
+                with scope:
+                    scopes[scope] = None
+                    if room.leases.closed:
+                        scope.cancel("room closed before the chunk started")
+                    try:
+                        await self._transfer(room, chunk, calls)
+                        ran_to_end = True
+                    finally:
+                        scopes.pop(scope, None)
+            except* Exception as group:  # planning, validation or engine: the room fails
+                failure = room_error(group)
+        finally:
+            self.planner.settle_staging(room, calls)
+            outcome = outcome_of(calls)
+            if outcome is Outcome.ERROR:  # (its quarantine, due in settle, takes them)
+                self.peers.failed_calls(
+                    chunk.lease,
+                    [(c.peer, c.tail) for c in calls if c.state == "error" and c.peer is not None],
+                )
+            if ran_to_end and not calls:
+                outcome = Outcome.COMPLETED  # nothing to write here (a dummy rank): done
+            elif outcome is Outcome.CANCELLED and failure is None and not scope.cancel_called:
+                # cancelled from outside: the agent is closing before the chunk was written
+                failure = TransferAborted(f"room {room.room}: the prefill agent is closing")
+            settle(outcome, failure)
+
+    async def _transfer(self, room: PrefillRoom, chunk: Chunk, calls: list[_Call]) -> None:
+        """The chunk's engine calls, one per destination rank, in one nursery: it exits only
+        when every one has (SPEC §5.1, scenarios 1 and 2). Each starts as a child as soon as
+        it is planned; with one destination the call runs in the nursery's body."""
+        single = len(room.targets) == 1
+        async with trio.open_nursery() as nursery:
+            for target in room.targets.values():
+                peer = self.peers.get(target.endpoint)
+                if peer is None or peer.session != target.session:
+                    raise PeerLost(
+                        f"decode peer {target.endpoint} re-registered with another engine session"
+                    )
+                if not peer.ready.is_set():
+                    await peer.ready.wait()  # not started yet: cancellable
+                staging = self.planner.stages(peer, chunk)
+                if staging and not self.staging.registered:
+                    await self.planner.register_staging()  # once per agent; cancellable until then
+                call = _Call()
+                blocks, prepare = self.planner.plan(room, chunk, target, peer, call, staging)
+                if len(blocks.lens) == 0:
+                    continue  # a dummy rank for this destination: bookkeeping only
+                calls.append(call)  # (settling gives back or keeps its staging range)
+                call.peer = peer
+                call.tail = (int(blocks.src[-1]), int(blocks.dst[-1]))
+                if peer.probing and not peer.failed:
+                    # a write to it has just failed: this room was not in that call, and
+                    # the peer may well be alive (SPEC §5.7). Not started yet: cancellable
+                    await self.peers.verdict(peer)
+                if peer.failed:
+                    self.peers.reprobe(peer)  # (unless a probe is running)
+                    raise PeerLost(
+                        f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
+                        "fast until it answers a probe or registers again"
+                    )
+                if single:
+                    await self._engine_call(peer, blocks, call, prepare)
+                else:
+                    nursery.start_soon(self._engine_call, peer, blocks, call, prepare)
 
     async def _blame(self, peer: DecodePeer, write: Write, error: Exception) -> PeerLost | None:
         """An engine call to ``peer`` raised ``error``: is the peer alive (its probe's answer,

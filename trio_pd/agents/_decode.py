@@ -351,6 +351,11 @@ class DecodeAgent:
         #: rooms whose pages are held for a drain (failed, named to a prefill rank)
         self.held = trio_util.AsyncValue(0)
         self._token = trio.lowlevel.current_trio_token()
+        #: the messages to and from prefill ranks; ``_handle`` is the listener's dispatch, and
+        #: the handlers it calls are the agent's attributes (wrapped in place by tests)
+        self.wire = DecodeWire(self)
+        self._handle = self.wire.handle
+        self._on_status, self._on_ack = self.wire.on_status, self.wire.on_ack
 
     @property
     def _rooms(self) -> dict[int, _Room]:
@@ -507,7 +512,7 @@ class DecodeAgent:
             match effect:  # (the success path's effects first: fewer checks)
                 case SendTransfers():
                     self._carry(rec, [self.table.timer(rec, "waiting")])
-                    self._send_transfers(rec)
+                    self.wire.send_transfers(rec)
                 case Succeeded():
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
@@ -524,7 +529,7 @@ class DecodeAgent:
                         if self.metrics is not None:
                             self.metrics.drain_started(rec)
                 case SendAborts(ranks=ranks):
-                    self._send_aborts(rec, ranks)
+                    self.wire.send_aborts(rec, ranks)
                 case ArmAckDeadline():
                     self._carry(rec, [self.table.timer(rec, "ack")])
                 case Arm(after=after, key=key):
@@ -557,55 +562,6 @@ class DecodeAgent:
                 case _:
                     raise AssertionError(f"decode cannot do {effect!r}")
 
-    def _send_transfers(self, rec: _Room) -> None:
-        machine = rec.machine
-        assert machine.pages is not None
-        for rank in rec.sources:
-            if rank.lost:
-                error = PeerLost(f"prefill rank {rank.rank_id} is lost")
-                self._carry(rec, machine.fail(error))
-                return
-            msg = _wire.Transfer(
-                v=_wire.WIRE_VERSION,
-                room=machine.room,
-                epoch=machine.epoch,
-                endpoint=self.endpoint,
-                decode_rank=self.tp_rank,
-                aux_slot=machine.aux_slot,
-                required=len(rec.sources),
-                num_pages=len(machine.pages),
-                prefix_pages=machine.prefix_pages,
-                state_slots=tuple(tuple(s.tolist()) for s in machine.state_slots)
-                if self.pool.states else msgspec.UNSET,
-            )
-            machine.contacted(rank.rank_id)
-            try:
-                sent = self.control.send_nowait(rank.endpoint, msg, machine.pages)
-            except ProtocolError as exc:
-                # a TRANSFER that cannot be encoded (init checks what it can, so this is a
-                # bug): the room fails, and nothing leaves this call, which may run in the
-                # task that resolves every room's instance
-                log.error("room %d: its TRANSFER was refused: %s", machine.room, exc)
-                self._carry(rec, machine.fail(exc))
-                return
-            if not sent:
-                error = PeerLost(f"prefill rank {rank.rank_id} is not reading (socket full)")
-                self._carry(rec, machine.fail(error))
-                return
-
-    def _send_aborts(self, rec: _Room, ranks: tuple[int, ...]) -> None:
-        machine = rec.machine
-        abort = _wire.Abort(
-            v=_wire.WIRE_VERSION, room=machine.room, epoch=machine.epoch, endpoint=self.endpoint
-        )
-        for rank in rec.sources:
-            if rank.rank_id in ranks:
-                self.outbox.send(rank.endpoint, ("abort", machine.room, machine.epoch), abort)
-
-    def _aux_matches(self, rec: _Room) -> bool:
-        stamp = read_aux_stamp(self.pool, rec.machine.aux_slot)
-        return stamp == (rec.machine.room, rec.machine.epoch)
-
     # ------------------------------------------------------------------ deadlines, probes
 
     def _timer_due(self, key: Hashable) -> None:
@@ -619,25 +575,86 @@ class DecodeAgent:
         if await self.sources.liveness(rank) is Liveness.GONE:
             self._carry(rec, rec.machine.writer_gone(rank.rank_id))
 
-    # ------------------------------------------------------------------ control messages
 
-    def _handle(
+
+class DecodeWire:
+    """What a decode rank says to its prefill ranks and what it hears from them: the
+    TRANSFER and ABORT it sends for a room, and the intake of STATUS, ABORT_ACK, PONG and
+    BYE with the check of who sent them (authentication on). Holds no state of its own: the
+    rooms are the agent's table, and what a message makes due is carried by
+    :meth:`DecodeAgent._carry`.
+    """
+
+    def __init__(self, agent: DecodeAgent) -> None:
+        self.agent = agent
+
+    def send_transfers(self, rec: _Room) -> None:
+        machine = rec.machine
+        assert machine.pages is not None
+        for rank in rec.sources:
+            if rank.lost:
+                error = PeerLost(f"prefill rank {rank.rank_id} is lost")
+                self.agent._carry(rec, machine.fail(error))
+                return
+            msg = _wire.Transfer(
+                v=_wire.WIRE_VERSION,
+                room=machine.room,
+                epoch=machine.epoch,
+                endpoint=self.agent.endpoint,
+                decode_rank=self.agent.tp_rank,
+                aux_slot=machine.aux_slot,
+                required=len(rec.sources),
+                num_pages=len(machine.pages),
+                prefix_pages=machine.prefix_pages,
+                state_slots=tuple(tuple(s.tolist()) for s in machine.state_slots)
+                if self.agent.pool.states else msgspec.UNSET,
+            )
+            machine.contacted(rank.rank_id)
+            try:
+                sent = self.agent.control.send_nowait(rank.endpoint, msg, machine.pages)
+            except ProtocolError as exc:
+                # a TRANSFER that cannot be encoded (init checks what it can, so this is a
+                # bug): the room fails, and nothing leaves this call, which may run in the
+                # task that resolves every room's instance
+                log.error("room %d: its TRANSFER was refused: %s", machine.room, exc)
+                self.agent._carry(rec, machine.fail(exc))
+                return
+            if not sent:
+                error = PeerLost(f"prefill rank {rank.rank_id} is not reading (socket full)")
+                self.agent._carry(rec, machine.fail(error))
+                return
+
+    def send_aborts(self, rec: _Room, ranks: tuple[int, ...]) -> None:
+        machine, agent = rec.machine, self.agent
+        abort = _wire.Abort(
+            v=_wire.WIRE_VERSION, room=machine.room, epoch=machine.epoch, endpoint=agent.endpoint
+        )
+        for rank in rec.sources:
+            if rank.rank_id in ranks:
+                agent.outbox.send(rank.endpoint, ("abort", machine.room, machine.epoch), abort)
+
+    def aux_matches(self, rec: _Room) -> bool:
+        stamp = read_aux_stamp(self.agent.pool, rec.machine.aux_slot)
+        return stamp == (rec.machine.room, rec.machine.epoch)
+
+
+    def handle(
         self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None, sender: str | None = None
     ) -> None:
         """Dispatch one control message. ``sender`` is the CURVE key it came from (the
         listener passes it with authentication on); None is a trusted local call."""
         if isinstance(msg, _wire.Status):
-            self._on_status(msg, sender)
+            self.agent._on_status(msg, sender)  # (through the agent: tests wrap it)
         elif isinstance(msg, _wire.AbortAck):
-            self._on_ack(msg, sender)
+            self.agent._on_ack(msg, sender)
         elif isinstance(msg, _wire.Pong):
-            self.sources.on_pong(msg.nonce, sender)
+            self.agent.sources.on_pong(msg.nonce, sender)
         elif isinstance(msg, _wire.Bye):
-            self._on_bye(msg, sender)
+            self.on_bye(msg, sender)
         else:
             raise ProtocolError(f"decode does not take {type(msg).__name__}")
 
-    def _check_source(
+    def check_source(
         self, rec: _Room, msg: _wire.Status | _wire.AbortAck, sender: str | None
     ) -> None:
         """With authentication on, a STATUS or ABORT_ACK for a room held here is taken only
@@ -653,43 +670,43 @@ class DecodeAgent:
                 f"from {sender}: not that rank's key"
             )
 
-    def _on_status(self, msg: _wire.Status, sender: str | None = None) -> None:
-        check = partial(self._check_source, msg=msg, sender=sender)
-        due = self.table.on_status(
-            msg.room, msg.epoch, msg.rank, msg.ok, msg.reason, self._aux_matches, check
+    def on_status(self, msg: _wire.Status, sender: str | None = None) -> None:
+        check = partial(self.check_source, msg=msg, sender=sender)
+        due = self.agent.table.on_status(
+            msg.room, msg.epoch, msg.rank, msg.ok, msg.reason, self.aux_matches, check
         )
-        self._carry_at(msg.room, due)
+        self.carry_at(msg.room, due)
 
-    def _on_ack(self, msg: _wire.AbortAck, sender: str | None = None) -> None:
-        check = partial(self._check_source, msg=msg, sender=sender)
-        self._carry_at(msg.room, self.table.on_ack(msg.room, msg.epoch, msg.rank, check))
+    def on_ack(self, msg: _wire.AbortAck, sender: str | None = None) -> None:
+        check = partial(self.check_source, msg=msg, sender=sender)
+        self.carry_at(msg.room, self.agent.table.on_ack(msg.room, msg.epoch, msg.rank, check))
 
-    def _carry_at(self, room: int, due: Due) -> None:
+    def carry_at(self, room: int, due: Due) -> None:
         """:meth:`_carry` for what the table made due about ``room``, held here or not (a
         late message is only counted)."""
-        rec = self._rooms.get(room)
+        rec = self.agent._rooms.get(room)
         if rec is not None:
-            self._carry(rec, due)
+            self.agent._carry(rec, due)
             return
         for effect in due:
             match effect:
                 case Count(name=name):
-                    self.counters.bump(name)
+                    self.agent.counters.bump(name)
                 case _:
                     raise AssertionError(f"decode cannot do {effect!r} without room {room}")
 
-    def _on_bye(self, msg: _wire.Bye, sender: str | None = None) -> None:
+    def on_bye(self, msg: _wire.Bye, sender: str | None = None) -> None:
         """The prefill rank at ``msg.endpoint`` closed after its last engine call (a BYE): it
         counts as drained for every room that names it, those rooms not yet complete fail
         (``PeerLost``), and its bootstrap record is not used again (``Sources.close``). With
         authentication on, only that rank's own key may say so."""
-        ranks = {id(r): r for rec in self._rooms.values() for r in rec.sources
+        ranks = {id(r): r for rec in self.agent._rooms.values() for r in rec.sources
                  if r.endpoint == msg.endpoint and r.rank_id == msg.rank}
-        known = self.sources.ranks.get(msg.endpoint)
+        known = self.agent.sources.ranks.get(msg.endpoint)
         if known is not None and known.rank_id == msg.rank:
             ranks[id(known)] = known
         if not ranks:
-            self.counters.bump("late_messages")  # (no room or registration names it)
+            self.agent.counters.bump("late_messages")  # (no room or registration names it)
             return
         for rank in ranks.values():
             if sender is not None and sender != rank.key:
@@ -698,18 +715,18 @@ class DecodeAgent:
                     "that rank's key"
                 )
         for rank in ranks.values():
-            self.sources.close(rank)
+            self.agent.sources.close(rank)
             for room_id in list(rank.rooms):
-                rec = self._rooms.get(room_id)
+                rec = self.agent._rooms.get(room_id)
                 if rec is not None:
-                    self._carry(rec, rec.machine.peer_lost(
+                    self.agent._carry(rec, rec.machine.peer_lost(
                         rank.rank_id, f"prefill rank {rank.rank_id} closed"
                     ))
-                    self._carry(rec, rec.machine.writer_gone(rank.rank_id))
+                    self.agent._carry(rec, rec.machine.writer_gone(rank.rank_id))
 
-    # ------------------------------------------------------------------ closing
 
-    async def _close_rooms(self) -> None:
+
+async def close_rooms(agent: DecodeAgent) -> None:
         """Fail every room the normal way and wait, at most ``close_timeout``, until none
         holds pages for a drain. What is still unproven then is counted and logged, and its
         ``on_release`` never runs: a prefill write may still land there.
@@ -717,21 +734,21 @@ class DecodeAgent:
         **Cancellation:** run it shielded: cancelling it stops the wait early, with the same
         report.
         """
-        for rec in list(self._rooms.values()):
-            self._carry(rec, rec.machine.close(CLOSING))
-        with trio.move_on_after(self.config.close_timeout):
-            await self.held.wait_value(0)
-        unproven = [r for r in self._rooms.values() if r.machine.holding]
+        for rec in list(agent._rooms.values()):
+            agent._carry(rec, rec.machine.close(CLOSING))
+        with trio.move_on_after(agent.config.close_timeout):
+            await agent.held.wait_value(0)
+        unproven = [r for r in agent._rooms.values() if r.machine.holding]
         if unproven:
-            self.counters.bump("rooms_unproven_at_close", len(unproven))
+            agent.counters.bump("rooms_unproven_at_close", len(unproven))
             log.error(
                 "decode agent closed with %d room(s) whose pages a prefill write may still "
                 "reach (no drain ack, writer not proven gone within %g s): %s; their "
                 "on_release will not run",
-                len(unproven), self.config.close_timeout,
+                len(unproven), agent.config.close_timeout,
                 ", ".join(str(r.machine.room) for r in unproven[:20]),
             )
-        for rec in list(self._rooms.values()):
+        for rec in list(agent._rooms.values()):
             rec.terminal.set()
 
 
@@ -811,7 +828,7 @@ async def open_decode(
                 yield agent
             finally:
                 with trio.CancelScope(shield=True):
-                    await agent._close_rooms()
+                    await close_rooms(agent)
                 for scope in services:
                     scope.cancel(CLOSING)
                 nursery.cancel_scope.cancel(CLOSING)

@@ -352,13 +352,14 @@ class PrefillAgent:
             host, self.counters, sndhwm=config.sndhwm, max_peers=config.max_peer_sockets,
             keys=Keypair.generate() if self.security.curve else None,
         )
-        #: keys of registered decode ranks whose PINGs were answered (bounded; see _authenticate)
-        self._ping_keys: dict[str, None] = {}
         self.outbox = Outbox(
             lambda *send: self.control.send_nowait(*send), self.timers, self.counters,
             give_up_after=config.failed_status_retry,
         )
         sweep_idle_sockets(self.timers, self.control, config.peer_socket_idle)
+        #: the messages from and to decode ranks; ``_handle`` is the listener's dispatch, and
+        #: the handlers it calls are the agent's attributes (wrapped in place by tests)
+        self.wire = PrefillWire(self)
         fence = config.quarantine_fence
         if fence is None:
             fence = float(getattr(engine, "write_deadline_s", 10.0)) + 1.0
@@ -367,7 +368,7 @@ class PrefillAgent:
             inflight_per_peer=config.inflight_per_peer, lane_nice=config.lane_nice,
             fence=fence, counters=self.counters, timers=self.timers,
             batch_blocks=config.batch_blocks, batch_bytes=config.batch_bytes,
-            forget_endpoint=self._forget_endpoint,
+            forget_endpoint=self.wire.forget_endpoint,
             max_peers=config.max_decode_peers, peer_idle=config.peer_idle_timeout,
             pp_rank=pp_rank, pp_size=pp_size, first_layer=first_layer,
         )
@@ -385,8 +386,11 @@ class PrefillAgent:
         )
         #: chunk and publication jobs, queued per destination (a stalled peer holds up only
         #: the rooms that write to it) and run by at most ``config.workers`` tasks each
-        self.jobs = JobQueues[tuple[_Room, _Job]](self._run_job, config.workers)
+        self.workers = PrefillWorkers(self)
+        self.jobs = JobQueues[tuple[_Room, _Job]](self.workers.run_job, config.workers)
         self._token = trio.lowlevel.current_trio_token()
+        self._handle, self._handle_closing = self.wire.handle, self.wire.handle_closing
+        self._on_transfer, self._on_abort = self.wire.on_transfer, self.wire.on_abort
 
     @property
     def _rooms(self) -> dict[int, _Room]:
@@ -446,7 +450,7 @@ class PrefillAgent:
         if self.dp_announcer is not None:  # DP attention: decode routes the room by this
             self.dp_announcer.announce(room, epoch)
             rec.announced = (room, epoch)
-        self._carry(rec, self.table.open(rec, self._peer_view))
+        self._carry(rec, self.table.open(rec, self.wire.peer_view))
         return PrefillSender(self, rec)
 
     def decode_metadata(self, room: int, epoch: int | None) -> KVPoll:
@@ -456,7 +460,7 @@ class PrefillAgent:
         Bootstrapping before, Failed if decode already aborted it. Read-only; for a
         scheduler that holds a request back until decode has reserved its pages (SGLang's
         bootstrap queue). A room this rank holds answers its own status."""
-        return self.table.decode_metadata(room, epoch, self._peer_view)
+        return self.table.decode_metadata(room, epoch, self.wire.peer_view)
 
     def statistics(self) -> AgentStatistics:
         rooms = [r.machine for r in self._rooms.values()]
@@ -485,9 +489,9 @@ class PrefillAgent:
         this rank may not hold, and the timers and counts of any room."""
         match effect:
             case SendAck(endpoint=endpoint, epoch=epoch):
-                self._send_ack(room, epoch, endpoint)
+                self.wire.send_ack(room, epoch, endpoint)
             case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
-                self._send_failed(room, epoch, endpoint, reason)
+                self.wire.send_failed(room, epoch, endpoint, reason)
             case Arm(after=after, key=key):
                 self.timers.after(after, partial(self._timer_due, key))
             case Count(name=name):
@@ -506,18 +510,6 @@ class PrefillAgent:
         if isinstance(key, RoomDeadline):  # (the table's own expiries make nothing due)
             self._carry(key.rec, due)
 
-    def _peer_view(self, endpoint: str) -> DecodePeerView | None:
-        """What the table needs of the decode peer registered at ``endpoint``."""
-        peer = self.peers.get(endpoint)
-        if peer is None:
-            return None
-        pool = PeerPool(peer.pool.num_pages, peer.pool.aux_slots,
-                        tuple(st.slots for st in peer.pool.states))
-        served = tuple(served_decode_ranks(self.tp_rank, self.tp_size, peer.decode_tp))
-        return DecodePeerView(
-            peer.endpoint, peer.session, peer.decode_rank, peer.decode_tp, pool, served
-        )
-
     def _carry(self, rec: _Room, due: Due, *, in_worker: bool = False) -> None:
         """Carry out what a room machine made due. Synchronous: it never waits."""
         room = rec.machine.room
@@ -527,10 +519,10 @@ class PrefillAgent:
                 case RunChunks():
                     if not rec.chunk_job:
                         rec.chunk_job = True
-                        self._queue(rec, "chunk")
+                        self.workers.queue(rec, "chunk")
                 case PublishDue():
                     if not in_worker:  # (a worker publishes inline, after its chunk)
-                        self._queue(rec, "publish")
+                        self.workers.queue(rec, "publish")
                 case Succeeded():
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
@@ -554,24 +546,11 @@ class PrefillAgent:
                     count_room_end(self.counters, self.metrics, rec.started, error)
                     rec.terminal.set()
                 case Quarantine(lease=lease):
-                    self._quarantine(rec, lease)
+                    self.workers.quarantine(rec, lease)
                 case _:
                     self._carry_one(room, effect)
         effect = None  # (no name for a Reject's error in this frame: _raise_reject)
         _raise_reject(due)
-
-    def _send_ack(self, room: int, epoch: int, endpoint: str) -> None:
-        ack = _wire.AbortAck(v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.rank_id)
-        self.outbox.send(endpoint, ("ack", room, epoch), ack)
-        self.counters.bump("acks_sent")
-
-    def _send_failed(self, room: int, epoch: int, endpoint: str, reason: str) -> None:
-        """A Failed STATUS that must arrive, to a registered decode rank only (a stray
-        endpoint gets no socket of ours)."""
-        if self.peers.get(endpoint) is None:
-            return
-        status = self._status(room, epoch, False, reason)
-        self.outbox.send(endpoint, ("status", room, epoch), status)
 
     def _status(self, room: int, epoch: int, ok: bool, reason: str) -> _wire.Status:
         return _wire.Status(
@@ -579,210 +558,17 @@ class PrefillAgent:
             reason=reason,
         )
 
-    def _quarantine(self, rec: _Room, lease: Lease) -> None:
-        self.counters.bump("quarantined")
-        if not rec.in_failed_call:
-            rec.in_failed_call = True
-            self.counters.bump("rooms_in_failed_calls")
-        self.quarantines.value += 1
-        peers = [p for t in rec.machine.targets.values() if (p := self.peers.get(t.endpoint))]
-        log.info("room %d: %d pages quarantined after a failed engine call (outcome unknown): "
-                 "held until no write of it to %s can land", rec.machine.room, lease.npages,
-                 ", ".join(p.endpoint for p in peers) or "its decode peers")
-        self.peers.quarantine(lease, peers, partial(self._end_quarantine, rec, lease))
-
-    def _end_quarantine(self, rec: _Room, lease: Lease) -> None:
-        if lease in rec.machine.leases.quarantined:
-            self.counters.bump("released_after_quarantine")
-            log.info("room %d: quarantine of %d pages ended: they go back", rec.machine.room,
-                     lease.npages)
-            self.quarantines.value -= 1
-            self._carry(rec, rec.machine.end_quarantine(lease))
-
-    def _forget_endpoint(self, endpoint: str) -> None:
-        self.outbox.forget(endpoint)
-        self.control.forget(endpoint)
-
-    # ------------------------------------------------------------------ workers, publication
-
-    def _queue(self, rec: _Room, job: _Job) -> None:
-        """Queue a room's job behind the jobs for the same decode peers only (see _jobs)."""
-        self.jobs.put(tuple(t.endpoint for t in rec.machine.targets.values()), (rec, job))
-
-    async def _run_job(self, item: tuple[_Room, _Job]) -> None:
-        """One job, in a task of :attr:`jobs` (a job with nothing left to do returns without a
-        checkpoint: the task's next job, or its end, follows)."""
-        rec, job = item
-        if job == "publish":
-            await self._publish(rec)
-            return
-        rec.chunk_job = False
-        taken = rec.machine.take_chunks(self.config.coalesce_pages)
-        if taken is None:
-            return  # noqa: ASYNC910 (cancelled)
-        if rec.machine.queued:  # more than one call's worth: the next worker takes it
-            rec.chunk_job = True
-            self._queue(rec, "chunk")
-        chunk, joined = taken
-        if joined:
-            self.counters.bump("chunks_coalesced", joined)
-        settle = partial(self._settled, rec, chunk)
-        await self.runner.run(rec.machine, rec.scopes, chunk, settle)
-        if rec.machine.publish_due:  # (most chunks are not a room's last: no extra round)
-            await self._publish(rec)
-
-    def _settled(
-        self, rec: _Room, chunk: Chunk, outcome: Outcome, failure: TransferError | None
-    ) -> None:
-        self._carry(rec, rec.machine.chunk_settled(chunk, outcome, failure), in_worker=True)
-
     async def _publish(self, rec: _Room) -> None:
-        """Decide and publish the room's outcome, once, under the room's lock (SPEC §5.4)."""
+        """Decide and publish the room's outcome, once, under the room's lock (SPEC §5.4).
+        (A method of the agent, which its workers call: a subclass may replace it.)"""
         if not rec.machine.publish_due:
             await trio.lowlevel.checkpoint()  # a checkpoint on every path
             return
         async with rec.lock:
-            self._carry(rec, rec.machine.publish(partial(self._send_status_now, rec.machine.room)))
-
-    def _send_status_now(self, room: int, endpoint: str, epoch: int, ok: bool, reason: str) -> bool:
-        """Publication's send: non-blocking, no retry (a refusal fails the room there)."""
-        return self.control.send_nowait(endpoint, self._status(room, epoch, ok, reason))
-
-    # ------------------------------------------------------------------ control messages
-
-    def _handle(
-        self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None, sender: str | None = None
-    ) -> None:
-        """Dispatch one control message. ``sender`` is the CURVE key it came from (the
-        listener passes it with authentication on); None is a trusted local call."""
-        if sender is not None:
-            self._authenticate(msg, sender)
-        if isinstance(msg, _wire.Transfer):
-            assert pages is not None
-            self._on_transfer(msg, pages)
-        elif isinstance(msg, _wire.Abort):
-            self._on_abort(msg)
-        elif isinstance(msg, _wire.Register):
-            self.peers.register(msg, key=sender or "")
-            if sender is not None:
-                self.control.authorize(msg.endpoint, sender)
-        elif isinstance(msg, _wire.Ping):
-            if sender is not None:  # decode's heartbeat socket serves with the same key
-                self.control.authorize(msg.endpoint, sender, reply=True)
-            pong = _wire.Pong(v=_wire.WIRE_VERSION, nonce=msg.nonce, rank=self.rank_id)
-            self.control.send_nowait(msg.endpoint, pong)
-        else:
-            raise ProtocolError(f"prefill does not take {type(msg).__name__}")
-
-    def _handle_closing(
-        self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None, sender: str | None = None
-    ) -> None:
-        """:meth:`_handle` for the messages still unread when the agent closes: a TRANSFER or
-        an ABORT is taken (so :meth:`_shutdown_rooms` answers it: nothing of ours will write
-        those pages), anything else is dropped."""
-        if isinstance(msg, (_wire.Transfer, _wire.Abort)):
-            self._handle(msg, pages, sender)
-
-    def _authenticate(self, msg: _wire.Message, sender: str) -> None:
-        """With authentication on, may ``sender`` (a CURVE key) send ``msg``? Raises
-        :class:`AuthenticationError` (counted ``auth_refused`` by the listener) if not:
-
-        * a REGISTER must name its sender as ``control_key``, carry a valid proof under the
-          cluster token (:func:`~trio_pd.io._security.register_mac`), and not name an endpoint
-          another key registered, unless that registration is proven gone;
-        * a TRANSFER or ABORT only from the key that registered its endpoint (a TRANSFER also
-          from the key whose REGISTER of it was refused: it fails its room with the reason);
-        * a PING only from a key that registered some endpoint.
-        """
-        if isinstance(msg, _wire.Register):
-            token = self.security.token
-            if msg.control_key != sender:
-                raise AuthenticationError(
-                    f"REGISTER for {msg.endpoint} names key {msg.control_key!r}, sent by {sender}"
-                )
-            if token is None or not check_register_mac(
-                token, msg.auth, endpoint=msg.endpoint, control_key=msg.control_key,
-                engine=msg.engine, session=msg.session, decode_rank=msg.decode_rank,
-                decode_tp=msg.decode_tp,
-            ):
-                raise AuthenticationError(
-                    f"REGISTER for {msg.endpoint} from {sender}: no valid cluster-token proof"
-                )
-            old = self.peers.get(msg.endpoint)
-            if old is not None and old.key != sender and not old.gone:
-                raise AuthenticationError(
-                    f"REGISTER for {msg.endpoint} from {sender}: the endpoint is registered "
-                    "under another key"
-                )
-        elif isinstance(msg, (_wire.Transfer, _wire.Abort)):
-            peer = self.peers.get(msg.endpoint)
-            if peer is None and isinstance(msg, _wire.Transfer) and sender == (
-                self.peers.refused_key.get(msg.endpoint)
-            ):
-                return  # the key whose REGISTER was refused: its room fails with the reason
-            if peer is None or peer.key != sender:
-                raise AuthenticationError(
-                    f"{type(msg).__name__.upper()} naming {msg.endpoint} from {sender}: "
-                    "not the key that registered it"
-                )
-        elif isinstance(msg, _wire.Ping) and sender not in self._ping_keys:
-            if not any(p.key == sender for p in self.peers.all()):
-                raise AuthenticationError(f"PING from {sender}: no registration under this key")
-            if len(self._ping_keys) >= 4096:
-                self._ping_keys.pop(next(iter(self._ping_keys)))
-            self._ping_keys[sender] = None
-
-    def _on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
-        """TRANSFER from a decode rank: the table checks it and says where it goes
-        (:meth:`PrefillRooms.on_transfer <trio_pd.core._tables.PrefillRooms.on_transfer>`)."""
-        peer, refused = self._peer_view(msg.endpoint), self.peers.refused.get(msg.endpoint)
-        self._carry_at(msg.room, self.table.on_transfer(msg, pages, peer, refused))
-
-    def _on_abort(self, msg: _wire.Abort) -> None:
-        """ABORT from a decode rank: to the room if it is this use, else tombstoned and acked
-        (:meth:`PrefillRooms.on_abort <trio_pd.core._tables.PrefillRooms.on_abort>`)."""
-        self._carry_at(msg.room, self.table.on_abort(msg.room, msg.epoch, msg.endpoint))
+            send = partial(self.wire.send_status_now, rec.machine.room)
+            self._carry(rec, rec.machine.publish(send))
 
     # ------------------------------------------------------------------ shutdown
-
-    async def _wait_quarantines(self) -> None:
-        """Closing, before anything stops: while a room holds a quarantined lease, keep
-        serving, for at most ``close_timeout``. A failed write's bytes may still land, so its
-        room's drain ack is withheld until the quarantine ends on proof (``PeerRegistry``);
-        closing the control socket at once would leave decode to guess from a refused
-        connect, while our engine may still deliver (it outlives this agent when the
-        application keeps it). Meanwhile the socket stays open: PINGs get their PONG, ABORTs
-        register their ack targets, and each ack goes out as its quarantine ends. Rooms
-        still quarantined at the bound are counted (``rooms_unacked_at_close``) and logged:
-        their acks are withheld for good (:meth:`PrefillRoom.shutdown`).
-
-        **Cancellation:** run it shielded: cancelling it stops the wait early, with the same
-        report.
-        """
-        if self.quarantines.value:
-            bound = self.config.close_timeout
-            if bound is None:
-                bound = 2 * self.peers.fence + 1.0
-            log.info("prefill agent closing: waiting up to %g s for %d quarantined write(s) "
-                     "to be proven over", bound, self.quarantines.value)
-            with trio.move_on_after(bound):
-                await self.quarantines.wait_value(0)
-        else:
-            await trio.lowlevel.checkpoint()
-        left = [r for r in self._rooms.values() if r.machine.leases.quarantined]
-        if left:
-            self.counters.bump("rooms_unacked_at_close", len(left))
-            log.error(
-                "prefill agent closed with %d room(s) whose failed writes are not proven over: "
-                "no drain ack for them, so decode keeps their pages: %s",
-                len(left), ", ".join(str(r.machine.room) for r in left[:20]),
-            )
-
-    def _unproven(self) -> bool:
-        """Whether a failed write of ours is not proven over: a lease still quarantined."""
-        return bool(self.quarantines.value) or any(
-            r.machine.leases.quarantined for r in self._rooms.values()
-        )
 
     def _say_goodbye(self) -> None:
         """Closing, once every engine call has returned, every failed write is proven over
@@ -803,7 +589,7 @@ class PrefillAgent:
 
         Source pages go back, but not the staging ranges of failed calls: the engine may
         still read them, and the area stays allocated for the life of the process once any
-        range is held (``ChunkRunner.close_staging``)."""
+        range is held (``ChunkPlanner.close_staging``)."""
         self._closing = True
         self.peers.drop_fences()
         for room, rec, due in self.table.shutdown(CLOSED):
@@ -811,6 +597,255 @@ class PrefillAgent:
                 self._carry_at(room, due)
             else:
                 self._carry(rec, due)
+
+
+class PrefillWorkers:
+    """The jobs the agent's worker tasks run (:attr:`PrefillAgent.jobs`): a room's oldest
+    queued chunks taken as one, run by the :class:`ChunkRunner`, settled into the room, and
+    the room's outcome published (:meth:`PrefillAgent._publish`) once it is due; and a failed
+    call's lease held in quarantine until its writes are proven over. At most one chunk job
+    per room is queued at a time (``_Room.chunk_job``).
+    """
+
+    def __init__(self, agent: PrefillAgent) -> None:
+        self.agent = agent
+
+    def queue(self, rec: _Room, job: _Job) -> None:
+        """Queue a room's job behind the jobs for the same decode peers only (see _jobs)."""
+        self.agent.jobs.put(tuple(t.endpoint for t in rec.machine.targets.values()), (rec, job))
+
+    async def run_job(self, item: tuple[_Room, _Job]) -> None:
+        """One job, in a task of :attr:`PrefillAgent.jobs` (a job with nothing left to do
+        returns without a checkpoint: the task's next job, or its end, follows)."""
+        rec, job = item
+        if job == "publish":
+            await self.agent._publish(rec)
+            return
+        rec.chunk_job = False
+        taken = rec.machine.take_chunks(self.agent.config.coalesce_pages)
+        if taken is None:
+            return  # noqa: ASYNC910 (cancelled)
+        if rec.machine.queued:  # more than one call's worth: the next worker takes it
+            rec.chunk_job = True
+            self.queue(rec, "chunk")
+        chunk, joined = taken
+        if joined:
+            self.agent.counters.bump("chunks_coalesced", joined)
+        settle = partial(self.settled, rec, chunk)
+        await self.agent.runner.run(rec.machine, rec.scopes, chunk, settle)
+        if rec.machine.publish_due:  # (most chunks are not a room's last: no extra round)
+            await self.agent._publish(rec)
+
+    def settled(
+        self, rec: _Room, chunk: Chunk, outcome: Outcome, failure: TransferError | None
+    ) -> None:
+        self.agent._carry(rec, rec.machine.chunk_settled(chunk, outcome, failure), in_worker=True)
+
+    def quarantine(self, rec: _Room, lease: Lease) -> None:
+        """A failed call's lease (its writes may still land): held, and counted in
+        :attr:`PrefillAgent.quarantines`, until the peer registry proves them over."""
+        agent = self.agent
+        agent.counters.bump("quarantined")
+        if not rec.in_failed_call:
+            rec.in_failed_call = True
+            agent.counters.bump("rooms_in_failed_calls")
+        agent.quarantines.value += 1
+        peers = [p for t in rec.machine.targets.values() if (p := agent.peers.get(t.endpoint))]
+        log.info("room %d: %d pages quarantined after a failed engine call (outcome unknown): "
+                 "held until no write of it to %s can land", rec.machine.room, lease.npages,
+                 ", ".join(p.endpoint for p in peers) or "its decode peers")
+        agent.peers.quarantine(lease, peers, partial(self.end_quarantine, rec, lease))
+
+    def end_quarantine(self, rec: _Room, lease: Lease) -> None:
+        agent = self.agent
+        if lease in rec.machine.leases.quarantined:
+            agent.counters.bump("released_after_quarantine")
+            log.info("room %d: quarantine of %d pages ended: they go back", rec.machine.room,
+                     lease.npages)
+            agent.quarantines.value -= 1
+            agent._carry(rec, rec.machine.end_quarantine(lease))
+
+class PrefillWire:
+    """What a prefill rank hears from its decode ranks and the messages it owes them: the
+    intake of TRANSFER, ABORT, REGISTER and PING with the check of who sent them
+    (authentication on), the decode peer as the room table sees it, and the ABORT_ACK and
+    STATUS sends. The rooms are the agent's table; what a message makes due is carried by
+    :meth:`PrefillAgent._carry`.
+    """
+
+    def __init__(self, agent: PrefillAgent) -> None:
+        self.agent = agent
+        #: keys of registered decode ranks whose PINGs were answered (bounded; see
+        #: :meth:`authenticate`)
+        self._ping_keys: dict[str, None] = {}
+
+    def peer_view(self, endpoint: str) -> DecodePeerView | None:
+        """What the table needs of the decode peer registered at ``endpoint``."""
+        peer = self.agent.peers.get(endpoint)
+        if peer is None:
+            return None
+        pool = PeerPool(peer.pool.num_pages, peer.pool.aux_slots,
+                        tuple(st.slots for st in peer.pool.states))
+        served = tuple(served_decode_ranks(self.agent.tp_rank, self.agent.tp_size, peer.decode_tp))
+        return DecodePeerView(
+            peer.endpoint, peer.session, peer.decode_rank, peer.decode_tp, pool, served
+        )
+
+    def forget_endpoint(self, endpoint: str) -> None:
+        """The peer registry dropped ``endpoint``: its pending sends and socket go too."""
+        self.agent.outbox.forget(endpoint)
+        self.agent.control.forget(endpoint)
+
+    def send_ack(self, room: int, epoch: int, endpoint: str) -> None:
+        ack = _wire.AbortAck(v=_wire.WIRE_VERSION, room=room, epoch=epoch, rank=self.agent.rank_id)
+        self.agent.outbox.send(endpoint, ("ack", room, epoch), ack)
+        self.agent.counters.bump("acks_sent")
+
+    def send_failed(self, room: int, epoch: int, endpoint: str, reason: str) -> None:
+        """A Failed STATUS that must arrive, to a registered decode rank only (a stray
+        endpoint gets no socket of ours)."""
+        if self.agent.peers.get(endpoint) is None:
+            return
+        status = self.agent._status(room, epoch, False, reason)
+        self.agent.outbox.send(endpoint, ("status", room, epoch), status)
+
+    def send_status_now(self, room: int, endpoint: str, epoch: int, ok: bool, reason: str) -> bool:
+        """Publication's send: non-blocking, no retry (a refusal fails the room there)."""
+        return self.agent.control.send_nowait(endpoint, self.agent._status(room, epoch, ok, reason))
+
+
+    def handle(
+        self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None, sender: str | None = None
+    ) -> None:
+        """Dispatch one control message. ``sender`` is the CURVE key it came from (the
+        listener passes it with authentication on); None is a trusted local call."""
+        if sender is not None:
+            self.authenticate(msg, sender)
+        if isinstance(msg, _wire.Transfer):
+            assert pages is not None
+            self.agent._on_transfer(msg, pages)  # (through the agent: tests wrap it)
+        elif isinstance(msg, _wire.Abort):
+            self.agent._on_abort(msg)
+        elif isinstance(msg, _wire.Register):
+            self.agent.peers.register(msg, key=sender or "")
+            if sender is not None:
+                self.agent.control.authorize(msg.endpoint, sender)
+        elif isinstance(msg, _wire.Ping):
+            if sender is not None:  # decode's heartbeat socket serves with the same key
+                self.agent.control.authorize(msg.endpoint, sender, reply=True)
+            pong = _wire.Pong(v=_wire.WIRE_VERSION, nonce=msg.nonce, rank=self.agent.rank_id)
+            self.agent.control.send_nowait(msg.endpoint, pong)
+        else:
+            raise ProtocolError(f"prefill does not take {type(msg).__name__}")
+
+    def handle_closing(
+        self, msg: _wire.Message, pages: npt.NDArray[np.int32] | None, sender: str | None = None
+    ) -> None:
+        """:meth:`_handle` for the messages still unread when the agent closes: a TRANSFER or
+        an ABORT is taken (so :meth:`_shutdown_rooms` answers it: nothing of ours will write
+        those pages), anything else is dropped."""
+        if isinstance(msg, (_wire.Transfer, _wire.Abort)):
+            self.handle(msg, pages, sender)
+
+    def authenticate(self, msg: _wire.Message, sender: str) -> None:
+        """With authentication on, may ``sender`` (a CURVE key) send ``msg``? Raises
+        :class:`AuthenticationError` (counted ``auth_refused`` by the listener) if not:
+
+        * a REGISTER must name its sender as ``control_key``, carry a valid proof under the
+          cluster token (:func:`~trio_pd.io._security.register_mac`), and not name an endpoint
+          another key registered, unless that registration is proven gone;
+        * a TRANSFER or ABORT only from the key that registered its endpoint (a TRANSFER also
+          from the key whose REGISTER of it was refused: it fails its room with the reason);
+        * a PING only from a key that registered some endpoint.
+        """
+        if isinstance(msg, _wire.Register):
+            token = self.agent.security.token
+            if msg.control_key != sender:
+                raise AuthenticationError(
+                    f"REGISTER for {msg.endpoint} names key {msg.control_key!r}, sent by {sender}"
+                )
+            if token is None or not check_register_mac(
+                token, msg.auth, endpoint=msg.endpoint, control_key=msg.control_key,
+                engine=msg.engine, session=msg.session, decode_rank=msg.decode_rank,
+                decode_tp=msg.decode_tp,
+            ):
+                raise AuthenticationError(
+                    f"REGISTER for {msg.endpoint} from {sender}: no valid cluster-token proof"
+                )
+            old = self.agent.peers.get(msg.endpoint)
+            if old is not None and old.key != sender and not old.gone:
+                raise AuthenticationError(
+                    f"REGISTER for {msg.endpoint} from {sender}: the endpoint is registered "
+                    "under another key"
+                )
+        elif isinstance(msg, (_wire.Transfer, _wire.Abort)):
+            peer = self.agent.peers.get(msg.endpoint)
+            if peer is None and isinstance(msg, _wire.Transfer) and sender == (
+                self.agent.peers.refused_key.get(msg.endpoint)
+            ):
+                return  # the key whose REGISTER was refused: its room fails with the reason
+            if peer is None or peer.key != sender:
+                raise AuthenticationError(
+                    f"{type(msg).__name__.upper()} naming {msg.endpoint} from {sender}: "
+                    "not the key that registered it"
+                )
+        elif isinstance(msg, _wire.Ping) and sender not in self._ping_keys:
+            if not any(p.key == sender for p in self.agent.peers.all()):
+                raise AuthenticationError(f"PING from {sender}: no registration under this key")
+            if len(self._ping_keys) >= 4096:
+                self._ping_keys.pop(next(iter(self._ping_keys)))
+            self._ping_keys[sender] = None
+
+    def on_transfer(self, msg: _wire.Transfer, pages: npt.NDArray[np.int32]) -> None:
+        """TRANSFER from a decode rank: the table checks it and says where it goes
+        (:meth:`PrefillRooms.on_transfer <trio_pd.core._tables.PrefillRooms.on_transfer>`)."""
+        peer, refused = self.peer_view(msg.endpoint), self.agent.peers.refused.get(msg.endpoint)
+        self.agent._carry_at(msg.room, self.agent.table.on_transfer(msg, pages, peer, refused))
+
+    def on_abort(self, msg: _wire.Abort) -> None:
+        """ABORT from a decode rank: to the room if it is this use, else tombstoned and acked
+        (:meth:`PrefillRooms.on_abort <trio_pd.core._tables.PrefillRooms.on_abort>`)."""
+        self.agent._carry_at(msg.room, self.agent.table.on_abort(msg.room, msg.epoch, msg.endpoint))
+
+
+async def wait_quarantines(agent: PrefillAgent) -> None:
+    """Closing, before anything stops: while a room holds a quarantined lease, keep
+    serving, for at most ``close_timeout``. A failed write's bytes may still land, so its
+    room's drain ack is withheld until the quarantine ends on proof (``PeerRegistry``);
+    closing the control socket at once would leave decode to guess from a refused
+    connect, while our engine may still deliver (it outlives this agent when the
+    application keeps it). Meanwhile the socket stays open: PINGs get their PONG, ABORTs
+    register their ack targets, and each ack goes out as its quarantine ends. Rooms
+    still quarantined at the bound are counted (``rooms_unacked_at_close``) and logged:
+    their acks are withheld for good (:meth:`PrefillRoom.shutdown`).
+
+    **Cancellation:** run it shielded: cancelling it stops the wait early, with the same
+    report.
+    """
+    if agent.quarantines.value:
+        bound = agent.config.close_timeout
+        if bound is None:
+            bound = 2 * agent.peers.fence + 1.0
+        log.info("prefill agent closing: waiting up to %g s for %d quarantined write(s) "
+                 "to be proven over", bound, agent.quarantines.value)
+        with trio.move_on_after(bound):
+            await agent.quarantines.wait_value(0)
+    else:
+        await trio.lowlevel.checkpoint()
+    left = [r for r in agent._rooms.values() if r.machine.leases.quarantined]
+    if left:
+        agent.counters.bump("rooms_unacked_at_close", len(left))
+        log.error(
+            "prefill agent closed with %d room(s) whose failed writes are not proven over: "
+            "no drain ack for them, so decode keeps their pages: %s",
+            len(left), ", ".join(str(r.machine.room) for r in left[:20]),
+        )
+
+def unproven(agent: PrefillAgent) -> bool:
+    """Whether a failed write of ours is not proven over: a lease still quarantined."""
+    return bool(agent.quarantines.value) or any(
+        r.machine.leases.quarantined for r in agent._rooms.values()
+    )
 
 
 @one_error
@@ -976,7 +1011,7 @@ async def open_prefill(
                     yield agent
                 finally:
                     with trio.CancelScope(shield=True):
-                        await agent._wait_quarantines()
+                        await wait_quarantines(agent)
             finally:
                 # (also when starting failed, the registration refused say: the services
                 # are shielded, so the nursery's own cancellation would not reach them)
@@ -990,7 +1025,7 @@ async def open_prefill(
         # what the listener left unread (a decode rank's TRANSFER sent as we closed) is
         # answered too: its room fails here and that rank hears a Failed STATUS and an ack
         agent.control.drain_nowait(agent._handle_closing)
-        proven = not agent._unproven()  # (before the rooms are shut down and forgotten)
+        proven = not unproven(agent)  # (before the rooms are shut down and forgotten)
         agent._shutdown_rooms()
         if proven:
             agent._say_goodbye()
@@ -998,5 +1033,5 @@ async def open_prefill(
             await wait_idle(agent.peers.probe_threads.limiter, agent.peers.fence)
             if registered:
                 await trio.to_thread.run_sync(engine.unregister, regions)
-            await agent.runner.close_staging()
+            await agent.runner.planner.close_staging()
             await agent.control.aclose()

@@ -839,6 +839,76 @@ def _bootstrap_url(addr: str) -> str:
     return addr if "://" in addr else f"http://{addr}"
 
 
+def _served_bootstrap_url(server_args: object, server_host: str) -> str:
+    """Where SGLang's ``server_args`` put a prefill rank's bootstrap service (a wildcard
+    ``host`` is reached on loopback)."""
+    port = int(getattr(server_args, "disaggregation_bootstrap_port", None)
+               or DEFAULT_BOOTSTRAP_PORT)
+    boot_host = "127.0.0.1" if _wildcard(server_host) else server_host
+    return f"http://{boot_host}:{port}"
+
+
+def _make_engine(server_args: object, args: object, host: str) -> TransferEngine:
+    """The engine ``server_args.disaggregation_transfer_backend`` names, for a rank on ``host``."""
+    backend = str(getattr(server_args, "disaggregation_transfer_backend", None)
+                  or "mooncake")
+    if backend not in ENGINE_NAMES:
+        raise _unsupported(
+            "--disaggregation-transfer-backend", backend,
+            f"trio_pd runs over {' or '.join(ENGINE_NAMES)}",
+        )
+    if backend == "mooncake":
+        device = _get(args, "ib_device", "") or str(
+            getattr(server_args, "disaggregation_ib_device", None) or ""
+        )
+        return make_engine("mooncake", host=host, device=device)
+    return make_engine(backend)
+
+
+def _state_slots(
+    pool: PoolSpec, state_indices: object, what: str
+) -> list[npt.NDArray[np.int64]] | None:
+    """SGLang's ``state_indices`` as the facade's ``state_slots``: one list of slot ids
+    per state type of ``KVArgs.state_types`` (``pool``'s states), in order (a None entry: no
+    slot of that type; a bare int: one slot). None or an empty list (SGLang's connector
+    reads both as "no states"): none given. Raises :class:`~trio_pd.ProtocolError` for any
+    other shape; the slots themselves (inside their component, none repeated) are checked
+    by the facade."""
+    if state_indices is None:
+        return None
+    names = [st.name for st in pool.states]
+    if isinstance(state_indices, str | bytes | Mapping) or not isinstance(
+        state_indices, Sequence | np.ndarray
+    ):
+        raise ProtocolError(f"{what}: state_indices must be a list, one entry per state "
+                            f"type, got {state_indices!r}")
+    entries = list(state_indices)
+    if not entries:
+        return None
+    if len(entries) != len(names):
+        raise ProtocolError(
+            f"{what}: state_indices has {len(entries)} entries, but KVArgs.state_types "
+            f"names {len(names)} state type(s) {names}: give one list of slots per state "
+            "type (None for a type the request has no slot of)"
+        )
+    out = []
+    for name, entry in zip(names, entries, strict=True):
+        if entry is None:
+            out.append(np.empty(0, dtype=np.int64))
+            continue
+        try:
+            arr = np.asarray(entry)
+        except (TypeError, ValueError):
+            arr = np.asarray(object())
+        if arr.ndim > 1 or (arr.size and arr.dtype.kind not in "iu") or (
+            not arr.size and arr.dtype.kind not in "iuf"
+        ):
+            raise ProtocolError(f"{what}: state_indices for {name!r} must be a list of "
+                                f"slot ids (ints), got {entry!r}")
+        out.append(arr.reshape(-1).astype(np.int64))
+    return out
+
+
 class KVManager(ClosesOnExit):
     """One rank's connector: SGLang's ``KVManager(args, disaggregation_mode, server_args,
     is_mla_backend=False)``. Builds the pool from ``args`` (:func:`pool_from_kvargs`, with
@@ -938,10 +1008,7 @@ class KVManager(ClosesOnExit):
         server_host = str(getattr(server_args, "host", None) or "127.0.0.1")
         self.host = host if host is not None else server_host
         if bootstrap_url is None:
-            port = int(getattr(server_args, "disaggregation_bootstrap_port", None)
-                       or DEFAULT_BOOTSTRAP_PORT)
-            boot_host = "127.0.0.1" if _wildcard(server_host) else server_host
-            bootstrap_url = f"http://{boot_host}:{port}"
+            bootstrap_url = _served_bootstrap_url(server_args, server_host)
         self.bootstrap_url = bootstrap_url
         self.config = config or config_from_env(self.mode)
         self._facade_kw = dict(facade_kw or {})
@@ -971,7 +1038,7 @@ class KVManager(ClosesOnExit):
             raise problem
         self._owns_engine = engine is None
         if engine is None:
-            engine = self._make_engine(server_args, args)
+            engine = _make_engine(server_args, args, self.host)
         self.engine: TransferEngine = engine
         self._facade: sync.SyncPrefill | sync.SyncDecode | None = None
         try:
@@ -987,21 +1054,6 @@ class KVManager(ClosesOnExit):
             if self._owns_engine:
                 engine.close()
             raise
-
-    def _make_engine(self, server_args: object, args: object) -> TransferEngine:
-        backend = str(getattr(server_args, "disaggregation_transfer_backend", None)
-                      or "mooncake")
-        if backend not in ENGINE_NAMES:
-            raise _unsupported(
-                "--disaggregation-transfer-backend", backend,
-                f"trio_pd runs over {' or '.join(ENGINE_NAMES)}",
-            )
-        if backend == "mooncake":
-            device = _get(args, "ib_device", "") or str(
-                getattr(server_args, "disaggregation_ib_device", None) or ""
-            )
-            return make_engine("mooncake", host=self.host, device=device)
-        return make_engine(backend)
 
     def register_to_bootstrap(self) -> None:
         """Prefill: start the agent, which registers this rank with the bootstrap service at
@@ -1155,50 +1207,6 @@ class KVManager(ClosesOnExit):
     def _require(self, mode: str, what: str) -> None:
         if self.mode != mode:
             raise ConfigurationError(f"{what} needs a {mode} KVManager, this one is {self.mode}")
-
-    def _state_slots(
-        self, state_indices: object, what: str
-    ) -> list[npt.NDArray[np.int64]] | None:
-        """SGLang's ``state_indices`` as the facade's ``state_slots``: one list of slot ids
-        per state type of ``KVArgs.state_types``, in order (a None entry: no slot of that
-        type; a bare int: one slot). None or an empty list (SGLang's connector reads both as
-        "no states"): none given. Raises :class:`~trio_pd.ProtocolError` for any other
-        shape; the slots themselves (inside their component, none repeated) are checked by
-        the facade."""
-        if state_indices is None:
-            return None
-        names = [st.name for st in self.pool.states]
-        if isinstance(state_indices, str | bytes | Mapping) or not isinstance(
-            state_indices, Sequence | np.ndarray
-        ):
-            raise ProtocolError(f"{what}: state_indices must be a list, one entry per state "
-                                f"type, got {state_indices!r}")
-        entries = list(state_indices)
-        if not entries:
-            return None
-        if len(entries) != len(names):
-            raise ProtocolError(
-                f"{what}: state_indices has {len(entries)} entries, but KVArgs.state_types "
-                f"names {len(names)} state type(s) {names}: give one list of slots per state "
-                "type (None for a type the request has no slot of)"
-            )
-        out = []
-        for name, entry in zip(names, entries, strict=True):
-            if entry is None:
-                out.append(np.empty(0, dtype=np.int64))
-                continue
-            try:
-                arr = np.asarray(entry)
-            except (TypeError, ValueError):
-                arr = np.asarray(object())
-            if arr.ndim > 1 or (arr.size and arr.dtype.kind not in "iu") or (
-                not arr.size and arr.dtype.kind not in "iuf"
-            ):
-                raise ProtocolError(f"{what}: state_indices for {name!r} must be a list of "
-                                    f"slot ids (ints), got {entry!r}")
-            out.append(arr.reshape(-1).astype(np.int64))
-        return out
-
 
 # ---------------------------------------------------------------------------------- handles
 
@@ -1446,7 +1454,7 @@ class KVSender(_Handle):
         """
         if self._num is None:
             raise ProtocolError(f"room {self.room}: send before init")
-        slots = self._mgr._state_slots(state_indices, f"room {self.room}: send")
+        slots = _state_slots(self._mgr.pool, state_indices, f"room {self.room}: send")
         ids = page_ids(kv_indices)
         if self._started is None:
             self._started = time.perf_counter()
@@ -1683,7 +1691,7 @@ class KVReceiver(_Handle):
                                "(registered) KV pages only")
         prefix_pages = _prefix_pages(decode_prefix_len, self._mgr.pool.page_size,
                                      f"room {self.room}")
-        slots = self._mgr._state_slots(state_indices, f"room {self.room}: send_metadata")
+        slots = _state_slots(self._mgr.pool, state_indices, f"room {self.room}: send_metadata")
         self._aux_index = int(aux_index)
         self._mgr._hold(self)
         self._given = True

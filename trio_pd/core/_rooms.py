@@ -25,7 +25,7 @@ Success or Failed, and the sends, with no gap (§5.4)   :meth:`PrefillRoom.publi
 the drain ack once nothing is held (§5.5)              :meth:`PrefillRoom._settle`
 release exactly once, forget after it                  :meth:`PrefillRoom._settle`
 messages keyed by (room, epoch) (I4)                   :mod:`._tables`
-TRANSFER validation                                    :meth:`PrefillRoom.add_target`
+TRANSFER validation                                    :meth:`Target.from_transfer`
 decode's three-way status and Success rule (I6)        :meth:`DecodeRoom.status`,
                                                        :meth:`DecodeRoom.on_status`
 one failure path with the drain (decode)               :meth:`DecodeRoom.fail`
@@ -264,6 +264,31 @@ class Target:
     #: the decode rank's slots of each state component (written with the last chunk)
     state_slots: tuple[Pages, ...] = ()
 
+    @classmethod
+    def from_transfer(
+        cls, room: PrefillRoom, endpoint: str, session: str, decode_rank: int, epoch: int,
+        aux_slot: int, num_pages: int, dst_pages: npt.NDArray[np.integer[Any]], peer: PeerPool,
+        prefix_pages: int, state_slots: Sequence[npt.ArrayLike],
+    ) -> Target:
+        """A decode rank's TRANSFER (arguments as :meth:`PrefillRoom.add_target` takes them)
+        checked against the room (its epoch, once known, and its size) and against the sizes
+        ``peer`` registered: the target, or :class:`ProtocolError` saying what does not fit."""
+        if room.epoch is not None and epoch != room.epoch:
+            raise ProtocolError(f"room {room.room}: epoch {epoch} disagrees with {room.epoch}")
+        if prefix_pages + num_pages != room.num_pages:
+            held = f" after a prefix of {prefix_pages}" if prefix_pages else ""
+            raise ProtocolError(
+                f"room {room.room}: decode sent {num_pages} pages{held}, prefill has "
+                f"{room.num_pages}"
+            )
+        validate_pages(dst_pages, peer.num_pages)
+        check_aux_slot(aux_slot, peer.aux_slots, "decode aux slot")
+        dst_slots = check_state_slots(peer.state_slots, state_slots, "destination")
+        return cls(
+            endpoint, session, decode_rank, epoch, aux_slot, dst_pages.astype(np.int64),
+            prefix_pages, dst_slots,
+        )
+
 
 @dataclass(eq=False, slots=True)
 class Chunk:
@@ -426,115 +451,46 @@ class PeerPool:
     state_slots: tuple[int, ...] = ()
 
 
-# a STATUS send for publication: (endpoint, epoch, ok, reason) -> accepted now?
-StatusSend: TypeAlias = Callable[[str, int, bool, str], bool]
-
-
 @dataclass(eq=False, slots=True)
-class PrefillRoom:
-    """One room on a prefill rank: admission, chunks, publication, drain acks, release.
+class ChunkQueue:
+    """A prefill room's chunks admitted and not yet taken by a worker, in admission order, and
+    the coalescing rule that joins the oldest of them into one engine call.
 
-    Invariants (each kept by the one method named):
-
-    * ``leases.closed`` becomes True once (:meth:`close`, or the last chunk settling) and
-      before any ack target is registered (:meth:`on_abort`); no chunk is admitted after it.
-    * ``published`` becomes True once (:meth:`publish`); after it no STATUS of this room's
-      outcome is sent again, and ``cell`` is terminal.
-    * ``on_release`` is due exactly once (:meth:`_settle`): closed, and no live or
-      quarantined lease.
-    * The room is forgotten only once released *and* published.
+    The room decides when a chunk moves (:class:`PrefillRoom` holds one queue); the queue
+    only keeps the order. Invariant: a chunk is in at most one of ``waiting`` and ``queued``,
+    under a live lease, until it is taken (:meth:`take`) or dropped (:meth:`drop`).
     """
 
-    room: int
-    num_pages: int
-    aux_slot: int
-    #: pool size of this rank, for the page-id check of :meth:`admit`
-    pool_pages: int
-    #: slots of each of this rank's state components, for the check of :meth:`admit`
-    state_sizes: tuple[int, ...] = ()
-    #: this rank's slots of each state component, given with the last chunk
-    state_slots: tuple[Pages, ...] = ()
-    #: layers of this rank's pool, for the layer ranges of :meth:`admit`
-    num_layers: int = 1
-    cell: StatusCell = field(default_factory=StatusCell)
-    leases: LeaseBook = field(init=False)
-    acks: AckBook = field(default_factory=AckBook)
-    #: decode rank -> where it wants the KV; set by :meth:`add_target`
-    targets: dict[int, Target] = field(default_factory=dict)
-    #: how many TRANSFERs the room waits for (decode ranks this rank serves); None until the
-    #: first arrives
-    expected_targets: int | None = None
-    #: this use's epoch, from its first TRANSFER; None before
-    epoch: int | None = None
     #: admitted before the decode metadata arrived; queued once the room is ready
     waiting: list[Chunk] = field(default_factory=list)
     #: handed to the workers and not yet taken (dict as an ordered set: a third the size)
     queued: dict[Chunk, None] = field(default_factory=dict)
-    #: which pages of which layers were admitted (one rule for every front end)
-    intake: RequestPages = field(init=False)
-    published: bool = False
-    released: bool = False
-    forgotten: bool = False
 
-    def __post_init__(self) -> None:
-        self.leases = LeaseBook(self.room)
-        self.intake = RequestPages(self.room, self.num_pages, self.num_layers)
-
-    @property
-    def sent_pages(self) -> int:
-        """Request pages admitted for every layer."""
-        return self.intake.sent
-
-    @property
-    def layer_pages(self) -> list[int] | None:
-        """Layer-wise: request pages admitted, layer by layer (None: never layer-wise)."""
-        return self.intake.layer_pages
-
-    @property
-    def last_admitted(self) -> bool:
-        return self.intake.last
-
-    @property
-    def ready(self) -> bool:
-        """Every decode rank this rank serves for the room has sent its TRANSFER."""
-        return self.expected_targets is not None and len(self.targets) >= self.expected_targets
-
-    # ---------------------------------------------------------------- admission and chunks
-
-    def admit(
-        self, pages: Pages, last: bool, state_slots: Sequence[npt.ArrayLike] | None = None,
-        layers: tuple[int, int] | None = None,
-    ) -> Due:
-        """The scheduler hands over the next chunk. Takes its lease at once (I3) or raises
-        :class:`AdmissionClosed` (closed room, I2) / :class:`ProtocolError` (a chunk past
-        ``num_pages``, after the last one, with page ids outside the pool, or state slots
-        that are not one list per state component, inside it, or given before the last
-        chunk). The state slots go with the last chunk, under its lease.
-
-        ``layers`` ``(a, b)``: the chunk is layers ``[a, b)`` of its pages only (layer-wise
-        streaming, :class:`RequestPages`); None: every layer, the request's next pages."""
-        self.intake.check_open()
-        validate_pages(pages, self.pool_pages)
-        slots: tuple[Pages, ...] = ()
-        if state_slots is not None or (last and self.state_sizes):
-            if not last:
-                raise ProtocolError(f"room {self.room}: state slots go with the last chunk")
-            slots = check_state_slots(
-                self.state_sizes, () if state_slots is None else state_slots, "source"
-            )
-        start, layers = self.intake.check(pages, last, layers)
-        lease = self.leases.admit(len(pages))  # raises AdmissionClosed: I2
-        chunk = Chunk(lease, pages, start, last, layers)
-        self.intake.advance(start, pages, last, layers)
-        self.state_slots = slots
-        if not self.ready:
+    def add(self, chunk: Chunk, ready: bool) -> bool:
+        """A chunk just admitted: queued for the workers if the room is ``ready`` (True),
+        else kept waiting for the decode metadata (False)."""
+        if ready:
+            self.queued[chunk] = None
+        else:
             self.waiting.append(chunk)
-            return []
-        self.cell.advance(KVPoll.Transferring)
-        self.queued[chunk] = None
-        return [RunChunks(1)]
+        return ready
 
-    def take_chunks(self, limit: int) -> tuple[Chunk, int] | None:
+    def release(self) -> int:
+        """The room became ready: every waiting chunk is queued; how many."""
+        self.queued.update(dict.fromkeys(self.waiting))
+        n, self.waiting = len(self.waiting), []
+        return n
+
+    def drop(self) -> tuple[Chunk, ...]:
+        """Empty the queue (the room failed or the agent closes); the chunks it held."""
+        dropped = (*self.waiting, *self.queued)
+        self.waiting.clear()
+        self.queued.clear()
+        return dropped
+
+    def take(
+        self, limit: int, num_layers: int, merge: Callable[[list[Lease]], Lease]
+    ) -> tuple[Chunk, int] | None:
         """The oldest queued chunk, joined by the chunks queued right behind it: one chunk,
         one lease, one engine call; with how many chunks joined it. None if the queue is
         empty (its chunks were cancelled, or an earlier take coalesced them).
@@ -578,14 +534,136 @@ class PrefillRoom:
             return first, 0
         for following in group[1:]:
             del self.queued[following]
-        lease = self.leases.merge([c.lease for c in group])
+        lease = merge([c.lease for c in group])
         if layers != first.layers:
             pages = first.pages  # (the same pages, more layers)
-            if layers == (0, self.num_layers):
+            if layers == (0, num_layers):
                 layers = None
         else:
             pages = np.concatenate([c.pages for c in group])
         return Chunk(lease, pages, first.start, group[-1].last, layers), len(group) - 1
+
+
+def check_source(
+    room: PrefillRoom, pages: Pages, last: bool, state_slots: Sequence[npt.ArrayLike] | None
+) -> tuple[Pages, ...]:
+    """The checks of :meth:`PrefillRoom.admit` against this rank's own pool: page ids inside
+    it, and state slots (one list per state component, inside it) with the last chunk only.
+    The state slots the chunk brings, or :class:`ProtocolError`."""
+    validate_pages(pages, room.pool_pages)
+    if state_slots is None and not (last and room.state_sizes):
+        return ()
+    if not last:
+        raise ProtocolError(f"room {room.room}: state slots go with the last chunk")
+    return check_state_slots(room.state_sizes, () if state_slots is None else state_slots, "source")
+
+
+# a STATUS send for publication: (endpoint, epoch, ok, reason) -> accepted now?
+StatusSend: TypeAlias = Callable[[str, int, bool, str], bool]
+
+
+@dataclass(eq=False, slots=True)
+class PrefillRoom:
+    """One room on a prefill rank: admission, chunks, publication, drain acks, release.
+
+    Invariants (each kept by the one method named):
+
+    * ``leases.closed`` becomes True once (:meth:`close`, or the last chunk settling) and
+      before any ack target is registered (:meth:`on_abort`); no chunk is admitted after it.
+    * ``published`` becomes True once (:meth:`publish`); after it no STATUS of this room's
+      outcome is sent again, and ``cell`` is terminal.
+    * ``on_release`` is due exactly once (:meth:`_settle`): closed, and no live or
+      quarantined lease.
+    * The room is forgotten only once released *and* published.
+    """
+
+    room: int
+    num_pages: int
+    aux_slot: int
+    #: pool size of this rank, for the page-id check of :meth:`admit`
+    pool_pages: int
+    #: slots of each of this rank's state components, for the check of :meth:`admit`
+    state_sizes: tuple[int, ...] = ()
+    #: this rank's slots of each state component, given with the last chunk
+    state_slots: tuple[Pages, ...] = ()
+    #: layers of this rank's pool, for the layer ranges of :meth:`admit`
+    num_layers: int = 1
+    cell: StatusCell = field(default_factory=StatusCell)
+    leases: LeaseBook = field(init=False)
+    acks: AckBook = field(default_factory=AckBook)
+    #: decode rank -> where it wants the KV; set by :meth:`add_target`
+    targets: dict[int, Target] = field(default_factory=dict)
+    #: how many TRANSFERs the room waits for (decode ranks this rank serves); None until the
+    #: first arrives
+    expected_targets: int | None = None
+    #: this use's epoch, from its first TRANSFER; None before
+    epoch: int | None = None
+    #: admitted chunks no worker has taken yet
+    chunks: ChunkQueue = field(default_factory=ChunkQueue)
+    #: which pages of which layers were admitted (one rule for every front end)
+    intake: RequestPages = field(init=False)
+    published: bool = False
+    released: bool = False
+    forgotten: bool = False
+
+    def __post_init__(self) -> None:
+        self.leases = LeaseBook(self.room)
+        self.intake = RequestPages(self.room, self.num_pages, self.num_layers)
+
+    @property
+    def sent_pages(self) -> int:
+        """Request pages admitted for every layer."""
+        return self.intake.sent
+
+    @property
+    def layer_pages(self) -> list[int] | None:
+        """Layer-wise: request pages admitted, layer by layer (None: never layer-wise)."""
+        return self.intake.layer_pages
+
+    @property
+    def last_admitted(self) -> bool:
+        return self.intake.last
+
+    @property
+    def queued(self) -> dict[Chunk, None]:
+        """The chunks handed to the workers and not yet taken (:attr:`ChunkQueue.queued`)."""
+        return self.chunks.queued
+
+    @property
+    def ready(self) -> bool:
+        """Every decode rank this rank serves for the room has sent its TRANSFER."""
+        return self.expected_targets is not None and len(self.targets) >= self.expected_targets
+
+    # ---------------------------------------------------------------- admission and chunks
+
+    def admit(
+        self, pages: Pages, last: bool, state_slots: Sequence[npt.ArrayLike] | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> Due:
+        """The scheduler hands over the next chunk. Takes its lease at once (I3) or raises
+        :class:`AdmissionClosed` (closed room, I2) / :class:`ProtocolError` (a chunk past
+        ``num_pages``, after the last one, with page ids outside the pool, or state slots
+        that are not one list per state component, inside it, or given before the last
+        chunk). The state slots go with the last chunk, under its lease.
+
+        ``layers`` ``(a, b)``: the chunk is layers ``[a, b)`` of its pages only (layer-wise
+        streaming, :class:`RequestPages`); None: every layer, the request's next pages."""
+        self.intake.check_open()
+        slots = check_source(self, pages, last, state_slots)
+        start, layers = self.intake.check(pages, last, layers)
+        lease = self.leases.admit(len(pages))  # raises AdmissionClosed: I2
+        chunk = Chunk(lease, pages, start, last, layers)
+        self.intake.advance(start, pages, last, layers)
+        self.state_slots = slots
+        if not self.chunks.add(chunk, self.ready):
+            return []
+        self.cell.advance(KVPoll.Transferring)
+        return [RunChunks(1)]
+
+    def take_chunks(self, limit: int) -> tuple[Chunk, int] | None:
+        """The room's oldest queued chunks as one chunk under one lease (:meth:`ChunkQueue.take`),
+        with how many chunks joined the first; None if nothing is queued."""
+        return self.chunks.take(limit, self.num_layers, self.leases.merge)
 
     def chunk_settled(self, chunk: Chunk, outcome: Outcome, failure: TransferError | None) -> Due:
         """A chunk's engine calls are all terminal (its nursery exited). ``outcome`` is how
@@ -621,19 +699,9 @@ class PrefillRoom:
     # ---------------------------------------------------------------- decode metadata
 
     def add_target(
-        self,
-        *,
-        endpoint: str,
-        session: str,
-        decode_rank: int,
-        epoch: int,
-        aux_slot: int,
-        num_pages: int,
-        dst_pages: npt.NDArray[np.integer[Any]],
-        peer: PeerPool,
-        expected: int,
-        prefix_pages: int = 0,
-        state_slots: Sequence[npt.ArrayLike] = (),
+        self, *, endpoint: str, session: str, decode_rank: int, epoch: int, aux_slot: int,
+        num_pages: int, dst_pages: npt.NDArray[np.integer[Any]], peer: PeerPool, expected: int,
+        prefix_pages: int = 0, state_slots: Sequence[npt.ArrayLike] = (),
     ) -> Due:
         """A decode rank's TRANSFER for this room, from a registered peer. Validated here:
         a bad one fails the room and that rank is told at once (it must not wait for its
@@ -654,33 +722,22 @@ class PrefillRoom:
                 f"a second TRANSFER for room {self.room} from decode rank {decode_rank}"
             ))]
         try:
-            if self.epoch is not None and epoch != self.epoch:
-                raise ProtocolError(f"room {self.room}: epoch {epoch} disagrees with {self.epoch}")
-            if prefix_pages + num_pages != self.num_pages:
-                held = f" after a prefix of {prefix_pages}" if prefix_pages else ""
-                raise ProtocolError(
-                    f"room {self.room}: decode sent {num_pages} pages{held}, prefill has "
-                    f"{self.num_pages}"
-                )
-            validate_pages(dst_pages, peer.num_pages)
-            check_aux_slot(aux_slot, peer.aux_slots, "decode aux slot")
-            dst_slots = check_state_slots(peer.state_slots, state_slots, "destination")
+            target = Target.from_transfer(
+                self, endpoint, session, decode_rank, epoch, aux_slot, num_pages, dst_pages,
+                peer, prefix_pages, state_slots,
+            )
         except ProtocolError as exc:
             return [Refused(exc), *self.close(exc), SendFailed(endpoint, epoch, reason_of(exc))]
         self.epoch = epoch
-        self.targets[decode_rank] = Target(
-            endpoint, session, decode_rank, epoch, aux_slot, dst_pages.astype(np.int64),
-            prefix_pages, dst_slots,
-        )
+        self.targets[decode_rank] = target
         self.expected_targets = expected
         if not self.ready:
             return []
         self.cell.advance(KVPoll.WaitingForInput)
-        if not self.waiting:
+        n = self.chunks.release()
+        if not n:
             return []
         self.cell.advance(KVPoll.Transferring)
-        self.queued.update(dict.fromkeys(self.waiting))
-        n, self.waiting = len(self.waiting), []
         return [RunChunks(n)]
 
     # ---------------------------------------------------------------- publication
@@ -737,10 +794,8 @@ class PrefillRoom:
         due.append(CancelWork(f"room {self.room}: {error}"))
         # chunks that never reached a worker are cancelled now, not when a worker gets to
         # them: the drain ack must not wait behind other rooms' work
-        for chunk in (*self.waiting, *self.queued):
+        for chunk in self.chunks.drop():
             self.leases.settle(chunk.lease, Outcome.CANCELLED)
-        self.waiting.clear()
-        self.queued.clear()
         if self.publish_due:
             due.append(PublishDue())
         return due + self._settle()
@@ -758,11 +813,9 @@ class PrefillRoom:
         """No (complete) decode metadata in time: fail; nothing is freed by the deadline."""
         if self.ready or self.cell.terminal or self.forgotten:
             return []
-        return self.close(
-            TransferTimeout(
-                f"room {self.room}: no decode metadata within {timeout:g} s (bootstrap timeout)"
-            )
-        )
+        return self.close(TransferTimeout(
+            f"room {self.room}: no decode metadata within {timeout:g} s (bootstrap timeout)"
+        ))
 
     def shutdown(self, reason: str) -> Due:
         """The agent is closing and every engine call has returned. Tell each decode rank
@@ -785,8 +838,7 @@ class PrefillRoom:
             self.acks.withhold()
         self.leases.close()
         self.published = True
-        self.waiting.clear()
-        self.queued.clear()
+        self.chunks.drop()
         for lease in list(self.leases.live):
             self.leases.settle(lease, Outcome.CANCELLED)
         for lease in list(self.leases.quarantined):
