@@ -11,9 +11,9 @@ when it fails with :class:`~trio_pd.UnknownRoom` (or, if the service never answe
 resolved like any prefill instance, at ``url?dp_rank=K``.
 
 :class:`DpRouter` is the part of the decode agent that does this; the agent consults it as
-it consults :class:`~trio_pd.agents._sources.Sources`. It decides nothing about a room's fate: a
-room
-it cannot route is handed back to the agent (``on_failed``), a routed one too (``on_routed``).
+it consults :class:`~trio_pd.agents._sources.Sources`. It decides nothing about a room's
+fate: a room it cannot route is handed back to the agent (``on_failed``), a routed one too
+(``on_routed``).
 """
 
 from __future__ import annotations

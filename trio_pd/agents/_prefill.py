@@ -4,11 +4,12 @@
   :class:`~trio_pd.core._tables.PrefillRooms` holds the rooms and decides what arrives at their
   edge: TRANSFERs and ABORTs for rooms this rank does not hold, and every room deadline.
   Both are pure: they return what is due.
-* :class:`~trio_pd.agents._chunks.ChunkRunner` runs a chunk's engine calls in one nursery, inside
-the
-  room's cancel scope (SPEC §5.1, §5.2).
-* :class:`~trio_pd.agents._peers.PeerRegistry` holds the decode peers, their lanes, failed marks and
-  quarantine fences (three-valued liveness, §5.6).
+* :class:`~trio_pd.agents._chunks.ChunkRunner` runs a chunk's engine calls in one nursery,
+  inside the room's cancel scope (SPEC §5.1, §5.2).
+* :class:`~trio_pd.agents._peers.PeerRegistry` holds the decode peers and their lanes; its
+  :class:`~trio_pd.agents._peer_probes.PeerProbes` their failed marks, and its
+  :class:`~trio_pd.agents._quarantine.Quarantines` the quarantine fences (three-valued
+  liveness, §5.6).
 * :class:`~trio_pd.io._outbox.Outbox` carries every message that must arrive (acks, Failed
   STATUS): one retry policy, bounded.
 
