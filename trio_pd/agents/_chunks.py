@@ -377,7 +377,7 @@ class ChunkRunner:
             self.planner.settle_staging(room, calls)
             outcome = outcome_of(calls)
             if outcome is Outcome.ERROR:  # (its quarantine, due in settle, takes them)
-                self.peers.failed_calls(
+                self.peers.quarantines.failed_calls(
                     chunk.lease,
                     [(c.peer, c.tail) for c in calls if c.state == "error" and c.peer is not None],
                 )
@@ -415,9 +415,9 @@ class ChunkRunner:
                 if peer.probing and not peer.failed:
                     # a write to it has just failed: this room was not in that call, and
                     # the peer may well be alive (SPEC §5.7). Not started yet: cancellable
-                    await self.peers.verdict(peer)
+                    await self.peers.probes.verdict(peer)
                 if peer.failed:
-                    self.peers.reprobe(peer)  # (unless a probe is running)
+                    self.peers.probes.reprobe(peer)  # (unless a probe is running)
                     raise PeerLost(
                         f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
                         "fast until it answers a probe or registers again"
@@ -428,11 +428,11 @@ class ChunkRunner:
                     nursery.start_soon(self._engine_call, peer, blocks, call, prepare)
 
     async def _blame(self, peer: DecodePeer, write: Write, error: Exception) -> PeerLost | None:
-        """An engine call to ``peer`` raised ``error``: is the peer alive (its probe's answer,
-        :meth:`PeerRegistry.verdict <trio_pd.agents._peers.PeerRegistry.verdict>`)? Alive: None, and
-        the error fails the rooms in that call only (logged once per call, by the write that
-        led it). Not alive: the :class:`PeerLost` that names it, for this room."""
-        state = await self.peers.verdict(peer)
+        """An engine call to ``peer`` raised ``error``: is the peer alive (its probe's
+        answer, :meth:`PeerProbes.verdict <trio_pd.agents._peer_probes.PeerProbes.verdict>`)?
+        Alive: None, and the error fails the rooms in that call only (logged once per call, by
+        the write that led it). Not alive: the :class:`PeerLost` that names it, for this room."""
+        state = await self.peers.probes.verdict(peer)
         if state is Liveness.ALIVE:
             if not write.joined:
                 log.warning(

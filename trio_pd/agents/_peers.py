@@ -18,7 +18,6 @@ import trio
 from ..core import _wire
 from ..core._errors import IncompatiblePeer
 from ..core._memory import PoolSpec, RegionTable, layer_view
-from ..core._state import Lease, Liveness
 from ..core._stats import Counters
 from ..core._topology import (
     SlotCuts,
@@ -342,33 +341,6 @@ class PeerRegistry:
             self.probes.reprobe(peer)  # (a probe that answers ALIVE ends the mark)
             await trio.lowlevel.checkpoint()
         peer.ready.set()
-
-    # ------------------------------------- what the chunk runner and the agent ask of the others
-
-    def reprobe(self, peer: DecodePeer) -> None:
-        """:meth:`PeerProbes.reprobe <trio_pd.agents._peer_probes.PeerProbes.reprobe>`."""
-        self.probes.reprobe(peer)
-
-    async def verdict(self, peer: DecodePeer) -> Liveness:
-        """:meth:`PeerProbes.verdict <trio_pd.agents._peer_probes.PeerProbes.verdict>`.
-
-        **Cancellation:** as there."""
-        return await self.probes.verdict(peer)
-
-    def failed_calls(
-        self, lease: Lease, calls: list[tuple[DecodePeer, tuple[int, int]]]
-    ) -> None:
-        """:meth:`Quarantines.failed_calls
-        <trio_pd.agents._quarantine.Quarantines.failed_calls>`."""
-        self.quarantines.failed_calls(lease, calls)
-
-    def quarantine(self, lease: Lease, peers: list[DecodePeer], end: Callable[[], None]) -> None:
-        """:meth:`Quarantines.quarantine <trio_pd.agents._quarantine.Quarantines.quarantine>`."""
-        self.quarantines.quarantine(lease, peers, end)
-
-    def drop_fences(self) -> None:
-        """:meth:`Quarantines.drop_fences <trio_pd.agents._quarantine.Quarantines.drop_fences>`."""
-        self.quarantines.drop_fences()
 
     def close(self) -> None:
         """No more engine calls: let every lane's thread finish and exit."""

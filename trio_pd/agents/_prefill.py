@@ -592,7 +592,7 @@ class PrefillAgent:
         still read them, and the area stays allocated for the life of the process once any
         range is held (``ChunkPlanner.close_staging``)."""
         self._closing = True
-        self.peers.drop_fences()
+        self.peers.quarantines.drop_fences()
         for room, rec, due in self.table.shutdown(CLOSED):
             if rec is None:
                 self._carry_at(room, due)
@@ -655,7 +655,7 @@ class PrefillWorkers:
         log.info("room %d: %d pages quarantined after a failed engine call (outcome unknown): "
                  "held until no write of it to %s can land", rec.machine.room, lease.npages,
                  ", ".join(p.endpoint for p in peers) or "its decode peers")
-        agent.peers.quarantine(lease, peers, partial(self.end_quarantine, rec, lease))
+        agent.peers.quarantines.quarantine(lease, peers, partial(self.end_quarantine, rec, lease))
 
     def end_quarantine(self, rec: _Room, lease: Lease) -> None:
         agent = self.agent
