@@ -191,7 +191,7 @@ async def test_unregistered_transfer_for_future_room_is_refused_at_once(
         receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url)
         receiver.init(dst, 1)  # the legitimate TRANSFER is queued: prefill has no room yet
         with trio.fail_after(10):  # the legitimate TRANSFER is queued
-            await poll_until(lambda: room in p.book.parked)
+            await poll_until(lambda: room in p.table.parked)
         before = p.statistics()
         async with raw_push(p.endpoint) as sock:
             hostile = transfer(room, 666, "tcp://127.0.0.1:9", 2)
@@ -253,7 +253,7 @@ async def test_abort_for_unknown_room_is_acked_and_late_transfer_dropped(
         after = p.statistics()
         assert after.late_messages == before.late_messages + 1
         assert after.acks_sent >= before.acks_sent + 2  # ours and the barrier's
-        assert 404 not in p.book.parked and after.rooms_active == before.rooms_active
+        assert 404 not in p.table.parked and after.rooms_active == before.rooms_active
 
 
 # ------------------------------------------------------------------------ refused input: decode

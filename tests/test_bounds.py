@@ -247,7 +247,7 @@ async def test_receivers_dropped_before_init_are_reclaimed(
         await finish_good_room(pair, 1, sender, receiver, src)
         with trio.fail_after(10):  # the ABORTs reached prefill: it tombstoned those rooms
             await poll_until(
-                lambda: all(r in pair.prefill.book.tombstones for r in (100, 12_099))
+                lambda: all(r in pair.prefill.table.tombstones for r in (100, 12_099))
             )
 
 
@@ -299,7 +299,7 @@ async def test_big_transfers_for_unknown_rooms_are_cheap(bootstrap_url: str) -> 
                 await barrier(sock, fake)
             nursery.cancel_scope.cancel()
         grown = _rss_mb() - rss
-        book = pair.prefill.book
+        book = pair.prefill.table
         assert book.parked_page_ids <= book.max_page_ids <= 16 * 1024 * 1024
         assert all(
             p.dst_pages.dtype.itemsize == 4 for room in book.parked.values() for p in room.values()

@@ -237,7 +237,7 @@ async def test_rooms_reach_the_dp_rank_that_holds_them() -> None:
             for p in group:
                 stats = p.agent.statistics()
                 assert stats.succeeded == held and stats.failed == 0, (d, stats)
-                assert not p.agent.book.parked  # no TRANSFER for a room of the other DP rank
+                assert not p.agent.table.parked  # no TRANSFER for a room of the other DP rank
         boot = c.boot.statistics()
         assert boot.dp_size == 2
         assert boot.dp_rooms_registered == len(rooms)  # TP rank 0 of each DP rank, once a room
@@ -305,7 +305,7 @@ async def test_unknown_room_fails_at_the_bootstrap_deadline() -> None:
         assert c.boot.statistics().dp_rooms_unknown >= 2  # it asked more than once
         for group in c.prefill:
             for p in group:
-                assert not p.agent.book.parked and p.agent.statistics().refused_messages == 0
+                assert not p.agent.table.parked and p.agent.statistics().refused_messages == 0
         async with BootstrapClient(c.url) as client:
             answer = await client.query_dp_ranks([DpRoom(31), DpRoom(32, 7)])
         assert answer.dp_size == 2 and answer.dp_ranks == [UNKNOWN_DP_RANK] * 2

@@ -495,7 +495,7 @@ async def test_a_transfer_naming_a_rank_this_rank_must_not_write_is_refused(
             await sock.send_multipart(_wire.encode(msg, np.array([1, 2])))
             await barrier(sock, fake)
         assert stats_delta(p.statistics(), before, "refused_messages") == 1
-        assert 77 not in p.book.parked
+        assert 77 not in p.table.parked
         await tp2.room(bootstrap_url, 4)
 
 

@@ -271,9 +271,9 @@ async def test_handle_creation_order(engine_name: str, bootstrap_url: str, order
             if order == "receiver_first":
                 receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url)
                 receiver.init(dst, 6)
-                await poll_until(lambda: room in pair.prefill.book.parked)
+                await poll_until(lambda: room in pair.prefill.table.parked)
                 sender = pair.prefill.sender(room, num_pages=len(src), aux_slot=0)
-                assert room not in pair.prefill.book.parked  # consumed by the new room
+                assert room not in pair.prefill.table.parked  # consumed by the new room
                 assert sender.poll() is KVPoll.WaitingForInput
                 sender.send(src[:3])
                 sender.send(src[3:], last=True)

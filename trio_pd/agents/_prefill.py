@@ -397,11 +397,6 @@ class PrefillAgent:
     def _rooms(self) -> dict[int, _Room]:
         return self.table.rooms
 
-    @property
-    def book(self) -> PrefillRooms[_Room]:
-        """The table's memory of parked TRANSFERs and tombstones (read by tests)."""
-        return self.table
-
     # ------------------------------------------------------------------ public API
 
     @property
