@@ -189,7 +189,7 @@ async def test_layer_groups_are_staged_for_a_larger_decode_tp(
             assert pool.aux_ok(2, room)
         stats = p.agent.statistics()
         assert stats.chunks_staged == 4 and stats.staging_full == 0
-        assert p.agent.runner.staging.units_reserved == 0
+        assert p.agent.runner.planner.staging.units_reserved == 0
 
 
 @pytest.mark.parametrize("layout", ["mha", "mla"])

@@ -205,7 +205,7 @@ async def test_decode_at_a_larger_tp_gets_staged_writes(
         # every write staged (the two chunks of a room may have coalesced into one)
         assert stats.chunks_staged == stats.engine_calls + stats.chunks_batched >= 2 * 2
         assert stats.staging_full == 0
-        assert c.prefill[0].agent.runner.staging.units_reserved == 0
+        assert c.prefill[0].agent.runner.planner.staging.units_reserved == 0
 
 
 async def test_a_full_area_writes_in_place(engine_name: str, bootstrap_url: str) -> None:
@@ -251,7 +251,7 @@ async def _a_quarantined_staged_room(
                             prefill_config=PrefillConfig(quarantine_fence=fence,
                                                          close_timeout=close_timeout)) as c:
         agent = c.prefill[0].agent
-        area = agent.runner.staging
+        area = agent.runner.planner.staging
         events = {k: trio.Event() for k in ("p", "d0", "d1")}
         sender, _receivers, _ = await _room(c, 8, 8, events)
         with trio.fail_after(15):

@@ -337,8 +337,6 @@ class ChunkRunner:
         self.planner = ChunkPlanner(
             engine=engine, pool=pool, counters=counters, staging_bytes=staging_bytes
         )
-        #: the planner's staging area (one object for the agent's life)
-        self.staging = self.planner.staging
 
     async def run(  # noqa: ASYNC910 (the nursery's exit is a schedule point on every path)
         self,
@@ -403,7 +401,7 @@ class ChunkRunner:
                 if not peer.ready.is_set():
                     await peer.ready.wait()  # not started yet: cancellable
                 staging = self.planner.stages(peer, chunk)
-                if staging and not self.staging.registered:
+                if staging and not self.planner.staging.registered:
                     await self.planner.register_staging()  # once per agent; cancellable until then
                 call = _Call()
                 blocks, prepare = self.planner.plan(room, chunk, target, peer, call, staging)

@@ -524,7 +524,7 @@ class PrefillAgent:
                     rec.terminal.set()
                 case Release():
                     if not self._closing:  # (closing: close_staging keeps what is held)
-                        self.runner.staging.release_held(rec.machine)
+                        self.runner.planner.staging.release_held(rec.machine)
                     if rec.on_release is not None:
                         try:
                             rec.on_release()
