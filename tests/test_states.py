@@ -359,6 +359,31 @@ async def test_states_arrive_byte_for_byte(engine_name: str, bootstrap_url: str)
         assert dst.bad_state_slots(0, np.array([1, 3]), 51) == 2
 
 
+async def test_state_slot_arrays_reused_after_the_call_change_nothing(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """The state slots a call is given are the room's, not a view of the caller's int64
+    arrays: a scheduler that reuses its slot buffers once ``init`` and ``send`` return
+    redirects no state write."""
+    async with state_pair(engine_name, bootstrap_url) as (prefill, decode, src, dst):
+        sp, dp = np.arange(0, 4), np.arange(40, 44)
+        src.fill(sp, 53)
+        src.fill_aux(0, 53)
+        src.fill_state(0, np.array([2], dtype=np.int64), 53)
+        sender = prefill.sender(53, num_pages=4, aux_slot=0)
+        receiver = decode.receiver(53, bootstrap_url=bootstrap_url)
+        d_slots = np.array([6], dtype=np.int64)
+        receiver.init(dp, 10, state_slots=[d_slots])
+        d_slots[0] = 1
+        s_slots = np.array([2], dtype=np.int64)
+        sender.send(sp, last=True, state_slots=[s_slots])
+        s_slots[0] = 4
+        with trio.fail_after(BOUND):
+            assert await receiver.wait() is KVPoll.Success, receiver.failure
+        assert dst.bad_state_slots(0, np.array([6], dtype=np.int64), 53) == 0
+        assert poisoned(dst, [0, 1, 2, 3, 4, 5, 7])
+
+
 async def test_a_slot_count_mismatch_fails_the_room_on_both_sides(
     engine_name: str, bootstrap_url: str
 ) -> None:

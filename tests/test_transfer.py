@@ -589,3 +589,29 @@ async def test_an_engine_error_that_cannot_be_copied_fails_its_room_only(
             else:
                 assert status is KVPoll.Success, sender.failure
                 assert (pair.dst.kv[:, pages + 100] == pair.src.expected(room, 2)).all()
+
+
+async def test_caller_reusing_its_page_arrays_after_the_call_changes_nothing(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """The trio API takes the page ids a call is given, not the caller's array: a scheduler
+    that reuses its index buffer right after ``init`` or ``send`` returns (before any write
+    or any TRANSFER) must not redirect a write into other pages. Both arrays are int64, the
+    dtype kept without a conversion, so a view of the caller's memory would be kept."""
+    async with open_pair(engine_name, bootstrap_url) as pair:
+        src_pages = np.array([3, 4, 5, 9, 10, 20, 21, 22], dtype=np.int64)
+        dst_pages = np.array([100, 101, 7, 8, 9, 55, 56, 57], dtype=np.int64)
+        pair.src.fill(src_pages, room=78)
+        pair.src.fill_aux(5, room=78)
+        sender = pair.prefill.sender(78, num_pages=8, aux_slot=5)
+        receiver = pair.decode.receiver(78, bootstrap_url=bootstrap_url)
+        dst_buf = dst_pages.copy()
+        receiver.init(dst_buf, 3)
+        dst_buf[:] = np.arange(200, 208)  # the scheduler's next request's pages
+        src_buf = src_pages.copy()
+        sender.send(src_buf, last=True)
+        src_buf[:] = np.arange(60, 68)
+        with trio.fail_after(20):
+            assert await receiver.wait() is KVPoll.Success
+            assert await sender.wait() is KVPoll.Success
+        assert pair.verify(78, dst_pages, 3)

@@ -625,7 +625,7 @@ class SyncSender(_Handle):
         for a room that failed or was aborted meanwhile is dropped (its pages are not
         trio_pd's); :meth:`poll` says Failed.
         """
-        ids = np.array(page_ids(pages))  # (a copy)
+        ids = page_ids(pages)  # (a copy)
         pool = self._prefill._pool
         span = layer_range(layers)
         validate_pages(ids, pool.num_pages)
@@ -703,7 +703,7 @@ class SyncReceiver(_Handle):
         failed before its init runs gets its pages back at once (through pop_released), as
         does one whose facade has closed.
         """
-        ids = np.array(page_ids(pages))  # (a copy)
+        ids = page_ids(pages)  # (a copy)
         pool = self._decode._pool
         validate_pages(ids, pool.num_pages)
         aux_slot = check_aux_slot(aux_slot, pool.aux_slots)

@@ -884,7 +884,8 @@ def page_ids(pages: object) -> npt.NDArray[np.int64]:
     """``pages`` (a sequence or array of page ids, any shape) as a flat int64 array, without
     changing a value: integers only, so floats, bools, strings and ids past 2**63 are a
     :class:`~trio_pd.ProtocolError`, not truncated into other pages. Range and repeats are
-    :func:`validate_pages`' to check. May share the caller's memory."""
+    :func:`validate_pages`' to check. Always a copy: a call keeps the ids it was given, so a
+    caller that reuses its array once the call returns redirects no write and no release."""
     try:
         arr = np.asarray(pages)
     except (TypeError, ValueError, OverflowError) as exc:  # ragged, say
@@ -895,7 +896,7 @@ def page_ids(pages: object) -> npt.NDArray[np.int64]:
         raise ProtocolError(f"page ids must be integers, not {arr.dtype} ({arr.dtype.kind})")
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise ProtocolError(f"page id {int(arr.max())} is out of range")
-    return arr.astype(np.int64, copy=False).reshape(-1)
+    return arr.astype(np.int64, copy=True).reshape(-1)
 
 
 def check_num_pages(num_pages: object) -> int:
@@ -983,7 +984,7 @@ def check_state_slots(
             raise ProtocolError(
                 f"{what} state slots: more than {MAX_REQUEST_STATE_SLOTS} in one request"
             )
-        ids = arr.astype(np.int64, copy=False)
+        ids = arr.astype(np.int64, copy=True)  # (kept by the room: never the caller's)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
             bad = ids[(ids < 0) | (ids >= size)]
             raise ProtocolError(
