@@ -209,12 +209,10 @@ def test_a_look_ends_the_quarantine_exactly_when_everything_is_proven(
     assert (len(fences) == 0) == ended and end.runs == 0  # (the shell runs ``end``)
     expected = ["ProbePeers"]
     if not unknown:
-        proven = 0
         for i in alive if keeps else []:
             expected.append("ProveFlush")
             if not flush_ok[i]:
                 break
-            proven += 1
         if flushes_ok:
             expected.append("CheckDrain")
     assert asked == expected
