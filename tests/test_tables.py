@@ -577,3 +577,17 @@ def test_the_agents_arm_no_room_deadline_of_their_own(shell: str) -> None:
     calls = re.findall(r"timers\.(?:after|at)\(([^\n]*)", source)
     assert calls, "no timer armed at all: the check no longer looks at the right thing"
     assert all(c.startswith("after, partial(self._timer_due, key))") for c in calls), calls
+
+
+@pytest.mark.parametrize("shell", ["agents/_quarantine.py", "agents/_dp_router.py"])
+def test_the_fence_and_route_shells_keep_no_deadline_of_their_own(shell: str) -> None:
+    """The quarantine fences' timers and a room's DP-routing deadline are the pure core's
+    (``core/_fences.py``, ``core/_dp_routes.py``): their shells put a timer on the timers
+    task only to hand an expiry back (``_timer_due``), read no clock, and name no delay of
+    their own (the lengths are ``FenceDeadlines`` / ``RouteDeadlines``)."""
+    source = (Path(trio_pd.__file__).parent / shell).read_text()
+    calls = re.findall(r"timers\.(?:after|at)\(([^\n]*)", source)
+    assert calls, "no timer armed at all: the check no longer looks at the right thing"
+    assert all(c.startswith("after, partial(self._timer_due, key))") for c in calls), calls
+    assert "current_time" not in source
+    assert not re.findall(r"^_[A-Z_]+ = \d*\.\d+", source, re.MULTILINE), "a delay of its own"

@@ -132,7 +132,7 @@ class PeerProbes:
     def registration_over(self, peer: DecodePeer, why: str) -> None:
         """``peer``'s registration is over (``why``): counted and logged once. Its quarantines
         still end at their fence only, once our send queues to it are seen drained
-        (:meth:`Quarantines._confirm <trio_pd.agents._quarantine.Quarantines._confirm>`): neither
+        (:meth:`Fences.on_drain <trio_pd.core._fences.Fences.on_drain>`): neither
         a refusal nor a new session proves our bytes to it gone."""
         if peer.gone:
             return

@@ -24,21 +24,38 @@ the first byte of the failed call's last block (the same byte, from source pages
 quarantine still holds, into a page decode holds until our ack). An engine that cannot give
 that proof keeps the pages out, counted ``quarantine_unflushed``, as does a barrier that
 fails.
+
+Every decision above is :class:`~trio_pd.core._fences.Fences`'s (pure): the fence and its
+timer, what each look asks and in which order, what each answer means, when a quarantine
+ends. :class:`Quarantines` is its shell: it carries the effects out and answers the looks
+with probes, the engine's flush and the kernel's send queues.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 import numpy as np
 import trio
 
-from ..core._state import Lease, Liveness
+from ..core._fences import (
+    CheckDrain,
+    EndFence,
+    Fence,
+    FenceDeadlines,
+    FenceDue,
+    Fences,
+    Flush,
+    Look,
+    ProbePeers,
+    ProveFlush,
+)
+from ..core._rooms import Arm, Count, Warn
+from ..core._state import Lease
 from ..engines import call_mark, flushed, keeps_failed_calls
 from ..io import _probe, _sendq
 
@@ -46,9 +63,6 @@ if TYPE_CHECKING:
     from ._peers import DecodePeer, PeerRegistry
 
 log = logging.getLogger("trio_pd.prefill")
-
-#: seconds between two looks at the kernel's send queues while a quarantine waits on them
-_DRAIN_POLL = 0.05
 
 
 @functools.cache
@@ -60,42 +74,20 @@ def _warn_no_tables() -> None:
     )
 
 
-@dataclass(eq=False, slots=True)
-class _Flush:
-    """A failed call to ``peer`` whose blocks the engine may still hold: ``mark`` is where
-    the engine's calls to the peer stood once it had returned (None: the engine can prove
-    nothing), ``tail`` the (source, destination) of its last block."""
-
-    peer: DecodePeer
-    mark: int | None
-    tail: tuple[int, int]
-
-
-@dataclass(eq=False, slots=True)
-class _Fence:
-    lease: Lease
-    peers: list[DecodePeer]
-    end: Callable[[], None]
-    #: the lease's failed calls that the engine must prove over (:meth:`Quarantines._flush`)
-    flushes: list[_Flush] = field(default_factory=list)
-
-
 class Quarantines:
-    """Owns the quarantine fences of one prefill rank: the failed calls a settling chunk
-    reports, each errored lease's fence, its timer, and the proofs that end it (probes of its
-    peers, the engine's flush, the kernel's drained send queues). The engine, the fence, the
-    timers, the counters, the nursery, the lanes' engine calls and the probes are the
-    registry's (:class:`~trio_pd.agents._peers.PeerRegistry`), read from it at each use."""
+    """The shell of one prefill rank's quarantine fences (:class:`Fences`, which decides):
+    carries out what it makes due, and answers its looks with probes of the peers, the
+    engine's flush and the kernel's send queues. The engine, the timers, the counters, the
+    nursery, the lanes' engine calls and the probes are the registry's
+    (:class:`~trio_pd.agents._peers.PeerRegistry`), read from it at each use."""
 
     def __init__(self, registry: PeerRegistry) -> None:
         self._registry = registry
-        self._fences: dict[Lease, _Fence] = {}
-        #: a settling chunk's failed calls, until its quarantine takes them (:meth:`failed_calls`)
-        self._failed: dict[Lease, list[tuple[DecodePeer, tuple[int, int]]]] = {}
+        self.fences: Fences[DecodePeer] = Fences(FenceDeadlines(registry.fence))
 
     def fenced(self) -> set[int]:
         """The ids of the peers some quarantine waits on (they may not be dropped)."""
-        return {id(p) for fence in self._fences.values() for p in fence.peers}
+        return self.fences.fenced()
 
     def failed_calls(
         self, lease: Lease, calls: list[tuple[DecodePeer, tuple[int, int]]]
@@ -103,81 +95,63 @@ class Quarantines:
         """The engine calls of ``lease``'s chunk that failed, each with the (source,
         destination) of its last block: told by the chunk runner as the chunk settles, just
         before the lease's quarantine starts (:meth:`quarantine` takes them)."""
-        self._failed[lease] = calls
+        self.fences.failed_calls(lease, calls)
 
     def quarantine(self, lease: Lease, peers: list[DecodePeer], end: Callable[[], None]) -> None:
         """``lease``'s write errored: keep its pages out until every peer it wrote to answers
-        a probe after the engine's own deadline for the call (``fence``: by then the engine
-        has given the call up), or refuses connections, with our kernel's send queues to them
-        seen empty (what the call left there has been received), and, for an engine that
-        keeps a failed call's blocks, the engine's proof that nothing of each failed call to
-        a peer that answers is left (:meth:`_flush`). ``end()`` runs once, on that proof."""
-        fence = _Fence(lease, peers, end)
-        failed = self._failed.pop(lease, [])
-        if failed and keeps_failed_calls(self._registry.engine):
-            for peer, tail in failed:  # (the calls have returned: marks taken now are after)
-                mark = call_mark(self._registry.engine, peer.session)
-                fence.flushes.append(_Flush(peer, mark, tail))
-        self._fences[lease] = fence
-        self._rearm(fence)
+        a probe after the engine's own deadline for the call (by then the engine has given
+        the call up), or refuses connections, with our kernel's send queues to them seen
+        empty (what the call left there has been received), and, for an engine that keeps a
+        failed call's blocks, the engine's proof that nothing of each failed call to a peer
+        that answers is left (:meth:`_flush`). ``end()`` runs once, on that proof."""
+        engine = self._registry.engine
 
-    def _rearm(self, fence: _Fence) -> None:
-        """Look at ``fence`` again once another ``fence`` seconds have passed."""
-        self._registry.timers.after(self._registry.fence, partial(self._fence_passed, fence))
+        def mark_of(peer: DecodePeer) -> int | None:
+            return call_mark(engine, peer.session)
 
-    def _fence_passed(self, fence: _Fence) -> None:
-        if self._fences.get(fence.lease) is fence and self._registry.nursery is not None:
-            self._registry.nursery.start_soon(self._confirm, fence)
+        keeps = keeps_failed_calls(engine)
+        self._carry(self.fences.quarantine(lease, peers, end, mark_of if keeps else None))
 
-    async def _confirm(self, fence: _Fence) -> None:
+    def _carry(self, due: FenceDue[DecodePeer]) -> None:
+        """Carry out what the fences made due. Synchronous: it never waits."""
+        for effect in due:
+            match effect:
+                case Arm(after=after, key=key):
+                    self._registry.timers.after(after, partial(self._timer_due, key))
+                case Count(name=name):
+                    self._registry.counters.bump(name)
+                case Warn(message=message):
+                    log.warning("%s", message)
+                case Look(fence=fence):
+                    if self._registry.nursery is not None:
+                        self._registry.nursery.start_soon(self._look, fence)
+                case EndFence(end=end):
+                    end()
+                case _:
+                    assert_never(effect)
+
+    def _timer_due(self, key: Hashable) -> None:
+        """A deadline the fences armed has passed: they decide what that means."""
+        self._carry(self.fences.handle_timer(key))
+
+    async def _look(self, fence: Fence[DecodePeer]) -> None:
+        """Answer what the fences ask of ``fence``, in their order, until they have decided."""
         await trio.lowlevel.checkpoint()
-        states: list[Liveness] = []
-        for peer in fence.peers:
-            states.append(await self._registry.probes.liveness(peer))
-        if self._fences.get(fence.lease) is not fence:
-            return
-        if any(s is Liveness.UNKNOWN for s in states):
-            self._registry.counters.bump("quarantine_unknown")
-            log.warning(
-                "quarantine of %d pages kept: peer liveness unknown (%s)",
-                fence.lease.npages, ", ".join(p.endpoint for p in fence.peers),
-            )
-            self._rearm(fence)
-            return
-        # what the engine kept of the failed calls to peers that answer: gone only once a
-        # later call to the peer completed (a peer that refuses can be sent nothing more)
-        alive = {id(p) for p, s in zip(fence.peers, states, strict=True) if s is Liveness.ALIVE}
-        for flush in fence.flushes:
-            if id(flush.peer) not in alive:
-                continue
-            why = await self._flush(flush)
-            if self._fences.get(fence.lease) is not fence:
-                return  # (ended meanwhile)
-            if why is not None:
-                self._registry.counters.bump("quarantine_unflushed")
-                log.warning("quarantine of %d pages kept (%s): %s", fence.lease.npages,
-                            flush.peer.endpoint, why)
-                self._rearm(fence)
-                return
-        # every peer answered, or refused (closed, or its process gone): a refusal proves
-        # nothing about the bytes already sent to it, so both wait for the kernel's word
-        drained = await self._sent_bytes_acknowledged(fence.peers)
-        if self._fences.get(fence.lease) is not fence:
-            return  # (ended meanwhile)
-        if drained:
-            self._end_fence(fence)
-            return
-        if drained is None:
-            self._registry.counters.bump("quarantine_unknown")
-            why = "our send queues to them could not be read"
-        else:
-            self._registry.counters.bump("quarantine_undrained")
-            why = "bytes written to them are still in the kernel's send queue"
-        log.warning("quarantine of %d pages kept (%s): %s", fence.lease.npages,
-                    ", ".join(p.endpoint for p in fence.peers), why)
-        self._rearm(fence)
+        while (check := self.fences.next_check(fence)) is not None:
+            match check:
+                case ProbePeers(peers=peers):
+                    states = [await self._registry.probes.liveness(p) for p in peers]
+                    due = self.fences.on_liveness(fence, states)
+                case ProveFlush(flush=flush):
+                    due = self.fences.on_flush(fence, flush, await self._flush(flush))
+                case CheckDrain(peers=peers):
+                    drained = await self._sent_bytes_acknowledged(peers)
+                    due = self.fences.on_drain(fence, drained)
+                case _:
+                    assert_never(check)
+            self._carry(due)
 
-    async def _flush(self, flush: _Flush) -> str | None:
+    async def _flush(self, flush: Flush[DecodePeer]) -> str | None:
         """Has the engine proven that nothing of the failed call ``flush`` is left in it
         (:func:`~trio_pd.engines.flushed`)? On Mooncake a later call to the peer that
         completed proves it (the engine sends a peer's blocks in order); if none has, make
@@ -228,7 +202,7 @@ class Quarantines:
         if not hosts:
             return True
         watch = _sendq.DrainWatch()
-        with trio.move_on_after(self._registry.fence):
+        with trio.move_on_after(self.fences.deadlines.fence):
             while True:
                 try:
                     snap = await trio.to_thread.run_sync(_sendq.snapshot, sorted(hosts))
@@ -241,16 +215,11 @@ class Quarantines:
                     return True
                 if watch.observe(snap):
                     return True
-                await trio.sleep(_DRAIN_POLL)
+                await trio.sleep(self.fences.deadlines.drain_poll)
         log.info("send queues to %s not seen empty in %d looks: %s", sorted(hosts),
                  watch.looks, sorted(watch.pending))
         return False
 
-    def _end_fence(self, fence: _Fence) -> None:
-        if self._fences.pop(fence.lease, None) is fence:
-            fence.end()
-
     def drop_fences(self) -> None:
         """The agent is closing: the rooms end their own quarantines (our own pages)."""
-        self._fences.clear()
-        self._failed.clear()
+        self.fences.clear()

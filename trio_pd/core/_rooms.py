@@ -183,11 +183,16 @@ class ProbeWriters:
 
 
 # --------------------------------------------------------------------------------------------
-# Effects of the tables (:mod:`._tables`): deadlines, counts, refusals
+# Effects of the tables (:mod:`._tables`, :mod:`._fences`, :mod:`._dp_routes`): deadlines,
+# counts, warnings, refusals
 # --------------------------------------------------------------------------------------------
 
+#: every kind of deadline of the pure core: the rooms' (:mod:`._tables`), a quarantine's
+#: fence (:mod:`._fences`), a room's wait for its DP rank and the pause between two warnings
+#: of it (:mod:`._dp_routes`)
 TimerKind: TypeAlias = Literal[
-    "bootstrap", "parked", "failed", "tombstone", "waiting", "init", "ack"
+    "bootstrap", "parked", "failed", "tombstone", "waiting", "init", "ack",
+    "fence", "dp_route", "dp_warn",
 ]
 
 
@@ -207,7 +212,17 @@ class Arm:
 class Count:
     """Either side: bump the agent's counter ``name`` (a timeout, a late message)."""
 
-    name: Literal["timeouts", "late_messages", "rooms_reclaimed", "acks_received"]
+    name: Literal[
+        "timeouts", "late_messages", "rooms_reclaimed", "acks_received",
+        "quarantine_unknown", "quarantine_undrained", "quarantine_unflushed",
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Warn:
+    """Either side: log ``message`` as a warning (the machine decided it is worth one)."""
+
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -1134,6 +1149,7 @@ __all__ = [
     "Target",
     "Arm",
     "Count",
+    "Warn",
     "Reject",
     "reason_of",
 ]

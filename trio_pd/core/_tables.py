@@ -13,7 +13,9 @@ agent's one timer task runs the key back into :meth:`PrefillRooms.handle_timer` 
 :meth:`DecodeRooms.handle_timer`) once the delay has passed, and the table decides what the
 expiry means: an expiry whose entry was replaced since (the room id reused, the parked entry
 taken) finds another generation and does nothing. Every deadline of SPEC §5.6 a room has is
-in :class:`PrefillDeadlines` / :class:`DecodeDeadlines` and nowhere else.
+in :class:`PrefillDeadlines` / :class:`DecodeDeadlines` and nowhere else. The pure core's
+other deadlines have the same shape and a home of their own: a quarantine's fence
+(:mod:`._fences`) and a room's wait for its DP rank (:mod:`._dp_routes`).
 
 =====================================================  =====================================
 rule                                                   here
