@@ -239,6 +239,9 @@ class Sources:
         self.heartbeat_interval, self.heartbeat_misses = heartbeat_interval, heartbeat_misses
         self.probe_timeout = probe_timeout
         self._on_resolved, self._on_failed, self._on_lost = on_resolved, on_failed, on_lost
+        #: the landing area each REGISTER advertises: each KV buffer's base, and its pages
+        #: (none: ``((), 0)``; trio_pd.core._landing)
+        self.landing: tuple[tuple[int, ...], int] = ((), 0)
         self._metrics = metrics  # the agent's metrics, if attached (bootstrap_resolve_seconds)
         self.instances: dict[str, Instance] = {}
         self.ranks: dict[str, PrefillRank] = {}  # endpoint -> rank we registered with
@@ -399,6 +402,8 @@ class Sources:
             ),
             control_key=control_key,
             auth=auth,
+            landing_bases=self.landing[0],
+            landing_pages=self.landing[1],
         )
         if not self.control.send_nowait(info.endpoint, msg):
             raise ProtocolError(f"prefill rank {p} at {info.endpoint} is not reading")

@@ -152,6 +152,12 @@ class AgentStatistics:
     #: decode: rooms that succeeded but were given up (aborted, or their block left) before
     #: Success was delivered to the scheduler: their pages went back through on_release
     released_unclaimed: int = 0
+    #: decode: rooms whose pages were fragmented and that were written into landing pages,
+    #: then copied into their pages before Success (``DecodeConfig.landing_bytes``)
+    rooms_landed: int = 0
+    #: decode: fragmented rooms sent their own pages because the landing area had no free
+    #: run for them
+    landing_full: int = 0
 
 
 _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(AgentStatistics))
@@ -214,6 +220,8 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "peers_refused": "prefill",
     "rooms_reclaimed": "decode",
     "released_unclaimed": "decode",
+    "rooms_landed": "decode",
+    "landing_full": "decode",
 })
 
 

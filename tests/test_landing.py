@@ -1,0 +1,203 @@
+"""Landing pages (trio_pd.core._landing): a decode rank with a landing area offers a room whose
+pages are fragmented a run of landing pages; prefill gathers each chunk's source pages into
+its staging area and writes one block per buffer there; decode copies the landing pages into
+the room's pages before Success.
+
+Checked on real engines end to end with shuffled pages on both sides (bytes, blocks per
+call, counters), with prefix pages, layer-wise sends and several prefill ranks per room; a
+full area falls back to the room's own pages; and the lifetime rule of a landing range: held
+like the room's pages while a write of the room may land, never copied out of a failed
+room, given back exactly once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import trio
+
+from trio_pd import DecodeConfig, KVPoll
+from trio_pd.core import _wire
+from trio_pd.core._landing import LandingArea, fragmented, landing_spec
+from trio_pd.core._plan import plan_staged, stages_pages
+from trio_pd.core._staging import StagingArea
+from trio_pd.engines import TransferEngine
+from trio_pd.engines.fault import Fault, FaultEngine
+from trio_pd.testing.pools import HostKVPool
+from trio_pd.tools._demo import DemoOptions
+
+from .helpers.cluster import open_cluster
+
+LANDING = DecodeConfig(landing_bytes=1 << 20)
+
+
+# ------------------------------------------------------------------------ pieces
+
+
+def _page_bytes(pool: HostKVPool, b: int, pages: np.ndarray) -> np.ndarray:
+    return pool._pages(b)[pages].reshape(len(pages), -1)
+
+
+def test_the_area_reserves_first_fit_scatters_and_gives_back() -> None:
+    pool = HostKVPool(layout="mha", num_pages=16, num_layers=2, page_size=2, head_bytes=4,
+                      heads=2, page_pad=3)
+    area = LandingArea(pool.spec, 5 * sum(pool.spec.item_lens) + 7)
+    assert area.pages == 5 and area.region.base % 4096 == 0
+    a, b = area.reserve(3), area.reserve(2)
+    assert (a, b) == (0, 3) and area.reserve(1) is None and area.reserved == 5
+    area.give(0, 3)
+    assert area.reserve(4) is None and area.reserve(3) == 0
+    spec = landing_spec(pool.spec, area.bases, area.pages)
+    assert spec.packed and spec.num_pages == 5 and spec.regions()[0].base == area.bases[0]
+    # landing pages 3, 4 -> the pool's pages 9, 2, buffer by buffer (the pads untouched)
+    for v in area._views:
+        v[3:5] = np.arange(2 * v.shape[1], dtype=np.uint8).reshape(2, -1) + 1
+    before = [buf.copy() for buf in pool.buffers]
+    area.scatter(3, np.array([9, 2]))
+    for b, v in enumerate(area._views):
+        assert (pool._pages(b)[[9, 2]].reshape(2, -1) == v[3:5]).all()
+        changed = np.flatnonzero(pool.buffers[b].ravel() != before[b].ravel())
+        stride = pool.spec.strides[b]
+        assert set((changed // stride).tolist()) <= {9, 2}
+        assert (changed % stride < pool.spec.item_lens[b]).all()
+
+
+def test_the_fragmentation_rule() -> None:
+    assert not fragmented(np.array([5]), 16 << 10, 256 << 10)
+    assert not fragmented(np.arange(40), 16 << 10, 256 << 10)  # one run
+    assert fragmented(np.array([3, 9, 1, 2]), 16 << 10, 256 << 10)
+    # runs of 32 pages of 16 KiB: 512 KiB a block already
+    assert not fragmented(np.r_[np.arange(32), np.arange(100, 132)], 16 << 10, 256 << 10)
+
+
+def test_a_transfer_without_landing_is_byte_identical() -> None:
+    """``landing`` and the REGISTER's landing fields are left off the wire at their defaults."""
+    t = _wire.Transfer(v=_wire.WIRE_VERSION, room=1, epoch=2, endpoint="tcp://127.0.0.1:5",
+                       decode_rank=0, aux_slot=0, required=1, num_pages=3)
+    pages = np.arange(3, dtype=np.int32)
+    assert b"landing" not in _wire.encode(t, pages)[0]
+    on = _wire.Transfer(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "landing": True})
+    assert b"landing" in _wire.encode(on, pages)[0]
+
+
+def test_a_whole_page_gather_is_one_block_per_buffer() -> None:
+    """Scattered source pages, gathered whole into staging and written to consecutive
+    landing pages: one block per buffer, every byte where the per-page copy puts it."""
+    src = HostKVPool(layout="mha", num_pages=12, num_layers=2, page_size=2, head_bytes=4,
+                     heads=2, page_pad=5)
+    rng = np.random.default_rng(3)
+    for buf in src.buffers:
+        buf[:] = rng.integers(0, 256, buf.shape, np.uint8)
+    dst = HostKVPool(layout="mha", num_pages=12, num_layers=2, page_size=2, head_bytes=4,
+                     heads=2)
+    area = LandingArea(dst.spec, 8 * sum(dst.spec.item_lens))
+    land = landing_spec(dst.spec, area.bases, area.pages)
+    assert stages_pages(src.spec, land, (0, 2)) and not stages_pages(src.spec, land, (0, 1))
+    pages = np.array([7, 2, 11, 0, 5])
+    staging = StagingArea(1 << 20)
+    r = staging.reserve(5 * sum(land.item_lens))
+    assert r is not None
+    staging.gatherer(src.spec, pages, (0, 2), r, land.item_lens)()
+    blocks = plan_staged(src.spec, land, np.arange(2, 7), r.addr)
+    assert blocks.num_blocks == src.spec.num_buffers
+    import ctypes
+    for s, d, n in zip(blocks.src.tolist(), blocks.dst.tolist(), blocks.lens.tolist(),
+                       strict=True):
+        ctypes.memmove(d, s, n)
+    out = np.array([4, 9, 1, 3, 10])
+    area.scatter(2, out)
+    for b in range(src.spec.num_buffers):
+        assert (_page_bytes(dst, b, out) == _page_bytes(src, b, pages)).all()
+
+
+# ------------------------------------------------------------------------ agents
+
+
+def _opts(engine: str, prefill_tp: int = 1, decode_tp: int = 1, layers: int = 2) -> DemoOptions:
+    return DemoOptions(prefill_tp=prefill_tp, decode_tp=decode_tp, kv_heads=4, layers=layers,
+                       page_size=4, head_bytes=16, max_tokens=64, engine=engine)
+
+
+def _recording(calls: list[int]):  # type: ignore[no-untyped-def]
+    """A FaultEngine wrapper that injects nothing and records each write's block count."""
+    def wrap(engine: TransferEngine) -> TransferEngine:
+        def policy(_index: int, _peer: str, nblocks: int) -> Fault | None:
+            calls.append(nblocks)
+            return None
+        return FaultEngine(engine, policy)  # type: ignore[arg-type]
+    return wrap
+
+
+async def _room(c, room: int, n: int, *, prefix: int = 0, layers: bool = False,  # type: ignore[no-untyped-def]
+                seed: int = 0, events: dict[str, trio.Event] | None = None):
+    """One room of ``n`` request pages with shuffled pages on both sides, sent in two
+    chunks by every prefill rank (layer by layer with ``layers``); decode holds the first
+    ``prefix`` pages already. Returns the senders, receivers and decode's pages."""
+    rng = np.random.default_rng(seed + room)
+    senders = []
+    src = rng.permutation(40)[:n]
+    for i, rank in enumerate(c.prefill):
+        rank.pool.fill(src, room)
+        rank.pool.fill_aux(1, room)
+        ev = None if events is None else events.get(f"p{i}")
+        senders.append(rank.agent.sender(
+            room, num_pages=n, aux_slot=1, on_release=None if ev is None else ev.set
+        ))
+    receivers, dsts = [], []
+    for i, agent in enumerate(c.decode):
+        dst = rng.permutation(60)[: n - prefix]
+        r = agent.receiver(room, bootstrap_url=c.url, epoch=room + 1)
+        ev = None if events is None else events.get(f"d{i}")
+        r.init(dst, 2, prefix_pages=prefix, on_release=None if ev is None else ev.set)
+        receivers.append(r)
+        dsts.append(dst)
+    for s in senders:
+        if layers:
+            nl = c.prefill[0].pool.spec.num_layers
+            for layer in range(nl):
+                s.send(src, layers=(layer, layer + 1), last=layer == nl - 1)
+        else:
+            s.send(src[: n // 2])
+            s.send(src[n // 2 :], last=True)
+    return senders, receivers, dsts
+
+
+async def _verified(c, room: int, n: int, **kw: object) -> None:  # type: ignore[no-untyped-def]
+    prefix = int(kw.get("prefix", 0))  # type: ignore[call-overload]
+    senders, receivers, dsts = await _room(c, room, n, **kw)  # type: ignore[arg-type]
+    with trio.fail_after(20):
+        for s in senders:
+            assert await s.wait() is KVPoll.Success
+        for r in receivers:
+            assert await r.wait() is KVPoll.Success, r.failure
+    for pool, dst in zip(c.decode_pools, dsts, strict=True):
+        assert (pool.read(dst) == pool.expected(room, n)[:, prefix:]).all()
+        assert pool.aux_ok(2, room)
+
+
+async def test_shuffled_pages_land_in_few_blocks(engine_name: str, bootstrap_url: str) -> None:
+    """Shuffled pages on both sides: the room lands (one block per buffer per chunk, the
+    aux row aside), every byte right, the landing area empty again."""
+    calls: list[int] = []
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name),
+                            wrap={0: _recording(calls)}, decode_config=LANDING) as c:
+        for room in (3, 4):
+            await _verified(c, room, 12)
+        d = c.decode[0]
+        assert d.statistics().rooms_landed == 2 and d.statistics().landing_full == 0
+        assert d.landing is not None and d.landing.reserved == 0
+        buffers = c.prefill[0].pool.spec.num_buffers
+        # two chunks a room (maybe coalesced): at most 2 x buffers + the aux row
+        assert calls and max(calls) <= 2 * buffers + 1, calls
+        stats = c.prefill[0].agent.statistics()
+        assert stats.chunks_staged >= 2 and stats.staging_full == 0
+
+
+async def test_without_a_landing_area_the_blocks_are_per_page(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    calls: list[int] = []
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name),
+                            wrap={0: _recording(calls)}) as c:
+        await _verified(c, 3, 12)
+        assert c.decode[0].landing is None and c.decode[0].statistics().rooms_landed == 0
+        assert max(calls) > 2 * c.prefill[0].pool.spec.num_buffers + 1
