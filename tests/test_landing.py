@@ -12,7 +12,10 @@ room, given back exactly once.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
+import pytest
 import trio
 
 from trio_pd import DecodeConfig, KVPoll
@@ -25,6 +28,7 @@ from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import HostKVPool
 from trio_pd.tools._demo import DemoOptions
 
+from .helpers.agents import poll_until
 from .helpers.cluster import open_cluster
 
 LANDING = DecodeConfig(landing_bytes=1 << 20)
@@ -99,7 +103,6 @@ def test_a_whole_page_gather_is_one_block_per_buffer() -> None:
     staging.gatherer(src.spec, pages, (0, 2), r, land.item_lens)()
     blocks = plan_staged(src.spec, land, np.arange(2, 7), r.addr)
     assert blocks.num_blocks == src.spec.num_buffers
-    import ctypes
     for s, d, n in zip(blocks.src.tolist(), blocks.dst.tolist(), blocks.lens.tolist(),
                        strict=True):
         ctypes.memmove(d, s, n)
@@ -154,7 +157,7 @@ async def _room(c, room: int, n: int, *, prefix: int = 0, layers: bool = False, 
         if layers:
             nl = c.prefill[0].pool.spec.num_layers
             for layer in range(nl):
-                s.send(src, layers=(layer, layer + 1), last=layer == nl - 1)
+                s.send(src, layers=range(layer, layer + 1), last=layer == nl - 1)
         else:
             s.send(src[: n // 2])
             s.send(src[n // 2 :], last=True)
@@ -201,3 +204,53 @@ async def test_without_a_landing_area_the_blocks_are_per_page(
         await _verified(c, 3, 12)
         assert c.decode[0].landing is None and c.decode[0].statistics().rooms_landed == 0
         assert max(calls) > 2 * c.prefill[0].pool.spec.num_buffers + 1
+
+
+async def test_prefix_pages_and_layerwise_sends_land(engine_name: str, bootstrap_url: str) -> None:
+    """Decode holds the first pages already (only the rest land), and a room streamed layer
+    by layer (each layer's chunk lands in its buffers): both right, both landed."""
+    calls: list[int] = []
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name),
+                            wrap={0: _recording(calls)}, decode_config=LANDING) as c:
+        await _verified(c, 3, 12, prefix=5)
+        await _verified(c, 4, 10, layers=True)
+        await _verified(c, 5, 9, prefix=2, layers=True)
+        d = c.decode[0]
+        assert d.statistics().rooms_landed == 3 and d.landing is not None
+        assert d.landing.reserved == 0
+        # a layer's chunk: its K and V buffers, one block each (+ the aux row with the last)
+        assert max(calls) <= 2 * c.prefill[0].pool.spec.num_buffers + 1, calls
+
+
+@pytest.mark.parametrize("tps", [(2, 1), (1, 2)])
+async def test_head_slices_land_too(engine_name: str, bootstrap_url: str,
+                                    tps: tuple[int, int]) -> None:
+    """Prefill TP 2 -> decode TP 1: each of two prefill ranks writes its heads into the
+    landing pages (the room needs both: required 2), the copy-out comes once both reported
+    Success. TP 1 -> 2: each decode rank's head slices are staged and land in one block
+    per buffer."""
+    p, d = tps
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name, p, d),
+                            decode_config=LANDING) as c:
+        for room in (3, 4):
+            await _verified(c, room, 12)
+        for agent in c.decode:
+            assert agent.statistics().rooms_landed == 2
+            assert agent.landing is not None and agent.landing.reserved == 0
+        if d > p:
+            assert c.prefill[0].agent.statistics().chunks_staged >= 2
+
+
+async def test_a_full_landing_area_sends_the_room_its_own_pages(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A room that finds no free run of landing pages is written into its own pages as
+    without landing, counted, and right."""
+    # 4 buffers x 256 B a page: 1 KiB a landing page; 8 pages
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name),
+                            decode_config=DecodeConfig(landing_bytes=8 << 10)) as c:
+        await _verified(c, 3, 12)  # 12 pages: no run of 12
+        d = c.decode[0].statistics()
+        assert d.landing_full == 1 and d.rooms_landed == 0
+        await _verified(c, 4, 8)
+        assert c.decode[0].statistics().rooms_landed == 1
