@@ -20,8 +20,10 @@ import trio
 
 from trio_pd import DecodeConfig, KVPoll
 from trio_pd.core import _wire
+from trio_pd.core._errors import TransferAborted
 from trio_pd.core._landing import LandingArea, fragmented, landing_spec
 from trio_pd.core._plan import plan_staged, stages_pages
+from trio_pd.core._rooms import DecodeRoom, Succeeded
 from trio_pd.core._staging import StagingArea
 from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine
@@ -147,7 +149,8 @@ async def _room(c, room: int, n: int, *, prefix: int = 0, layers: bool = False, 
         ))
     receivers, dsts = [], []
     for i, agent in enumerate(c.decode):
-        dst = rng.permutation(60)[: n - prefix]
+        # (rooms in flight together get disjoint pages: a third of 60 each)
+        dst = (room % 3) * 20 + rng.permutation(20)[: n - prefix]
         r = agent.receiver(room, bootstrap_url=c.url, epoch=room + 1)
         ev = None if events is None else events.get(f"d{i}")
         r.init(dst, 2, prefix_pages=prefix, on_release=None if ev is None else ev.set)
@@ -166,7 +169,11 @@ async def _room(c, room: int, n: int, *, prefix: int = 0, layers: bool = False, 
 
 async def _verified(c, room: int, n: int, **kw: object) -> None:  # type: ignore[no-untyped-def]
     prefix = int(kw.get("prefix", 0))  # type: ignore[call-overload]
-    senders, receivers, dsts = await _room(c, room, n, **kw)  # type: ignore[arg-type]
+    await _check(c, room, n, prefix, *await _room(c, room, n, **kw))  # type: ignore[arg-type]
+
+
+async def _check(c, room: int, n: int, prefix: int, senders, receivers, dsts) -> None:  # type: ignore[no-untyped-def]
+    """Success on every side, decode's bytes and aux row right."""
     with trio.fail_after(20):
         for s in senders:
             assert await s.wait() is KVPoll.Success
@@ -254,3 +261,88 @@ async def test_a_full_landing_area_sends_the_room_its_own_pages(
         assert d.landing_full == 1 and d.rooms_landed == 0
         await _verified(c, 4, 8)
         assert c.decode[0].statistics().rooms_landed == 1
+
+
+#: how long a test watches for something that must not happen
+QUIET = 0.3
+
+
+async def test_an_aborted_room_keeps_its_landing_range_until_its_drain(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A landed room aborted while its write is held inside the engine: its landing range
+    stays reserved (no other room gets it: that one falls back, ``landing_full``) until the
+    drain ack, its pages are never copied into (nothing of a failed room is scattered), and
+    every landing page is back once, the area serving the next room again."""
+    faults: list[FaultEngine] = []
+
+    def wrap(engine: TransferEngine) -> TransferEngine:
+        faults.append(FaultEngine(
+            engine, lambda i, _peer, _n: Fault("stall") if i == 0 else None  # type: ignore[arg-type]
+        ))
+        return faults[0]
+
+    # 12 landing pages of 1 KiB (4 buffers x 256 B): one room's
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name), wrap={0: wrap},
+                            decode_config=DecodeConfig(landing_bytes=12 << 10)) as c:
+        gate = faults[0].stalls
+        try:
+            d, pool = c.decode[0], c.decode_pools[0]
+            area = d.landing
+            assert area is not None and area.pages == 12
+            ev = {"d0": trio.Event(), "p0": trio.Event()}
+            senders, receivers, dsts = await _room(c, 3, 12, events=ev)
+            with trio.fail_after(15):
+                await gate.wait_stalled_async(1)  # room 3's write is inside the engine
+            assert area.reserved == 12
+            before = pool.read(dsts[0]).copy()
+            receivers[0].abort("test: the scheduler gives up")
+            await trio.sleep(QUIET)  # (nothing may happen here: no ack can come)
+            assert area.reserved == 12 and not ev["d0"].is_set()
+            assert d.statistics().pages_held == 12
+            # another room meanwhile: no free run, so its own pages (its write waits behind
+            # the held one on the peer's lane)
+            other = await _room(c, 4, 12)
+            assert d.statistics().landing_full == 1 and area.reserved == 12
+            gate.release_all()  # room 3's write lands (in its landing pages); then the ack
+            with trio.fail_after(15):
+                await ev["d0"].wait()
+                await poll_until(lambda: area.reserved == 0)
+            await _check(c, 4, 12, 0, *other)
+            assert (pool.read(dsts[0]) == before).all(), "a failed room was copied out"
+            assert d.statistics().rooms_landed == 0
+            with trio.fail_after(15):
+                assert await senders[0].wait() is KVPoll.Failed
+            await _verified(c, 5, 12)  # the area serves again
+            assert d.statistics().rooms_landed == 1 and area.reserved == 0
+        finally:
+            gate.release_all()
+
+
+def test_the_copy_out_comes_before_success_and_only_for_success() -> None:
+    """The room machine calls ``land`` once, when every rank reported Success and the aux
+    row is the room's, while the room does not read Success yet; never when the aux row is
+    wrong or a rank failed."""
+    def room() -> DecodeRoom:
+        r = DecodeRoom(room=1, epoch=2)
+        r.bind([0, 1])
+        r.init(np.arange(3, dtype=np.int32), 0)
+        r.contacted(0)
+        r.contacted(1)
+        return r
+
+    seen: list[KVPoll] = []
+    r = room()
+    assert r.on_status(0, True, "", lambda: True, lambda: seen.append(r.status)) == []
+    assert seen == []
+    due = r.on_status(1, True, "", lambda: True, lambda: seen.append(r.status))
+    assert Succeeded() in due and seen == [KVPoll.WaitingForInput]
+    assert r.status is KVPoll.Success
+    r = room()
+    r.on_status(0, True, "", lambda: True, lambda: seen.append(r.status))
+    r.on_status(1, True, "", lambda: False, lambda: seen.append(r.status))  # bad aux row
+    r = room()
+    r.fail(TransferAborted("x"))
+    r.on_status(0, True, "", lambda: True, lambda: seen.append(r.status))
+    r.on_status(1, True, "", lambda: True, lambda: seen.append(r.status))
+    assert seen == [KVPoll.WaitingForInput]
