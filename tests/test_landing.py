@@ -346,3 +346,41 @@ def test_the_copy_out_comes_before_success_and_only_for_success() -> None:
     r.on_status(0, True, "", lambda: True, lambda: seen.append(r.status))
     r.on_status(1, True, "", lambda: True, lambda: seen.append(r.status))
     assert seen == [KVPoll.WaitingForInput]
+
+
+@pytest.mark.parametrize("story", ["succeeds", "prefill gives up"])
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+async def test_a_cancel_at_every_schedule_point_with_landing_loses_nothing(
+    engine_name: str, bootstrap_url: str, victim: str, story: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tests/test_cancellation.py's trio sweep with a landing area on decode and each
+    request's pages handed out in reverse (three runs: the room lands): a cancel at any
+    await of either handler loses no page, frees none twice, leaves no late write in a page
+    that went back, and every landing page comes back."""
+    from . import test_cancellation as tc
+    from .helpers.agents import open_pair
+
+    of = tc.Books.of.__func__  # type: ignore[attr-defined]
+
+    def reversed_books(cls: type, src: HostKVPool, dst: HostKVPool) -> tc.Books:
+        books = of(cls, src, dst)
+        alloc = books.dst.alloc
+
+        async def backwards(n: int) -> np.ndarray:
+            return (await alloc(n))[::-1].copy()
+
+        books.dst.alloc = backwards  # type: ignore[method-assign]
+        return books
+
+    monkeypatch.setattr(tc.Books, "of", classmethod(reversed_books))
+    async with open_pair(engine_name, bootstrap_url, decode_config=LANDING) as pair:
+        handlers = {"decode": tc.decode_handler, "prefill": tc.prefill_handler}
+        covered = await tc.sweep_trio(pair, victim, story, handlers)
+        assert covered == tc.AWAITS[victim, story]
+        with trio.fail_after(15):
+            await poll_until(lambda: pair.decode.statistics().pages_held == 0)
+        area = pair.decode.landing
+        assert area is not None and area.reserved == 0
+        if story == "succeeds":
+            assert pair.decode.statistics().rooms_landed > 0
