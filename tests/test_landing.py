@@ -299,7 +299,7 @@ async def test_an_aborted_room_keeps_its_landing_range_until_its_drain(
             receivers[0].abort("test: the scheduler gives up")
             await trio.sleep(QUIET)  # (nothing may happen here: no ack can come)
             assert area.reserved == 12 and not ev["d0"].is_set()
-            assert d.statistics().pages_held == 12
+            assert d.statistics().pages_held == d.statistics().landing_held == 12
             # another room meanwhile: no free run, so its own pages (its write waits behind
             # the held one on the peer's lane)
             other = await _room(c, 4, 12)

@@ -442,7 +442,10 @@ class DecodeAgent:
             for r in self._rooms.values()
             if r.machine.pages is not None and r.machine.holding
         )
-        return self.counters.snapshot(rooms_active=len(self._rooms), pages_held=held)
+        landing = 0 if self.landing is None else self.landing.reserved
+        return self.counters.snapshot(
+            rooms_active=len(self._rooms), pages_held=held, landing_held=landing
+        )
 
     # ------------------------------------------------------------------ room flow
 
