@@ -384,3 +384,25 @@ async def test_a_cancel_at_every_schedule_point_with_landing_loses_nothing(
         assert area is not None and area.reserved == 0
         if story == "succeeds":
             assert pair.decode.statistics().rooms_landed > 0
+
+
+async def test_a_prefill_rank_that_does_not_say_it_takes_landing_pages_gets_none(
+    engine_name: str, bootstrap_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill rank that publishes no ``landing`` (an older one, whose REGISTER and
+    TRANSFER refuse the fields) is sent neither the landing area nor landing pages: the
+    room goes to its own pages, right."""
+    from trio_pd.agents import _prefill
+
+    real = _prefill.PrefillRankInfo
+
+    def older(**kw: object) -> object:
+        kw.pop("landing", None)
+        return real(**kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_prefill, "PrefillRankInfo", older)
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name),
+                            decode_config=LANDING) as c:
+        await _verified(c, 3, 12)
+        assert c.decode[0].statistics().rooms_landed == 0
+        assert all(p.landing is None for p in c.prefill[0].agent.peers.all())

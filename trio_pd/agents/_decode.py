@@ -664,9 +664,9 @@ class DecodeWire:
         machine, agent = rec.machine, self.agent
         pages, area = machine.pages, agent.landing
         assert pages is not None
-        if area is None or rec.landing is not None or not fragmented(
-            pages, agent.pool.item_lens[0], agent.config.landing_below
-        ):
+        if area is None or rec.landing is not None or not all(
+            r.landing for r in rec.sources
+        ) or not fragmented(pages, agent.pool.item_lens[0], agent.config.landing_below):
             return pages
         first = area.reserve(len(pages))
         if first is None:

@@ -989,6 +989,7 @@ async def open_prefill(
                     aux_item_lens=pool.aux_item_lens,
                     states=tuple(_wire.StateWire.from_spec(st) for st in pool.states),
                     kv_dtype=pool.kv_dtype,
+                    landing=True,
                 )
                 try:  # (a prefill rank may start before its bootstrap service: retried)
                     with trio.fail_after(config.bootstrap_timeout):

@@ -89,6 +89,8 @@ class PrefillRank:
     #: it closed and said so (a BYE, sent after its last engine call): no write of it can
     #: land any more; it counts as drained for every room here
     closed: bool = False
+    #: it takes landing pages (it published so), and was told of our landing area
+    landing: bool = False
 
     def __post_init__(self) -> None:
         if self.rank_id < 0:
@@ -375,6 +377,7 @@ class Sources:
             key=info.control_key,
             pp_rank=info.pp_rank,
             rank_id=info.rank_id,
+            landing=info.landing and self.landing[1] > 0,
         )
         control_key, auth = "", b""
         if curve:
@@ -402,8 +405,9 @@ class Sources:
             ),
             control_key=control_key,
             auth=auth,
-            landing_bases=self.landing[0],
-            landing_pages=self.landing[1],
+            # (only to a rank that takes landing pages: an older one refuses the fields)
+            landing_bases=self.landing[0] if rank.landing else (),
+            landing_pages=self.landing[1] if rank.landing else 0,
         )
         if not self.control.send_nowait(info.endpoint, msg):
             raise ProtocolError(f"prefill rank {p} at {info.endpoint} is not reading")
