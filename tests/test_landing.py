@@ -13,6 +13,7 @@ room, given back exactly once.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -406,3 +407,27 @@ async def test_a_prefill_rank_that_does_not_say_it_takes_landing_pages_gets_none
         await _verified(c, 3, 12)
         assert c.decode[0].statistics().rooms_landed == 0
         assert all(p.landing is None for p in c.prefill[0].agent.peers.all())
+
+
+@pytest.mark.parametrize("tps", [(1, 1), (1, 2)])
+async def test_per_buffer_geometry_lands(engine_name: str, bootstrap_url: str,
+                                         tps: tuple[int, int]) -> None:
+    """Head-major pages, V buffers with their own bytes per head and padding between pages
+    on both sides, with two aux buffers more: the landing pages are packed per buffer, the
+    copy-out honours the pool's page strides; every byte right, the pads untouched."""
+    opts = replace(_opts(engine_name, *tps), page_layout="hnd", v_head_bytes=8, page_pad=24,
+                   aux_buffers=2)
+    async with open_cluster(engine_name, bootstrap_url, opts, decode_config=LANDING) as c:
+        pads = [[buf.copy() for buf in pool.buffers] for pool in c.decode_pools]
+        for room in (3, 4):
+            await _verified(c, room, 12)
+        for agent in c.decode:
+            assert agent.statistics().rooms_landed == 2
+        for pool, before in zip(c.decode_pools, pads, strict=True):
+            for b, buf in enumerate(pool.buffers):
+                stride, item = pool.spec.strides[b], pool.spec.item_lens[b]
+                # (every page's pad: bytes past its page, before the next)
+                pad = np.ones(buf.size, dtype=bool)
+                for p in range(pool.spec.num_pages):
+                    pad[p * stride : p * stride + item] = False
+                assert (buf.ravel()[pad] == before[b].ravel()[pad]).all()
