@@ -431,3 +431,49 @@ async def test_per_buffer_geometry_lands(engine_name: str, bootstrap_url: str,
                 for p in range(pool.spec.num_pages):
                     pad[p * stride : p * stride + item] = False
                 assert (buf.ravel()[pad] == before[b].ravel()[pad]).all()
+
+
+async def test_the_area_is_kept_when_decode_closes_with_a_range_held(
+    bootstrap_url: str,
+) -> None:
+    """Decode closes while a landed room's write is held inside prefill's engine: the room
+    is unproven at close (no drain ack within ``close_timeout``), so its landing range stays
+    held, and the area's memory is kept for the life of the process (a write may still
+    land there), though deregistered."""
+    from trio_pd import open_decode, open_prefill
+    from trio_pd.core import _landing
+    from trio_pd.engines import make_engine
+
+    from .helpers.agents import host_pool
+
+    src, dst = host_pool(), host_pool()
+    pe = FaultEngine(make_engine("mooncake"), lambda _i, _p, _n: Fault("stall"))  # type: ignore[arg-type]
+    de = make_engine("mooncake")
+    try:
+        async with open_prefill(engine=pe, pool=src.spec, bootstrap_url=bootstrap_url,
+                                kv_heads=2) as prefill:
+            try:
+                async with open_decode(
+                    engine=de, pool=dst.spec,
+                    config=DecodeConfig(landing_bytes=1 << 20, close_timeout=0.3),
+                ) as decode:
+                    area = decode.landing
+                    assert area is not None
+                    src_pages = np.array([5, 1, 9])
+                    src.fill(src_pages, 7)
+                    src.fill_aux(1, 7)
+                    tx = prefill.sender(7, num_pages=3, aux_slot=1)
+                    rx = decode.receiver(7, bootstrap_url=bootstrap_url)
+                    rx.init(np.array([8, 2, 30]), 3)
+                    tx.send(src_pages, last=True)
+                    with trio.fail_after(15):
+                        await pe.stalls.wait_stalled_async(1)
+                    assert area.reserved == 3
+                assert decode.statistics().rooms_unproven_at_close == 1
+                assert area.reserved == 3 and area in _landing.KEPT
+                assert not area.registered
+            finally:
+                pe.stalls.release_all()
+    finally:
+        pe.close()
+        de.close()

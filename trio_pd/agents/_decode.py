@@ -843,6 +843,7 @@ async def close_landing(agent: DecodeAgent, area: LandingArea) -> None:
     may still land there (the pool's pages stay held the same way)."""
     await trio.lowlevel.checkpoint()
     agent.landing = None
+    area.registered = False
     if area.reserved:
         KEPT.append(area)
     try:
