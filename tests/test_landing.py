@@ -477,3 +477,57 @@ async def test_the_area_is_kept_when_decode_closes_with_a_range_held(
     finally:
         pe.close()
         de.close()
+
+
+def test_a_landing_target_vs_abort_every_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_schedules.py's publication-vs-abort race with a landing target: the chunk's
+    source pages are gathered whole into staging and written to decode's landing pages, in
+    every schedule of an abort let go at each point of the room's life. Exactly one STATUS;
+    a Success has every byte in the landing pages; the staging range is back in every
+    schedule; the release runs once, after the write returned."""
+    from . import test_schedules as ts
+
+    # (the explorer runs no threads: the staging area's registration runs inline)
+    monkeypatch.setattr(trio.to_thread, "run_sync", ts.inline_run_sync(ts.Trace()))
+    seen: set[str] = set()
+    dst = ts.small_pool()
+    area = LandingArea(dst.spec, 4 * sum(dst.spec.item_lens))
+
+    def scenario_at(point: ts.Point, steps: int) -> object:
+        async def scenario() -> None:
+            for v in area._views:
+                v[...] = 0
+            async with trio.open_nursery() as nursery:
+                rig = await ts.start_prefill(nursery, landing=(area.bases, area.pages))
+                for buf in rig.src.buffers:
+                    buf[...] = np.arange(buf.size, dtype=np.uint8).reshape(buf.shape)
+                sender = rig.room(2, landing=True)
+                src = np.array([5, 2])  # scattered: gathered whole into staging
+                sender.send(src, last=True)
+                before: list[bool] = []
+
+                async def abort() -> None:
+                    await ts.at(rig.trace, point, steps)
+                    before.append(bool(rig.trace.sent(ts.wire.Status)))
+                    rig.abort_from_decode()
+
+                nursery.start_soon(abort)
+                await trio.sleep(ts.SETTLE)
+                nursery.cancel_scope.cancel()
+            statuses = rig.trace.sent(ts.wire.Status)
+            assert len(statuses) == 1, statuses
+            seen.add("abort after STATUS" if before[0] else "abort first")
+            assert statuses[0].ok == before[0]
+            if statuses[0].ok:
+                for b, view in enumerate(area._views):
+                    assert (view[:2] == _page_bytes(rig.src, b, src)).all()
+                assert rig.agent.statistics().chunks_staged == 1
+            assert rig.agent.runner.planner.staging.units_reserved == 0
+            assert rig.released == [0]
+        return scenario
+
+    runs = 0
+    for point in ts.POINTS_ONE_CALL:
+        for steps in range(3):
+            runs += ts.assert_explored(scenario_at(point, steps))  # type: ignore[arg-type]
+    assert seen == {"abort first", "abort after STATUS"} and runs > 12, runs
