@@ -531,3 +531,24 @@ def test_a_landing_target_vs_abort_every_schedule(monkeypatch: pytest.MonkeyPatc
         for steps in range(3):
             runs += ts.assert_explored(scenario_at(point, steps))  # type: ignore[arg-type]
     assert seen == {"abort first", "abort after STATUS"} and runs > 12, runs
+
+
+async def test_no_landing_area_for_a_pool_not_stated_host_memory() -> None:
+    """The copy-out writes the pool with numpy: a pool whose KV buffers are not stated to
+    be host memory (a device pool, or kinds unstated) gets no landing area, whatever
+    ``landing_bytes`` says, and advertises none."""
+    from trio_pd import open_decode
+    from trio_pd.core._memory import _SPEC_FIELDS, PoolSpec
+    from trio_pd.engines import make_engine
+
+    from .helpers.agents import host_pool
+
+    dst = host_pool()
+    unstated = PoolSpec(**{f: getattr(dst.spec, f) for f in _SPEC_FIELDS})
+    assert unstated.region_kinds is None
+    de = make_engine("mooncake")
+    try:
+        async with open_decode(engine=de, pool=unstated, config=LANDING) as d:
+            assert d.landing is None and d.sources.landing == ((), 0)
+    finally:
+        de.close()
