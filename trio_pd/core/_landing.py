@@ -34,7 +34,7 @@ import ctypes
 import numpy as np
 import numpy.typing as npt
 
-from ._memory import _SPEC_FIELDS, HOST, PoolSpec, Region
+from ._memory import _SPEC_FIELDS, HOST, MAX_POOL_PAGES, PoolSpec, Region
 
 #: the area's start is aligned to this (a page: what engines that pin memory want)
 ALIGN = 4096
@@ -59,7 +59,8 @@ class LandingArea:
     def __init__(self, pool: PoolSpec, nbytes: int) -> None:
         self.pool = pool
         per_page = sum(pool.item_lens)
-        self.pages = nbytes // per_page if per_page and nbytes > 0 else 0
+        # (at most what a REGISTER can advertise)
+        self.pages = min(nbytes // per_page, MAX_POOL_PAGES) if per_page and nbytes > 0 else 0
         #: one byte per landing page: 0 free, 1 reserved (``bytearray.find`` finds a free run)
         self._map = bytearray(self.pages)
         self.reserved = 0
