@@ -659,8 +659,9 @@ class DecodeWire:
 
     def landing_pages(self, rec: _Room) -> npt.NDArray[np.int32]:
         """The page ids the room's TRANSFERs name: a run of landing pages when its pages are
-        fragmented and the landing area has a free run for them (held from now on:
-        :meth:`DecodeAgent._give_landing`), else its own pages."""
+        fragmented, every source rank takes landing pages, landing cuts its blocks, and the
+        landing area has a free run for them (held from now on:
+        :meth:`DecodeAgent._give_landing`); else its own pages."""
         machine, agent = rec.machine, self.agent
         pages, area = machine.pages, agent.landing
         assert pages is not None
@@ -668,6 +669,13 @@ class DecodeWire:
             r.landing for r in rec.sources
         ) or not fragmented(pages, agent.pool.item_lens[0], agent.config.landing_below):
             return pages
+        if agent.pool.layout == "mha":
+            stages = [r.pp_rank for r in rec.sources]
+            if len(set(stages)) < len(stages):
+                # several prefill ranks of a stage write head slices of each page (prefill
+                # TP above ours): one block per token slot wherever they land, so landing
+                # would only add the copy
+                return pages
         first = area.reserve(len(pages))
         if first is None:
             agent.counters.bump("landing_full")
