@@ -148,7 +148,9 @@ class DecodeConfig:
     #: (``sum(pool.item_lens)`` bytes). docs/lifetimes.md, "Landing pages"
     landing_bytes: int = 0
     #: a room lands when its pages, split into runs of consecutive page ids, make runs of
-    #: fewer than this many bytes of one buffer on average (and more than one run)
+    #: fewer than this many bytes of one buffer on average (and more than one run), and
+    #: landing cuts its blocks (not where several prefill ranks of a stage write head
+    #: slices of each page: those are per token slot wherever they land)
     landing_below: int = 256 << 10
 
 
