@@ -132,6 +132,24 @@ def test_bench_peer_preset_quick(engine: str, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.processes
+def test_bench_peer_preset_with_landing_pages(tmp_path: Path) -> None:
+    """``--preset peer --landing-bytes N``: decode's rank has a landing area, every request
+    (scattered pages) lands and is verified, every chunk is staged on prefill."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "trio_pd.cli", "bench", "--preset", "peer", "--quick", "--json",
+         "--landing-bytes", str(64 << 20)],
+        capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    p = json.loads(proc.stdout)["peer"]
+    assert p["workload"]["landing_bytes"] == 64 << 20
+    assert p["requests"] == p["succeeded"] == p["verified_requests"] == 20
+    assert p["decode"]["rooms_landed"] == 20 and p["decode"]["landing_full"] == 0
+    assert p["prefill"]["chunks_staged"] >= p["prefill"]["engine_calls"] > 0
+    assert p["problems"] == []
+
+
 def test_peer_preset_options() -> None:
     """The preset's workload as the demo runs it, and what --quick shrinks."""
     full, quick = _bench.BenchOptions.peer(), _bench.BenchOptions.peer("nixl", quick=True)
@@ -187,6 +205,8 @@ def test_peer_preset_counts_what_the_processes_report(monkeypatch: pytest.Monkey
     [
         (["--preset", "peer", "--coalesce-pages", "4"], "--coalesce-pages"),
         (["--preset", "bogus"], "--preset"),
+        (["--landing-bytes", "1024"], "--landing-bytes"),
+        (["--preset", "peer", "--landing-bytes", "-1"], "--landing-bytes"),
     ],
 )
 def test_bench_refuses_bad_preset_combinations(

@@ -42,6 +42,8 @@ from trio_pd import (
 )
 from trio_pd.compat import sglang
 from trio_pd.compat.sglang import (
+    LANDING_BYTES,
+    LANDING_ENV,
     AuxRows,
     KVArgs,
     KVBootstrapServer,
@@ -485,6 +487,8 @@ def run_loops(engine_name: str, decode_frees: str, *, states: bool = False) -> S
         p, d = s.prefill.statistics(), s.decode.statistics()
         assert p.rooms_active == d.rooms_active == 0
         assert p.leases_live == p.leases_quarantined == 0 and d.pages_held == 0
+        # the adapter's decode rank lands scattered pages (a landing area by default)
+        assert d.rooms_landed > 0 and d.landing_held == 0, d
         moved = time.monotonic() - started
     rooms = {r.room for r in reqs}
     planned = {r.room for r in reqs if r.abort}
@@ -1025,7 +1029,11 @@ def test_config_from_env_maps_sglang_variables() -> None:
     d = config_from_env("decode", env)
     assert isinstance(d, DecodeConfig)
     assert (d.waiting_timeout, d.heartbeat_interval, d.heartbeat_misses) == (200.0, 2.5, 4)
-    assert config_from_env("decode", {}) == DecodeConfig()
+    assert config_from_env("decode", {}) == DecodeConfig(landing_bytes=LANDING_BYTES)
+    assert config_from_env("decode", {LANDING_ENV: "0"}).landing_bytes == 0  # type: ignore[union-attr]
+    assert config_from_env("prefill", {LANDING_ENV: "0"}) == PrefillConfig()
+    with pytest.raises(ConfigurationError, match=LANDING_ENV):
+        config_from_env("decode", {LANDING_ENV: "-1"})
     with pytest.raises(ConfigurationError, match="SGLANG_DISAGGREGATION_WAITING_TIMEOUT"):
         config_from_env("decode", {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "soon"})
 

@@ -22,6 +22,7 @@ import trio
 from trio_pd import (
     BootstrapError,
     DecodeAgent,
+    DecodeConfig,
     IncompatiblePeer,
     KVPoll,
     PrefillAgent,
@@ -100,6 +101,7 @@ async def open_pp(
     stage_layers: list[tuple[int, int]] | None = None,
     wrap: dict[tuple[int, int], Callable[[TransferEngine], TransferEngine]] | None = None,
     prefill_config: PrefillConfig | None = None,
+    decode_config: DecodeConfig | None = None,
 ) -> AsyncIterator[Cluster]:
     """``pp`` stages of ``prefill_tp`` ranks (layers split evenly, or ``stage_layers``'
     ``(first, count)`` per stage) and ``decode_tp`` decode ranks of ``decode_layers``
@@ -127,7 +129,8 @@ async def open_pp(
             stack.callback(engine.close)
             pool = _pool(layout, d, decode_tp, kv, decode_layers or layers)
             decode = await stack.enter_async_context(
-                open_decode(engine=engine, pool=pool.spec, tp_rank=d, tp_size=decode_tp)
+                open_decode(engine=engine, pool=pool.spec, tp_rank=d, tp_size=decode_tp,
+                            config=decode_config)
             )
             c.decode.append(decode)
             c.decode_pools.append(pool)
@@ -230,6 +233,28 @@ async def test_stages_write_their_layers_into_decode(
                 if (peer := st.agent.peers.get(dec.endpoint)) is not None and peer.writes_aux
             ]
             assert len(writers) == 1 and writers[0][0] == pp - 1, writers
+
+
+@pytest.mark.parametrize(("pp", "p", "d", "layout"), [
+    pytest.param(2, 2, 1, "mla", id="PP2-P2-D1-mla"),
+    pytest.param(2, 2, 2, "mha", id="PP2-P2-D2-mha"),
+    pytest.param(4, 1, 2, "mha", id="PP4-P1-D2-mha"),
+])
+async def test_stages_write_their_layers_into_landing_pages(
+    engine_name: str, bootstrap_url: str, pp: int, p: int, d: int, layout: str
+) -> None:
+    """With a landing area on decode (trio_pd.core._landing) the room's scattered pages
+    land: each stage writes its layers into the landing pages' buffers of those layers, and
+    decode copies them out once every (stage, TP rank) reported Success: the bytes are
+    verified layer by layer, the area is empty after."""
+    async with open_pp(engine_name, bootstrap_url, pp=pp, prefill_tp=p, decode_tp=d,
+                       layout=layout, decode_config=DecodeConfig(landing_bytes=1 << 20)) as c:
+        for room in (4242, 4243):
+            statuses = await _one_request(c, room=room, n=6)
+            assert all(s is KVPoll.Success for s in statuses)
+        for agent in c.decode:
+            assert agent.statistics().rooms_landed == 2
+            assert agent.landing is not None and agent.landing.reserved == 0
 
 
 async def test_rank_ids_on_the_wire(engine_name: str, bootstrap_url: str) -> None:

@@ -260,8 +260,9 @@ class PrefillRig:
     dst: HostKVPool
     released: list[int] = field(default_factory=list)
 
-    def room(self, num_pages: int, *, with_target: bool = True) -> Any:
-        """A sender for ROOM whose release callback is traced; with its decode metadata."""
+    def room(self, num_pages: int, *, with_target: bool = True, landing: bool = False) -> Any:
+        """A sender for ROOM whose release callback is traced; with its decode metadata
+        (``landing``: decode's landing pages 0.., see tests/test_landing.py)."""
 
         def on_release() -> None:
             self.released.append(self.trace.in_flight)
@@ -269,10 +270,10 @@ class PrefillRig:
 
         sender = self.agent.sender(ROOM, num_pages=num_pages, aux_slot=0, on_release=on_release)
         if with_target:
-            pages = np.arange(num_pages, dtype=np.int32) + 4
+            pages = np.arange(num_pages, dtype=np.int32) + (0 if landing else 4)
             msg = wire.Transfer(
                 v=wire.WIRE_VERSION, room=ROOM, epoch=EPOCH, endpoint=DECODE, decode_rank=0,
-                aux_slot=1, required=1, num_pages=num_pages,
+                aux_slot=1, required=1, num_pages=num_pages, landing=landing,
             )
             self.agent._handle(msg, pages)
         return sender
@@ -294,9 +295,11 @@ async def start_prefill(
     fence: float = 5.0,
     timers: bool = False,
     layers: int = 1,
+    landing: tuple[tuple[int, ...], int] = ((), 0),
 ) -> PrefillRig:
     """A real PrefillAgent on the twins, its workers and timer task running in ``nursery``,
-    with one decode peer registered (through its real REGISTER handler)."""
+    with one decode peer registered (through its real REGISTER handler; ``landing``: the
+    landing area it advertises, each buffer's base and the pages)."""
     trace = Trace()
     control = FakeControl(PREFILL, trace)
     engine = MemEngine("mem-prefill", fail_writes=fail_writes)
@@ -317,6 +320,7 @@ async def start_prefill(
             v=wire.WIRE_VERSION, endpoint=DECODE, decode_rank=0, decode_tp=1,
             engine=engine.name, session="mem-decode", engine_meta=b"",
             pool=wire.PoolWire.from_spec(dst.spec),
+            landing_bases=landing[0], landing_pages=landing[1],
         ),
         None,
     )

@@ -613,7 +613,8 @@ def rank_main(argv: list[str]) -> None:
     if a.connector == "trio_pd":
         stats = rank.manager.statistics()
         result["trio_pd"] = {k: getattr(stats, k) for k in (
-            "rooms_succeeded", "rooms_failed") if hasattr(stats, k)}
+            "succeeded", "failed", "engine_calls", "chunks_staged", "staging_full",
+            "rooms_landed", "landing_full") if hasattr(stats, k)}
     _say("RESULT " + json.dumps(result))
     sys.stdout.flush()
     os._exit(0)  # (the connectors' daemon threads and engines go with the process)
@@ -751,6 +752,8 @@ def summarize(connector: str, work: Workload, p: dict[str, Any], d: dict[str, An
                               + _per_request_ms(d, n)["connector_ms"], 3),
         "scheduler_ms": round(_per_request_ms(p, n)["scheduler_ms"]
                               + _per_request_ms(d, n)["scheduler_ms"], 3),
+        # trio_pd's own counters, each rank's (landing pages: rooms_landed, chunks_staged)
+        "trio_pd": {"prefill": p.get("trio_pd"), "decode": d.get("trio_pd")},
     }
 
 

@@ -315,6 +315,10 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     p.add_argument("--coalesce-pages", type=_at_least(1), default=None, metavar="N",
                    help="the prefill agent's coalesce_pages (default: its own; 1: one engine "
                    "call per chunk)")
+    p.add_argument("--landing-bytes", type=_at_least(0), default=None, metavar="N",
+                   help="--preset peer: the decode agent's landing area in bytes "
+                   "(DecodeConfig.landing_bytes; default 0: none): scattered rooms land in "
+                   "few blocks and are copied into their pages before Success")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.add_argument("--plot", metavar="FILE",
                    help="write a PNG of the results (needs matplotlib: the plot extra)")
@@ -337,7 +341,11 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             parser.error("--coalesce-pages does not apply to --preset peer (its prefill "
                          "process runs the agent's defaults)")
         opts = _bench.BenchOptions.peer(args.engine, quick=args.quick)
+        if args.landing_bytes is not None:
+            opts = replace(opts, landing_bytes=args.landing_bytes)
     else:
+        if args.landing_bytes is not None:
+            parser.error("--landing-bytes applies to --preset peer only")
         opts = _bench.BenchOptions.quick(args.engine) if args.quick else _bench.BenchOptions(
             engine=args.engine
         )

@@ -52,14 +52,16 @@ role, and only with that role's series. The families are
     Every :class:`~trio_pd.AgentStatistics` field the attached agent's role keeps
     (``trio_pd.core._stats.SIDES``), read from ``agent.statistics()`` at scrape time, so they
     always equal ``statistics()``: gauges for ``rooms_active``, ``leases_live``,
-    ``leases_quarantined`` and ``pages_held``, counters (``..._total``) for the rest.
-    Names put the unit last (Prometheus naming); two fields are renamed for it:
+    ``leases_quarantined``, ``pages_held`` and ``landing_held``, counters (``..._total``)
+    for the rest.
+    Names put the unit last (Prometheus naming); three fields are renamed for it:
 
     ===================  ==========================================================
     statistics field     exported as
     ===================  ==========================================================
     ``bytes_written``    ``trio_pd_agent_written_bytes_total``
     ``pages_held``       ``trio_pd_agent_held_pages``
+    ``landing_held``     ``trio_pd_agent_held_landing_pages``
     every other field    ``trio_pd_agent_<field>``, plus ``_total`` for a counter
     ===================  ==========================================================
 ``trio_pd_sanitizer_late_writes_total`` (counter; ``role, rank``)
@@ -95,10 +97,15 @@ ROLES: Final = ("prefill", "decode")
 #: the ``outcome`` of a concluded room (``trio_pd_rooms_total``, the transfer latency)
 ROOM_OUTCOMES: Final = ("success", "failed", "aborted")
 #: AgentStatistics fields that are current values, not ever-growing counts
-GAUGE_FIELDS = frozenset({"rooms_active", "leases_live", "leases_quarantined", "pages_held"})
+GAUGE_FIELDS = frozenset(
+    {"rooms_active", "leases_live", "leases_quarantined", "pages_held", "landing_held"}
+)
 _FIELDS = tuple(f.name for f in dataclasses.fields(AgentStatistics))
 #: fields whose name does not end in their unit: exported with the unit last
-_RENAMED: Final = {"bytes_written": "written_bytes", "pages_held": "held_pages"}
+_RENAMED: Final = {
+    "bytes_written": "written_bytes", "pages_held": "held_pages",
+    "landing_held": "held_landing_pages",
+}
 #: the family name each AgentStatistics field is exported as (``_total`` for a counter;
 #: the table in the module docstring)
 STATISTICS_NAMES: Final[Mapping[str, str]] = MappingProxyType({

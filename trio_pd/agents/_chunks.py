@@ -46,6 +46,7 @@ from ..core._plan import (
     plan_states,
     staged_bytes,
     stages_heads,
+    stages_pages,
     validate_blocks,
 )
 from ..core._rooms import Chunk, PrefillRoom, Target
@@ -183,13 +184,21 @@ class ChunkPlanner:
         self._views: dict[tuple[int, int, int], tuple[PoolSpec, PoolSpec]] = {}
         self._staging_lock = trio.Lock()
 
-    def stages(self, peer: DecodePeer, chunk: Chunk) -> bool:
-        """Whether this chunk's pages for ``peer`` go through staging (see _staging)."""
+    def stages(self, peer: DecodePeer, chunk: Chunk, target: Target | None = None) -> bool:
+        """Whether this chunk's pages for ``peer`` go through staging (see _staging): head
+        slices for a decode rank of a larger TP, or whole pages for a target whose
+        destination is the peer's landing area (trio_pd.core._landing)."""
+        if not (len(chunk.pages) > 0 and self.staging.usable) or peer.heads is None:
+            return False
+        if stages_heads(self.pool, peer.pool, peer.heads):
+            return True
         return (
-            len(chunk.pages) > 0
-            and self.staging.usable
-            and stages_heads(self.pool, peer.pool, peer.heads)
+            target is not None and target.landing and peer.landing is not None
+            and stages_pages(self.pool, peer.landing, self._mha(peer))
         )
+
+    def _mha(self, peer: DecodePeer) -> tuple[int, int] | None:
+        return peer.heads if self.pool.layout == "mha" else None
 
     async def register_staging(self) -> None:
         async with self._staging_lock:
@@ -227,8 +236,9 @@ class ChunkPlanner:
         (when they are staged: the reservation is then ``call.staged``)."""
         parts: list[Blocks] = []
         prepare = None
-        # layer-wise: both sides seen as pools of the chunk's layers only (their buffers)
-        src_pool, dst_pool = self._layer_views(chunk.layers, peer)
+        # layer-wise: both sides seen as pools of the chunk's layers only (their buffers);
+        # a landing target's destination is the peer's landing area (_landing)
+        src_pool, dst_pool = self._layer_views(chunk.layers, peer, target.landing)
         src_pages = chunk.pages
         skip = target.prefix - chunk.start  # pages of the chunk decode holds already
         if skip > 0:
@@ -236,7 +246,7 @@ class ChunkPlanner:
         if peer.heads is not None and len(src_pages):
             first = chunk.start + len(chunk.pages) - len(src_pages) - target.prefix
             dst = target.dst_pages[first : first + len(src_pages)]
-            mha_heads = peer.heads if self.pool.layout == "mha" else None
+            mha_heads = self._mha(peer)
             r = None
             if staging and self.staging.registered:
                 r = self.staging.reserve(staged_bytes(src_pool, dst_pool, len(dst)))
@@ -244,10 +254,14 @@ class ChunkPlanner:
                     self.counters.bump("staging_full")
             if r is not None:
                 call.staged = r
-                assert mha_heads is not None
                 parts.append(plan_staged(src_pool, dst_pool, dst, r.addr))
+                # head slices, or (a landing target) whole pages: every head we hold
+                heads = mha_heads if stages_heads(self.pool, peer.pool, peer.heads) else (
+                    self.pool.first_head, self.pool.first_head + self.pool.heads
+                )
+                assert heads is not None
                 prepare = self.staging.gatherer(
-                    self.pool, src_pages, mha_heads, r, dst_pool.item_lens,
+                    self.pool, src_pages, heads, r, dst_pool.item_lens,
                     buffers=self._buffers(chunk.layers),
                 )
             else:
@@ -275,15 +289,21 @@ class ChunkPlanner:
         return blocks, prepare
 
     def _layer_views(
-        self, layers: tuple[int, int] | None, peer: DecodePeer
+        self, layers: tuple[int, int] | None, peer: DecodePeer, landing: bool = False
     ) -> tuple[PoolSpec, PoolSpec]:
-        """Our pool and the peer's (already our stage's layers of decode's pool) as pools
-        of ``layers`` only (:func:`~trio_pd.core._memory.layer_view`: MHA's K and V buffers of
-        those layers, MLA's one each, per-buffer geometry kept); both whole for None. Made
-        once per (pool, range): an agent has one pool, a peer one."""
+        """Our pool and the peer's (already our stage's layers of decode's pool; its landing
+        area for ``landing``) as pools of ``layers`` only
+        (:func:`~trio_pd.core._memory.layer_view`: MHA's K and V buffers of those layers,
+        MLA's one each, per-buffer geometry kept); both whole for None. Made once per (pool,
+        range): an agent has one pool, a peer one and its landing area."""
+        dst = peer.pool
+        if landing:
+            if peer.landing is None:  # (checked when the TRANSFER came: a bug)
+                raise ProtocolError(f"decode peer {peer.endpoint} has no landing area")
+            dst = peer.landing
         if layers is None:
-            return self.pool, peer.pool
-        return self._view(self.pool, layers), self._view(peer.pool, layers)
+            return self.pool, dst
+        return self._view(self.pool, layers), self._view(dst, layers)
 
     def _view(self, pool: PoolSpec, layers: tuple[int, int]) -> PoolSpec:
         key = (id(pool), *layers)
@@ -400,7 +420,7 @@ class ChunkRunner:
                     )
                 if not peer.ready.is_set():
                     await peer.ready.wait()  # not started yet: cancellable
-                staging = self.planner.stages(peer, chunk)
+                staging = self.planner.stages(peer, chunk, target)
                 if staging and not self.planner.staging.registered:
                     await self.planner.register_staging()  # once per agent; cancellable until then
                 call = _Call()

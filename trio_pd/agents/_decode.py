@@ -55,6 +55,7 @@ from ..core._errors import (
     TransferError,
     one_error,
 )
+from ..core._landing import KEPT, LandingArea, fragmented
 from ..core._memory import (
     PoolSpec,
     as_index,
@@ -79,6 +80,7 @@ from ..core._rooms import (
     SendTransfers,
     Succeeded,
 )
+from ..core._staging import host_source
 from ..core._state import KVPoll, Liveness
 from ..core._stats import AgentStatistics, Counters, count_room_end
 from ..core._tables import DecodeDeadlines, DecodeRooms, RoomDeadline
@@ -136,6 +138,20 @@ class DecodeConfig:
     max_peer_sockets: int = 512
     #: a PUSH socket nobody sent on for this long is closed by a periodic sweep
     peer_socket_idle: float = 300.0
+    #: bytes of host memory for landing pages (0: none). A room whose pages are fragmented
+    #: (``landing_below``) is written there in few large blocks, and copied into its pages
+    #: before it reads Success; prefill gathers its source pages into its staging area for
+    #: it (``PrefillConfig.staging_bytes``). Allocated and registered with the engine when
+    #: the agent opens, for a pool whose KV buffers are stated to be host memory only (else
+    #: off). A room that finds no free run of landing pages is sent its own pages
+    #: (``landing_full``). Each landing page holds a page of every KV buffer
+    #: (``sum(pool.item_lens)`` bytes). docs/lifetimes.md, "Landing pages"
+    landing_bytes: int = 0
+    #: a room lands when its pages, split into runs of consecutive page ids, make runs of
+    #: fewer than this many bytes of one buffer on average (and more than one run), and
+    #: landing cuts its blocks (not where several prefill ranks of a stage write head
+    #: slices of each page: those are per token slot wherever they land)
+    landing_below: int = 256 << 10
 
 
 @dataclass(eq=False, slots=True)
@@ -163,6 +179,9 @@ class _Room:
     #: delivered: the failure it reads from then on, whatever the room's machine decides
     #: later. Set once, never once ``delivered`` is True
     withdrawn: TransferError | None = None
+    #: the first of the landing pages the room holds (as many as its pages), or None: held
+    #: until Success, or until its pages are released (trio_pd.core._landing)
+    landing: int | None = None
 
 
 class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
@@ -350,6 +369,8 @@ class DecodeAgent:
         )
         #: rooms whose pages are held for a drain (failed, named to a prefill rank)
         self.held = trio_util.AsyncValue(0)
+        #: where fragmented rooms land (``DecodeConfig.landing_bytes``; set by open_decode)
+        self.landing: LandingArea | None = None
         self._token = trio.lowlevel.current_trio_token()
         #: the messages to and from prefill ranks; ``_handle`` is the listener's dispatch, and
         #: the handlers it calls are the agent's attributes (wrapped in place by tests)
@@ -423,7 +444,10 @@ class DecodeAgent:
             for r in self._rooms.values()
             if r.machine.pages is not None and r.machine.holding
         )
-        return self.counters.snapshot(rooms_active=len(self._rooms), pages_held=held)
+        landing = 0 if self.landing is None else self.landing.reserved
+        return self.counters.snapshot(
+            rooms_active=len(self._rooms), pages_held=held, landing_held=landing
+        )
 
     # ------------------------------------------------------------------ room flow
 
@@ -514,6 +538,7 @@ class DecodeAgent:
                     self._carry(rec, [self.table.timer(rec, "waiting")])
                     self.wire.send_transfers(rec)
                 case Succeeded():
+                    self._give_landing(rec)  # (scattered already, before Success)
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Forget():
@@ -537,6 +562,7 @@ class DecodeAgent:
                 case Count(name=name):
                     self.counters.bump(name)
                 case Release(how=how):
+                    self._give_landing(rec)  # (no write of the room can land any more)
                     if how == "peer_gone":
                         self.counters.bump("released_peer_gone")
                     elif how == "timeout":
@@ -561,6 +587,13 @@ class DecodeAgent:
                             self.sources.nursery.start_soon(self._probe_writer, rec, rank)
                 case _:
                     raise AssertionError(f"decode cannot do {effect!r}")
+
+    def _give_landing(self, rec: _Room) -> None:
+        """The room's landing range goes back: it succeeded (copied out already), or its
+        pages are released (no write of it can land any more)."""
+        if rec.landing is not None and self.landing is not None and rec.machine.pages is not None:
+            self.landing.give(rec.landing, len(rec.machine.pages))
+        rec.landing = None
 
     # ------------------------------------------------------------------ deadlines, probes
 
@@ -591,6 +624,7 @@ class DecodeWire:
     def send_transfers(self, rec: _Room) -> None:
         machine = rec.machine
         assert machine.pages is not None
+        pages = self.landing_pages(rec)
         for rank in rec.sources:
             if rank.lost:
                 error = PeerLost(f"prefill rank {rank.rank_id} is lost")
@@ -608,10 +642,11 @@ class DecodeWire:
                 prefix_pages=machine.prefix_pages,
                 state_slots=tuple(tuple(s.tolist()) for s in machine.state_slots)
                 if self.agent.pool.states else msgspec.UNSET,
+                landing=rec.landing is not None,
             )
             machine.contacted(rank.rank_id)
             try:
-                sent = self.agent.control.send_nowait(rank.endpoint, msg, machine.pages)
+                sent = self.agent.control.send_nowait(rank.endpoint, msg, pages)
             except ProtocolError as exc:
                 # a TRANSFER that cannot be encoded (init checks what it can, so this is a
                 # bug): the room fails, and nothing leaves this call, which may run in the
@@ -623,6 +658,41 @@ class DecodeWire:
                 error = PeerLost(f"prefill rank {rank.rank_id} is not reading (socket full)")
                 self.agent._carry(rec, machine.fail(error))
                 return
+
+    def landing_pages(self, rec: _Room) -> npt.NDArray[np.int32]:
+        """The page ids the room's TRANSFERs name: a run of landing pages when its pages are
+        fragmented, every source rank takes landing pages, landing cuts its blocks, and the
+        landing area has a free run for them (held from now on:
+        :meth:`DecodeAgent._give_landing`); else its own pages."""
+        machine, agent = rec.machine, self.agent
+        pages, area = machine.pages, agent.landing
+        assert pages is not None
+        if area is None or rec.landing is not None or not all(
+            r.landing for r in rec.sources
+        ) or not fragmented(pages, agent.pool.item_lens[0], agent.config.landing_below):
+            return pages
+        if agent.pool.layout == "mha":
+            stages = [r.pp_rank for r in rec.sources]
+            if len(set(stages)) < len(stages):
+                # several prefill ranks of a stage write head slices of each page (prefill
+                # TP above ours): one block per token slot wherever they land, so landing
+                # would only add the copy
+                return pages
+        first = area.reserve(len(pages))
+        if first is None:
+            agent.counters.bump("landing_full")
+            return pages
+        rec.landing = first
+        return np.arange(first, first + len(pages), dtype=np.int32)
+
+    def land(self, rec: _Room) -> None:
+        """Every required rank reported Success and the aux row is the room's: copy its
+        landed bytes into its pages (before the room reads Success)."""
+        area, pages = self.agent.landing, rec.machine.pages
+        if rec.landing is None or area is None or pages is None:
+            return
+        area.scatter(rec.landing, pages)
+        self.agent.counters.bump("rooms_landed")
 
     def send_aborts(self, rec: _Room, ranks: tuple[int, ...]) -> None:
         machine, agent = rec.machine, self.agent
@@ -673,7 +743,8 @@ class DecodeWire:
     def on_status(self, msg: _wire.Status, sender: str | None = None) -> None:
         check = partial(self.check_source, msg=msg, sender=sender)
         due = self.agent.table.on_status(
-            msg.room, msg.epoch, msg.rank, msg.ok, msg.reason, self.aux_matches, check
+            msg.room, msg.epoch, msg.rank, msg.ok, msg.reason, self.aux_matches, check,
+            self.land,
         )
         self.carry_at(msg.room, due)
 
@@ -752,6 +823,45 @@ async def close_rooms(agent: DecodeAgent) -> None:
             rec.terminal.set()
 
 
+async def open_landing(agent: DecodeAgent, nbytes: int) -> LandingArea | None:
+    """Allocate the agent's landing area (off the loop: zeroing it touches every page) and
+    register it with the engine; it is advertised from then on (REGISTER). None, logged,
+    when it holds no page or the engine refuses it: rooms are then sent their own pages.
+
+    **Cancellation:** a cancellation lands only before the engine call starts, or after
+    the area is registered (then it is returned: the caller deregisters it)."""
+    area = await trio.to_thread.run_sync(LandingArea, agent.pool, nbytes)
+    if not area.usable:
+        log.warning("decode rank %d: %d landing bytes hold no page: landing off",
+                    agent.tp_rank, nbytes)
+        return None
+    try:
+        await trio.to_thread.run_sync(agent.engine.register, [area.region])
+    except Exception as exc:
+        log.warning("decode rank %d: landing area not registered (%s): landing off",
+                    agent.tp_rank, exc)
+        return None
+    area.registered = True
+    agent.landing = area
+    agent.sources.landing = (area.bases, area.pages)
+    return area
+
+
+async def close_landing(agent: DecodeAgent, area: LandingArea) -> None:
+    """Deregister the landing area (the agent is closing). A range still held by a room
+    whose drain was not proven keeps the area's memory for the life of the process: a write
+    may still land there (the pool's pages stay held the same way)."""
+    await trio.lowlevel.checkpoint()
+    agent.landing = None
+    area.registered = False
+    if area.reserved:
+        KEPT.append(area)
+    try:
+        await trio.to_thread.run_sync(agent.engine.unregister, [area.region])
+    except Exception as exc:
+        log.warning("could not deregister the landing area: %s", exc)
+
+
 @one_error
 @asynccontextmanager
 async def open_decode(
@@ -813,9 +923,12 @@ async def open_decode(
         metrics.attach(agent)  # sets agent.metrics; exports statistics() at scrape time
     regions = pool.regions()
     registered = False
+    landing: LandingArea | None = None
     try:
         await trio.to_thread.run_sync(engine.register, regions)
         registered = True
+        if config.landing_bytes > 0 and host_source(pool):
+            landing = await open_landing(agent, config.landing_bytes)
         async with trio.open_nursery() as nursery:
             agent.sources.nursery = nursery
             # The listener, the timers and the heartbeat outlive a cancellation of the block:
@@ -838,5 +951,7 @@ async def open_decode(
             await wait_idle(agent.sources.probe_threads.limiter, config.ack_timeout)
             if registered:
                 await trio.to_thread.run_sync(engine.unregister, regions)
+            if landing is not None:
+                await close_landing(agent, landing)
             await agent.router.aclose()
             await agent.control.aclose()

@@ -17,6 +17,7 @@ import trio
 
 from ..core import _wire
 from ..core._errors import IncompatiblePeer
+from ..core._landing import landing_spec
 from ..core._memory import PoolSpec, RegionTable, layer_view
 from ..core._stats import Counters
 from ..core._topology import (
@@ -78,11 +79,30 @@ class DecodePeer:
     key: str = ""
     #: trio.current_time() of the last lookup by endpoint (a TRANSFER, a chunk, a STATUS)
     last_used: float = 0.0
+    #: its landing area as this rank plans against it (``_landing.landing_spec``, a view of
+    #: this stage's layers like ``pool``), or None: it advertised none
+    landing: PoolSpec | None = None
 
     @property
     def probing(self) -> bool:
         return self.probe is not None
 
+
+
+def _landing_of(
+    pool: PoolSpec, bases: tuple[int, ...], pages: int
+) -> tuple[PoolSpec | None, str | None]:
+    """The landing area a REGISTER advertises (``_landing.landing_spec``), or why it makes no
+    sense: one base per KV buffer, some pages, every buffer inside the 64-bit space."""
+    if len(bases) != pool.num_buffers or pages < 1:
+        return None, (
+            f"landing area of {len(bases)} buffer bases and {pages} pages for a pool of "
+            f"{pool.num_buffers} buffers"
+        )
+    for b, (base, item) in enumerate(zip(bases, pool.item_lens, strict=True)):
+        if base + pages * item > 1 << 64:
+            return None, f"landing buffer {b} at {base:#x} runs past the 64-bit address space"
+    return landing_spec(pool, bases, pages), None
 
 
 class PeerRegistry:
@@ -215,6 +235,9 @@ class PeerRegistry:
         ) or state_problem(
             self.pool.states, pool.states, self.tp_size, msg.decode_tp, self.pp_size
         )
+        landing: PoolSpec | None = None
+        if problem is None and (msg.landing_bases or msg.landing_pages):
+            landing, problem = _landing_of(pool, msg.landing_bases, msg.landing_pages)
         old = self._peers.get(msg.endpoint)
         full = problem is None and old is None and len(self._peers) >= self.max_peers
         if full and not self._make_room():
@@ -247,7 +270,9 @@ class PeerRegistry:
             msg.session,
             # pairing by layer id: our layer i is decode's layer first_layer + i
             layer_view(pool, self.first_layer, self.pool.num_layers),
-            RegionTable(pool.regions()),
+            RegionTable(pool.regions() + ([] if landing is None else landing.regions()[
+                : landing.num_buffers
+            ])),
             lane,
             write_heads(
                 self.tp_rank, msg.decode_rank, self.tp_size, msg.decode_tp, self.kv_heads,
@@ -263,6 +288,8 @@ class PeerRegistry:
         )
         peer.last_used = trio.current_time()
         peer.key = key
+        if landing is not None:
+            peer.landing = layer_view(landing, self.first_layer, self.pool.num_layers)
         self._peers[msg.endpoint] = peer
         assert self.nursery is not None
         self.nursery.start_soon(self._add_peer, peer, msg.engine_meta)

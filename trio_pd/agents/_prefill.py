@@ -681,7 +681,8 @@ class PrefillWire:
         if peer is None:
             return None
         pool = PeerPool(peer.pool.num_pages, peer.pool.aux_slots,
-                        tuple(st.slots for st in peer.pool.states))
+                        tuple(st.slots for st in peer.pool.states),
+                        0 if peer.landing is None else peer.landing.num_pages)
         served = tuple(served_decode_ranks(self.agent.tp_rank, self.agent.tp_size, peer.decode_tp))
         return DecodePeerView(
             peer.endpoint, peer.session, peer.decode_rank, peer.decode_tp, pool, served
@@ -988,6 +989,7 @@ async def open_prefill(
                     aux_item_lens=pool.aux_item_lens,
                     states=tuple(_wire.StateWire.from_spec(st) for st in pool.states),
                     kv_dtype=pool.kv_dtype,
+                    landing=True,
                 )
                 try:  # (a prefill rank may start before its bootstrap service: retried)
                     with trio.fail_after(config.bootstrap_timeout):

@@ -89,6 +89,8 @@ class PrefillRank:
     #: it closed and said so (a BYE, sent after its last engine call): no write of it can
     #: land any more; it counts as drained for every room here
     closed: bool = False
+    #: it takes landing pages (it published so), and was told of our landing area
+    landing: bool = False
 
     def __post_init__(self) -> None:
         if self.rank_id < 0:
@@ -239,6 +241,9 @@ class Sources:
         self.heartbeat_interval, self.heartbeat_misses = heartbeat_interval, heartbeat_misses
         self.probe_timeout = probe_timeout
         self._on_resolved, self._on_failed, self._on_lost = on_resolved, on_failed, on_lost
+        #: the landing area each REGISTER advertises: each KV buffer's base, and its pages
+        #: (none: ``((), 0)``; trio_pd.core._landing)
+        self.landing: tuple[tuple[int, ...], int] = ((), 0)
         self._metrics = metrics  # the agent's metrics, if attached (bootstrap_resolve_seconds)
         self.instances: dict[str, Instance] = {}
         self.ranks: dict[str, PrefillRank] = {}  # endpoint -> rank we registered with
@@ -372,6 +377,7 @@ class Sources:
             key=info.control_key,
             pp_rank=info.pp_rank,
             rank_id=info.rank_id,
+            landing=info.landing and self.landing[1] > 0,
         )
         control_key, auth = "", b""
         if curve:
@@ -399,6 +405,9 @@ class Sources:
             ),
             control_key=control_key,
             auth=auth,
+            # (only to a rank that takes landing pages: an older one refuses the fields)
+            landing_bases=self.landing[0] if rank.landing else (),
+            landing_pages=self.landing[1] if rank.landing else 0,
         )
         if not self.control.send_nowait(info.endpoint, msg):
             raise ProtocolError(f"prefill rank {p} at {info.endpoint} is not reading")

@@ -146,6 +146,10 @@ class PrefillRankInfo(msgspec.Struct, frozen=True):
     #: say, or an older prefill): a decode pool that names another fails to pair, and a
     #: decode rank sends its own in REGISTER only to a rank that published one
     kv_dtype: Annotated[str, msgspec.Meta(pattern=f"^{DTYPE_PATTERN}$")] = UNKNOWN_DTYPE
+    #: it takes landing pages (trio_pd.core._landing): a decode rank advertises its landing
+    #: area in REGISTER, and names landing pages in a TRANSFER, only to a rank that says so
+    #: (False: an older prefill, which would refuse both)
+    landing: bool = False
 
     @property
     def rank_id(self) -> int:

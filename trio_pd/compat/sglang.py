@@ -797,22 +797,39 @@ ENV_KNOBS: Mapping[str, tuple[str, str, type]] = {
 }
 
 
+#: the decode landing area the adapter asks for (``DecodeConfig.landing_bytes``): SGLang's
+#: pages are small and handed out in no order, so a request is one engine block per page
+#: per buffer without it. Used for host pools only (the agent turns it off for others);
+#: :data:`LANDING_ENV` sets another size, 0 turns it off
+LANDING_BYTES = 64 << 20
+LANDING_ENV = "TRIO_PD_LANDING_BYTES"
+
+
 def config_from_env(
     mode: object,
     environ: Mapping[str, str] | None = None,
     base: PrefillConfig | DecodeConfig | None = None,
 ) -> PrefillConfig | DecodeConfig:
     """The trio_pd config for ``mode``'s side (``"prefill"`` or ``"decode"``): ``base`` (or
-    the defaults) with each SGLang environment variable of :data:`ENV_KNOBS` that is set in
-    ``environ`` (default ``os.environ``) applied. Raises
-    :class:`~trio_pd.ConfigurationError` naming a variable whose value does not parse or is
-    not positive."""
+    the defaults, decode's with a landing area of :data:`LANDING_BYTES`) with each SGLang
+    environment variable of :data:`ENV_KNOBS` that is set in ``environ`` (default
+    ``os.environ``) applied, and on decode :data:`LANDING_ENV` (bytes, 0: no landing area).
+    Raises :class:`~trio_pd.ConfigurationError` naming a variable whose value does not
+    parse or is not positive (not negative, for :data:`LANDING_ENV`)."""
     side = _mode(mode)
     env = os.environ if environ is None else environ
     config: PrefillConfig | DecodeConfig = base or (
-        PrefillConfig() if side == "prefill" else DecodeConfig()
+        PrefillConfig() if side == "prefill" else DecodeConfig(landing_bytes=LANDING_BYTES)
     )
     changes: dict[str, Any] = {}
+    raw_landing = env.get(LANDING_ENV)
+    if raw_landing is not None and side == "decode":
+        try:
+            changes["landing_bytes"] = int(raw_landing)
+        except ValueError:
+            raise ConfigurationError(f"{LANDING_ENV}={raw_landing!r}: not a number") from None
+        if changes["landing_bytes"] < 0:
+            raise ConfigurationError(f"{LANDING_ENV}={raw_landing!r}: must not be negative")
     for name, (knob_side, attr, kind) in ENV_KNOBS.items():
         raw = env.get(name)
         if raw is None or knob_side != side:

@@ -363,6 +363,19 @@ def stages_heads(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) ->
     return not whole and dst.first_head == h0 and dst.heads == h1 - h0
 
 
+def stages_pages(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) -> bool:
+    """Whether a copy of heads ``[h0, h1)`` (None: MLA, whole pages) is of whole pages that
+    are alike on both sides (the same heads, page sizes and page layout): then a chunk's
+    source pages can be gathered into a staging area as they are and written with
+    :func:`plan_staged` (a decode landing area, ``trio_pd.core._landing``)."""
+    if heads is not None and not (
+        src.first_head == dst.first_head == heads[0]
+        and src.heads == dst.heads == heads[1] - heads[0]
+    ):
+        return False
+    return src.item_lens == dst.item_lens and src.page_layout == dst.page_layout
+
+
 def staged_bytes(src: PoolSpec, dst: PoolSpec, num_pages: int) -> int:
     """Bytes of staging one chunk of ``num_pages`` pages takes (see :func:`plan_staged`)."""
     return num_pages * sum(dst.item_lens)

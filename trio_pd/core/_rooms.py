@@ -278,12 +278,15 @@ class Target:
     prefix: int = 0
     #: the decode rank's slots of each state component (written with the last chunk)
     state_slots: tuple[Pages, ...] = ()
+    #: ``dst_pages`` are pages of the decode rank's landing area, not of its pool
+    #: (trio_pd.core._landing)
+    landing: bool = False
 
     @classmethod
     def from_transfer(
         cls, room: PrefillRoom, endpoint: str, session: str, decode_rank: int, epoch: int,
         aux_slot: int, num_pages: int, dst_pages: npt.NDArray[np.integer[Any]], peer: PeerPool,
-        prefix_pages: int, state_slots: Sequence[npt.ArrayLike],
+        prefix_pages: int, state_slots: Sequence[npt.ArrayLike], landing: bool = False,
     ) -> Target:
         """A decode rank's TRANSFER (arguments as :meth:`PrefillRoom.add_target` takes them)
         checked against the room (its epoch, once known, and its size) and against the sizes
@@ -296,12 +299,14 @@ class Target:
                 f"room {room.room}: decode sent {num_pages} pages{held}, prefill has "
                 f"{room.num_pages}"
             )
-        validate_pages(dst_pages, peer.num_pages)
+        if landing and not peer.landing_pages:
+            raise ProtocolError(f"room {room.room}: landing pages, but no landing area")
+        validate_pages(dst_pages, peer.landing_pages if landing else peer.num_pages)
         check_aux_slot(aux_slot, peer.aux_slots, "decode aux slot")
         dst_slots = check_state_slots(peer.state_slots, state_slots, "destination")
         return cls(
             endpoint, session, decode_rank, epoch, aux_slot, dst_pages.astype(np.int64),
-            prefix_pages, dst_slots,
+            prefix_pages, dst_slots, landing,
         )
 
 
@@ -464,6 +469,8 @@ class PeerPool:
     aux_slots: int
     #: slots of each of its state components
     state_slots: tuple[int, ...] = ()
+    #: pages of its landing area (0: it advertised none)
+    landing_pages: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -716,7 +723,7 @@ class PrefillRoom:
     def add_target(
         self, *, endpoint: str, session: str, decode_rank: int, epoch: int, aux_slot: int,
         num_pages: int, dst_pages: npt.NDArray[np.integer[Any]], peer: PeerPool, expected: int,
-        prefix_pages: int = 0, state_slots: Sequence[npt.ArrayLike] = (),
+        prefix_pages: int = 0, state_slots: Sequence[npt.ArrayLike] = (), landing: bool = False,
     ) -> Due:
         """A decode rank's TRANSFER for this room, from a registered peer. Validated here:
         a bad one fails the room and that rank is told at once (it must not wait for its
@@ -739,7 +746,7 @@ class PrefillRoom:
         try:
             target = Target.from_transfer(
                 self, endpoint, session, decode_rank, epoch, aux_slot, num_pages, dst_pages,
-                peer, prefix_pages, state_slots,
+                peer, prefix_pages, state_slots, landing,
             )
         except ProtocolError as exc:
             return [Refused(exc), *self.close(exc), SendFailed(endpoint, epoch, reason_of(exc))]
@@ -1009,9 +1016,14 @@ class DecodeRoom:
             return [SendAborts(tuple(book.required)), Forget()]
         return due + self._maybe_release()
 
-    def on_status(self, rank: int, ok: bool, reason: str, aux_ok: Callable[[], bool]) -> Due:
+    def on_status(
+        self, rank: int, ok: bool, reason: str, aux_ok: Callable[[], bool],
+        land: Callable[[], None] | None = None,
+    ) -> Due:
         """A STATUS for this (room, epoch) from prefill rank ``rank``. ``aux_ok`` reads the
-        aux row's stamp (called only when every rank succeeded). Raises ProtocolError for a
+        aux row's stamp (called only when every rank succeeded). ``land``, when given, copies
+        the room's landed bytes into its pages (trio_pd.core._landing): called only then,
+        with the aux row good, before the room reads Success. Raises ProtocolError for a
         rank that is not one of the room's sources."""
         book = self.book
         assert book is not None
@@ -1023,6 +1035,8 @@ class DecodeRoom:
         due: Due = []
         if book.all_succeeded and not book.cell.terminal:
             if aux_ok():
+                if land is not None:  # (every byte is in the pages before Success)
+                    land()
                 book.cell.advance(KVPoll.Success)
                 self.forgotten = True
                 return [Succeeded(), Forget()]

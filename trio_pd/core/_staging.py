@@ -9,6 +9,11 @@ out as the destination pages are, and writes a few large blocks: one per run of 
 destination pages per buffer (:func:`~trio_pd.core._plan.plan_staged`). The destination's side
 needs nothing: its pages receive whole token slots, so they are contiguous already.
 
+The same area gathers whole pages for a decode rank's *landing pages*
+(:mod:`trio_pd.core._landing`): a room whose pages are scattered on both sides is written
+into a run of consecutive landing pages, and its source pages, gathered as they are, go as
+one block per buffer (:func:`~trio_pd.core._plan.stages_pages`).
+
 **The lifetime rule of a reservation** (a range of the area one engine call reads):
 
 * the gather writes it on the lane's thread, right before the engine call that reads it

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class AgentStatistics:
     """A snapshot of one agent's counters. Counters only grow; gauges (``rooms_active``,
-    ``leases_live``, ``leases_quarantined``, ``pages_held``) are current values. Which
-    agent keeps which field: :data:`SIDES`, below."""
+    ``leases_live``, ``leases_quarantined``, ``pages_held``, ``landing_held``) are current
+    values. Which agent keeps which field: :data:`SIDES`, below."""
 
     #: gauge: rooms the agent still tracks
     rooms_active: int = 0
@@ -28,6 +28,9 @@ class AgentStatistics:
     leases_quarantined: int = 0
     #: decode, gauge: destination pages of failed rooms held for their drain acks
     pages_held: int = 0
+    #: decode, gauge: landing pages rooms hold (in flight, or failed and held with their
+    #: pages for the drain: ``DecodeConfig.landing_bytes``)
+    landing_held: int = 0
     #: rooms concluded with Success
     succeeded: int = 0
     #: rooms failed by anything but an abort (a TransferTimeout included)
@@ -152,6 +155,12 @@ class AgentStatistics:
     #: decode: rooms that succeeded but were given up (aborted, or their block left) before
     #: Success was delivered to the scheduler: their pages went back through on_release
     released_unclaimed: int = 0
+    #: decode: rooms whose pages were fragmented and that were written into landing pages,
+    #: then copied into their pages before Success (``DecodeConfig.landing_bytes``)
+    rooms_landed: int = 0
+    #: decode: fragmented rooms sent their own pages because the landing area had no free
+    #: run for them
+    landing_full: int = 0
 
 
 _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(AgentStatistics))
@@ -166,6 +175,7 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "leases_live": "prefill",  # statistics() of the prefill rooms' lease books
     "leases_quarantined": "prefill",
     "pages_held": "decode",  # statistics() of the decode rooms held for a drain
+    "landing_held": "decode",  # statistics() of the landing area
     "succeeded": "both",
     "failed": "both",
     "aborted": "both",
@@ -214,6 +224,8 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "peers_refused": "prefill",
     "rooms_reclaimed": "decode",
     "released_unclaimed": "decode",
+    "rooms_landed": "decode",
+    "landing_full": "decode",
 })
 
 

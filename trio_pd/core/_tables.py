@@ -132,6 +132,8 @@ class _Parked:
     prefix_pages: int = 0
     #: decode's slots of each state component, as sent (checked when the room takes it)
     state_slots: tuple[npt.NDArray[np.integer[Any]], ...] = ()
+    #: the page ids are landing pages (``Transfer.landing``)
+    landing: bool = False
 
     @property
     def page_ids(self) -> int:
@@ -201,13 +203,14 @@ def _sender_problem(peer: DecodePeerView | None, endpoint: str, decode_rank: int
 def _add_target(
     machine: PrefillRoom, peer: DecodePeerView, decode_rank: int, epoch: int, aux_slot: int,
     num_pages: int, pages: npt.NDArray[np.integer[Any]], prefix_pages: int = 0,
-    state_slots: Sequence[npt.ArrayLike] = (),
+    state_slots: Sequence[npt.ArrayLike] = (), landing: bool = False,
 ) -> Due:
     """Hand a TRANSFER from ``peer`` to the room's machine."""
     return machine.add_target(
         endpoint=peer.endpoint, session=peer.session, decode_rank=decode_rank, epoch=epoch,
         aux_slot=aux_slot, num_pages=num_pages, dst_pages=pages, peer=peer.pool,
         expected=len(peer.served), prefix_pages=prefix_pages, state_slots=state_slots,
+        landing=landing,
     )
 
 
@@ -294,7 +297,7 @@ class PrefillRooms(Generic[R]):
                 due += _add_target(
                     machine, peer, parked.decode_rank, parked.epoch, parked.aux_slot,
                     parked.num_pages, parked.dst_pages, parked.prefix_pages,
-                    parked.state_slots,
+                    parked.state_slots, parked.landing,
                 )
         return due
 
@@ -374,7 +377,7 @@ class PrefillRooms(Generic[R]):
         if machine is not None:
             return _add_target(
                 machine, peer, msg.decode_rank, epoch, msg.aux_slot, msg.num_pages, pages,
-                msg.prefix_pages, state_slots,
+                msg.prefix_pages, state_slots, msg.landing,
             )
         return self._park(msg, pages, state_slots, peer)
 
@@ -391,14 +394,18 @@ class PrefillRooms(Generic[R]):
             self.check_park(
                 room_id, decode_rank, len(dst_pages) + sum(len(s) for s in state_slots)
             )
-            validate_pages(dst_pages, peer.pool.num_pages)
+            if msg.landing and not peer.pool.landing_pages:
+                raise ProtocolError(f"room {room_id}: landing pages, but no landing area")
+            validate_pages(
+                dst_pages, peer.pool.landing_pages if msg.landing else peer.pool.num_pages
+            )
             check_aux_slot(msg.aux_slot, peer.pool.aux_slots, "decode aux slot")
             checked = check_state_slots(peer.pool.state_slots, state_slots, "destination")
         except ProtocolError as exc:
             return [Reject(exc)]
         entry = _Parked(
             peer.endpoint, peer.session, decode_rank, msg.epoch, msg.aux_slot, msg.num_pages,
-            msg.required, dst_pages, msg.prefix_pages, checked,
+            msg.required, dst_pages, msg.prefix_pages, checked, msg.landing,
         )
         pending = self.parked.get(room_id)
         due: Due = []
@@ -561,16 +568,20 @@ class DecodeRooms(Generic[D]):
     def on_status(
         self, room_id: int, epoch: int, rank: int, ok: bool, reason: str,
         aux_ok: Callable[[D], bool], check: Callable[[D], None],
+        land: Callable[[D], None] | None = None,
     ) -> Due:
         """A STATUS from prefill rank ``rank``: late (counted) unless for this use of a
         resolved room. ``check`` raises for a sender that may not speak for the rank (after
         the lateness check: a late message changes nothing, whoever sent it); ``aux_ok``
-        reads the aux row's stamp."""
+        reads the aux row's stamp; ``land`` copies a landed room's bytes into its pages
+        before Success (:meth:`DecodeRoom.on_status`)."""
         rec = self.room_for(room_id, epoch)
         if rec is None:
             return [Count("late_messages")]
         check(rec)
-        return rec.machine.on_status(rank, ok, reason, lambda: aux_ok(rec))
+        return rec.machine.on_status(
+            rank, ok, reason, lambda: aux_ok(rec), None if land is None else lambda: land(rec)
+        )
 
     def on_ack(self, room_id: int, epoch: int, rank: int, check: Callable[[D], None]) -> Due:
         """An ABORT_ACK from prefill rank ``rank``: late (counted) unless for this use."""

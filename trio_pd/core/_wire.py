@@ -474,6 +474,11 @@ class Register(_Header, frozen=True, tag="register", omit_defaults=True):
     pool: PoolWire
     control_key: Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)] = ""
     auth: Annotated[bytes, msgspec.Meta(max_length=MAX_AUTH_BYTES)] = b""
+    #: the decode rank's landing area (``DecodeConfig.landing_bytes``): where each KV
+    #: buffer's landing pages start, and how many there are (the pool's geometry, packed).
+    #: Empty and 0 (no landing area) leave both off the wire
+    landing_bases: Annotated[tuple[_Address, ...], msgspec.Meta(max_length=MAX_BUFFERS)] = ()
+    landing_pages: Annotated[int, msgspec.Meta(ge=0, le=MAX_POOL_PAGES)] = 0
 
 
 class Transfer(_Header, frozen=True, tag="transfer", omit_defaults=True):
@@ -484,7 +489,9 @@ class Transfer(_Header, frozen=True, tag="transfer", omit_defaults=True):
     ``prefix_pages``: the request's first pages decode holds already (a prefix cache hit);
     the ``num_pages`` page ids are for the request's pages after them. ``state_slots``:
     the destination slots of each state component of decode's pool, in order (UNSET: a
-    pool without state components).
+    pool without state components). ``landing``: the page ids are landing pages of the
+    decode rank's landing area (its REGISTER advertised it), not pages of its pool; decode
+    copies them into the room's pages before Success. False leaves it off the wire.
     """
 
     v: _Version
@@ -501,6 +508,7 @@ class Transfer(_Header, frozen=True, tag="transfer", omit_defaults=True):
                         ...], msgspec.Meta(max_length=MAX_STATES)]
         | msgspec.UnsetType
     ) = msgspec.UNSET
+    landing: bool = False
 
 
 class Status(_Header, frozen=True, tag="status"):

@@ -137,6 +137,8 @@ class BenchOptions:
     layer_pages: int = 32
     layer_compute_ms: float = 4.0
     layer_rounds: int = 10
+    #: the peer preset's decode landing area (``DecodeConfig.landing_bytes``; 0: none)
+    landing_bytes: int = 0
 
     @classmethod
     def quick(cls, engine: str = "mooncake") -> BenchOptions:
@@ -812,6 +814,7 @@ def peer_demo_options(opts: BenchOptions) -> DemoOptions:
         layers=opts.layers, kv_heads=opts.kv_heads, head_bytes=opts.head_bytes,
         min_tokens=tokens, max_tokens=tokens, chunk_pages=opts.chunk_pages, engine=opts.engine,
         seed=opts.seed, secure=opts.secure, random_pages=True, device=opts.device,
+        landing_bytes=opts.landing_bytes,
     )
 
 
@@ -860,6 +863,8 @@ def run_peer(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[st
             "pid": rank["pid"], "cpu_seconds": rank["cpu_seconds"],
             "cpu_ms_per_request": round(rank["cpu_seconds"] / n * 1e3, 3),
             "harness_ms_per_request": round(rank["harness_cpu_seconds"] / n * 1e3, 3),
+            **{k: rank.get(k, 0) for k in (
+                "engine_calls", "chunks_staged", "rooms_landed", "landing_full")},
         }
 
     peer = {
@@ -868,6 +873,7 @@ def run_peer(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[st
             "buffers": opts.num_buffers, "request_bytes": opts.request_bytes,
             "chunk_pages": opts.chunk_pages, "concurrency": opts.concurrency,
             "page_layout": "random, both sides", "engine": opts.engine,
+            "landing_bytes": opts.landing_bytes,
         },
         "gbps": summary["transfer_gbps"],
         "requests_per_s": round(summary["succeeded"] / seconds, 1) if seconds > 0 else 0.0,

@@ -97,6 +97,9 @@ class DemoOptions:
     #: pages lie scattered over the pool) instead of the allocator's first-free order,
     #: whose runs the planner merges into a few large blocks
     random_pages: bool = False
+    #: the decode agent's landing area (``DecodeConfig.landing_bytes``; 0: none): rooms whose
+    #: pages are scattered are written there in few blocks and copied into their pages
+    landing_bytes: int = 0
     #: aux buffers after the first (a serving engine's metadata buffers), of
     #: :func:`~trio_pd.testing.pools.extra_aux_lens` bytes a row: every slot's row in each is
     #: filled, moved with the last chunk, verified and sanitized like the first aux buffer's
@@ -715,7 +718,8 @@ async def run_decode_rank(
     try:
         async with open_decode(
             engine=engine, pool=pool.spec, tp_rank=rank, tp_size=opts.decode_tp,
-            config=DecodeConfig(waiting_timeout=opts.request_bound),
+            config=DecodeConfig(waiting_timeout=opts.request_bound,
+                                landing_bytes=opts.landing_bytes),
             token=token, secure=opts.secure,
         ) as agent:
 
@@ -974,7 +978,10 @@ def summarize(
         },
         "ranks": [
             {"role": r.role, "rank": r.rank, "pid": r.pid, "cpu_seconds": round(r.cpu_seconds, 4),
-             "harness_cpu_seconds": round(r.harness_cpu_seconds, 4)}
+             "harness_cpu_seconds": round(r.harness_cpu_seconds, 4),
+             # (how the bytes went: engine calls, staged chunks, landed rooms)
+             **{k: r.stats.get(k, 0) for k in (
+                 "engine_calls", "chunks_staged", "rooms_landed", "landing_full")}}
             for r in results
         ],
     }
