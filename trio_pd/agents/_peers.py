@@ -19,6 +19,7 @@ from ..core import _wire
 from ..core._errors import IncompatiblePeer
 from ..core._memory import PoolSpec, RegionTable, layer_view
 from ..core._stats import Counters
+from ..core._tables import DecodePeerView
 from ..core._topology import (
     SlotCuts,
     pairing_problem,
@@ -78,6 +79,9 @@ class DecodePeer:
     key: str = ""
     #: trio.current_time() of the last lookup by endpoint (a TRANSFER, a chunk, a STATUS)
     last_used: float = 0.0
+    #: what the room table needs of it (``PrefillWire.peer_view``), made on first use: every
+    #: field it is made of is fixed for the life of this registration
+    view: DecodePeerView | None = None
 
     @property
     def probing(self) -> bool:
