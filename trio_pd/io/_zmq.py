@@ -23,8 +23,12 @@ waiters and their wake-ups are its :class:`_Readiness`; its libzmq calls are its
    unparks everyone, so that a new descriptor task is chosen and nobody sleeps unwatched.
 2. **After every libzmq call, if anybody is waiting, read ``zmq.EVENTS`` and hand it out**:
    parked tasks whose direction is ready are unparked, and the descriptor task is "kicked"
-   (its private cancel scope is cancelled) if its direction is ready. This is what makes an
-   edge drained by one task visible to the others.
+   if its direction is ready. This is what makes an edge drained by one task visible to the
+   others. A kick is :func:`trio.lowlevel.notify_closing` on the descriptor, which wakes its
+   sleeper with :exc:`trio.ClosedResourceError` while the socket stays open: the sleeper,
+   finding the socket open, takes it as a wake-up (a kick is rare: it needs two tasks on one
+   socket; a private cancel scope per sleep, the other way to wake it, cost every wait on the
+   descriptor about 55 Python calls, most waits of a busy agent's listeners).
 3. **Never sleep without having read ``zmq.EVENTS`` since the last libzmq call**, and with no
    checkpoint between that read and going to sleep.
 
@@ -81,16 +85,16 @@ class _Readiness:
         #: the socket's descriptor (``zmq.FD``): readable when its command mailbox has news
         self.fd = fd
         self._check_open = check_open
-        # The task sleeping in wait_readable(fd), its direction, and its private scope, which
-        # other tasks cancel to wake it ("kick") when zmq.EVENTS says its direction is ready.
-        self._fd_scope: trio.CancelScope | None = None
+        # Whether a task sleeps in wait_readable(fd), and its direction: other tasks wake it
+        # ("kick", _kick) when zmq.EVENTS says its direction is ready.
+        self._fd_waiting = False
         self._fd_flag = 0
         # Tasks waiting while another task sleeps on the fd, by direction.
         self._parked_in = trio.lowlevel.ParkingLot()
         self._parked_out = trio.lowlevel.ParkingLot()
 
     def has_waiters(self) -> bool:
-        return self._fd_scope is not None or bool(self._parked_in) or bool(self._parked_out)
+        return self._fd_waiting or bool(self._parked_in) or bool(self._parked_out)
 
     def poll(self) -> int:
         """Read ``zmq.EVENTS`` (itself a libzmq call that may drain the fd) and wake every
@@ -106,9 +110,15 @@ class _Readiness:
             self._parked_in.unpark_all()
         if events & _POLLOUT:
             self._parked_out.unpark_all()
-        if self._fd_scope is not None and events & self._fd_flag:
-            self._fd_scope.cancel(reason="zmq.EVENTS reports the socket ready")
+        if self._fd_waiting and events & self._fd_flag:
+            self._kick()
         return events
+
+    def _kick(self) -> None:
+        """Wake the task sleeping on the descriptor (rule 2): it meets ClosedResourceError,
+        finds the socket open and returns, as from a spurious wake-up. trio forgets the
+        descriptor's registration; the next wait makes it anew."""
+        trio.lowlevel.notify_closing(self.fd)
 
     def unpark_all(self) -> None:
         if self._parked_in:  # (after every wait on the fd: most often nobody is parked)
@@ -118,10 +128,10 @@ class _Readiness:
 
     def wake_all(self) -> None:
         self.unpark_all()
-        if self._fd_scope is not None:
-            self._fd_scope.cancel(reason="waking every waiter of this zmq socket")
+        if self._fd_waiting:
+            self._kick()
 
-    async def wait(self, flag: int) -> None:
+    async def wait(self, flag: int) -> None:  # noqa: ASYNC910 (a kick ends a real sleep)
         """Sleep until *flag* may have become ready. May return spuriously; the caller retries.
 
         Cancellable; nothing is consumed or sent while waiting.
@@ -133,18 +143,19 @@ class _Readiness:
             # and operations disagree can never spin the event loop.
             await trio.lowlevel.checkpoint()
             return
-        if self._fd_scope is None:
+        if not self._fd_waiting:
             # Become the one task sleeping on the fd.
             self._fd_flag = flag
-            with trio.CancelScope() as scope:
-                self._fd_scope = scope
-                try:
-                    await trio.lowlevel.wait_readable(self.fd)
-                finally:
-                    # Whatever woke us (readable, kicked, cancelled, closed), others may now
-                    # sleep unwatched: let them all re-check and elect a new fd task.
-                    self._fd_scope = None
-                    self.unpark_all()
+            self._fd_waiting = True
+            try:
+                await trio.lowlevel.wait_readable(self.fd)
+            except trio.ClosedResourceError:
+                self._check_open()  # closed: raise; open: kicked (_kick), a wake-up
+            finally:
+                # Whatever woke us (readable, kicked, cancelled, closed), others may now
+                # sleep unwatched: let them all re-check and elect a new fd task.
+                self._fd_waiting = False
+                self.unpark_all()
         else:
             lot = self._parked_in if flag == _POLLIN else self._parked_out
             await lot.park()
@@ -224,7 +235,7 @@ class Socket:
         they learn what it may have hidden from them (rule 2)."""
         ready = self._ready
         if self._closed or (
-            ready._fd_scope is None and not ready._parked_in and not ready._parked_out
+            not ready._fd_waiting and not ready._parked_in and not ready._parked_out
         ):
             return
         try:
