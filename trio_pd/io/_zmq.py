@@ -73,7 +73,7 @@ _MORE_DONTWAIT: Final = int(zmq.SNDMORE) | _DONTWAIT
 
 class _Readiness:
     """Every task waiting on one zmq socket, and how each is woken (the module's rules 1 to
-    3): the one task sleeping on the descriptor, its direction and its private cancel scope,
+    3): the one task sleeping on the descriptor, its direction (a kick wakes it),
     and the tasks parked meanwhile, by direction. Its :class:`Socket` hands readiness out
     through :meth:`poll` after each of its libzmq calls; ``check_open`` is the socket's (it
     raises :exc:`trio.ClosedResourceError` once the socket is closed)."""
