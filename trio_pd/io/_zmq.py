@@ -391,7 +391,14 @@ class Socket:
           trio.WouldBlock: if no message is waiting.
           trio.ClosedResourceError: if the socket was closed.
         """
-        return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT, copy=False))
+        return self._call(self._recv_zmq_frames)
+
+    def _recv_zmq_frames(self) -> list[zmq.Frame]:
+        zsock = self._zsock
+        frames: list[zmq.Frame] = [_recv(zsock, _DONTWAIT, False)]
+        while _get(zsock, _RCVMORE):
+            frames.append(_recv(zsock, _DONTWAIT, False))
+        return frames
 
     async def recv_frames(self, *, missed: bool = False) -> list[zmq.Frame]:
         """:meth:`recv_multipart`, as :class:`zmq.Frame` objects (see
