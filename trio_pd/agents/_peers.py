@@ -20,6 +20,7 @@ from ..core._errors import IncompatiblePeer
 from ..core._landing import landing_spec
 from ..core._memory import PoolSpec, RegionTable, layer_view
 from ..core._stats import Counters
+from ..core._tables import DecodePeerView
 from ..core._topology import (
     SlotCuts,
     pairing_problem,
@@ -82,6 +83,9 @@ class DecodePeer:
     #: its landing area as this rank plans against it (``_landing.landing_spec``, a view of
     #: this stage's layers like ``pool``), or None: it advertised none
     landing: PoolSpec | None = None
+    #: what the room table needs of it (``PrefillWire.peer_view``), made on first use: every
+    #: field it is made of is fixed for the life of this registration
+    view: DecodePeerView | None = None
 
     @property
     def probing(self) -> bool:

@@ -276,7 +276,9 @@ class PrefillSender(RoomHandle["PrefillAgent", _Room]):
         """
         room, agent = self._room, self._agent
         try:
-            due = room.machine.admit(page_ids(pages), last, state_slots, layer_range(layers))
+            due = room.machine.admit(
+                page_ids(pages), last, state_slots, None if layers is None else layer_range(layers)
+            )
         except ProtocolError:
             agent.counters.bump("sends_refused")
             raise
@@ -546,7 +548,8 @@ class PrefillAgent:
                 case _:
                     self._carry_one(room, effect)
         effect = None  # (no name for a Reject's error in this frame: _raise_reject)
-        _raise_reject(due)
+        if due and isinstance(due[-1], Reject):  # (the check inline: most dues have none)
+            _raise_reject(due)
 
     def _status(self, room: int, epoch: int, ok: bool, reason: str) -> _wire.Status:
         return _wire.Status(
@@ -680,13 +683,16 @@ class PrefillWire:
         peer = self.agent.peers.get(endpoint)
         if peer is None:
             return None
+        if peer.view is not None:  # (one per registration: a TRANSFER reads it, per room)
+            return peer.view
         pool = PeerPool(peer.pool.num_pages, peer.pool.aux_slots,
                         tuple(st.slots for st in peer.pool.states),
                         0 if peer.landing is None else peer.landing.num_pages)
         served = tuple(served_decode_ranks(self.agent.tp_rank, self.agent.tp_size, peer.decode_tp))
-        return DecodePeerView(
+        peer.view = DecodePeerView(
             peer.endpoint, peer.session, peer.decode_rank, peer.decode_tp, pool, served
         )
+        return peer.view
 
     def forget_endpoint(self, endpoint: str) -> None:
         """The peer registry dropped ``endpoint``: its pending sends and socket go too."""

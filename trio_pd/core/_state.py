@@ -216,7 +216,8 @@ class RankSet:
 
     def __init__(self, ranks: Iterable[int] = ()) -> None:
         self.bits = 0
-        self.update(ranks)
+        if ranks != ():  # (a room makes three empty ones)
+            self.update(ranks)
 
     def add(self, rank: int) -> None:
         if rank < 0:
@@ -282,11 +283,10 @@ class DecodeBook:
     @property
     def all_succeeded(self) -> bool:
         """The combined status over the required ranks (the minimum, I6) is Success: every
-        one of them reported it (a failed rank fails the room before this is asked)."""
-        return combine(
-            KVPoll.Success if rank in self.succeeded else KVPoll.Transferring
-            for rank in self.required
-        ) is KVPoll.Success
+        one of them reported it (a failed rank fails the room before this is asked). None
+        required is not Success: the minimum of no status is Bootstrapping."""
+        required = self.required.bits
+        return required != 0 and required & ~self.succeeded.bits == 0
 
     def on_ack(self, rank: int) -> None:
         if rank in self.contacted:

@@ -23,8 +23,12 @@ waiters and their wake-ups are its :class:`_Readiness`; its libzmq calls are its
    unparks everyone, so that a new descriptor task is chosen and nobody sleeps unwatched.
 2. **After every libzmq call, if anybody is waiting, read ``zmq.EVENTS`` and hand it out**:
    parked tasks whose direction is ready are unparked, and the descriptor task is "kicked"
-   (its private cancel scope is cancelled) if its direction is ready. This is what makes an
-   edge drained by one task visible to the others.
+   if its direction is ready. This is what makes an edge drained by one task visible to the
+   others. A kick is :func:`trio.lowlevel.notify_closing` on the descriptor, which wakes its
+   sleeper with :exc:`trio.ClosedResourceError` while the socket stays open: the sleeper,
+   finding the socket open, takes it as a wake-up (a kick is rare: it needs two tasks on one
+   socket; a private cancel scope per sleep, the other way to wake it, cost every wait on the
+   descriptor about 55 Python calls, most waits of a busy agent's listeners).
 3. **Never sleep without having read ``zmq.EVENTS`` since the last libzmq call**, and with no
    checkpoint between that read and going to sleep.
 
@@ -55,10 +59,21 @@ _POLLOUT: Final = int(zmq.POLLOUT)
 # libzmq errors that mean "this socket cannot be used any more".
 _CLOSED_ERRNOS: Final = frozenset({zmq.ETERM, zmq.ENOTSOCK})
 
+# The per-message calls go to pyzmq's compiled socket methods, under the Python layer that
+# :class:`zmq.Socket` adds (per-frame type checks, enum wrapping of flags and of ``EVENTS``):
+# the same libzmq calls, about a third fewer Python calls on each message's path.
+_send: Final = zmq.backend.Socket.send
+_recv: Final = zmq.backend.Socket.recv
+_get: Final = zmq.backend.Socket.get
+_EVENTS: Final = int(zmq.EVENTS)
+_RCVMORE: Final = int(zmq.RCVMORE)
+_DONTWAIT: Final = int(zmq.DONTWAIT)
+_MORE_DONTWAIT: Final = int(zmq.SNDMORE) | _DONTWAIT
+
 
 class _Readiness:
     """Every task waiting on one zmq socket, and how each is woken (the module's rules 1 to
-    3): the one task sleeping on the descriptor, its direction and its private cancel scope,
+    3): the one task sleeping on the descriptor, its direction (a kick wakes it),
     and the tasks parked meanwhile, by direction. Its :class:`Socket` hands readiness out
     through :meth:`poll` after each of its libzmq calls; ``check_open`` is the socket's (it
     raises :exc:`trio.ClosedResourceError` once the socket is closed)."""
@@ -70,23 +85,23 @@ class _Readiness:
         #: the socket's descriptor (``zmq.FD``): readable when its command mailbox has news
         self.fd = fd
         self._check_open = check_open
-        # The task sleeping in wait_readable(fd), its direction, and its private scope, which
-        # other tasks cancel to wake it ("kick") when zmq.EVENTS says its direction is ready.
-        self._fd_scope: trio.CancelScope | None = None
+        # Whether a task sleeps in wait_readable(fd), and its direction: other tasks wake it
+        # ("kick", _kick) when zmq.EVENTS says its direction is ready.
+        self._fd_waiting = False
         self._fd_flag = 0
         # Tasks waiting while another task sleeps on the fd, by direction.
         self._parked_in = trio.lowlevel.ParkingLot()
         self._parked_out = trio.lowlevel.ParkingLot()
 
     def has_waiters(self) -> bool:
-        return self._fd_scope is not None or bool(self._parked_in) or bool(self._parked_out)
+        return self._fd_waiting or bool(self._parked_in) or bool(self._parked_out)
 
     def poll(self) -> int:
         """Read ``zmq.EVENTS`` (itself a libzmq call that may drain the fd) and wake every
         waiter whose direction it reports ready."""
         self._check_open()
         try:
-            events = int(self._zsock.get(zmq.EVENTS))
+            events = cast(int, _get(self._zsock, _EVENTS))
         except zmq.ZMQError as exc:
             if exc.errno in _CLOSED_ERRNOS:
                 raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
@@ -95,9 +110,15 @@ class _Readiness:
             self._parked_in.unpark_all()
         if events & _POLLOUT:
             self._parked_out.unpark_all()
-        if self._fd_scope is not None and events & self._fd_flag:
-            self._fd_scope.cancel(reason="zmq.EVENTS reports the socket ready")
+        if self._fd_waiting and events & self._fd_flag:
+            self._kick()
         return events
+
+    def _kick(self) -> None:
+        """Wake the task sleeping on the descriptor (rule 2): it meets ClosedResourceError,
+        finds the socket open and returns, as from a spurious wake-up. trio forgets the
+        descriptor's registration; the next wait makes it anew."""
+        trio.lowlevel.notify_closing(self.fd)
 
     def unpark_all(self) -> None:
         if self._parked_in:  # (after every wait on the fd: most often nobody is parked)
@@ -107,10 +128,10 @@ class _Readiness:
 
     def wake_all(self) -> None:
         self.unpark_all()
-        if self._fd_scope is not None:
-            self._fd_scope.cancel(reason="waking every waiter of this zmq socket")
+        if self._fd_waiting:
+            self._kick()
 
-    async def wait(self, flag: int) -> None:
+    async def wait(self, flag: int) -> None:  # noqa: ASYNC910 (a kick ends a real sleep)
         """Sleep until *flag* may have become ready. May return spuriously; the caller retries.
 
         Cancellable; nothing is consumed or sent while waiting.
@@ -122,18 +143,19 @@ class _Readiness:
             # and operations disagree can never spin the event loop.
             await trio.lowlevel.checkpoint()
             return
-        if self._fd_scope is None:
+        if not self._fd_waiting:
             # Become the one task sleeping on the fd.
             self._fd_flag = flag
-            with trio.CancelScope() as scope:
-                self._fd_scope = scope
-                try:
-                    await trio.lowlevel.wait_readable(self.fd)
-                finally:
-                    # Whatever woke us (readable, kicked, cancelled, closed), others may now
-                    # sleep unwatched: let them all re-check and elect a new fd task.
-                    self._fd_scope = None
-                    self.unpark_all()
+            self._fd_waiting = True
+            try:
+                await trio.lowlevel.wait_readable(self.fd)
+            except trio.ClosedResourceError:
+                self._check_open()  # closed: raise; open: kicked (_kick), a wake-up
+            finally:
+                # Whatever woke us (readable, kicked, cancelled, closed), others may now
+                # sleep unwatched: let them all re-check and elect a new fd task.
+                self._fd_waiting = False
+                self.unpark_all()
         else:
             lot = self._parked_in if flag == _POLLIN else self._parked_out
             await lot.park()
@@ -193,11 +215,12 @@ class Socket:
         if self._closed:
             raise trio.ClosedResourceError("this zmq socket was closed")
 
-    def _call(self, fn: Callable[[], _T]) -> _T:
+    def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run one libzmq call, translate its errors, and hand out readiness afterwards."""
-        self._check_open()
+        if self._closed:
+            raise trio.ClosedResourceError("this zmq socket was closed")
         try:
-            return fn()
+            return fn(*args)
         except zmq.Again:
             raise trio.WouldBlock from None
         except zmq.ZMQError as exc:
@@ -210,7 +233,10 @@ class Socket:
     def _after_call(self) -> None:
         """The call just made may have drained the fd: if anyone is waiting on it, make sure
         they learn what it may have hidden from them (rule 2)."""
-        if self._closed or not self._ready.has_waiters():
+        ready = self._ready
+        if self._closed or (
+            not ready._fd_waiting and not ready._parked_in and not ready._parked_out
+        ):
             return
         try:
             self._ready.poll()
@@ -285,7 +311,12 @@ class Socket:
             raise ValueError("a zmq message needs at least one frame")
         # Only the first frame can meet EAGAIN: once it is accepted, libzmq takes the rest
         # of the message regardless of the high-water mark. So nothing is half-sent.
-        self._call(lambda: self._zsock.send_multipart(frames, flags=zmq.DONTWAIT))
+        self._call(self._send_frames, frames)
+
+    def _send_frames(self, frames: Sequence[bytes | memoryview]) -> None:
+        zsock, last = self._zsock, len(frames) - 1
+        for i, frame in enumerate(frames):
+            _send(zsock, frame, _DONTWAIT if i == last else _MORE_DONTWAIT)
 
     async def send_multipart(self, frames: Sequence[bytes | memoryview]) -> None:
         """Queue one multipart message, waiting for room in the socket if needed.
@@ -313,7 +344,14 @@ class Socket:
           trio.WouldBlock: if no message is waiting.
           trio.ClosedResourceError: if the socket was closed.
         """
-        return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT))
+        return self._call(self._recv_frames)
+
+    def _recv_frames(self) -> list[bytes]:
+        zsock = self._zsock
+        frames: list[bytes] = [_recv(zsock, _DONTWAIT)]
+        while _get(zsock, _RCVMORE):  # (the rest of a message is there once its first is)
+            frames.append(_recv(zsock, _DONTWAIT))
+        return frames
 
     def readable_nowait(self) -> bool:
         """Whether a message is waiting to be received (``zmq.EVENTS`` says ``POLLIN``);
@@ -353,7 +391,14 @@ class Socket:
           trio.WouldBlock: if no message is waiting.
           trio.ClosedResourceError: if the socket was closed.
         """
-        return self._call(lambda: self._zsock.recv_multipart(flags=zmq.DONTWAIT, copy=False))
+        return self._call(self._recv_zmq_frames)
+
+    def _recv_zmq_frames(self) -> list[zmq.Frame]:
+        zsock = self._zsock
+        frames: list[zmq.Frame] = [_recv(zsock, _DONTWAIT, False)]
+        while _get(zsock, _RCVMORE):
+            frames.append(_recv(zsock, _DONTWAIT, False))
+        return frames
 
     async def recv_frames(self, *, missed: bool = False) -> list[zmq.Frame]:
         """:meth:`recv_multipart`, as :class:`zmq.Frame` objects (see
