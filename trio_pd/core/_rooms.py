@@ -27,12 +27,15 @@ the drain ack once nothing is held (§5.5)              :meth:`PrefillRoom._sett
 release exactly once, forget after it                  :meth:`PrefillRoom._settle`
 messages keyed by (room, epoch) (I4)                   :mod:`._tables`
 TRANSFER validation                                    :meth:`Target.from_transfer`
-decode's three-way status and Success rule (I6)        :meth:`DecodeRoom.status`,
-                                                       :meth:`DecodeRoom.on_status`
+decode's three-way status and Success rule (I6):       :meth:`DecodeRoom.on_status`,
+every required rank's Success and the aux stamp        :attr:`DecodeRoom.all_succeeded`
 one failure path with the drain (decode)               :meth:`DecodeRoom.fail`
+decode's pages held until every contacted rank acked,  :attr:`DecodeRoom.drained`,
+reported Success or is proven gone; released once      :meth:`DecodeRoom._maybe_release`
 timeouts report, they do not free (§5.6)               :meth:`PrefillRoom.bootstrap_deadline`,
                                                        :meth:`DecodeRoom.waiting_deadline`,
                                                        :meth:`DecodeRoom.ack_deadline`
+the ack deadline's policy (re-ask and probe, or free)  :meth:`DecodeRoom.ack_deadline`
 a writer proven gone counts as drained                 :meth:`DecodeRoom.writer_gone`
 =====================================================  =====================================
 
