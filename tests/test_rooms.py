@@ -874,6 +874,22 @@ def test_decode_two_ranks_hold_until_both_ack() -> None:
     assert room.on_ack(1) == []
 
 
+def test_decode_room_counts_ranks_once() -> None:
+    """A rank's Success and its ack count once; the pages go back once, when every contacted
+    rank is drained (rank 0 by its Success: its writes returned; rank 1 by its ack)."""
+    room = DecodeRoom(room=1, epoch=2)
+    room.bind([0, 1])
+    room.init(np.arange(3, dtype=np.int32), 0)
+    room.contacted(0)
+    room.contacted(1)
+    assert room.on_status(0, True, "", lambda: True) == []
+    assert room.on_status(0, True, "", lambda: True) == []
+    assert not room.all_succeeded
+    assert Release("drained") not in room.fail(TransferError("x"))
+    assert room.on_ack(1) == [Release("drained"), Forget()]
+    assert room.on_ack(1) == []
+
+
 def test_decode_success_needs_aux_epoch() -> None:
     room = DecodeRoom(room=1, epoch=2)
     room.bind([0])

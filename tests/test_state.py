@@ -10,7 +10,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from trio_pd.core._errors import AdmissionClosed, TransferError
 from trio_pd.core._state import (
     AckBook,
-    DecodeBook,
     KVPoll,
     LeaseBook,
     Outcome,
@@ -142,19 +141,6 @@ class LeaseRules(RuleBasedStateMachine):
 def test_ack_target_needs_closed_admission() -> None:
     with pytest.raises(RuntimeError):
         AckBook().add_target(LeaseBook(room=1), "a", 1)
-
-
-def test_decode_book_counts_ranks_once() -> None:
-    book = DecodeBook(room=1, epoch=2, required=RankSet({0, 1}))
-    book.contacted.update({0, 1})
-    book.on_status(0, True)
-    book.on_status(0, True)
-    assert not book.all_succeeded
-    book.cell.fail(TransferError("x"))
-    book.on_ack(1)
-    book.on_ack(1)
-    assert book.take_release()  # rank 0 succeeded (its writes returned), rank 1 acked
-    assert not book.take_release()
 
 
 @given(st.sets(st.integers(0, 70)), st.sets(st.integers(0, 70)), st.integers(-3, 75))

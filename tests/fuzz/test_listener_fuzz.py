@@ -66,7 +66,7 @@ MESSAGES = {"short": 10_000, "full": 100_000}
 BOUND_S = {"short": 60, "full": 420}
 CATS = ("bad_messages", "refused_messages", "late_messages", "handler_errors")
 #: also tracked: an ABORT_ACK decode takes for a room it holds (from a rank it never
-#: contacted it changes nothing: ``DecodeBook.on_ack`` ignores it, but counts it received)
+#: contacted it changes nothing: ``DecodeRoom.on_ack`` ignores it, but counts it received)
 TRACKED = (*CATS, "acks_received")
 REAL_BASE = 5_000_000_000
 REAL_SPAN = 100_000_000

@@ -254,8 +254,7 @@ class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
     @property
     def propagated(self) -> bool:
         """True if this rank saw Failed only because another rank failed."""
-        book = self._room.machine.book
-        return book is not None and book.cell.propagated and self._room.withdrawn is None
+        return self._room.machine.cell.propagated and self._room.withdrawn is None
 
     def abort(self, reason: str = "aborted by the decode scheduler") -> None:
         """Give the room up: it is Failed for you from now on, and the pages come back

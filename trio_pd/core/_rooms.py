@@ -6,7 +6,8 @@ calls settled, a TRANSFER / ABORT / STATUS / ABORT_ACK received, a deadline pass
 proven gone, the agent closing) and returns what is now *due*, as a list of small effect
 records. The agents (``_prefill``, ``_decode``) carry the effects out: they queue chunks,
 cancel scopes, send messages, run ``on_release``, forget rooms. The vocabulary the machines
-use (``StatusCell``, ``LeaseBook``, ``AckBook``, ``DecodeBook``) lives in ``_state``.
+use (``StatusCell``, ``LeaseBook``, ``AckBook``, ``RankSet``) lives in ``_state``; a decode
+room keeps its rank bookkeeping itself (:class:`DecodeRoom`).
 
 Where each rule of the specification lives (one place each):
 
@@ -26,12 +27,15 @@ the drain ack once nothing is held (§5.5)              :meth:`PrefillRoom._sett
 release exactly once, forget after it                  :meth:`PrefillRoom._settle`
 messages keyed by (room, epoch) (I4)                   :mod:`._tables`
 TRANSFER validation                                    :meth:`Target.from_transfer`
-decode's three-way status and Success rule (I6)        :meth:`DecodeRoom.status`,
-                                                       :meth:`DecodeRoom.on_status`
+decode's three-way status and Success rule (I6):       :meth:`DecodeRoom.on_status`,
+every required rank's Success and the aux stamp        :attr:`DecodeRoom.all_succeeded`
 one failure path with the drain (decode)               :meth:`DecodeRoom.fail`
+decode's pages held until every contacted rank acked,  :attr:`DecodeRoom.drained`,
+reported Success or is proven gone; released once      :meth:`DecodeRoom._maybe_release`
 timeouts report, they do not free (§5.6)               :meth:`PrefillRoom.bootstrap_deadline`,
                                                        :meth:`DecodeRoom.waiting_deadline`,
                                                        :meth:`DecodeRoom.ack_deadline`
+the ack deadline's policy (re-ask and probe, or free)  :meth:`DecodeRoom.ack_deadline`
 a writer proven gone counts as drained                 :meth:`DecodeRoom.writer_gone`
 =====================================================  =====================================
 
@@ -59,7 +63,6 @@ from ._errors import (
 from ._memory import check_aux_slot, check_state_slots, validate_pages
 from ._state import (
     AckBook,
-    DecodeBook,
     KVPoll,
     Lease,
     LeaseBook,
@@ -892,27 +895,44 @@ class DecodeRoom:
     """One room on a decode rank: resolve, ask, decide Success, or fail and hold the pages
     until every prefill rank that may write them has acked its drain or is proven gone.
 
-    Three phases, told apart by two fields: before the prefill instance is resolved ``book``
-    is None (a failure then is kept in ``early_failure``: no prefill rank knows the room);
-    after it, ``book`` holds the statuses and acks; ``pages`` is set by ``init``.
+    The room is the one owner of its rank bookkeeping (SPEC §4, §5.5, I6): which source
+    ranks must report Success (``required``), which were told of the pages (``writers``),
+    which reported Success (``succeeded``) and which acked a drain or are proven gone
+    (``acked``). Three phases, told apart by two fields: before the prefill instance is
+    resolved ``required`` is None (a failure then tells no prefill rank: none knows the
+    room); :meth:`bind` sets it; ``pages`` is set by :meth:`init`.
 
-    Invariants: ``on_release`` is due at most once: for a Failed room, once every contacted
-    rank has acked or reported Success or is proven gone (``book.take_release``), or at once
-    when no rank was ever told of the pages; for a room that succeeded, only if the
-    scheduler gives it up unclaimed (:meth:`unclaimed`). Success needs every required
-    rank's Success *and* the aux row stamped with this room and epoch (I6).
+    The rules, one place each: Success needs every required rank's Success *and* the aux
+    row stamped with this room and epoch (:meth:`on_status`, :attr:`all_succeeded`);
+    ``on_release`` is due at most once (:meth:`_release`): for a Failed room, once every
+    writer has acked, reported Success or been proven gone (:attr:`drained`,
+    :meth:`_maybe_release`), or at once when no rank was ever told of the pages; for a
+    room that succeeded, only if the scheduler gives it up unclaimed (:meth:`unclaimed`).
+    Late acks are re-asked and probed, and free the pages only under the ``"timeout"``
+    policy (:meth:`ack_deadline`).
     """
 
     room: int
     epoch: int
-    book: DecodeBook | None = None
+    #: the room's status on this rank (forward only, Failed absorbing, first reason kept)
+    cell: StatusCell = field(default_factory=StatusCell)
+    #: the source ranks that must each report Success; None until :meth:`bind`
+    required: RankSet | None = None
+    #: the contacted ranks: sent a TRANSFER (and, once the room fails, every required rank):
+    #: each may write the pages until it acks, reports Success or is proven gone
+    writers: RankSet = field(default_factory=RankSet)
+    #: required ranks that reported Success (each only once all its writes returned)
+    succeeded: RankSet = field(default_factory=RankSet)
+    #: writers that acked their drain, or were proven gone (or given up: ``"timeout"``)
+    acked: RankSet = field(default_factory=RankSet)
+    #: the room failed after :meth:`bind`: its ranks were asked to drain
+    aborting: bool = False
     pages: npt.NDArray[np.int32] | None = None
     #: the request's first pages this rank holds already (``init``): not asked for
     prefix_pages: int = 0
     aux_slot: int = -1
     #: the scheduler's slots of each state component (held and released with the pages)
     state_slots: tuple[Pages, ...] = ()
-    early_failure: TransferError | None = None
     released: bool = False
     forgotten: bool = False
     #: TRANSFERs were sent (the waiting deadline is armed)
@@ -920,35 +940,42 @@ class DecodeRoom:
 
     @property
     def status(self) -> KVPoll:
-        if self.book is not None:
-            return self.book.cell.status
-        if self.early_failure is not None:
-            return KVPoll.Failed
-        return KVPoll.Bootstrapping
+        return self.cell.status
 
     @property
     def failure(self) -> TransferError | None:
-        if self.book is not None:
-            return self.book.cell.failure
-        return self.early_failure
+        return self.cell.failure
+
+    @property
+    def resolved(self) -> bool:
+        """The prefill instance is resolved (:meth:`bind`): STATUS and ABORT_ACK may come."""
+        return self.required is not None
 
     @property
     def holding(self) -> bool:
         """Pages are held for a drain: failed, told some prefill rank, not yet released."""
-        return (
-            self.pages is not None
-            and not self.released
-            and self.book is not None
-            and self.book.aborting
-        )
+        return self.pages is not None and not self.released and self.aborting
+
+    @property
+    def all_succeeded(self) -> bool:
+        """The combined status over the required ranks (the minimum, I6) is Success: every
+        one of them reported it (a failed rank fails the room before this is asked). None
+        required is not Success: the minimum of no status is Bootstrapping."""
+        required = 0 if self.required is None else self.required.bits
+        return required != 0 and required & ~self.succeeded.bits == 0
+
+    @property
+    def drained(self) -> bool:
+        """Every rank that may write our pages has acked its drain, been proven gone, or
+        reported Success (it reports Success only once all of its writes returned)."""
+        return (self.acked | self.succeeded) >= self.writers
 
     def bind(self, ranks: list[int]) -> Due:
         """The prefill instance is resolved: these are the room's source ranks."""
-        self.book = DecodeBook(self.room, self.epoch, RankSet(ranks))
-        if self.early_failure is not None:
-            self.book.cell.fail(self.early_failure)  # counted when it happened
+        self.required = RankSet(ranks)
+        if self.cell.status is KVPoll.Failed:  # failed before: counted when it happened
             return self._drain()
-        self.book.cell.advance(KVPoll.WaitingForInput)
+        self.cell.advance(KVPoll.WaitingForInput)
         return self._ask()
 
     def init(
@@ -964,57 +991,49 @@ class DecodeRoom:
         self.aux_slot = aux_slot
         self.prefix_pages = prefix_pages
         self.state_slots = state_slots
-        if self.book is None:
-            if self.early_failure is not None:
-                return self._release("unsent")  # no prefill rank was ever told of them
-            return []
-        if self.book.aborting:
-            # failed (and told its ranks) before init: they never got these pages
+        if self.cell.status is KVPoll.Failed:
+            # failed before its instance was resolved, or failed (and told its ranks)
+            # before init: no prefill rank ever got these pages
             return self._release("unsent")
         return self._ask()
 
     def _ask(self) -> Due:
-        if self.asked or self.pages is None or self.book is None:
+        if self.asked or self.pages is None or self.required is None:
             return []
-        if self.book.cell.status is not KVPoll.WaitingForInput:
+        if self.cell.status is not KVPoll.WaitingForInput:
             return []
         self.asked = True
         return [SendTransfers()]
 
     def contacted(self, rank: int) -> None:
         """A TRANSFER to ``rank`` is about to be sent: it may write our pages from now on."""
-        assert self.book is not None
-        self.book.contacted.add(rank)
+        assert self.required is not None
+        self.writers.add(rank)
 
     def fail(self, error: TransferError, *, propagated: bool = False) -> Due:
         """The one failure path: mark Failed, ask every source rank to drain (also those not
         sent a TRANSFER yet, so their senders fail now rather than at their deadline), hold
         the pages until each has acked (SPEC §5.5)."""
-        if self.book is None:
-            if self.early_failure is not None:
-                return []
-            self.early_failure = error
-            due: Due = [Failed(error)]
-            if self.pages is not None:
+        due: Due = [Failed(error)] if self.cell.fail(error, propagated=propagated) else []
+        if self.required is None:  # no prefill rank knows the room: nothing to drain
+            if due and self.pages is not None:
                 due += self._release("unsent")
             return due
-        due = [Failed(error)] if self.book.cell.fail(error, propagated=propagated) else []
         return due + self._drain()
 
     def _drain(self) -> Due:
-        book = self.book
-        assert book is not None
-        if book.aborting or book.cell.status is not KVPoll.Failed:
+        required = self.required
+        assert required is not None
+        if self.aborting or self.cell.status is not KVPoll.Failed:
             return []
-        book.aborting = True
-        book.contacted |= book.required
-        due: Due = [SendAborts(tuple(book.required)), ArmAckDeadline()]
+        self.aborting = True
+        self.writers |= required
         if self.pages is None:
             # no pages were given, so none was named to a prefill rank: nothing to hold. The
             # ABORTs still tell the senders; pages given to init later go back at once.
             self.forgotten = True
-            return [SendAborts(tuple(book.required)), Forget()]
-        return due + self._maybe_release()
+            return [SendAborts(tuple(required)), Forget()]
+        return [SendAborts(tuple(required)), ArmAckDeadline(), *self._maybe_release()]
 
     def on_status(
         self, rank: int, ok: bool, reason: str, aux_ok: Callable[[], bool],
@@ -1024,20 +1043,19 @@ class DecodeRoom:
         aux row's stamp (called only when every rank succeeded). ``land``, when given, copies
         the room's landed bytes into its pages (trio_pd.core._landing): called only then,
         with the aux row good, before the room reads Success. Raises ProtocolError for a
-        rank that is not one of the room's sources."""
-        book = self.book
-        assert book is not None
-        if rank not in book.required:
+        rank that is not one of the room's sources. A rank's Success counts once."""
+        assert self.required is not None
+        if rank not in self.required:
             raise ProtocolError(f"room {self.room}: STATUS from rank {rank}, not a source")
         if not ok:
             return self.fail(RemoteFailure(f"prefill rank {rank}: {reason}"), propagated=True)
-        book.on_status(rank, True)
+        self.succeeded.add(rank)
         due: Due = []
-        if book.all_succeeded and not book.cell.terminal:
+        if self.all_succeeded and not self.cell.terminal:
             if aux_ok():
                 if land is not None:  # (every byte is in the pages before Success)
                     land()
-                book.cell.advance(KVPoll.Success)
+                self.cell.advance(KVPoll.Success)
                 self.forgotten = True
                 return [Succeeded(), Forget()]
             due += self.fail(ProtocolError(f"room {self.room}: aux row does not carry this epoch"))
@@ -1045,12 +1063,15 @@ class DecodeRoom:
         return due + self._maybe_release()
 
     def on_ack(self, rank: int) -> Due:
-        assert self.book is not None
-        self.book.on_ack(rank)
+        """An ABORT_ACK from ``rank``: counts once, and only from a writer (another rank
+        never had the pages)."""
+        assert self.required is not None
+        if rank in self.writers:
+            self.acked.add(rank)
         return self._maybe_release()
 
     def waiting_deadline(self, timeout: float) -> Due:
-        if self.book is None or self.book.cell.terminal:
+        if self.required is None or self.cell.terminal:
             return []
         return self.fail(
             TransferTimeout(f"room {self.room}: not done within {timeout:g} s (waiting timeout)")
@@ -1075,35 +1096,39 @@ class DecodeRoom:
         return due
 
     def ack_deadline(self, policy: Literal["drain", "timeout"]) -> Due:
-        """Acks are late. Report; re-ask; free only under the ``"timeout"`` policy."""
-        book = self.book
-        if self.released or book is None:
+        """Acks are late (the ack deadline's policy, whole): report nothing if no longer
+        held; otherwise re-ask and probe the late writers (``"drain"``), or give them up
+        and free the pages (``"timeout"``)."""
+        if not self.holding:
             return []
         if policy == "timeout":
-            book.acked |= book.contacted
+            self.acked |= self.writers
             return self._maybe_release("timeout")
-        late = tuple(r for r in book.contacted if r not in book.acked and r not in book.succeeded)
+        late = tuple(
+            r for r in self.writers if r not in self.acked and r not in self.succeeded
+        )
         return [SendAborts(late), ProbeWriters(late), ArmAckDeadline()]
 
     def peer_lost(self, rank: int, why: str = "") -> Due:
         """Rank ``rank`` stopped answering heartbeats (or closed: ``why``): fail, and probe it
         (a loss is not a proof: its writes may still land)."""
-        if self.book is None or rank in self.book.succeeded or self.forgotten:
+        if self.required is None or rank in self.succeeded or self.forgotten:
             return []
         error = PeerLost(why or f"prefill rank {rank} stopped answering")
         return [*self.fail(error), ProbeWriters((rank,))]
 
     def writer_gone(self, rank: int) -> Due:
         """Rank ``rank`` is proven gone: none of its writes can land; it counts as drained."""
-        if self.book is None or self.released:
+        if self.required is None or self.released:
             return []
-        self.book.acked.add(rank)
+        self.acked.add(rank)
         return self._maybe_release("peer_gone")
 
     def _maybe_release(
         self, how: Literal["drained", "peer_gone", "timeout"] = "drained"
     ) -> Due:
-        if self.book is None or self.pages is None or not self.book.take_release():
+        """The drain rule (SPEC §5.5, I1): held pages go back once every writer is drained."""
+        if not self.holding or not self.drained:
             return []
         return self._release(how)
 
@@ -1119,6 +1144,7 @@ class DecodeRoom:
     def _release(
         self, how: Literal["drained", "peer_gone", "timeout", "unsent", "unclaimed"]
     ) -> Due:
+        """``on_release``, exactly once; the room is forgotten with it."""
         if self.released:
             return []
         self.released = True

@@ -1,8 +1,10 @@
-"""The sans-I/O core: KVPoll rules, leases, and the per-room books of both sides.
+"""The sans-I/O core's vocabulary: KVPoll rules, leases, the prefill side's books, rank sets.
 
-Nothing here imports trio or touches a socket. The trio layer (``_prefill``, ``_decode``)
-owns one of these objects per room and asks it what to do; every rule of SPEC §4 and §5 that
-is about *state* (as opposed to *tasks*) lives here, under a name that says it.
+Nothing here imports trio or touches a socket. The room machines (``_rooms``) own these
+objects, one set per room: a prefill room its ``StatusCell``, ``LeaseBook`` and ``AckBook``;
+a decode room its ``StatusCell`` and ``RankSet``s (its rank bookkeeping and the rules over it
+are the decode room's own, ``_rooms.DecodeRoom``). The rules about *state* (as opposed to
+*tasks*) that these objects carry live here, under a name that says it.
 """
 
 from __future__ import annotations
@@ -254,56 +256,6 @@ class RankSet:
 
     def __repr__(self) -> str:
         return f"RankSet({sorted(self)})"
-
-
-@dataclass(slots=True)
-class DecodeBook:
-    """Decode side of one room: statuses from prefill ranks, drain acks, held pages (SPEC §4,
-    §5.5, I6).
-
-    ``required`` are the prefill rank ids that must report Success; ``contacted`` the ones that
-    were sent a TRANSFER (they must ack a drain before the pages go back).
-    """
-
-    room: int
-    epoch: int
-    required: RankSet
-    cell: StatusCell = field(default_factory=StatusCell)
-    contacted: RankSet = field(default_factory=RankSet)
-    succeeded: RankSet = field(default_factory=RankSet)
-    acked: RankSet = field(default_factory=RankSet)
-    aborting: bool = False
-    released: bool = False
-
-    def on_status(self, rank: int, ok: bool) -> None:
-        """Record one rank's STATUS. Duplicates count once; unknown ranks are ignored."""
-        if rank in self.required and ok:
-            self.succeeded.add(rank)
-
-    @property
-    def all_succeeded(self) -> bool:
-        """The combined status over the required ranks (the minimum, I6) is Success: every
-        one of them reported it (a failed rank fails the room before this is asked). None
-        required is not Success: the minimum of no status is Bootstrapping."""
-        required = self.required.bits
-        return required != 0 and required & ~self.succeeded.bits == 0
-
-    def on_ack(self, rank: int) -> None:
-        if rank in self.contacted:
-            self.acked.add(rank)
-
-    @property
-    def drained(self) -> bool:
-        """Every rank that may write our pages has acked its drain, or reported Success (it
-        reports Success only once all of its writes returned)."""
-        return (self.acked | self.succeeded) >= self.contacted
-
-    def take_release(self) -> bool:
-        """True exactly once: the room failed, every contacted rank acked, pages may go back."""
-        if self.released or self.cell.status is not KVPoll.Failed or not self.drained:
-            return False
-        self.released = True
-        return True
 
 
 class Liveness(enum.Enum):

@@ -561,7 +561,7 @@ class DecodeRooms(Generic[D]):
     def room_for(self, room_id: int, epoch: int) -> D | None:
         """The use a STATUS or ABORT_ACK for (room, epoch) is for; None if late."""
         rec = self.rooms.get(room_id)
-        if rec is None or rec.machine.epoch != epoch or rec.machine.book is None:
+        if rec is None or rec.machine.epoch != epoch or not rec.machine.resolved:
             return None
         return rec
 
@@ -615,11 +615,9 @@ class DecodeRooms(Generic[D]):
                     counts.append(Count("timeouts"))
                 return counts + due
             case RoomDeadline(kind="ack", rec=rec):
-                # acks are late: report; re-ask; free only under the "timeout" policy
-                machine = rec.machine
-                if machine.released or machine.book is None:
-                    return []
-                return [Count("timeouts"), *machine.ack_deadline(self.deadlines.release_policy)]
+                # acks are late, if pages are still held (the policy: DecodeRoom.ack_deadline)
+                late: Due = rec.machine.ack_deadline(self.deadlines.release_policy)
+                return [Count("timeouts"), *late] if late else []
         return []
 
 
