@@ -666,7 +666,9 @@ class DecodeWire:
         machine, agent = rec.machine, self.agent
         pages, area = machine.pages, agent.landing
         assert pages is not None
-        if area is None or rec.landing is not None or not all(
+        if rec.landing is not None:  # (held already: the TRANSFERs name the same run)
+            return np.arange(rec.landing, rec.landing + len(pages), dtype=np.int32)
+        if area is None or not all(
             r.landing for r in rec.sources
         ) or not fragmented(pages, agent.pool.item_lens[0], agent.config.landing_below):
             return pages
