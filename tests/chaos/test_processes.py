@@ -195,14 +195,18 @@ async def test_sigstop_longer_than_every_deadline(tmp_path: Path, victim: str) -
     await _scenario(tmp_path, victim, "stop")
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
-async def test_prefill_lost_mid_landed_writes(tmp_path: Path, fault: str) -> None:
+@pytest.mark.parametrize(("victim", "fault"), [
+    ("prefill", "kill"), ("prefill", "stop"), ("decode", "kill"),
+])
+async def test_prefill_lost_mid_landed_writes(tmp_path: Path, victim: str, fault: str) -> None:
     """The same with decode's landing area on and pages scattered on both sides (rooms land):
     kill -9 or SIGSTOP of prefill while landed rooms are being written. Each landed room's
     landing range is held as its pages are (on the proof, never while a stopped writer may
     still write), and every landing page is back once the rooms drained (decode's
-    ``landing_held`` 0), with 0 late writes, corrupt pages and leaks."""
-    await _scenario(tmp_path, "prefill", fault, landing=True)
+    ``landing_held`` 0), with 0 late writes, corrupt pages and leaks. And kill -9 of decode
+    mid landed writes (its area goes with it): prefill's rooms fail and come back on their
+    proofs, and a new decode process lands rooms again."""
+    await _scenario(tmp_path, victim, fault, landing=True)
 
 
 LATE_S = 1.5  # a failed call's bytes land this long after it gave up (within the fence)
