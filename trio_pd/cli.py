@@ -156,7 +156,7 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--fault-rate", type=_number, default=d.fault_rate,
                    help="fraction of prefill engine calls given a fault (see --fault-kinds)")
     p.add_argument("--fault-kinds", type=_kinds, default=",".join(d.fault_kinds),
-                   help="comma-separated: fail,partial,delay_before,delay_after,stall,late")
+                   help="comma-separated: fail,partial,delay_before,delay_after,late")
     p.add_argument("--fault-delay", type=_number, default=d.fault_delay,
                    help="seconds the delay faults wait")
     p.add_argument("--layerwise", action="store_true",
