@@ -570,3 +570,24 @@ async def test_a_landing_area_too_large_to_allocate_is_off_and_the_agent_serves(
         await _verified(c, 3, 6)
         assert d.statistics().rooms_landed == 0
     assert [r for r in caplog.records if "could not be allocated" in r.getMessage()]
+
+
+@pytest.mark.parametrize("nbytes", [64e6, "64M", None, -1, True])
+async def test_a_landing_size_that_is_not_bytes_is_refused_up_front(nbytes: object) -> None:
+    """``landing_bytes`` that is not an int >= 0 (a float such as ``64e6``, a string, None,
+    a negative count, a bool) is a ConfigurationError naming it before anything starts. (A
+    float failed with a TypeError from the area's allocation, None and a string with one from
+    a compare, and -1 was taken as "off".)"""
+    from trio_pd import ConfigurationError, open_decode
+    from trio_pd.engines import make_engine
+
+    from .helpers.agents import host_pool
+
+    de = make_engine("mooncake")
+    try:
+        with pytest.raises(ConfigurationError, match="landing_bytes"):
+            async with open_decode(engine=de, pool=host_pool().spec,
+                                   config=DecodeConfig(landing_bytes=nbytes)):  # type: ignore[arg-type]
+                pass
+    finally:
+        de.close()

@@ -144,8 +144,8 @@ class DecodeConfig:
     #: it (``PrefillConfig.staging_bytes``). Allocated and registered with the engine when
     #: the agent opens, for a pool whose KV buffers are stated to be host memory only (else
     #: off; off too, logged, when it cannot be allocated or the engine refuses it: the agent
-    #: opens and serves without it). A room that finds no free run of landing pages is sent
-    #: its own pages
+    #: opens and serves without it); anything but an int >= 0 is a ConfigurationError at
+    #: open_decode. A room that finds no free run of landing pages is sent its own pages
     #: (``landing_full``). Each landing page holds a page of every KV buffer
     #: (``sum(pool.item_lens)`` bytes). docs/lifetimes.md, "Landing pages"
     landing_bytes: int = 0
@@ -920,6 +920,12 @@ async def open_decode(
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or DecodeConfig()
+    if type(config.landing_bytes) is not int or config.landing_bytes < 0:
+        # (a float such as 64e6 failed deep in the area's allocation, a None in a compare)
+        raise ConfigurationError(
+            f"decode rank {tp_rank}: landing_bytes must be an int >= 0 (bytes; 0: no landing "
+            f"area), not {config.landing_bytes!r}"
+        )
     _wire.check_advertised_host(host, f"decode rank {tp_rank}")
     security = resolve(what=f"decode rank {tp_rank}", hosts=[host], token=token, secure=secure)
     _descriptors.prepare(f"decode rank {tp_rank}")
