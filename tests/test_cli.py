@@ -101,6 +101,9 @@ def _cli(*args: str) -> list[str]:
         (["--fault-rate", "1.5"], "--fault-rate"),
         (["--fault-rate", "-1"], "--fault-rate"),
         (["--fault-kinds", "fail,explode"], "--fault-kinds"),
+        # nothing in the demo releases a stalled call: the run would never end
+        (["--fault-kinds", "fail,stall", "--fault-rate", "0.1"], "stall"),
+        (["--landing-bytes", "-1"], "--landing-bytes"),
         (["--fault-delay", "-1"], "--fault-delay"),
         (["--fault-delay", "inf"], "--fault-delay"),
         (["--concurrency", "0"], "--concurrency"),

@@ -144,3 +144,43 @@ def test_a_rank_holding_fewer_heads_expects_the_bytes_of_those_heads() -> None:
                               head_bytes=head_bytes, heads=1, first_head=first)
             got = rank.expected(7, 4).reshape(2, 4, 4, 1, head_bytes)
             assert (got == want[:, :, :, first : first + 1]).all(), (head_bytes, first)
+
+
+async def test_demo_landing_with_aborts_and_faults_leaves_no_trace(engine_name: str) -> None:
+    """Scattered pages on both sides and a landing area on decode, with aborts at random
+    points and engine faults: rooms land, and no page (landing pages included) is corrupt,
+    written late or leaked, nothing hangs."""
+    opts = DemoOptions(
+        engine=engine_name, requests=30, concurrency=8, max_tokens=256, chunk_pages=2,
+        layers=1, abort_rate=0.3, fault_rate=0.2, seed=0, random_pages=True,
+        landing_bytes=1 << 20,
+    )
+    with trio.fail_after(40):
+        summary = await run_in_process(opts)
+    assert sum(r["rooms_landed"] for r in summary["ranks"]) > 0, summary["ranks"]
+    assert summary["leaked_landing_pages"] == 0
+    assert summary["engine_errors"] >= 1 and summary["aborted"] >= 1, summary
+    assert check(opts, summary) == []
+
+
+def test_check_flags_leaked_landing_pages() -> None:
+    """A landing range never given back makes the run a failure, as a leaked page does."""
+    opts = DemoOptions(requests=1)
+    decode = RankResult("decode", 0, outcomes={0: int(KVPoll.Success)})
+    prefill = RankResult("prefill", 0, outcomes=dict(decode.outcomes))
+    decode.leaked_landing_pages = 3
+    problems = check(opts, summarize(opts, [prefill, decode], 1.0))
+    assert problems == ["leaked_landing_pages = 3"], problems
+
+
+async def test_cli_demo_with_a_landing_area() -> None:
+    """``trio-pd demo --random-pages --landing-bytes N``: the rooms land (the summary's ranks
+    say how many), nothing leaks, exit 0."""
+    cmd = [sys.executable, "-m", "trio_pd.cli", "demo", "--json", "--requests", "20",
+           "--max-tokens", "256", "--random-pages", "--landing-bytes", str(4 << 20)]
+    with trio.fail_after(60):
+        proc = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    summary = json.loads(proc.stdout.decode())
+    assert summary["succeeded"] == 20 and summary["leaked_landing_pages"] == 0
+    assert sum(r["rooms_landed"] for r in summary["ranks"]) > 0, summary["ranks"]

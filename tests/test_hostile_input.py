@@ -750,3 +750,94 @@ async def test_raw_wire_fuzz_does_not_kill_the_listener(
             assert stats_delta(after, before, "refused_messages", "handler_errors") > 0
         assert after.engine_calls == before.engine_calls  # the fuzz wrote nothing
         await one_good_room(pair, 4)
+
+
+# ------------------------------------------------------- landing fields (trio_pd.core._landing)
+
+
+def _landing_registers(fake: Any, pair: Pair) -> dict[str, _wire.Register]:
+    """REGISTERs from ``fake`` whose landing area makes no sense for decode's pool."""
+    spec = pair.dst.spec
+    n = spec.num_buffers
+    bases = tuple(1 << 40 | b << 30 for b in range(n))
+
+    def reg(**kw: Any) -> _wire.Register:
+        return register(fake.endpoint, pair.prefill_engine, spec, **kw)
+
+    return {
+        "one base too few": reg(landing_bases=bases[:-1], landing_pages=4),
+        "bases, no pages": reg(landing_bases=bases, landing_pages=0),
+        "pages, no bases": reg(landing_pages=4),
+        "past the 64-bit space": reg(
+            landing_bases=(*bases[:-1], (1 << 64) - spec.item_lens[-1]), landing_pages=2
+        ),
+    }
+
+
+async def test_a_register_with_a_landing_area_that_makes_no_sense_is_refused(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """REGISTERs whose landing area has a base too few, bases without pages, pages without
+    bases, or a buffer running past the 64-bit address space: each is refused and counted
+    (the endpoint is not registered), and real rooms go on."""
+    async with closes_in_time() as stack:
+        pair = await stack.enter_async_context(open_pair(engine_name, bootstrap_url))
+        fake = await stack.enter_async_context(fake_decode())
+        p = pair.prefill
+        bad = _landing_registers(fake, pair)
+        before = p.statistics()
+        async with raw_push(p.endpoint) as sock:
+            for msg in bad.values():
+                await sock.send_multipart(_wire.encode(msg))
+            await barrier(sock, fake)
+        after = p.statistics()
+        # typed refusals (IncompatiblePeer), none an unexpected error of the handler
+        assert stats_delta(after, before, "refused_messages") == len(bad)
+        assert after.handler_errors == before.handler_errors
+        assert after.bad_messages == before.bad_messages
+        assert p.peers.get(fake.endpoint) is None
+        await one_good_room(pair, 2)
+
+
+async def test_landing_transfers_a_registration_does_not_allow_are_refused(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """TRANSFERs naming landing pages: from a peer that advertised no landing area, or
+    with landing page ids out of its area's range or repeated, are refused and counted,
+    never parked (prefill would write them into memory decode never advertised, or twice
+    into one landing page); one naming a run of its area is taken. Real rooms go on."""
+    spec_pages = 4
+    async with closes_in_time() as stack:
+        pair = await stack.enter_async_context(open_pair(engine_name, bootstrap_url))
+        plain = await stack.enter_async_context(fake_decode())
+        landed = await stack.enter_async_context(fake_decode())
+        p, spec = pair.prefill, pair.dst.spec
+        bases = tuple(1 << 40 | b << 30 for b in range(spec.num_buffers))
+        async with raw_push(p.endpoint) as sock:
+            await sock.send_multipart(_wire.encode(register(
+                plain.endpoint, pair.prefill_engine, spec)))
+            await sock.send_multipart(_wire.encode(register(
+                landed.endpoint, pair.prefill_engine, spec, landing_bases=bases,
+                landing_pages=spec_pages,
+            )))
+            await barrier(sock, plain)
+            await barrier(sock, landed)
+            peer = p.peers.get(landed.endpoint)
+            assert p.peers.get(plain.endpoint) is not None and peer is not None
+            assert peer.landing is not None and peer.landing.num_pages == spec_pages
+            before = p.statistics()
+            bad = [
+                (plain, np.array([0, 1])),  # no landing area
+                (landed, np.array([2, spec_pages])),  # past the area
+                (landed, np.array([1, 1])),  # one landing page twice
+            ]
+            for room, (fake, ids) in enumerate(bad, start=90):
+                msg = transfer(room, 1, fake.endpoint, len(ids), landing=True)
+                await sock.send_multipart(_wire.encode(msg, ids))
+            good = transfer(99, 1, landed.endpoint, 3, landing=True)
+            await sock.send_multipart(_wire.encode(good, np.array([1, 2, 3])))
+            await barrier(sock, landed)
+        assert stats_delta(p.statistics(), before, "refused_messages") == len(bad)
+        assert not set(range(90, 90 + len(bad))) & set(p.table.parked)
+        assert 99 in p.table.parked  # (within the area: taken)
+        await one_good_room(pair, 2)

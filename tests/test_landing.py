@@ -552,3 +552,42 @@ async def test_no_landing_area_for_a_pool_not_stated_host_memory() -> None:
             assert d.landing is None and d.sources.landing == ((), 0)
     finally:
         de.close()
+
+
+async def test_a_landing_area_too_large_to_allocate_is_off_and_the_agent_serves(
+    engine_name: str, bootstrap_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``landing_bytes`` beyond what the process can allocate (here 2**30 landing pages of
+    512 KiB: more than a 48-bit address space, refused whatever the overcommit policy): the
+    decode agent opens without a landing area, says so once, and serves. (It used to fail
+    to open with numpy's MemoryError: a careless TRIO_PD_LANDING_BYTES took the decode rank
+    down.)"""
+    opts = replace(_opts(engine_name), head_bytes=4096, page_size=8)
+    async with open_cluster(engine_name, bootstrap_url, opts,
+                            decode_config=DecodeConfig(landing_bytes=1 << 62)) as c:
+        d = c.decode[0]
+        assert d.landing is None and d.sources.landing == ((), 0)
+        await _verified(c, 3, 6)
+        assert d.statistics().rooms_landed == 0
+    assert [r for r in caplog.records if "could not be allocated" in r.getMessage()]
+
+
+@pytest.mark.parametrize("nbytes", [64e6, "64M", None, -1, True])
+async def test_a_landing_size_that_is_not_bytes_is_refused_up_front(nbytes: object) -> None:
+    """``landing_bytes`` that is not an int >= 0 (a float such as ``64e6``, a string, None,
+    a negative count, a bool) is a ConfigurationError naming it before anything starts. (A
+    float failed with a TypeError from the area's allocation, None and a string with one from
+    a compare, and -1 was taken as "off".)"""
+    from trio_pd import ConfigurationError, open_decode
+    from trio_pd.engines import make_engine
+
+    from .helpers.agents import host_pool
+
+    de = make_engine("mooncake")
+    try:
+        with pytest.raises(ConfigurationError, match="landing_bytes"):
+            async with open_decode(engine=de, pool=host_pool().spec,
+                                   config=DecodeConfig(landing_bytes=nbytes)):  # type: ignore[arg-type]
+                pass
+    finally:
+        de.close()

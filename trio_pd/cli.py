@@ -156,12 +156,20 @@ def _demo_parser(sub: Any, common: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--fault-rate", type=_number, default=d.fault_rate,
                    help="fraction of prefill engine calls given a fault (see --fault-kinds)")
     p.add_argument("--fault-kinds", type=_kinds, default=",".join(d.fault_kinds),
-                   help="comma-separated: fail,partial,delay_before,delay_after,stall,late")
+                   help="comma-separated: fail,partial,delay_before,delay_after,late")
     p.add_argument("--fault-delay", type=_number, default=d.fault_delay,
                    help="seconds the delay faults wait")
     p.add_argument("--layerwise", action="store_true",
                    help="send each chunk layer by layer, a short compute before each layer "
                    "(layer-wise streaming, docs/layerwise.md)")
+    p.add_argument("--random-pages", action="store_true",
+                   help="pages handed out in a random order on each side (every request's "
+                   "pages scattered over the pool) instead of the allocator's first-free order")
+    p.add_argument("--landing-bytes", type=_at_least(0), default=d.landing_bytes, metavar="N",
+                   help="each decode rank's landing area in bytes (DecodeConfig.landing_bytes; "
+                   "0: none; host pools only): scattered rooms land in few blocks and are "
+                   "copied into their pages before Success; a landing page still held at the "
+                   "end counts as leaked")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the request plan, aborts and faults")
     p.add_argument("--processes", action="store_true",
@@ -267,6 +275,10 @@ def _print_summary(s: dict[str, Any], problems: list[str], signum: int | None = 
         f"quarantine {s['released_after_quarantine']}   released by timeout "
         f"{s['released_by_timeout']}",
     ]
+    landed = sum(r.get("rooms_landed", 0) for r in s["ranks"])
+    if landed or s.get("leaked_landing_pages"):
+        lines.append(f"  rooms landed {landed}   leaked landing pages "
+                     f"{s.get('leaked_landing_pages', 0)}")
     if s.get("failed_engine_calls"):
         lines.append(
             f"  failed engine calls {s['failed_engine_calls']}   rooms in them "

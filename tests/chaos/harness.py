@@ -244,6 +244,8 @@ def check_final(report: dict[str, Any], who: str) -> None:
     assert report["source_uaf"] == 0, f"{who}: source use-after-free {report}"
     assert report["guard_bytes_touched"] == 0, f"{who}: guard bytes {report}"
     assert report["leaked"] == 0, f"{who}: leaked {report}"
+    # (decode: every landing page back once the rooms drained)
+    assert report["stats"]["landing_held"] == 0, f"{who}: landing pages held {report}"
 
 
 def record(row: dict[str, Any]) -> None:

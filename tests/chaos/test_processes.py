@@ -65,8 +65,23 @@ async def _warm(c: Cluster, prefill: Proc, decode: Proc) -> None:
     assert all(e["status"] == "Success" for e in done.values()), done
 
 
-async def _scenario(tmp: Path, victim_role: str, fault: str) -> dict[str, Any]:
-    async with cluster(tmp) as c:
+#: a landing area of 512 landing pages (32 KiB each: 8 buffers of a 4 KiB page): half the
+#: rooms in flight land, the others find no free run (``landing_full``)
+LANDING = {"random_pages": True, "decode_config": {"landing_bytes": 16 << 20}}
+
+
+async def _stats(proc: Proc) -> dict[str, Any]:
+    seen = len(proc.of("stats"))
+    proc.send({"cmd": "stats"})
+    got = await proc.wait_for(lambda ev: proc.of("stats")[seen:], 10, "stats")
+    stats: dict[str, Any] = got[0]["stats"]
+    return stats
+
+
+async def _scenario(
+    tmp: Path, victim_role: str, fault: str, landing: bool = False
+) -> dict[str, Any]:
+    async with cluster(tmp, **(LANDING if landing else {})) as c:
         await c.bootstrap()
         procs = {"prefill": await c.rank("prefill"), "decode": await c.rank("decode")}
         await _warm(c, procs["prefill"], procs["decode"])
@@ -113,6 +128,10 @@ async def _scenario(tmp: Path, victim_role: str, fault: str) -> dict[str, Any]:
             assert not early(survivor.events), f"released while stopped: {early(survivor.events)}"
             released_early = {e["i"] for e in survivor.of("released") if e["i"] in failed}
             held_while_stopped = len(failed) - len(released_early)
+            if landing and victim_role == "prefill":
+                # landing ranges are held like the pages, while the writer may still write
+                stats = await _stats(survivor)
+                assert stats["landing_held"] > 0 and stats["pages_held"] > 0, stats
             t_cont = time.time()
             victim.signal(signal.SIGCONT)
         released = await wait_released(survivor, failed, 90)
@@ -149,9 +168,14 @@ async def _scenario(tmp: Path, victim_role: str, fault: str) -> dict[str, Any]:
             failures=sorted({e.get("failure") or "" for e in failed_done.values()})[:3],
             survivor_stats={k: v for k, v in reports[survivor_role]["stats"].items() if v},
         )
+        if landing:
+            row["landing"] = {k: reports["decode"]["stats"][k]
+                              for k in ("rooms_landed", "landing_full", "landing_held")}
         record(row)
         for role, report in reports.items():
             check_final(report, role)
+        if landing:
+            assert reports["decode"]["stats"]["rooms_landed"] > 0, row
         assert served == AFTER, f"after recovery {AFTER - served} failed: {after_failures}"
         return row
 
@@ -169,6 +193,20 @@ async def test_sigstop_longer_than_every_deadline(tmp_path: Path, victim: str) -
     then SIGCONT: rooms fail, pages stay held while liveness is unknown, and go back on the
     drain acks once the peer runs again."""
     await _scenario(tmp_path, victim, "stop")
+
+
+@pytest.mark.parametrize(("victim", "fault"), [
+    ("prefill", "kill"), ("prefill", "stop"), ("decode", "kill"),
+])
+async def test_prefill_lost_mid_landed_writes(tmp_path: Path, victim: str, fault: str) -> None:
+    """The same with decode's landing area on and pages scattered on both sides (rooms land):
+    kill -9 or SIGSTOP of prefill while landed rooms are being written. Each landed room's
+    landing range is held as its pages are (on the proof, never while a stopped writer may
+    still write), and every landing page is back once the rooms drained (decode's
+    ``landing_held`` 0), with 0 late writes, corrupt pages and leaks. And kill -9 of decode
+    mid landed writes (its area goes with it): prefill's rooms fail and come back on their
+    proofs, and a new decode process lands rooms again."""
+    await _scenario(tmp_path, victim, fault, landing=True)
 
 
 LATE_S = 1.5  # a failed call's bytes land this long after it gave up (within the fence)

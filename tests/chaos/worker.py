@@ -41,6 +41,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import trio
 import trio.lowlevel
 
@@ -74,6 +75,10 @@ class Rank:
         rows = page_rows(self.pool)
         g = GUARD_ROWS
         self.pages = PageAllocator(rows[g : g + pages], poison)
+        if opts.get("random_pages"):  # rows handed out in a random order (scattered rooms)
+            ids = self.pages.alloc_nowait(self.pages.capacity)
+            assert ids is not None
+            self.pages.free(np.random.default_rng(pages).permutation(ids))
         self.aux = PageAllocator(self.pool.aux[g : g + slots], poison)
         self.guards = [rows[:g], rows[g + pages :], self.pool.aux[:g], self.pool.aux[g + slots :]]
         for guard in self.guards:

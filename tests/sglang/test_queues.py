@@ -120,7 +120,12 @@ def test_sglang_queues_move_verified_requests_with_aborts(
             for page in range(1, c.d.pages.total + 1):
                 v = buf[page * PAGE:(page + 1) * PAGE]
                 assert bool((v == 7.0).all()) or bool((v == 0).all()), f"late write, page {page}"
-        print(f"verified {verified} of {n}; layers {LAYERS}")
+        # the adapter's decode rank has a landing area: scattered rooms land through it,
+        # and every landing page is back once the queues drained
+        stats = mgr.statistics()
+        assert stats.rooms_landed > 0 and stats.landing_held == 0, stats
+        print(f"verified {verified} of {n}; layers {LAYERS}; landed {stats.rooms_landed}, "
+              f"landing_full {stats.landing_full}, landing_held {stats.landing_held}")
 
 
 def plan_of(plan: list[tuple[int, int, str]], room: int) -> str:

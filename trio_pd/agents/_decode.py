@@ -143,7 +143,9 @@ class DecodeConfig:
     #: before it reads Success; prefill gathers its source pages into its staging area for
     #: it (``PrefillConfig.staging_bytes``). Allocated and registered with the engine when
     #: the agent opens, for a pool whose KV buffers are stated to be host memory only (else
-    #: off). A room that finds no free run of landing pages is sent its own pages
+    #: off; off too, logged, when it cannot be allocated or the engine refuses it: the agent
+    #: opens and serves without it); anything but an int >= 0 is a ConfigurationError at
+    #: open_decode. A room that finds no free run of landing pages is sent its own pages
     #: (``landing_full``). Each landing page holds a page of every KV buffer
     #: (``sum(pool.item_lens)`` bytes). docs/lifetimes.md, "Landing pages"
     landing_bytes: int = 0
@@ -824,14 +826,28 @@ async def close_rooms(agent: DecodeAgent) -> None:
             rec.terminal.set()
 
 
+def _allocate_landing(agent: DecodeAgent, nbytes: int) -> LandingArea | None:
+    """The landing area, or None, logged, when this process cannot allocate it."""
+    try:
+        return LandingArea(agent.pool, nbytes)
+    except MemoryError as exc:
+        log.warning("decode rank %d: a landing area of %d bytes could not be allocated "
+                    "(%s): landing off", agent.tp_rank, nbytes, exc)
+        return None
+
+
 async def open_landing(agent: DecodeAgent, nbytes: int) -> LandingArea | None:
     """Allocate the agent's landing area (off the loop: zeroing it touches every page) and
     register it with the engine; it is advertised from then on (REGISTER). None, logged,
-    when it holds no page or the engine refuses it: rooms are then sent their own pages.
+    when it holds no page, this process cannot allocate it (``landing_bytes`` larger than
+    the memory or address space it can have) or the engine refuses it: rooms are then sent
+    their own pages.
 
     **Cancellation:** a cancellation lands only before the engine call starts, or after
     the area is registered (then it is returned: the caller deregisters it)."""
-    area = await trio.to_thread.run_sync(LandingArea, agent.pool, nbytes)
+    area = await trio.to_thread.run_sync(_allocate_landing, agent, nbytes)
+    if area is None:
+        return None
     if not area.usable:
         log.warning("decode rank %d: %d landing bytes hold no page: landing off",
                     agent.tp_rank, nbytes)
@@ -905,6 +921,12 @@ async def open_decode(
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or DecodeConfig()
+    if type(config.landing_bytes) is not int or config.landing_bytes < 0:
+        # (a float such as 64e6 failed deep in the area's allocation, a None in a compare)
+        raise ConfigurationError(
+            f"decode rank {tp_rank}: landing_bytes must be an int >= 0 (bytes; 0: no landing "
+            f"area), not {config.landing_bytes!r}"
+        )
     _wire.check_advertised_host(host, f"decode rank {tp_rank}")
     security = resolve(what=f"decode rank {tp_rank}", hosts=[host], token=token, secure=secure)
     _descriptors.prepare(f"decode rank {tp_rank}")
