@@ -377,24 +377,17 @@ class ChunkRunner:
         calls: list[_Call] = []
         failure: TransferError | None = None
         ran_to_end = False
-        # The chunk's cancel scope is its nursery's (_transfer hands it over before any
-        # checkpoint): one scope per chunk, not a second one around the nursery
-        chunk_scope: list[trio.CancelScope] = []
-
-        def enter(scope: trio.CancelScope) -> None:
-            chunk_scope.append(scope)
-            scopes[scope] = None
-            if room.leases.closed:
-                scope.cancel("room closed before the chunk started")
-
+        scope = trio.CancelScope()
         try:
             try:
-                try:
-                    await self._transfer(room, chunk, calls, enter)
-                    # (a cancelled chunk ends here too: its nursery caught the Cancelled)
-                    ran_to_end = not chunk_scope[0].cancelled_caught
-                finally:
-                    for scope in chunk_scope:
+                with scope:
+                    scopes[scope] = None
+                    if room.leases.closed:
+                        scope.cancel("room closed before the chunk started")
+                    try:
+                        await self._transfer(room, chunk, calls)
+                        ran_to_end = True
+                    finally:
                         scopes.pop(scope, None)
             except* Exception as group:  # planning, validation or engine: the room fails
                 failure = room_error(group)
@@ -408,24 +401,17 @@ class ChunkRunner:
                 )
             if ran_to_end and not calls:
                 outcome = Outcome.COMPLETED  # nothing to write here (a dummy rank): done
-            elif outcome is Outcome.CANCELLED and failure is None and not (
-                chunk_scope and chunk_scope[0].cancel_called
-            ):
+            elif outcome is Outcome.CANCELLED and failure is None and not scope.cancel_called:
                 # cancelled from outside: the agent is closing before the chunk was written
                 failure = TransferAborted(f"room {room.room}: the prefill agent is closing")
             settle(outcome, failure)
 
-    async def _transfer(
-        self, room: PrefillRoom, chunk: Chunk, calls: list[_Call],
-        enter: Callable[[trio.CancelScope], None],
-    ) -> None:
+    async def _transfer(self, room: PrefillRoom, chunk: Chunk, calls: list[_Call]) -> None:
         """The chunk's engine calls, one per destination rank, in one nursery: it exits only
         when every one has (SPEC §5.1, scenarios 1 and 2). Each starts as a child as soon as
-        it is planned; with one destination the call runs in the nursery's body. The
-        nursery's cancel scope is the chunk's: ``enter`` gets it before any checkpoint."""
+        it is planned; with one destination the call runs in the nursery's body."""
         single = len(room.targets) == 1
         async with trio.open_nursery() as nursery:
-            enter(nursery.cancel_scope)
             for target in room.targets.values():
                 peer = self.peers.get(target.endpoint)
                 if peer is None or peer.session != target.session:
