@@ -23,13 +23,13 @@ from trio_pd.core import _memory
 from trio_pd.core._errors import ProtocolError, RegionError
 from trio_pd.core._memory import PoolSpec, Region, RegionTable, validate_pages
 from trio_pd.core._plan import (
+    SMALL_CHUNK,
     Blocks,
     chunk_ranges,
     concat,
     contiguous_runs,
     empty,
     plan_aux,
-    SMALL_CHUNK,
     plan_pages,
     plan_small,
     total_bytes,
@@ -666,14 +666,23 @@ def test_plan_small_matches_the_general_path(
     if small is None:
         whole = sliced is None or (src.heads == dst.heads == sliced[1] - sliced[0]
                                    and src.first_head == sliced[0])
-        applies = len(sp) <= SMALL_CHUNK and (whole and src.item_len == dst.item_len
-                                               and src.page_size == dst.page_size or not sp)
+        applies = len(sp) <= SMALL_CHUNK and ((whole and src.item_len == dst.item_len
+                                               and src.page_size == dst.page_size) or not sp)
         assert want is None or not applies  # declined only what it does not plan
         return
     assert want is not None
     for got, ref in zip(small, want, strict=True):
         assert got.dtype == np.uint64
         assert got.tolist() == ref.tolist()
+
+
+@PATHS
+def test_total_bytes_never_wraps(path: str) -> None:
+    """Both paths (lists for a few blocks, numpy above) sum in Python ints."""
+    blocks = as_blocks([(0, 0, 2**64 - 1), (0, 8, 2**63), (0, 16, 5)])
+    with on_path(path):
+        assert total_bytes(blocks) == 2**64 - 1 + 2**63 + 5
+        assert total_bytes(empty()) == 0
 
 
 def test_blocks_helpers() -> None:

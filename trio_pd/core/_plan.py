@@ -58,7 +58,10 @@ def empty() -> Blocks:
 
 def total_bytes(blocks: Blocks) -> int:
     """Total bytes ``blocks`` moves (a Python int: no uint64 wrap-around)."""
-    return int(blocks.lens.astype(object).sum()) if blocks.lens.size else 0
+    lens = blocks.lens
+    if lens.size <= _memory.SMALL:  # (Python ints: 0.08 us for a chunk's 3 blocks, not 1.0)
+        return sum(lens.tolist())
+    return int(lens.astype(object).sum())
 
 
 def concat(parts: Sequence[Blocks]) -> Blocks:
