@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from trio_pd.core import _memory
 from trio_pd.core._errors import ProtocolError, RegionError
-from trio_pd.core._memory import PoolSpec, Region, validate_pages
+from trio_pd.core._memory import PoolSpec, Region, RegionTable, validate_pages
 from trio_pd.core._plan import (
+    SMALL_CHUNK,
     Blocks,
     chunk_ranges,
     concat,
@@ -30,6 +31,7 @@ from trio_pd.core._plan import (
     empty,
     plan_aux,
     plan_pages,
+    plan_small,
     total_bytes,
     validate_blocks,
 )
@@ -600,6 +602,87 @@ def test_plan_aux() -> None:
         plan_aux(src, dst, 4, 0)
     with pytest.raises(ValueError, match="aux"):
         plan_aux(src, make_pool(aux_item_len=8), 0, 0)
+
+
+def _general_plan(
+    src: PoolSpec, dst: PoolSpec, sp: list[int], dp: list[int],
+    aux: tuple[PoolSpec, PoolSpec, int, int] | None, regions: RegionTable,
+    heads: tuple[int, int] | None,
+) -> Blocks:
+    """What the chunk planner does without :func:`plan_small` (numpy, part by part)."""
+    parts = []
+    if sp:
+        parts.append(plan_pages(src, dst, np.array(sp), np.array(dp), heads=heads,
+                                pages_checked=True))
+    if aux is not None:
+        parts.append(plan_aux(*aux))
+    blocks = parts[0] if len(parts) == 1 else concat(parts)
+    validate_blocks(blocks, regions)
+    return blocks
+
+
+@FAST
+@given(
+    layout=st.sampled_from(["mha", "mla"]),
+    heads=st.sampled_from([(1, 0, None), (2, 0, (0, 2)), (2, 0, (0, 1)), (1, 1, (1, 2))]),
+    dst_heads=st.booleans(),
+    pages=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 11)), max_size=SMALL_CHUNK + 2),
+    aux=st.one_of(st.none(), st.tuples(st.integers(-1, 4), st.integers(-1, 4))),
+    aux_len=st.sampled_from([8, 16]),
+    drop=st.one_of(st.none(), st.integers(0, 9)),
+    page_size=st.sampled_from([4, 2]),
+)
+def test_plan_small_matches_the_general_path(
+    layout: Literal["mha", "mla"], heads: tuple[int, int, tuple[int, int] | None],
+    dst_heads: bool, pages: list[tuple[int, int]], aux: tuple[int, int] | None, aux_len: int,
+    drop: int | None, page_size: int,
+) -> None:
+    """The small-chunk path plans exactly the blocks of plan_pages + plan_aux + concat +
+    validate_blocks, or declines (None) and the general path then plans or refuses: it never
+    plans something the general path would not."""
+    nh, first, sliced = heads
+    src = make_pool(layout=layout, heads=nh, first_head=first, num_pages=12, base=100)
+    dst = make_pool(
+        layout=layout, heads=nh if dst_heads else 1, first_head=first, num_pages=12,
+        base=9, gap=8, aux_item_len=aux_len, page_size=page_size,
+    )
+    seen: set[int] = set()
+    sp, dp = [], []
+    for a, b in pages:  # destination ids checked (distinct), as the agents' are
+        if b not in seen:
+            seen.add(b)
+            sp.append(a)
+            dp.append(b)
+    regions = dst.regions()
+    if drop is not None:
+        regions = [r for i, r in enumerate(regions) if i != drop % len(regions)]
+    table = RegionTable(regions)
+    aux_arg = None if aux is None else (src, dst, aux[0], aux[1])
+    small = plan_small(src, dst, sp, dp, aux_arg, table, heads=sliced)
+    try:
+        want: Blocks | None = _general_plan(src, dst, sp, dp, aux_arg, table, sliced)
+    except (ValueError, RegionError, ProtocolError):
+        want = None
+    if small is None:
+        whole = sliced is None or (src.heads == dst.heads == sliced[1] - sliced[0]
+                                   and src.first_head == sliced[0])
+        applies = len(sp) <= SMALL_CHUNK and ((whole and src.item_len == dst.item_len
+                                               and src.page_size == dst.page_size) or not sp)
+        assert want is None or not applies  # declined only what it does not plan
+        return
+    assert want is not None
+    for got, ref in zip(small, want, strict=True):
+        assert got.dtype == np.uint64
+        assert got.tolist() == ref.tolist()
+
+
+@PATHS
+def test_total_bytes_never_wraps(path: str) -> None:
+    """Both paths (lists for a few blocks, numpy above) sum in Python ints."""
+    blocks = as_blocks([(0, 0, 2**64 - 1), (0, 8, 2**63), (0, 16, 5)])
+    with on_path(path):
+        assert total_bytes(blocks) == 2**64 - 1 + 2**63 + 5
+        assert total_bytes(empty()) == 0
 
 
 def test_blocks_helpers() -> None:

@@ -38,10 +38,12 @@ from ..core._errors import (
 )
 from ..core._memory import PoolSpec, layer_buffers, layer_view, stamp_aux_row
 from ..core._plan import (
+    SMALL_CHUNK,
     Blocks,
     concat,
     plan_aux,
     plan_pages,
+    plan_small,
     plan_staged,
     plan_states,
     staged_bytes,
@@ -49,7 +51,7 @@ from ..core._plan import (
     stages_pages,
     validate_blocks,
 )
-from ..core._rooms import Chunk, PrefillRoom, Target
+from ..core._rooms import Chunk, Pages, PrefillRoom, Target
 from ..core._staging import Reservation, StagingArea, host_source
 from ..core._state import Liveness, Outcome
 from ..core._stats import Counters
@@ -243,6 +245,12 @@ class ChunkPlanner:
         skip = target.prefix - chunk.start  # pages of the chunk decode holds already
         if skip > 0:
             src_pages = src_pages[skip:]
+        if not staging and len(src_pages) <= SMALL_CHUNK and not (
+            chunk.last and self.pool.states
+        ):
+            small = self._plan_small(room, chunk, target, peer, src_pool, dst_pool, src_pages)
+            if small is not None:
+                return small, None
         if peer.heads is not None and len(src_pages):
             first = chunk.start + len(chunk.pages) - len(src_pages) - target.prefix
             dst = target.dst_pages[first : first + len(src_pages)]
@@ -287,6 +295,29 @@ class ChunkPlanner:
                 call.staged = None
             raise
         return blocks, prepare
+
+    def _plan_small(
+        self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer,
+        src_pool: PoolSpec, dst_pool: PoolSpec, src_pages: Pages,
+    ) -> Blocks | None:
+        """:meth:`plan` for a chunk of a few pages, no staging and no state slots
+        (:func:`~trio_pd.core._plan.plan_small`: the same blocks); None: take the general
+        path."""
+        src: list[int] = []
+        dst: list[int] = []
+        heads = None
+        if peer.heads is not None and len(src_pages):
+            first = chunk.start + len(chunk.pages) - len(src_pages) - target.prefix
+            src = src_pages.tolist()
+            dst = target.dst_pages[first : first + len(src_pages)].tolist()
+            heads = self._mha(peer)
+        aux = None
+        if chunk.last and peer.writes_aux:
+            aux = (self.pool, peer.pool, room.aux_slot, target.aux_slot)
+        blocks = plan_small(src_pool, dst_pool, src, dst, aux, peer.regions, heads=heads)
+        if blocks is not None and aux is not None:
+            stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
+        return blocks
 
     def _layer_views(
         self, layers: tuple[int, int] | None, peer: DecodePeer, landing: bool = False
