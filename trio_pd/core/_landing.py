@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._memory import _SPEC_FIELDS, HOST, MAX_POOL_PAGES, PoolSpec, Region
+from ._staging import RunMap
 
 #: the area's start is aligned to this (a page: what engines that pin memory want)
 ALIGN = 4096
@@ -61,9 +62,7 @@ class LandingArea:
         per_page = sum(pool.item_lens)
         # (at most what a REGISTER can advertise)
         self.pages = min(nbytes // per_page, MAX_POOL_PAGES) if per_page and nbytes > 0 else 0
-        #: one byte per landing page: 0 free, 1 reserved (``bytearray.find`` finds a free run)
-        self._map = bytearray(self.pages)
-        self.reserved = 0
+        self._runs = RunMap(self.pages)
         self.registered = False
         self._mem: npt.NDArray[np.uint8] | None = None
         self._views: list[npt.NDArray[np.uint8]] = []
@@ -94,22 +93,18 @@ class LandingArea:
         """Where each buffer's landing pages start (what REGISTER advertises)."""
         return tuple(int(v.ctypes.data) for v in self._views)
 
+    @property
+    def reserved(self) -> int:
+        """Landing pages held now."""
+        return self._runs.held
+
     def reserve(self, n: int) -> int | None:
         """The first of a free run of ``n`` landing pages, now reserved; None if none."""
-        if n <= 0 or n > self.pages:
-            return None
-        first = self._map.find(bytes(n))
-        if first < 0:
-            return None
-        self._map[first : first + n] = b"\x01" * n
-        self.reserved += n
-        return first
+        return self._runs.take(n)
 
     def give(self, first: int, n: int) -> None:
         """Hand a range back: no write of its room can land in it any more."""
-        assert self._map[first : first + n] == b"\x01" * n, "landing range given back twice"
-        self._map[first : first + n] = bytes(n)
-        self.reserved -= n
+        self._runs.give(first, n)
 
     def scatter(self, first: int, pages: npt.NDArray[np.integer]) -> None:
         """Copy landing pages ``[first, first + len(pages))`` into the pool's ``pages``,

@@ -51,6 +51,36 @@ UNIT = 64 * 1024
 ALIGN = 4096
 
 
+class RunMap:
+    """``size`` slots handed out first-fit in runs of consecutive slots: one byte per slot,
+    0 free and 1 held, so ``bytearray.find`` looks for a free run in C. The one allocator of
+    the staging area (units) and of the landing area (landing pages)."""
+
+    __slots__ = ("_map", "held")
+
+    def __init__(self, size: int) -> None:
+        self._map = bytearray(size)
+        #: slots held now
+        self.held = 0
+
+    def take(self, n: int) -> int | None:
+        """The first slot of a free run of ``n``, now held; None when there is none."""
+        if n <= 0 or n > len(self._map):
+            return None
+        first = self._map.find(bytes(n))
+        if first < 0:
+            return None
+        self._map[first : first + n] = b"\x01" * n
+        self.held += n
+        return first
+
+    def give(self, first: int, n: int) -> None:
+        """Slots ``[first, first + n)`` are free again (each run is given back once)."""
+        assert self._map[first : first + n] == b"\x01" * n, "a run given back twice"
+        self._map[first : first + n] = bytes(n)
+        self.held -= n
+
+
 class Reservation:
     """A contiguous range of the staging area, held for one engine call."""
 
@@ -79,8 +109,7 @@ class StagingArea:
             raise ValueError(f"staging bytes must be >= 0, got {nbytes}")
         self.unit = unit
         self.units = nbytes // unit
-        #: one byte per unit: 0 free, 1 reserved (``bytearray.find`` finds a free run in C)
-        self._map = bytearray(self.units)
+        self._runs = RunMap(self.units)
         self._mem: npt.NDArray[np.uint8] | None = None
         self._base = 0
         #: registered with the engine (set by whoever registered :attr:`region`)
@@ -89,8 +118,11 @@ class StagingArea:
         self.disabled = False
         #: reservations of failed calls, by the room that must release them
         self._held: dict[object, list[Reservation]] = {}
-        self.units_reserved = 0
         self._source: tuple[PoolSpec, list[npt.NDArray[np.uint8]]] | None = None
+
+    @property
+    def units_reserved(self) -> int:
+        return self._runs.held
 
     @property
     def usable(self) -> bool:
@@ -109,20 +141,15 @@ class StagingArea:
     def reserve(self, nbytes: int) -> Reservation | None:
         """A free run of units holding ``nbytes``, or None when there is none now."""
         k = -(-nbytes // self.unit)
-        if nbytes <= 0 or k > self.units:
+        first = self._runs.take(k) if nbytes > 0 else None
+        if first is None:
             return None
-        first = self._map.find(bytes(k))
-        if first < 0:
-            return None
-        self._map[first : first + k] = b"\x01" * k
-        self.units_reserved += k
         base = self.region.base
         return Reservation(first, k, base + first * self.unit, nbytes)
 
     def give(self, r: Reservation) -> None:
         """Hand a reservation back: no engine call can read it any more."""
-        self._map[r.first : r.first + r.units] = bytes(r.units)
-        self.units_reserved -= r.units
+        self._runs.give(r.first, r.units)
 
     def hold(self, owner: object, r: Reservation) -> None:
         """Keep ``r`` until :meth:`release_held` for ``owner``: its call failed, and the
