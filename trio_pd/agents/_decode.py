@@ -108,7 +108,9 @@ CLOSING = "decode agent closing"
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """Knobs of a decode agent. Deadlines are in seconds."""
+    """Knobs of a decode agent. Deadlines are in seconds. Each knob's type and range is
+    checked by ``open_decode`` before anything starts (:meth:`check`): a bad one is a
+    :class:`~trio_pd.ConfigurationError` naming it."""
 
     #: resolving a prefill instance through its bootstrap service; with DP attention, also
     #: how long a room waits to learn which DP rank holds it (then it fails: UnknownRoom)

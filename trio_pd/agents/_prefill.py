@@ -109,7 +109,9 @@ CLOSED = "prefill agent closed"
 
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
-    """Knobs of a prefill agent. Deadlines are in seconds."""
+    """Knobs of a prefill agent. Deadlines are in seconds. Each knob's type and range is
+    checked by ``open_prefill`` before anything starts (:meth:`check`): a bad one is a
+    :class:`~trio_pd.ConfigurationError` naming it."""
 
     #: tasks that take admitted chunks (and rooms due to publish their outcome) off the
     #: agent's queues, per destination: at most this many rooms' chunks to the same decode
