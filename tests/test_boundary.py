@@ -12,6 +12,7 @@ bootstrap service; the thread and asyncio facades too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
@@ -21,6 +22,7 @@ import trio
 from trio_pd import (
     BootstrapError,
     ConfigurationError,
+    DecodeConfig,
     EngineError,
     PrefillConfig,
     open_bootstrap_server,
@@ -229,3 +231,112 @@ def test_asyncio_facade_raises_the_start_error_itself(engine: ClosingEngine) -> 
                     pytest.fail("the block ran")
 
     asyncio.run(main())
+
+
+_NAN = float("nan")
+
+#: (field, bad value, what the message names besides the field): each knob of PrefillConfig
+#: given a value of the wrong type or out of its range
+PREFILL_BAD = [
+    ("workers", 0, "int >= 1"), ("workers", 2.5, "int >= 1"), ("workers", None, "int >= 1"),
+    ("workers", True, "int >= 1"),
+    ("inflight_per_peer", 0, "int >= 1"), ("inflight_per_peer", "2", "int >= 1"),
+    ("coalesce_pages", 0, "int >= 1"), ("coalesce_pages", 64.0, "int >= 1"),
+    ("batch_blocks", -1, "int >= 0"), ("batch_blocks", None, "int >= 0"),
+    ("batch_bytes", -1, "int >= 0"), ("batch_bytes", 1e6, "int >= 0"),
+    ("staging_bytes", -5, "int >= 0"), ("staging_bytes", 64e6, "int >= 0"),
+    ("lane_nice", -1, "int >= 0"), ("lane_nice", "10", "int >= 0"),
+    ("bootstrap_timeout", -1, "seconds"), ("bootstrap_timeout", _NAN, "seconds"),
+    ("bootstrap_timeout", None, "seconds"), ("bootstrap_timeout", "30", "seconds"),
+    ("quarantine_fence", -1.0, "seconds"), ("quarantine_fence", _NAN, "seconds"),
+    ("close_timeout", -1.0, "seconds"), ("close_timeout", "1", "seconds"),
+    ("tombstone_ttl", -1, "seconds"), ("tombstone_ttl", None, "seconds"),
+    ("sndhwm", -1, "int >= 0"), ("sndhwm", 1e4, "int >= 0"),
+    ("max_pending_meta", 0, "int >= 1"), ("max_pending_meta", None, "int >= 1"),
+    ("max_pending_page_ids", 0, "int >= 1"), ("max_pending_page_ids", 1.5, "int >= 1"),
+    ("failed_status_retry", -1, "seconds"), ("failed_status_retry", _NAN, "seconds"),
+    ("max_peer_sockets", 0, "int >= 1"), ("max_peer_sockets", "512", "int >= 1"),
+    ("peer_socket_idle", 0, "seconds > 0"), ("peer_socket_idle", _NAN, "seconds > 0"),
+    ("max_decode_peers", 0, "int >= 1"), ("max_decode_peers", None, "int >= 1"),
+    ("peer_idle_timeout", -1, "seconds"), ("peer_idle_timeout", _NAN, "seconds"),
+]
+
+#: the same for DecodeConfig
+DECODE_BAD = [
+    ("bootstrap_timeout", -1, "seconds"), ("bootstrap_timeout", _NAN, "seconds"),
+    ("bootstrap_timeout", "30", "seconds"),
+    ("waiting_timeout", -1, "seconds"), ("waiting_timeout", None, "seconds"),
+    ("ack_timeout", -1, "seconds"), ("ack_timeout", _NAN, "seconds"),
+    ("heartbeat_interval", 0, "seconds > 0"), ("heartbeat_interval", None, "seconds > 0"),
+    ("heartbeat_interval", _NAN, "seconds > 0"),
+    ("heartbeat_misses", 0, "int >= 1"), ("heartbeat_misses", 2.5, "int >= 1"),
+    ("release_policy", "eager", "'drain' or 'timeout'"),
+    ("release_policy", None, "'drain' or 'timeout'"),
+    ("close_timeout", -1, "seconds"), ("close_timeout", "10", "seconds"),
+    ("sndhwm", -1, "int >= 0"), ("sndhwm", None, "int >= 0"),
+    ("abort_retry", -1, "seconds"), ("abort_retry", _NAN, "seconds"),
+    ("max_peer_sockets", 0, "int >= 1"), ("max_peer_sockets", 512.0, "int >= 1"),
+    ("peer_socket_idle", 0, "seconds > 0"), ("peer_socket_idle", "300", "seconds > 0"),
+    ("landing_bytes", -1, "int >= 0"), ("landing_bytes", 64e6, "int >= 0"),
+    ("landing_below", -1, "int >= 0"), ("landing_below", 256e3, "int >= 0"),
+]
+
+
+def _case_id(case: tuple[str, object, str]) -> str:
+    return f"{case[0]}={case[1]!r}"
+
+
+@pytest.mark.parametrize("case", PREFILL_BAD, ids=_case_id)
+async def test_a_bad_prefill_knob_is_a_configuration_error_naming_it(
+    engine: ClosingEngine, case: tuple[str, object, str]
+) -> None:
+    """Each PrefillConfig knob of the wrong type or out of range is a ConfigurationError from
+    ``open_prefill``, before anything starts, naming the field, its range and the value; not
+    a TypeError or ValueError from deep inside later, nor quietly taken."""
+    name, bad, fragment = case
+    config = dataclasses.replace(PrefillConfig(bootstrap_timeout=5.0), **{name: bad})
+    with trio.fail_after(10), pytest.raises(ConfigurationError) as info:
+        async with open_prefill(engine=engine, pool=host_pool().spec,
+                                bootstrap_url="http://127.0.0.1:9", config=config):
+            pytest.fail("the block ran")
+    assert f"{name} must be" in str(info.value)
+    assert fragment in str(info.value)
+    assert repr(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("case", DECODE_BAD, ids=_case_id)
+async def test_a_bad_decode_knob_is_a_configuration_error_naming_it(
+    engine: ClosingEngine, case: tuple[str, object, str]
+) -> None:
+    """The same for each DecodeConfig knob, from ``open_decode``."""
+    name, bad, fragment = case
+    config = dataclasses.replace(DecodeConfig(), **{name: bad})
+    with trio.fail_after(10), pytest.raises(ConfigurationError) as info:
+        async with open_decode(engine=engine, pool=host_pool().spec, config=config):
+            pytest.fail("the block ran")
+    assert f"{name} must be" in str(info.value)
+    assert fragment in str(info.value)
+    assert repr(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_documented_edge_values_of_the_knobs_still_open(
+    engine: ClosingEngine, side: str
+) -> None:
+    """The edges the docstrings give keep working: 0 for "off" sizes, None for the derived
+    prefill deadlines, an int where seconds are asked, infinity for a deadline."""
+    pool = host_pool()
+    async with open_bootstrap_server() as boot:
+        if side == "prefill":
+            pc = PrefillConfig(batch_blocks=0, staging_bytes=0, lane_nice=0, coalesce_pages=1,
+                               bootstrap_timeout=5, quarantine_fence=None, close_timeout=None,
+                               tombstone_ttl=float("inf"), sndhwm=0)
+            async with open_prefill(engine=engine, pool=pool.spec, bootstrap_url=boot.url,
+                                    config=pc):
+                pass
+        else:
+            dc = DecodeConfig(landing_bytes=0, landing_below=0, release_policy="timeout",
+                              waiting_timeout=float("inf"), close_timeout=0, sndhwm=0,
+                              heartbeat_interval=1)
+            async with open_decode(engine=engine, pool=pool.spec, config=dc):
+                pass

@@ -46,6 +46,7 @@ from ..bootstrap._bootstrap_client import (
     split_dp_url,
 )
 from ..core import _wire
+from ..core._config import check_choice, check_count, check_seconds
 from ..core._errors import (
     AuthenticationError,
     ConfigurationError,
@@ -107,7 +108,9 @@ CLOSING = "decode agent closing"
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """Knobs of a decode agent. Deadlines are in seconds."""
+    """Knobs of a decode agent. Deadlines are in seconds. Each knob's type and range is
+    checked by ``open_decode`` before anything starts (:meth:`check`): a bad one is a
+    :class:`~trio_pd.ConfigurationError` naming it."""
 
     #: resolving a prefill instance through its bootstrap service; with DP attention, also
     #: how long a room waits to learn which DP rank holds it (then it fails: UnknownRoom)
@@ -154,6 +157,26 @@ class DecodeConfig:
     #: landing cuts its blocks (not where several prefill ranks of a stage write head
     #: slices of each page: those are per token slot wherever they land)
     landing_below: int = 256 << 10
+
+    def check(self, what: str) -> None:
+        """Raise :class:`~trio_pd.ConfigurationError` naming the first knob of the wrong type
+        or out of its range, and its value: deadlines and intervals are seconds (an int or
+        a float, infinity allowed), ``>= 0`` (``heartbeat_interval`` and
+        ``peer_socket_idle``: ``> 0``); counts and sizes are ints (not bools):
+        ``heartbeat_misses`` and ``max_peer_sockets`` ``>= 1``, ``sndhwm`` (0: ZeroMQ's no
+        limit), ``landing_bytes`` and ``landing_below`` ``>= 0``. ``open_decode`` calls it
+        before anything starts."""
+        for name in ("bootstrap_timeout", "waiting_timeout", "ack_timeout", "close_timeout",
+                     "abort_retry"):
+            check_seconds(what, name, getattr(self, name))
+        for name in ("heartbeat_interval", "peer_socket_idle"):
+            check_seconds(what, name, getattr(self, name), positive=True)
+        check_count(what, "heartbeat_misses", self.heartbeat_misses, 1)
+        check_count(what, "max_peer_sockets", self.max_peer_sockets, 1)
+        check_count(what, "sndhwm", self.sndhwm, 0)
+        check_count(what, "landing_bytes", self.landing_bytes, 0)
+        check_count(what, "landing_below", self.landing_below, 0)
+        check_choice(what, "release_policy", self.release_policy, ("drain", "timeout"))
 
 
 @dataclass(eq=False, slots=True)
@@ -921,12 +944,9 @@ async def open_decode(
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or DecodeConfig()
-    if type(config.landing_bytes) is not int or config.landing_bytes < 0:
-        # (a float such as 64e6 failed deep in the area's allocation, a None in a compare)
-        raise ConfigurationError(
-            f"decode rank {tp_rank}: landing_bytes must be an int >= 0 (bytes; 0: no landing "
-            f"area), not {config.landing_bytes!r}"
-        )
+    # (a float landing_bytes failed deep in the area's allocation thread, a None deadline
+    # in a compare, and a -1 was quietly taken)
+    config.check(f"decode rank {tp_rank}")
     _wire.check_advertised_host(host, f"decode rank {tp_rank}")
     security = resolve(what=f"decode rank {tp_rank}", hosts=[host], token=token, secure=secure)
     _descriptors.prepare(f"decode rank {tp_rank}")

@@ -43,6 +43,7 @@ from ..bootstrap._bootstrap_client import (
     check_pp,
 )
 from ..core import _wire
+from ..core._config import check_count, check_seconds
 from ..core._errors import (
     AuthenticationError,
     ConfigurationError,
@@ -108,7 +109,9 @@ CLOSED = "prefill agent closed"
 
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
-    """Knobs of a prefill agent. Deadlines are in seconds."""
+    """Knobs of a prefill agent. Deadlines are in seconds. Each knob's type and range is
+    checked by ``open_prefill`` before anything starts (:meth:`check`): a bad one is a
+    :class:`~trio_pd.ConfigurationError` naming it."""
 
     #: tasks that take admitted chunks (and rooms due to publish their outcome) off the
     #: agent's queues, per destination: at most this many rooms' chunks to the same decode
@@ -174,6 +177,27 @@ class PrefillConfig:
     #: probe or quarantine) before a new REGISTER may replace it when ``max_decode_peers``
     #: are held
     peer_idle_timeout: float = 300.0
+
+    def check(self, what: str) -> None:
+        """Raise :class:`~trio_pd.ConfigurationError` naming the first knob of the wrong type
+        or out of its range, and its value: deadlines are seconds (an int or a float,
+        infinity allowed) ``>= 0`` (``peer_socket_idle``: ``> 0``; ``quarantine_fence`` and
+        ``close_timeout`` may be None); counts and sizes are ints (not bools): ``workers``,
+        ``inflight_per_peer``, ``coalesce_pages``, ``max_pending_meta``,
+        ``max_pending_page_ids``, ``max_peer_sockets`` and ``max_decode_peers`` ``>= 1``;
+        ``batch_blocks``, ``batch_bytes``, ``staging_bytes``, ``lane_nice`` and ``sndhwm``
+        (0: ZeroMQ's no limit) ``>= 0``. ``open_prefill`` calls it before anything starts."""
+        for name in ("workers", "inflight_per_peer", "coalesce_pages", "max_pending_meta",
+                     "max_pending_page_ids", "max_peer_sockets", "max_decode_peers"):
+            check_count(what, name, getattr(self, name), 1)
+        for name in ("batch_blocks", "batch_bytes", "staging_bytes", "lane_nice", "sndhwm"):
+            check_count(what, name, getattr(self, name), 0)
+        for name in ("bootstrap_timeout", "tombstone_ttl", "failed_status_retry",
+                     "peer_idle_timeout"):
+            check_seconds(what, name, getattr(self, name))
+        for name in ("quarantine_fence", "close_timeout"):
+            check_seconds(what, name, getattr(self, name), optional=True)
+        check_seconds(what, "peer_socket_idle", self.peer_socket_idle, positive=True)
 
 
 _Job = Literal["chunk", "publish"]
@@ -923,6 +947,8 @@ async def open_prefill(
     **Cancellation:** cancelling the enclosing scope closes the agent as above.
     """
     config = config or PrefillConfig()
+    # (workers=0 or a float count failed later, or hung; a None or NaN deadline in a compare)
+    config.check(f"prefill rank {tp_rank}")
     check_dp(dp_rank, dp_size, f"prefill rank {tp_rank}")
     check_pp(pp_rank, pp_size, first_layer, pool.num_layers, f"prefill rank {tp_rank}")
     if pool.states and pp_size > 1:
