@@ -29,13 +29,11 @@ Host pools only: the scatter writes the destination pages with numpy.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import numpy.typing as npt
 
 from ._memory import _SPEC_FIELDS, HOST, MAX_POOL_PAGES, PoolSpec, Region
-from ._staging import RunMap
+from ._staging import RunMap, buffer_view
 
 #: the area's start is aligned to this (a page: what engines that pin memory want)
 ALIGN = 4096
@@ -120,11 +118,10 @@ class LandingArea:
         buffer's page stride (made once)."""
         if not self._dst:
             pool = self.pool
-            for b, base in enumerate(pool.buffer_bases):
-                size = pool.buffer_length(b)
-                raw = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base))
-                self._dst.append(np.lib.stride_tricks.as_strided(
-                    raw, (pool.num_pages, pool.item_lens[b]), (pool.strides[b], 1),
+            for b in range(pool.num_buffers):
+                self._dst.append(buffer_view(
+                    pool, b, (pool.num_pages, pool.item_lens[b]), (pool.strides[b], 1),
+                    writeable=True,
                 ))
         return self._dst
 

@@ -51,6 +51,19 @@ UNIT = 64 * 1024
 ALIGN = 4096
 
 
+def buffer_view(
+    pool: PoolSpec, b: int, shape: tuple[int, ...], strides: tuple[int, ...],
+    *, writeable: bool,
+) -> npt.NDArray[np.uint8]:
+    """A numpy view of KV buffer ``b`` of a host pool (:func:`host_source`), bytes seen with
+    ``shape`` and byte ``strides``: how the staging gather reads source pages and the
+    landing copy writes destination pages."""
+    raw = np.ctypeslib.as_array(
+        (ctypes.c_uint8 * pool.buffer_length(b)).from_address(pool.buffer_bases[b])
+    )
+    return np.lib.stride_tricks.as_strided(raw, shape, strides, writeable=writeable)
+
+
 class RunMap:
     """``size`` slots handed out first-fit in runs of consecutive slots: one byte per slot,
     0 free and 1 held, so ``bytearray.find`` looks for a free run in C. The one allocator of
@@ -196,12 +209,10 @@ class StagingArea:
         with each buffer's page stride (made once: an agent has one pool)."""
         if self._source is None or self._source[0] is not pool:
             views = []
-            for b, base in enumerate(pool.buffer_bases):
-                size = pool.buffer_length(b)
-                raw = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base))
+            for b in range(pool.num_buffers):
                 slot = pool.heads * pool.head_bytes_of(b)
-                views.append(np.lib.stride_tricks.as_strided(
-                    raw, (pool.num_pages, pool.page_size, slot), (pool.strides[b], slot, 1),
+                views.append(buffer_view(
+                    pool, b, (pool.num_pages, pool.page_size, slot), (pool.strides[b], slot, 1),
                     writeable=False,
                 ))
             self._source = (pool, views)
