@@ -917,15 +917,10 @@ class _Agent(ClosesOnExit, Generic[AG]):
 
     def _track(self, h: _Handle) -> None:
         self._live[h] = None
-        tasks = self._host.tasks
-        assert tasks is not None
-        tasks.start_soon(self._watch, h)
-
-    async def _watch(self, h: _Handle) -> None:
         inner = h._inner
         assert inner is not None
-        await inner._ended()
-        self._finish(h)
+        # (a hook, not a task per room: the room's end is published in the step that ends it)
+        inner._when_ended(partial(self._finish, h))
 
     def _finish(self, h: _Handle) -> None:
         """Publish the room's terminal status and failure, as one tuple (unless an abort

@@ -10,6 +10,7 @@ prefill status hands nothing), what aborting does, and what leaving the block gi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 import trio
@@ -102,3 +103,8 @@ class RoomHandle(AbortsOnExit, Generic[A, R]):
         **Cancellation:** as :meth:`wait`.
         """
         await self._room.terminal.wait()
+
+    def _when_ended(self, hook: Callable[[], object]) -> None:
+        """Call ``hook()`` once the room is terminal (now if it is), delivering nothing: on
+        the trio thread, synchronously, inside the step that ended the room."""
+        self._room.terminal.when_set(hook)
