@@ -505,8 +505,15 @@ class _AioRoom(Generic[H]):
         on the asyncio side does not keep its room open until a deadline. Its pages come
         back through the usual release path (``on_release``) once that is safe.
         """
+        # (a hook on the room's end resolves a future: no trio task per wait)
+        ended: _Done[None] = self.host._future()
+        hook = partial(_settle, ended, outcome.Value(None))
+        if not self._post(partial(self.handle._when_ended, hook)):
+            raise RuntimeError(CLOSED)
         try:
-            await self.host.run(self.handle._ended)
+            if ended.done():
+                await asyncio.sleep(0)  # (a schedule point even when ended, as in trio)
+            _unwrap(await ended)  # (None: the trio run ended first)
         except asyncio.CancelledError:
             self.abort(f"room {self.room}: the asyncio task waiting for it was cancelled")
             raise
