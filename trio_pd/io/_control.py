@@ -26,6 +26,7 @@ a key, as a CURVE client of it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -207,43 +208,16 @@ class ControlPlane:
             nursery.start_soon(self._serve_socket, self._ping_pull, handle)
 
     async def _serve_socket(self, sock: Socket, handle: Handler) -> None:
-        missed = False
-        while True:
-            self._dispatch(await sock.recv_multipart(missed=missed), handle)
-            # Then everything already waiting, in the same step: under a busy loop every
-            # receive that checkpoints costs a whole scheduling round, and an ABORT queued
-            # behind a burst of TRANSFERs would wait one round per message ahead of it.
-            # Asked by zmq.EVENTS (which keeps the GIL), not by a receive meeting EAGAIN
-            # (which releases it); found empty, the next receive need not try before it waits.
-            missed = True
-            for _ in range(self.BATCH - 1):
-                if not sock.readable_nowait():
-                    break
-                try:
-                    frames = sock.recv_multipart_nowait()
-                except trio.WouldBlock:
-                    break
-                self._dispatch(frames, handle)
-            else:
-                missed = False
+        # Everything already waiting is handled in the same step (BATCH at most): under a
+        # busy loop every receive that checkpoints costs a whole scheduling round, and an
+        # ABORT queued behind a burst of TRANSFERs would wait one round per message ahead
+        # of it. (A partial, not a lambda: one Python call per message fewer.)
+        await sock.serve(functools.partial(self._dispatch, handle=handle), self.BATCH)
 
     async def _serve_curve(self, sock: Socket, handle: Handler) -> None:
         """:meth:`_serve_socket` for CURVE: frames with their metadata, each message handed
         on with the key that sent it."""
-        missed = False
-        while True:
-            self._dispatch_curve(await sock.recv_frames(missed=missed), handle)
-            missed = True
-            for _ in range(self.BATCH - 1):
-                if not sock.readable_nowait():
-                    break
-                try:
-                    frames = sock.recv_frames_nowait()
-                except trio.WouldBlock:
-                    break
-                self._dispatch_curve(frames, handle)
-            else:
-                missed = False
+        await sock.serve_frames(functools.partial(self._dispatch_curve, handle=handle), self.BATCH)
 
     def drain_nowait(self, handle: Handler, limit: int = 100_000) -> int:
         """Handle every message already waiting on the control socket (not the heartbeat
