@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import trio
@@ -534,6 +534,12 @@ async def _serve_until_closed(sock: Socket, got: list[list[bytes]], batch: int =
         await sock.serve(got.append, batch)
 
 
+async def _until(done: Callable[[], bool]) -> None:
+    """Wait until ``done()`` (what other tasks append to, polled: no event to wait on)."""
+    while not done():  # noqa: ASYNC110 - a condition other tasks' handlers make true
+        await trio.sleep(0.001)
+
+
 async def test_serve_hands_over_every_message_whole_and_in_order(ctx: Ctx) -> None:
     """serve() over tcp, with bursts and pauses: every message once, whole, in order; the
     loop ends with ClosedResourceError when its socket is closed."""
@@ -546,12 +552,11 @@ async def test_serve_hands_over_every_message_whole_and_in_order(ctx: Ctx) -> No
             push.connect(pull.bind("tcp://127.0.0.1:*"))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_serve_until_closed, pull, got, 5)
-                for i, frames in enumerate(expected):
+                for frames in expected:
                     await push.send_multipart(frames)
                     if rng.random() < 0.1:
                         await trio.sleep(rng.choice([0, 1e-4, 1e-3]))
-                while len(got) < n:
-                    await trio.sleep(0.001)
+                await _until(lambda: len(got) == n)
                 pull.close()
     assert got == expected
 
@@ -573,8 +578,7 @@ async def test_serve_sleeping_is_woken_when_another_call_drains_the_fd(ctx: Ctx)
                 # No checkpoint from here on until the loop below.
                 a.send_multipart_nowait([b"ping"])
                 b.send_multipart_nowait([b"pong"])
-                while len(got) < 2:
-                    await trio.sleep(0.001)
+                await _until(lambda: len(got) == 2)
                 b.close()
             assert got == [[b"first"], [b"ping"]]
             assert await a.recv_multipart() == [b"pong"]
@@ -609,8 +613,7 @@ async def test_serve_shares_its_socket_with_other_receivers(ctx: Ctx) -> None:
                 async with trio.open_nursery() as senders:
                     senders.start_soon(sender, b"a")
                     senders.start_soon(sender, b"b")
-                while len(served) + len(received) < 2 * n:
-                    await trio.sleep(0.001)
+                await _until(lambda: len(served) + len(received) == 2 * n)
                 nursery.cancel_scope.cancel()
             everything = served + received
             assert served and received
