@@ -199,29 +199,30 @@ class ControlPlane:
         synchronous: it runs to completion between two receives, so handlers never
         interleave.
 
+        Everything already waiting on a socket is handled in the same step (:data:`BATCH` at
+        most, :meth:`Socket.serve <trio_pd.io._zmq.Socket.serve>`): under a busy loop every
+        receive that checkpoints costs a whole scheduling round, and an ABORT queued behind a
+        burst of TRANSFERs would wait one round per message ahead of it.
+
         **Cancellation:** safe at any point; a message is either handled or left unread.
         """
+        # Each socket's loop is its task's one coroutine, and its handler a partial (no
+        # lambda, no wrapper coroutine): every layer costs a Python call on every wake-up.
         async with trio.open_nursery() as nursery:
             if self._zap is not None:
                 gate = ZapGate(self._counters, self.keyring.admits, self.vouch)
                 nursery.start_soon(serve_zap, self._zap, gate)
-                nursery.start_soon(self._serve_curve, self._pull, handle)
-                nursery.start_soon(self._serve_curve, self._ping_pull, handle)
+                # CURVE: frames with their metadata, each message handed on with its sender
+                dispatch = functools.partial(self._dispatch_curve, handle=handle)
+                for sock in (self._pull, self._ping_pull):
+                    nursery.start_soon(
+                        functools.partial(sock.serve, dispatch, self.BATCH, frames=True),
+                        name=f"{sock.serve.__qualname__} (CURVE)",
+                    )
                 return
-            nursery.start_soon(self._serve_socket, self._pull, handle)
-            nursery.start_soon(self._serve_socket, self._ping_pull, handle)
-
-    async def _serve_socket(self, sock: Socket, handle: Handler) -> None:
-        # Everything already waiting is handled in the same step (BATCH at most): under a
-        # busy loop every receive that checkpoints costs a whole scheduling round, and an
-        # ABORT queued behind a burst of TRANSFERs would wait one round per message ahead
-        # of it. (A partial, not a lambda: one Python call per message fewer.)
-        await sock.serve(functools.partial(self._dispatch, handle=handle), self.BATCH)
-
-    async def _serve_curve(self, sock: Socket, handle: Handler) -> None:
-        """:meth:`_serve_socket` for CURVE: frames with their metadata, each message handed
-        on with the key that sent it."""
-        await sock.serve_frames(functools.partial(self._dispatch_curve, handle=handle), self.BATCH)
+            dispatch = functools.partial(self._dispatch, handle=handle)
+            for sock in (self._pull, self._ping_pull):
+                nursery.start_soon(sock.serve, dispatch, self.BATCH)
 
     def drain_nowait(self, handle: Handler, limit: int = 100_000) -> int:
         """Handle every message already waiting on the control socket (not the heartbeat

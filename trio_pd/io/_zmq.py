@@ -446,9 +446,13 @@ class Socket:
         """
         return await self._run(_POLLIN, self.recv_frames_nowait, missed)
 
-    async def serve(self, handle: Callable[[list[bytes]], object], batch: int) -> NoReturn:
+    async def serve(
+        self, handle: Callable[[list[Any]], object], batch: int, *, frames: bool = False
+    ) -> NoReturn:
         """Hand every message the socket receives to ``handle``, in order, until cancelled or
-        closed: :meth:`recv_multipart` in a loop, without its per-message costs.
+        closed: :meth:`recv_multipart` in a loop, without its per-message costs. Each message
+        is a list of ``bytes``; with ``frames=True``, of :class:`zmq.Frame` objects, which
+        carry the connection's metadata (see :meth:`recv_frames_nowait`).
 
         ``handle`` is synchronous and runs between two receives. What is already waiting is
         taken in the same scheduling step, at most ``batch`` messages; then the loop yields
@@ -458,7 +462,8 @@ class Socket:
         another is waiting (a read that keeps the GIL, where a receive that finds nothing
         releases it and raises); when none is, that same read is the one rule 3 asks for
         before sleeping on the descriptor, so a wake-up costs one ``EVENTS`` read, one
-        receive and one wait.
+        receive and one wait. (One coroutine, with no layers above or below it but the
+        sleep: every frame of the chain is resumed on every wake-up.)
 
         **Cancellation:** at a checkpoint only, between two messages: each message is either
         handed to ``handle`` or left on the socket.
@@ -467,16 +472,7 @@ class Socket:
           trio.ClosedResourceError: once the socket is closed.
           ValueError: if ``batch`` is below 1.
         """
-        await self._serve(handle, batch, True)
-
-    async def serve_frames(
-        self, handle: Callable[[list[zmq.Frame]], object], batch: int
-    ) -> NoReturn:
-        """:meth:`serve`, each message as :class:`zmq.Frame` objects, which carry the
-        connection's metadata (see :meth:`recv_frames_nowait`)."""
-        await self._serve(handle, batch, False)
-
-    async def _serve(self, handle: Callable[[Any], object], batch: int, copy: bool) -> NoReturn:
+        copy = not frames
         if batch < 1:
             raise ValueError(f"batch must be at least 1, not {batch!r}")
         zsock, ready = self._zsock, self._ready
@@ -490,10 +486,10 @@ class Socket:
                     raise trio.ClosedResourceError("this zmq socket was closed")
                 try:
                     frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
-                    frames = [frame.bytes if copy else frame]
+                    message = [frame.bytes if copy else frame]
                     while frame.more:  # (the rest of a message is there once its first is)
                         frame = _recv(zsock, _DONTWAIT, False)
-                        frames.append(frame.bytes if copy else frame)
+                        message.append(frame.bytes if copy else frame)
                 except zmq.Again:
                     events = -1
                     break
@@ -504,7 +500,7 @@ class Socket:
                 finally:
                     if ready._fd_waiting or ready.parked:
                         self._after_call()
-                handle(frames)
+                handle(message)
                 taken += 1
                 if taken == batch or self._closed:
                     break
