@@ -659,3 +659,24 @@ async def test_serve_refuses_a_batch_below_one(ctx: Ctx) -> None:
     async with open_socket(ctx, zmq.PULL) as pull:
         with pytest.raises(ValueError):
             await pull.serve(lambda msg: None, 0)
+
+
+async def test_serve_ends_at_once_when_its_handler_closes_the_socket(ctx: Ctx) -> None:
+    """A handler that closes the socket (after an EVENTS read said more was waiting): serve
+    raises ClosedResourceError at once, takes nothing more, and never sleeps on the
+    descriptor of a closed socket (before: it went to sleep there)."""
+    got: list[list[bytes]] = []
+    with trio.fail_after(10):
+        async with open_socket(ctx, zmq.PAIR) as a, open_socket(ctx, zmq.PAIR) as b:
+            a.connect(b.bind(inproc()))
+            for i in range(3):
+                a.send_multipart_nowait([b"%d" % i])
+
+            def handle(msg: list[bytes]) -> None:
+                got.append(msg)
+                if len(got) == 2:
+                    b.close()
+
+            with pytest.raises(trio.ClosedResourceError):
+                await b.serve(handle, 64)
+    assert got == [[b"0"], [b"1"]]

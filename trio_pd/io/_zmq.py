@@ -501,8 +501,10 @@ class Socket:
                     if ready._fd_waiting or ready.parked:
                         self._after_call()
                 handle(message)
+                if self._closed:  # (by the handler: never read, or sleep on, a closed socket)
+                    raise trio.ClosedResourceError("this zmq socket was closed")
                 taken += 1
-                if taken == batch or self._closed:
+                if taken == batch:
                     break
                 try:
                     events = _get(zsock, _EVENTS)
