@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trio_pd.core import _wire
 from trio_pd.core._errors import ProtocolError
 from trio_pd.core._memory import PoolSpec
 from trio_pd.core._wire import (
@@ -738,3 +739,111 @@ def test_register_with_bad_extra_aux_is_refused(extra: Any, match: str) -> None:
     d = header_dict(register())
     d["pool"]["extra_aux"] = extra
     assert_refused([pack(d)], match)
+
+
+# --------------------------------------------------------------------------------------------
+# encode's cheap self-check (_plainly_valid) refuses exactly what decoding the header refuses.
+
+
+class _Int(int):
+    pass
+
+
+class _Str(str):
+    pass
+
+
+_TRICKY_INTS: list[Any] = [
+    0, 1, 2, -1, -(2**63), 2**16 - 1, 2**16, 2**16 + 1, MAX_TRANSFER_PAGES, MAX_TRANSFER_PAGES + 1,
+    MAX_POOL_PAGES - 1, MAX_POOL_PAGES, MAX_POOL_PAGES + 1, I64_MAX, I64_MAX + 1, U64_MAX,
+    U64_MAX + 1, True, False, 1.0, 0.0, None, "1", b"1", _Int(1), _Int(-1), np.int64(1),
+]
+_ints = st.one_of(st.sampled_from(_TRICKY_INTS), st.integers(-3, 70_000))
+_versions = st.sampled_from([WIRE_VERSION, 0, WIRE_VERSION + 1, True, 1.0, _Int(WIRE_VERSION)])
+_endpoints = st.sampled_from([
+    "tcp://127.0.0.1:5555", "tcp://[::1]:1", "tcp://example.com:1", "", "tcp://127.0.0.1:0",
+    "tcp://127.0.0.1:" + "1" * 300, _Str("tcp://127.0.0.1:5555"), b"tcp://127.0.0.1:1", None,
+    "tcp://127.0.0.1:5555\ud800", "ipc:///tmp/x", 5,
+])
+_bools = st.sampled_from([True, False, 0, 1, None, "x", np.bool_(True)])
+_reasons = st.sampled_from([
+    "", "x", "é" * MAX_REASON_CHARS, "x" * (MAX_REASON_CHARS + 1),
+    _Str("y" * (MAX_REASON_CHARS + 5)), _Str(""), 5, None, b"x", "\ud800",
+])
+_state_slots = st.sampled_from([msgspec.UNSET, (), ((1, 2),), ((-1,),), [[1]], None, ((True,),)])
+
+
+def _outcome(msg: Message, pages: Any, *, fast: bool) -> object:
+    """encode's frames, or the type and text of what it raised; ``fast=False`` always
+    decodes the header (the reference the cheap check must agree with)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not fast:
+            mp.setattr(_wire, "_plainly_valid", lambda msg: False)
+        try:
+            return encode(msg, pages)
+        except Exception as exc:  # (compared, whatever it is)
+            return (type(exc), str(exc))
+
+
+def _pages_for(num: Any) -> np.ndarray[Any, Any]:
+    n = num if type(num) is int and 0 <= num <= 8 else 2
+    return np.arange(n, dtype=np.int32)
+
+
+_TRANSFER_FIELDS: dict[str, tuple[Any, st.SearchStrategy[Any]]] = {
+    "v": (WIRE_VERSION, _versions),
+    "room": (7, _ints),
+    "epoch": (1, _ints),
+    "endpoint": ("tcp://10.0.0.2:5000", _endpoints),
+    "decode_rank": (0, _ints),
+    "aux_slot": (4, _ints),
+    "required": (2, _ints),
+    "num_pages": (2, _ints),
+    "prefix_pages": (0, _ints),
+    "state_slots": (msgspec.UNSET, _state_slots),
+    "landing": (False, _bools),
+}
+_STATUS_FIELDS: dict[str, tuple[Any, st.SearchStrategy[Any]]] = {
+    "v": (WIRE_VERSION, _versions),
+    "room": (7, _ints),
+    "epoch": (1, _ints),
+    "rank": (0, _ints),
+    "ok": (True, _bools),
+    "reason": ("", _reasons),
+}
+
+
+def _draw_fields(
+    data: st.DataObject, fields: dict[str, tuple[Any, st.SearchStrategy[Any]]]
+) -> dict[str, Any]:
+    """A valid message's fields with up to three of them replaced by anything from their
+    pool (a refusal is found one field at a time)."""
+    values = {name: good for name, (good, _) in fields.items()}
+    for name in data.draw(st.sets(st.sampled_from(sorted(fields)), max_size=3)):
+        values[name] = data.draw(fields[name][1], label=name)
+    return values
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_cheap_self_check_of_a_transfer_agrees_with_decoding(data: st.DataObject) -> None:
+    """Whatever the fields hold, encode answers exactly as when it decodes the header
+    again: the same frames, or the same refusal. (With the cheap check taking a negative
+    room, a bool rank or a host name, this fails.)"""
+    msg = Transfer(**_draw_fields(data, _TRANSFER_FIELDS))
+    pages = _pages_for(msg.num_pages)
+    assert _outcome(msg, pages, fast=True) == _outcome(msg, pages, fast=False)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_cheap_self_check_of_a_status_agrees_with_decoding(data: st.DataObject) -> None:
+    msg = Status(**_draw_fields(data, _STATUS_FIELDS))
+    assert _outcome(msg, None, fast=True) == _outcome(msg, None, fast=False)
+
+
+def test_the_cheap_self_check_takes_the_messages_every_request_sends() -> None:
+    """It is the path taken (not only agreeing by falling back every time)."""
+    assert _wire._plainly_valid(transfer())
+    assert _wire._plainly_valid(Status(WIRE_VERSION, room=1, epoch=2, rank=0, ok=True))
+    assert not _wire._plainly_valid(Abort(WIRE_VERSION, room=1, epoch=2, endpoint="tcp://1.2.3.4:5"))

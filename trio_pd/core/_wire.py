@@ -571,8 +571,11 @@ class Bye(_Header, frozen=True, tag="bye"):
 
 Message: TypeAlias = Register | Transfer | Status | Abort | AbortAck | Ping | Pong | Bye
 _MESSAGE_TYPES: Final = (Register, Transfer, Status, Abort, AbortAck, Ping, Pong, Bye)
-_WITH_ENDPOINT: Final = (Register, Transfer, Abort, Ping, Bye)
-"""The messages that name a reply endpoint: each is checked by :func:`numeric_endpoint`."""
+_EXACT_TYPES: Final = frozenset(_MESSAGE_TYPES)
+_WITH_ENDPOINT: Final = frozenset({Register, Transfer, Abort, Ping, Bye})
+"""The messages that name a reply endpoint: each is checked by :func:`numeric_endpoint`
+(asked as ``type(msg) in``: the decoder makes these exact classes, and a set lookup is no
+call, where ``isinstance`` is one)."""
 
 
 class _Probe(msgspec.Struct):
@@ -623,12 +626,14 @@ def _decode_header(header: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"malformed {kind}message header: {exc}") from exc
     if msg.v != WIRE_VERSION:
         raise ProtocolError(f"unsupported wire version {msg.v} (this side speaks {WIRE_VERSION})")
-    if isinstance(msg, _WITH_ENDPOINT):
+    cls = type(msg)
+    if cls in _WITH_ENDPOINT:
         try:
-            numeric_endpoint(msg.endpoint)
+            numeric_endpoint(msg.endpoint)  # type: ignore[union-attr]
         except ProtocolError as exc:
-            raise ProtocolError(f"{type(msg).__name__}: {exc}") from None
-    if isinstance(msg, Register):
+            raise ProtocolError(f"{cls.__name__}: {exc}") from None
+    if cls is Register:
+        assert isinstance(msg, Register)
         msg.pool.to_spec()
         if msg.decode_rank >= msg.decode_tp:
             raise ProtocolError(
@@ -644,6 +649,55 @@ def _check_page_ids(pages: npt.NDArray[np.integer], what: str) -> None:
         raise ProtocolError(f"{what}: page ids must lie in [0, {MAX_POOL_PAGES})")
 
 
+def _plainly_valid(msg: Message) -> bool:
+    """True only if :func:`decode` accepts the header :func:`encode` makes of ``msg``: the
+    message is a :class:`Transfer` or a :class:`Status` (what every request sends) whose
+    every field has its exact builtin type and a value in range. Asked in Python, this costs
+    a fraction of decoding the header again; False says nothing (:func:`encode` then decodes
+    the header to find out). A ``Status`` reason is already cut to length by then.
+
+    Every condition decode applies to these two types is here; no value of another type is
+    taken (a bool where an int goes, an int subclass, a float), so whatever decode would
+    refuse is sent to decode, which says why."""
+    cls = type(msg)
+    if cls is Transfer:
+        m: Transfer = msg  # type: ignore[assignment]
+        v, room, epoch, rank, slot = m.v, m.room, m.epoch, m.decode_rank, m.aux_slot
+        req, num, prefix, endpoint = m.required, m.num_pages, m.prefix_pages, m.endpoint
+        if not (
+            type(v) is int and v == WIRE_VERSION
+            and type(room) is int and 0 <= room <= _I64_MAX
+            and type(epoch) is int and 0 <= epoch <= _I64_MAX
+            and type(rank) is int and 0 <= rank < MAX_RANKS
+            and type(slot) is int and 0 <= slot <= _I64_MAX
+            and type(req) is int and 1 <= req <= MAX_RANKS
+            and type(num) is int and 0 <= num <= MAX_TRANSFER_PAGES
+            and type(prefix) is int and 0 <= prefix <= MAX_POOL_PAGES
+            and m.state_slots is msgspec.UNSET
+            and type(m.landing) is bool
+            and type(endpoint) is str
+        ):
+            return False
+    elif cls is Status:
+        st: Status = msg  # type: ignore[assignment]
+        v, room, epoch, rank = st.v, st.room, st.epoch, st.rank
+        return (
+            type(v) is int and v == WIRE_VERSION
+            and type(room) is int and 0 <= room <= _I64_MAX
+            and type(epoch) is int and 0 <= epoch <= _I64_MAX
+            and type(rank) is int and 0 <= rank < MAX_RANKS
+            and type(st.ok) is bool
+            and type(st.reason) is str  # (at most MAX_REASON_CHARS: encode cut it)
+        )
+    else:
+        return False
+    try:
+        numeric_endpoint(endpoint)  # (1 to MAX_ENDPOINT_CHARS characters, and numeric)
+    except ProtocolError:
+        return False
+    return True
+
+
 def encode(msg: Message, pages: npt.NDArray[np.int32] | None = None) -> list[bytes]:
     """Encode ``msg`` as ZeroMQ frames: ``[header]``, or ``[header, page_ids]`` for a Transfer.
 
@@ -653,44 +707,57 @@ def encode(msg: Message, pages: npt.NDArray[np.int32] | None = None) -> list[byt
     truncated to :data:`MAX_REASON_CHARS` characters.
 
     Raises :class:`ProtocolError` if ``msg`` would not pass :func:`decode` on the other side
-    (a wrong version, an out-of-range field, a nonsensical pool, ...).
+    (a wrong version, an out-of-range field, a nonsensical pool, ...): the header is decoded
+    again here, unless :func:`_plainly_valid` shows at less cost that it would pass.
     """
-    if not isinstance(msg, _MESSAGE_TYPES):
-        raise ProtocolError(f"cannot encode {type(msg).__name__}: not a control message")
-    reason = msg.reason if isinstance(msg, Status) else None
-    if isinstance(reason, str) and len(reason) > MAX_REASON_CHARS:
-        msg = msgspec.structs.replace(msg, reason=reason[:MAX_REASON_CHARS])
-    name = type(msg).__name__
+    cls = type(msg)
+    if cls is Status:
+        reason = msg.reason  # type: ignore[union-attr]
+        if (type(reason) is str or isinstance(reason, str)) and len(reason) > MAX_REASON_CHARS:
+            msg = msgspec.structs.replace(msg, reason=reason[:MAX_REASON_CHARS])
+    elif cls not in _EXACT_TYPES:
+        if not isinstance(msg, _MESSAGE_TYPES):
+            raise ProtocolError(f"cannot encode {cls.__name__}: not a control message")
+        reason = msg.reason if isinstance(msg, Status) else None
+        if isinstance(reason, str) and len(reason) > MAX_REASON_CHARS:
+            msg = msgspec.structs.replace(msg, reason=reason[:MAX_REASON_CHARS])
     try:
         header = _ENCODER.encode(msg)
     except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"refusing to encode {name}: {exc}") from exc
+        raise ProtocolError(f"refusing to encode {cls.__name__}: {exc}") from exc
     if len(header) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"refusing to encode {name}: header of {len(header)} bytes")
-    try:
-        _decode_header(header)
-    except ProtocolError as exc:
-        raise ProtocolError(f"refusing to encode {name}: {exc}") from exc
-    if not isinstance(msg, Transfer):
+        raise ProtocolError(f"refusing to encode {cls.__name__}: header of {len(header)} bytes")
+    if not _plainly_valid(msg):
+        try:
+            _decode_header(header)
+        except ProtocolError as exc:
+            raise ProtocolError(f"refusing to encode {cls.__name__}: {exc}") from exc
+    if cls is not Transfer and (cls in _EXACT_TYPES or not isinstance(msg, Transfer)):
         if pages is not None:
-            raise ProtocolError(f"{name} carries no page ids")
+            raise ProtocolError(f"{cls.__name__} carries no page ids")
         return [header]
+    transfer: Transfer = msg  # type: ignore[assignment]
     if pages is None:
         raise ProtocolError("Transfer needs its page ids")
-    try:
-        arr = np.asarray(pages)
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"Transfer page ids are not an array: {exc}") from exc
+    if type(pages) is np.ndarray:
+        arr: npt.NDArray[np.integer] = pages
+    else:
+        try:
+            arr = np.asarray(pages)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"Transfer page ids are not an array: {exc}") from exc
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ProtocolError(
             f"Transfer page ids must be a 1-D integer array, not {arr.ndim}-D {arr.dtype}"
         )
-    if arr.shape[0] != msg.num_pages:
+    if arr.shape[0] != transfer.num_pages:
         raise ProtocolError(
-            f"Transfer says num_pages={msg.num_pages} but carries {arr.shape[0]} page ids"
+            f"Transfer says num_pages={transfer.num_pages} but carries {arr.shape[0]} page ids"
         )
     _check_page_ids(arr, "Transfer")
-    return [header, arr.astype(_PAGE_DTYPE, copy=False).tobytes()]
+    if arr.dtype != _PAGE_DTYPE:
+        arr = arr.astype(_PAGE_DTYPE)
+    return [header, arr.tobytes()]
 
 
 def decode(
@@ -711,18 +778,19 @@ def decode(
     if count not in (1, 2):
         raise ProtocolError(f"a control message has 1 or 2 frames, got {count}")
     header = frames[0]
-    size = _frame_bytes(header, "header")
+    # (_frame_bytes, written out for bytes: what a receive gives)
+    size = len(header) if type(header) is bytes else _frame_bytes(header, "header")
     if size > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {size} bytes exceeds the limit of {MAX_HEADER_BYTES}")
     msg = _decode_header(header)
-    if not isinstance(msg, Transfer):
+    if type(msg) is not Transfer:  # (the decoder makes exact classes)
         if count != 1:
             raise ProtocolError(f"{type(msg).__name__} has 1 frame, got {count}")
         return msg, None
     if count != 2:
         raise ProtocolError("Transfer has 2 frames (header, page ids), got 1")
     raw = frames[1]
-    size = _frame_bytes(raw, "page id")
+    size = len(raw) if type(raw) is bytes else _frame_bytes(raw, "page id")
     if size != 4 * msg.num_pages:
         raise ProtocolError(
             f"Transfer page frame has {size} bytes, expected 4 * num_pages = {4 * msg.num_pages}"

@@ -26,8 +26,11 @@ a key, as a CURVE client of it.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 from collections.abc import Callable
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +48,8 @@ from ._timers import Timers
 from ._zmq import Socket, open_socket
 
 log = logging.getLogger("trio_pd.control")
+
+_FRAME_BYTES: Final = operator.attrgetter("bytes")
 
 
 def sweep_idle_sockets(timers: Timers, control: ControlPlane, idle: float) -> None:
@@ -194,56 +199,30 @@ class ControlPlane:
         synchronous: it runs to completion between two receives, so handlers never
         interleave.
 
+        Everything already waiting on a socket is handled in the same step (:data:`BATCH` at
+        most, :meth:`Socket.serve <trio_pd.io._zmq.Socket.serve>`): under a busy loop every
+        receive that checkpoints costs a whole scheduling round, and an ABORT queued behind a
+        burst of TRANSFERs would wait one round per message ahead of it.
+
         **Cancellation:** safe at any point; a message is either handled or left unread.
         """
+        # Each socket's loop is its task's one coroutine, and its handler a partial (no
+        # lambda, no wrapper coroutine): every layer costs a Python call on every wake-up.
         async with trio.open_nursery() as nursery:
             if self._zap is not None:
                 gate = ZapGate(self._counters, self.keyring.admits, self.vouch)
                 nursery.start_soon(serve_zap, self._zap, gate)
-                nursery.start_soon(self._serve_curve, self._pull, handle)
-                nursery.start_soon(self._serve_curve, self._ping_pull, handle)
+                # CURVE: frames with their metadata, each message handed on with its sender
+                dispatch = functools.partial(self._dispatch_curve, handle=handle)
+                for sock in (self._pull, self._ping_pull):
+                    nursery.start_soon(
+                        functools.partial(sock.serve, dispatch, self.BATCH, frames=True),
+                        name=f"{sock.serve.__qualname__} (CURVE)",
+                    )
                 return
-            nursery.start_soon(self._serve_socket, self._pull, handle)
-            nursery.start_soon(self._serve_socket, self._ping_pull, handle)
-
-    async def _serve_socket(self, sock: Socket, handle: Handler) -> None:
-        missed = False
-        while True:
-            self._dispatch(await sock.recv_multipart(missed=missed), handle)
-            # Then everything already waiting, in the same step: under a busy loop every
-            # receive that checkpoints costs a whole scheduling round, and an ABORT queued
-            # behind a burst of TRANSFERs would wait one round per message ahead of it.
-            # Asked by zmq.EVENTS (which keeps the GIL), not by a receive meeting EAGAIN
-            # (which releases it); found empty, the next receive need not try before it waits.
-            missed = True
-            for _ in range(self.BATCH - 1):
-                if not sock.readable_nowait():
-                    break
-                try:
-                    frames = sock.recv_multipart_nowait()
-                except trio.WouldBlock:
-                    break
-                self._dispatch(frames, handle)
-            else:
-                missed = False
-
-    async def _serve_curve(self, sock: Socket, handle: Handler) -> None:
-        """:meth:`_serve_socket` for CURVE: frames with their metadata, each message handed
-        on with the key that sent it."""
-        missed = False
-        while True:
-            self._dispatch_curve(await sock.recv_frames(missed=missed), handle)
-            missed = True
-            for _ in range(self.BATCH - 1):
-                if not sock.readable_nowait():
-                    break
-                try:
-                    frames = sock.recv_frames_nowait()
-                except trio.WouldBlock:
-                    break
-                self._dispatch_curve(frames, handle)
-            else:
-                missed = False
+            dispatch = functools.partial(self._dispatch, handle=handle)
+            for sock in (self._pull, self._ping_pull):
+                nursery.start_soon(sock.serve, dispatch, self.BATCH)
 
     def drain_nowait(self, handle: Handler, limit: int = 100_000) -> int:
         """Handle every message already waiting on the control socket (not the heartbeat
@@ -276,7 +255,9 @@ class ControlPlane:
             exc = AuthenticationError("control message without a CURVE User-Id")
             self._log_limited("auth_refused", exc, "dropped a control message: %s", exc)
             return
-        self._dispatch([f.buffer for f in frames], handle, sender)
+        # As bytes: the decoder's fast path (a copy, which a memoryview of the Frame, being
+        # writable, costs the page ids anyway)
+        self._dispatch(list(map(_FRAME_BYTES, frames)), handle, sender)
 
     def _dispatch(
         self, frames: list[bytes] | list[memoryview], handle: Handler, sender: str | None = None

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, NoReturn, TypeVar, cast
 
 import trio
 import zmq
@@ -64,9 +64,9 @@ _CLOSED_ERRNOS: Final = frozenset({zmq.ETERM, zmq.ENOTSOCK})
 # the same libzmq calls, about a third fewer Python calls on each message's path.
 _send: Final = zmq.backend.Socket.send
 _recv: Final = zmq.backend.Socket.recv
-_get: Final = zmq.backend.Socket.get
+#: (typed for the one option read through it, ``EVENTS``: an int)
+_get: Final = cast("Callable[[zmq.Socket[bytes], int], int]", zmq.backend.Socket.get)
 _EVENTS: Final = int(zmq.EVENTS)
-_RCVMORE: Final = int(zmq.RCVMORE)
 _DONTWAIT: Final = int(zmq.DONTWAIT)
 _MORE_DONTWAIT: Final = int(zmq.SNDMORE) | _DONTWAIT
 
@@ -89,30 +89,37 @@ class _Readiness:
         # ("kick", _kick) when zmq.EVENTS says its direction is ready.
         self._fd_waiting = False
         self._fd_flag = 0
-        # Tasks waiting while another task sleeps on the fd, by direction.
+        # Tasks waiting while another task sleeps on the fd, by direction, and how many park
+        # in both (kept here: a ParkingLot's truth test is a Python call, and every libzmq
+        # call of the socket asks whether anybody waits).
         self._parked_in = trio.lowlevel.ParkingLot()
         self._parked_out = trio.lowlevel.ParkingLot()
+        self.parked = 0
 
     def has_waiters(self) -> bool:
-        return self._fd_waiting or bool(self._parked_in) or bool(self._parked_out)
+        return self._fd_waiting or self.parked > 0
 
     def poll(self) -> int:
         """Read ``zmq.EVENTS`` (itself a libzmq call that may drain the fd) and wake every
         waiter whose direction it reports ready."""
         self._check_open()
         try:
-            events = cast(int, _get(self._zsock, _EVENTS))
+            events = _get(self._zsock, _EVENTS)
         except zmq.ZMQError as exc:
             if exc.errno in _CLOSED_ERRNOS:
                 raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
             raise
+        self.hand_out(events)
+        return events
+
+    def hand_out(self, events: int) -> None:
+        """Wake every waiter whose direction ``events`` (just read) reports ready."""
         if events & _POLLIN:
             self._parked_in.unpark_all()
         if events & _POLLOUT:
             self._parked_out.unpark_all()
         if self._fd_waiting and events & self._fd_flag:
             self._kick()
-        return events
 
     def _kick(self) -> None:
         """Wake the task sleeping on the descriptor (rule 2): it meets ClosedResourceError,
@@ -121,9 +128,8 @@ class _Readiness:
         trio.lowlevel.notify_closing(self.fd)
 
     def unpark_all(self) -> None:
-        if self._parked_in:  # (after every wait on the fd: most often nobody is parked)
+        if self.parked:  # (after every wait on the fd: most often nobody is parked)
             self._parked_in.unpark_all()
-        if self._parked_out:
             self._parked_out.unpark_all()
 
     def wake_all(self) -> None:
@@ -144,21 +150,34 @@ class _Readiness:
             await trio.lowlevel.checkpoint()
             return
         if not self._fd_waiting:
-            # Become the one task sleeping on the fd.
-            self._fd_flag = flag
-            self._fd_waiting = True
-            try:
-                await trio.lowlevel.wait_readable(self.fd)
-            except trio.ClosedResourceError:
-                self._check_open()  # closed: raise; open: kicked (_kick), a wake-up
-            finally:
-                # Whatever woke us (readable, kicked, cancelled, closed), others may now
-                # sleep unwatched: let them all re-check and elect a new fd task.
-                self._fd_waiting = False
-                self.unpark_all()
+            await self.sleep_fd(flag, self._check_open)  # become the one task on the fd
         else:
             lot = self._parked_in if flag == _POLLIN else self._parked_out
-            await lot.park()
+            self.parked += 1
+            try:
+                await lot.park()
+            finally:
+                self.parked -= 1
+
+    async def sleep_fd(  # noqa: ASYNC910 (a kick ends a real sleep)
+        self, flag: int, check_open: Callable[[], None]
+    ) -> None:
+        """Become the task sleeping on the descriptor for ``flag``, as :meth:`wait` does,
+        without its poll: the caller read ``zmq.EVENTS`` after the socket's last libzmq call,
+        with no checkpoint since, and it did not report ``flag`` (rule 3); no other task
+        sleeps on the descriptor. Returns when woken (readable, kicked); cancellable."""
+        self._fd_flag = flag
+        self._fd_waiting = True
+        try:
+            await trio.lowlevel.wait_readable(self.fd)
+        except trio.ClosedResourceError:
+            check_open()  # closed: raise; open: kicked (_kick), a wake-up
+        finally:
+            # Whatever woke us (readable, kicked, cancelled, closed), others may now sleep
+            # unwatched: let them all re-check and elect a new fd task.
+            self._fd_waiting = False
+            if self.parked:
+                self.unpark_all()
 
 
 class Socket:
@@ -234,9 +253,7 @@ class Socket:
         """The call just made may have drained the fd: if anyone is waiting on it, make sure
         they learn what it may have hidden from them (rule 2)."""
         ready = self._ready
-        if self._closed or (
-            not ready._fd_waiting and not ready._parked_in and not ready._parked_out
-        ):
+        if self._closed or not (ready._fd_waiting or ready.parked):
             return
         try:
             self._ready.poll()
@@ -309,14 +326,26 @@ class Socket:
         """
         if not frames:
             raise ValueError("a zmq message needs at least one frame")
-        # Only the first frame can meet EAGAIN: once it is accepted, libzmq takes the rest
-        # of the message regardless of the high-water mark. So nothing is half-sent.
-        self._call(self._send_frames, frames)
-
-    def _send_frames(self, frames: Sequence[bytes | memoryview]) -> None:
-        zsock, last = self._zsock, len(frames) - 1
-        for i, frame in enumerate(frames):
-            _send(zsock, frame, _DONTWAIT if i == last else _MORE_DONTWAIT)
+        if self._closed:
+            raise trio.ClosedResourceError("this zmq socket was closed")
+        # _call's work, written out: this runs for every message sent.
+        zsock = self._zsock
+        try:
+            # Only the first frame can meet EAGAIN: once it is accepted, libzmq takes the
+            # rest of the message regardless of the high-water mark. So nothing is half-sent.
+            for frame in frames[:-1]:
+                _send(zsock, frame, _MORE_DONTWAIT)
+            _send(zsock, frames[-1], _DONTWAIT)
+        except zmq.Again:
+            raise trio.WouldBlock from None
+        except zmq.ZMQError as exc:
+            if exc.errno in _CLOSED_ERRNOS:
+                raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
+            raise
+        finally:
+            ready = self._ready
+            if ready._fd_waiting or ready.parked:
+                self._after_call()
 
     async def send_multipart(self, frames: Sequence[bytes | memoryview]) -> None:
         """Queue one multipart message, waiting for room in the socket if needed.
@@ -347,10 +376,14 @@ class Socket:
         return self._call(self._recv_frames)
 
     def _recv_frames(self) -> list[bytes]:
+        # Received as zmq.Frame, whose ``more`` libzmq's receive sets: reading RCVMORE with
+        # ``get`` costs two Python calls (pyzmq looks the option up in an enum) per frame.
         zsock = self._zsock
-        frames: list[bytes] = [_recv(zsock, _DONTWAIT)]
-        while _get(zsock, _RCVMORE):  # (the rest of a message is there once its first is)
-            frames.append(_recv(zsock, _DONTWAIT))
+        frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
+        frames = [frame.bytes]
+        while frame.more:  # (the rest of a message is there once its first is)
+            frame = _recv(zsock, _DONTWAIT, False)
+            frames.append(frame.bytes)
         return frames
 
     def readable_nowait(self) -> bool:
@@ -395,9 +428,11 @@ class Socket:
 
     def _recv_zmq_frames(self) -> list[zmq.Frame]:
         zsock = self._zsock
-        frames: list[zmq.Frame] = [_recv(zsock, _DONTWAIT, False)]
-        while _get(zsock, _RCVMORE):
-            frames.append(_recv(zsock, _DONTWAIT, False))
+        frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
+        frames = [frame]
+        while frame.more:
+            frame = _recv(zsock, _DONTWAIT, False)
+            frames.append(frame)
         return frames
 
     async def recv_frames(self, *, missed: bool = False) -> list[zmq.Frame]:
@@ -410,6 +445,90 @@ class Socket:
           trio.ClosedResourceError: if the socket was closed before or during the call.
         """
         return await self._run(_POLLIN, self.recv_frames_nowait, missed)
+
+    async def serve(
+        self, handle: Callable[[list[Any]], object], batch: int, *, frames: bool = False
+    ) -> NoReturn:
+        """Hand every message the socket receives to ``handle``, in order, until cancelled or
+        closed: :meth:`recv_multipart` in a loop, without its per-message costs. Each message
+        is a list of ``bytes``; with ``frames=True``, of :class:`zmq.Frame` objects, which
+        carry the connection's metadata (see :meth:`recv_frames_nowait`).
+
+        ``handle`` is synchronous and runs between two receives. What is already waiting is
+        taken in the same scheduling step, at most ``batch`` messages; then the loop yields
+        (a checkpoint) before it takes more, so a long burst still lets other tasks run. A
+        message behind a burst (an ABORT behind TRANSFERs) thus waits for no scheduling round
+        per message ahead of it. Between two messages the loop asks ``zmq.EVENTS`` whether
+        another is waiting (a read that keeps the GIL, where a receive that finds nothing
+        releases it and raises); when none is, that same read is the one rule 3 asks for
+        before sleeping on the descriptor, so a wake-up costs one ``EVENTS`` read, one
+        receive and one wait. (One coroutine, with no layers above or below it but the
+        sleep: every frame of the chain is resumed on every wake-up.)
+
+        **Cancellation:** at a checkpoint only, between two messages: each message is either
+        handed to ``handle`` or left on the socket.
+
+        Raises:
+          trio.ClosedResourceError: once the socket is closed.
+          ValueError: if ``batch`` is below 1.
+        """
+        copy = not frames
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, not {batch!r}")
+        zsock, ready = self._zsock, self._ready
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            # One scheduling step: take what is waiting, ``batch`` messages at most.
+            taken = 0
+            events = -1  # -1: zmq.EVENTS not read since the last libzmq call
+            while True:
+                if self._closed:
+                    raise trio.ClosedResourceError("this zmq socket was closed")
+                try:
+                    frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
+                    message = [frame.bytes if copy else frame]
+                    while frame.more:  # (the rest of a message is there once its first is)
+                        frame = _recv(zsock, _DONTWAIT, False)
+                        message.append(frame.bytes if copy else frame)
+                except zmq.Again:
+                    events = -1
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno in _CLOSED_ERRNOS:
+                        raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
+                    raise
+                finally:
+                    if ready._fd_waiting or ready.parked:
+                        self._after_call()
+                handle(message)
+                if self._closed:  # (by the handler: never read, or sleep on, a closed socket)
+                    raise trio.ClosedResourceError("this zmq socket was closed")
+                taken += 1
+                if taken == batch:
+                    break
+                try:
+                    events = _get(zsock, _EVENTS)
+                except zmq.ZMQError as exc:
+                    if exc.errno in _CLOSED_ERRNOS:
+                        raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
+                    raise
+                if ready._fd_waiting or ready.parked:
+                    ready.hand_out(events)
+                if not events & _POLLIN:
+                    break
+            if taken == batch:
+                await trio.lowlevel.checkpoint()
+                continue
+            # A receive met EAGAIN (events < 0): read EVENTS (rule 3). Should it say a
+            # message is there after all, yield before trying again, so that a socket whose
+            # EVENTS and receives disagree can never spin the event loop.
+            if events < 0 and ready.poll() & _POLLIN:
+                await trio.lowlevel.checkpoint()
+                continue
+            if ready._fd_waiting:
+                await ready.wait(_POLLIN)  # another task sleeps on the fd: park (rule 1)
+            else:
+                await ready.sleep_fd(_POLLIN, self._check_open)
 
     # ------------------------------------------------------------------ close
 
