@@ -63,9 +63,8 @@ from ..core._memory import (
     check_aux_slot,
     check_prefix_pages,
     check_state_slots,
-    page_ids,
+    pool_page_ids,
     read_aux_stamp,
-    validate_pages,
 )
 from ..core._rooms import (
     Arm,
@@ -262,9 +261,7 @@ class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
         their slots, ``i`` to ``i``. They are held with ``pages`` and come back with them
         (``on_release``). Left out: no slot of any component. :class:`ProtocolError` for
         slots outside a component or repeated, or not one list per component."""
-        self._agent._init(
-            self._room, page_ids(pages), aux_slot, on_release, prefix_pages, state_slots,
-        )
+        self._agent._init(self._room, pages, aux_slot, on_release, prefix_pages, state_slots)
 
     def poll(self) -> KVPoll:
         """The room's status now. Never blocks; a terminal status never changes again.
@@ -478,31 +475,33 @@ class DecodeAgent:
     def _init(
         self,
         rec: _Room,
-        pages: npt.NDArray[np.generic],
+        pages: npt.ArrayLike,
         aux_slot: int,
         on_release: Callable[[], None] | None,
         prefix_pages: int = 0,
         state_slots: Sequence[npt.ArrayLike] = (),
     ) -> None:
+        """:meth:`DecodeReceiver.init`: the caller's pages are checked (integers inside the
+        pool, none repeated) and copied here, once; the TRANSFER's encoder and the prefill
+        rank check the ids again only where they cross the wire."""
         if rec.machine.pages is not None:
             raise ProtocolError(f"room {rec.machine.room}: init called twice")
+        ids = pool_page_ids(pages, self.pool.num_pages, np.int32)  # (a copy)
         prefix_pages = check_prefix_pages(prefix_pages)
         aux_slot = check_aux_slot(aux_slot, self.pool.aux_slots)
-        validate_pages(pages, self.pool.num_pages)
-        if len(pages) > _wire.MAX_TRANSFER_PAGES:  # (its TRANSFER could not carry them)
+        if ids.size > _wire.MAX_TRANSFER_PAGES:  # (its TRANSFER could not carry them)
             raise ProtocolError(
-                f"{len(pages)} pages in one request; a TRANSFER carries at most "
+                f"{ids.size} pages in one request; a TRANSFER carries at most "
                 f"{_wire.MAX_TRANSFER_PAGES}"
             )
+        states = self.pool.states
         slots = check_state_slots(
-            [st.slots for st in self.pool.states], state_slots, "destination"
-        )
+            [st.slots for st in states], state_slots, "destination"
+        ) if states or type(state_slots) is not tuple or state_slots else ()  # (no call: none)
         rec.on_release = on_release
         if self.metrics is not None:
             rec.started = time.perf_counter()
-        self._carry(
-            rec, rec.machine.init(pages.astype(np.int32), aux_slot, prefix_pages, slots)
-        )
+        self._carry(rec, rec.machine.init(ids, aux_slot, prefix_pages, slots))
 
     def _abort(self, rec: _Room, reason: str) -> None:
         """The scheduler gave ``rec`` up (:meth:`DecodeReceiver.abort`): fail it, or, if it

@@ -57,7 +57,6 @@ from ..core._memory import (
     as_index,
     check_aux_slot,
     check_num_pages,
-    page_ids,
 )
 from ..core._rooms import (
     Arm,
@@ -300,8 +299,8 @@ class PrefillSender(RoomHandle["PrefillAgent", _Room]):
         """
         room, agent = self._room, self._agent
         try:
-            due = room.machine.admit(
-                page_ids(pages), last, state_slots, None if layers is None else layer_range(layers)
+            due = room.machine.admit(  # (checks and copies the pages: one intake check)
+                pages, last, state_slots, None if layers is None else layer_range(layers)
             )
         except ProtocolError:
             agent.counters.bump("sends_refused")

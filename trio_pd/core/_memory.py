@@ -862,6 +862,8 @@ def as_index(value: object, what: str) -> int:
     """``value`` (a slot, a count, a room id) as an int: a Python or numpy integer, not a
     bool, and not a float or a string, which ``int()`` would truncate or parse. Raises
     :class:`~trio_pd.ProtocolError` naming ``what``."""
+    if type(value) is int:  # (the common case, with no call: a bool's type is bool)
+        return value
     if not isinstance(value, (bool, np.bool_)):
         try:
             return operator.index(value)  # type: ignore[arg-type]
@@ -897,6 +899,28 @@ def page_ids(pages: object) -> npt.NDArray[np.int64]:
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise ProtocolError(f"page id {int(arr.max())} is out of range")
     return arr.astype(np.int64, copy=True).reshape(-1)
+
+
+def pool_page_ids(
+    pages: object, num_pages: int, dtype: type[np.signedinteger[Any]] = np.int64
+) -> npt.NDArray[Any]:
+    """:func:`page_ids` and :func:`validate_pages` in one intake: ``pages`` as a flat copy
+    of ``dtype`` (int64, or int32 for ids below ``2**31``), each an integer in ``[0,
+    num_pages)`` and none repeated. Refuses what the two refuse, with the same
+    :class:`~trio_pd.ProtocolError` (anything the quick path does not pass goes through them
+    both); the quick path (up to :data:`SMALL` ids of a 1-D integer array or list) is one
+    conversion, one pass over Python ints and one copy."""
+    try:
+        arr = np.asarray(pages)
+    except (TypeError, ValueError, OverflowError):
+        arr = None  # (page_ids says why)
+    if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and 0 < arr.size <= SMALL:
+        values = arr.tolist()
+        if min(values) >= 0 and max(values) < num_pages and len(set(values)) == len(values):
+            return arr.astype(dtype)  # (a copy: never the caller's array)
+    ids = page_ids(pages)
+    validate_pages(ids, num_pages)
+    return ids if dtype is np.int64 else ids.astype(dtype)
 
 
 def check_num_pages(num_pages: object) -> int:

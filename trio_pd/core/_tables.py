@@ -289,7 +289,9 @@ class PrefillRooms(Generic[R]):
             # decode aborted this very use before the scheduler created it here: fail now
             # rather than at the bootstrap deadline
             due += machine.close(TransferAborted(f"room {room} aborted by decode"))
-        pending = self.parked.pop(room, {})
+        pending = self.parked.pop(room, None)
+        if not pending:  # (the common case: sender() before any TRANSFER)
+            return due
         self.parked_page_ids -= sum(p.page_ids for p in pending.values())
         for parked in pending.values():
             peer = peer_of(parked.endpoint)
