@@ -539,7 +539,7 @@ async def test_every_api_refuses_float_pages_and_slots(bootstrap_url: str) -> No
 POOL_PAGE_INPUTS: list[Any] = [
     [0, 1, 2], [2, 1, 0], np.array([5, 7], dtype=np.int32), np.array([3], dtype=np.uint64),
     np.arange(100), np.array([[1, 2], [3, 4]]), [], np.array(7), np.zeros(0, dtype=np.int32),
-    [3, 3], [0, 1, 2, 1], [-1, 0], [0, 16], [16], np.arange(17), list(range(15)) + [15, 3],
+    [3, 3], [0, 1, 2, 1], [-1, 0], [0, 16], [16], np.arange(17), [*range(15), 15, 3],
     np.array([2**63 + 1], dtype=np.uint64), np.array([1, 1], dtype=np.int8),
     *NOT_PAGE_IDS, [1.0], np.array([True, False]),
 ]

@@ -434,7 +434,7 @@ class DecodeAgent:
         ``dp_rank`` that is not an int in ``[0, 1024)``; a DP rank the instance does not have
         fails the room (:class:`~trio_pd.BootstrapError`, the service's 404)."""
         room = as_index(room, "room")
-        if room in self._rooms:
+        if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on decode rank {self.tp_rank}")
         if "?" in bootstrap_url:
             base, named = split_dp_url(bootstrap_url)
@@ -511,7 +511,7 @@ class DecodeAgent:
     def _bind(self, rec: _Room) -> None:
         """The instance is resolved: the room knows its source ranks."""
         rec.sources = list(rec.instance.sources)
-        if self._rooms.get(rec.machine.room) is rec:
+        if self.table.rooms.get(rec.machine.room) is rec:
             for rank in rec.sources:
                 rank.rooms.add(rec.machine.room)
         # (each (PP stage, TP rank) is a rank of its own: counted by rank_id)
@@ -558,7 +558,7 @@ class DecodeAgent:
         for effect in due:
             match effect:  # (the success path's effects first: fewer checks)
                 case SendTransfers():
-                    self._carry(rec, [self.table.timer(rec, "waiting")])
+                    self._arm(self.table.timer(rec, "waiting"))
                     self.wire.send_transfers(rec)
                 case Succeeded():
                     self._give_landing(rec)  # (scattered already, before Success)
@@ -579,9 +579,9 @@ class DecodeAgent:
                 case SendAborts(ranks=ranks):
                     self.wire.send_aborts(rec, ranks)
                 case ArmAckDeadline():
-                    self._carry(rec, [self.table.timer(rec, "ack")])
-                case Arm(after=after, key=key):
-                    self.timers.after(after, partial(self._timer_due, key))
+                    self._arm(self.table.timer(rec, "ack"))
+                case Arm():
+                    self._arm(effect)
                 case Count(name=name):
                     self.counters.bump(name)
                 case Release(how=how):
@@ -610,6 +610,11 @@ class DecodeAgent:
                             self.sources.nursery.start_soon(self._probe_writer, rec, rank)
                 case _:
                     raise AssertionError(f"decode cannot do {effect!r}")
+
+    def _arm(self, arm: Arm) -> None:
+        """Arm a deadline the table made (:meth:`_timer_due` hears it)."""
+        after, key = arm.after, arm.key
+        self.timers.after(after, partial(self._timer_due, key))
 
     def _give_landing(self, rec: _Room) -> None:
         """The room's landing range goes back: it succeeded (copied out already), or its
@@ -780,9 +785,10 @@ class DecodeWire:
     def carry_at(self, room: int, due: Due) -> None:
         """:meth:`_carry` for what the table made due about ``room``, held here or not (a
         late message is only counted)."""
-        rec = self.agent._rooms.get(room)
+        rec = self.agent.table.rooms.get(room)
         if rec is not None:
-            self.agent._carry(rec, due)
+            if due:
+                self.agent._carry(rec, due)
             return
         for effect in due:
             match effect:

@@ -834,7 +834,9 @@ def stamp_aux_row(pool: PoolSpec, slot: int, room: int, epoch: int) -> None:
 def read_aux_stamp(pool: PoolSpec, slot: int) -> tuple[int, int]:
     """The ``(room, epoch)`` :data:`AUX_STAMP` at the start of aux row ``slot``, read in place
     (from a CUDA device with a device copy when the pool's aux buffer lives there)."""
-    address, kind = aux_row_address(pool, slot), pool.aux_kind
+    # (aux_row_address and aux_kind, inline: once a request on the event loop)
+    address = pool.aux_base + slot * pool.aux_item_len
+    kind = None if pool._kinds is None else pool.aux_kind
     if kind is not None and kind.device is not None:
         from ..io._cuda import read
 

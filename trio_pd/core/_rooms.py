@@ -370,11 +370,12 @@ class RequestPages:
     ) -> tuple[int, tuple[int, int] | None]:
         """Refuse a chunk that breaks the rule above (:class:`ProtocolError`); else the
         request page it starts at, and its layers (None: every layer)."""
-        self.check_open()
-        if layers == (0, self.num_layers):
+        if self.last:
+            self.check_open()  # (raises)
+        if layers is not None and layers == (0, self.num_layers):
             layers = None  # every layer: a plain chunk
         if layers is None and self.layer_pages is None:
-            end = self.sent + len(pages)
+            end = self.sent + pages.size
             if end > self.num_pages or (last and end != self.num_pages):
                 raise ProtocolError(
                     f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
@@ -452,11 +453,11 @@ class RequestPages:
         self, start: int, pages: Pages, last: bool, layers: tuple[int, int] | None
     ) -> None:
         """Record a chunk :meth:`check` passed (``start`` and ``layers`` as it returned)."""
-        end = start + len(pages)
+        end = start + pages.size
         self.last = last
         if layers is None and self.layer_pages is None:
             self.sent = end
-            if len(pages):
+            if pages.size:
                 self.admitted.append(pages)
             return
         a, b = layers if layers is not None else (0, self.num_layers)
@@ -689,7 +690,8 @@ class PrefillRoom:
         intake.advance(start, ids, last, layers)
         if slots is not None:  # (only the last chunk brings any: the room is unchanged else)
             self.state_slots = slots
-        if not self.chunks.add(chunk, self.ready):
+        expected = self.expected_targets  # (ready, without the property's call)
+        if not self.chunks.add(chunk, expected is not None and len(self.targets) >= expected):
             return []
         self.cell.advance(KVPoll.Transferring)
         return [RunChunks(1)]

@@ -563,7 +563,8 @@ class DecodeRooms(Generic[D]):
     def room_for(self, room_id: int, epoch: int) -> D | None:
         """The use a STATUS or ABORT_ACK for (room, epoch) is for; None if late."""
         rec = self.rooms.get(room_id)
-        if rec is None or rec.machine.epoch != epoch or not rec.machine.resolved:
+        # (machine.resolved, without the property's call)
+        if rec is None or rec.machine.epoch != epoch or rec.machine.required is None:
             return None
         return rec
 
