@@ -297,7 +297,9 @@ class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
         later :meth:`wait` says so (leaving the room's block, or :meth:`abort`, gives it
         back through ``on_release``).
         """
-        return await super().wait()
+        # (RoomHandle.wait's body, not a call of it: one coroutine frame fewer to resume)
+        await self._room.terminal.wait()
+        return self._deliver(self._status())
 
     async def wait_released(self) -> None:
         """Wait until ``on_release`` has run (after a failure, or for a Success given up
@@ -515,7 +517,9 @@ class DecodeAgent:
             for rank in rec.sources:
                 rank.rooms.add(rec.machine.room)
         # (each (PP stage, TP rank) is a rank of its own: counted by rank_id)
-        self._carry(rec, rec.machine.bind([r.rank_id for r in rec.sources]))
+        due = rec.machine.bind([r.rank_id for r in rec.sources])
+        if due:  # (nothing, unless init came first or the room failed)
+            self._carry(rec, due)
 
     def _resolved(self, inst: Instance) -> None:
         waiting, inst.waiting = inst.waiting, []

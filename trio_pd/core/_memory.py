@@ -918,7 +918,7 @@ def pool_page_ids(
         arr = None  # (page_ids says why)
     if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and 0 < arr.size <= SMALL:
         values = arr.tolist()
-        if min(values) >= 0 and max(values) < num_pages and len(set(values)) == len(values):
+        if min(values) >= 0 and max(values) < num_pages and len(set(values)) == arr.size:
             return arr.astype(dtype)  # (a copy: never the caller's array)
     ids = page_ids(pages)
     validate_pages(ids, num_pages)
