@@ -778,7 +778,7 @@ class DecodeWire:
         check = partial(self.check_source, msg=msg, sender=sender)
         due = self.agent.table.on_status(
             msg.room, msg.epoch, msg.rank, msg.ok, msg.reason, self.aux_matches, check,
-            self.land,
+            None if self.agent.landing is None else self.land,  # (no landing area: no copy)
         )
         self.carry_at(msg.room, due)
 
