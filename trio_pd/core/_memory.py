@@ -878,7 +878,7 @@ def check_aux_slot(slot: object, slots: int, what: str = "aux slot") -> int:
     """``slot`` as a slot of an aux buffer of ``slots`` rows: an int (:func:`as_index`) in
     ``[0, slots)``. Raises :class:`~trio_pd.ProtocolError` naming ``what``. The one check of
     an aux slot, wherever one comes in (a sender, a receiver's ``init``, a TRANSFER)."""
-    index = as_index(slot, what)
+    index = slot if type(slot) is int else as_index(slot, what)  # (a plain int: no call)
     if not 0 <= index < slots:
         raise ProtocolError(f"{what} {index} outside [0, {slots})")
     return index
@@ -928,7 +928,7 @@ def pool_page_ids(
 def check_num_pages(num_pages: object) -> int:
     """A room's ``num_pages`` as an int (:func:`as_index`); ValueError outside
     ``[0, MAX_POOL_PAGES]``."""
-    n = as_index(num_pages, "num_pages")
+    n = num_pages if type(num_pages) is int else as_index(num_pages, "num_pages")
     if not 0 <= n <= MAX_POOL_PAGES:
         raise ValueError(f"num_pages must be in [0, {MAX_POOL_PAGES}], not {n}")
     return n
@@ -938,7 +938,7 @@ def check_prefix_pages(prefix_pages: object) -> int:
     """A decode rank's ``prefix_pages`` (the request's first pages it holds already), as an
     int (:func:`as_index`) in ``[0, MAX_POOL_PAGES]``. Raises
     :class:`~trio_pd.ProtocolError`."""
-    prefix = as_index(prefix_pages, "prefix_pages")
+    prefix = prefix_pages if type(prefix_pages) is int else as_index(prefix_pages, "prefix_pages")
     if not 0 <= prefix <= MAX_POOL_PAGES:
         raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
     return prefix
