@@ -534,6 +534,66 @@ async def test_every_api_refuses_float_pages_and_slots(bootstrap_url: str) -> No
     await trio.to_thread.run_sync(facade)
 
 
+# the intake of page ids at each API (send, init) and off the wire (a TRANSFER at prefill)
+# is one check, pool_page_ids: the quick path must refuse exactly what the full one does
+POOL_PAGE_INPUTS: list[Any] = [
+    [0, 1, 2], [2, 1, 0], np.array([5, 7], dtype=np.int32), np.array([3], dtype=np.uint64),
+    np.arange(100), np.array([[1, 2], [3, 4]]), [], np.array(7), np.zeros(0, dtype=np.int32),
+    [3, 3], [0, 1, 2, 1], [-1, 0], [0, 16], [16], np.arange(17), [*range(15), 15, 3],
+    np.array([2**63 + 1], dtype=np.uint64), np.array([1, 1], dtype=np.int8),
+    *NOT_PAGE_IDS, [1.0], np.array([True, False]),
+]
+
+
+@pytest.mark.parametrize("pages", POOL_PAGE_INPUTS, ids=repr)
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_one_page_intake_check_refuses_what_the_two_did(pages: Any, dtype: Any) -> None:
+    """``pool_page_ids`` (the one intake check of a send's, an init's and a TRANSFER's page
+    ids) gives what ``page_ids`` then ``validate_pages`` gave, or the same ProtocolError,
+    from its quick path as from the full one; its result is always a copy of ``dtype``."""
+    from trio_pd.core._memory import page_ids, pool_page_ids, validate_pages
+
+    def old() -> np.ndarray:
+        ids = page_ids(pages)
+        validate_pages(ids, 16)
+        return ids
+
+    try:
+        want = old()
+    except ProtocolError as exc:
+        with pytest.raises(ProtocolError) as got:
+            pool_page_ids(pages, 16, dtype)
+        assert str(got.value) == str(exc)
+        return
+    ids = pool_page_ids(pages, 16, dtype)
+    assert ids.dtype == dtype and ids.tolist() == want.tolist()
+    if isinstance(pages, np.ndarray):
+        assert not np.shares_memory(ids, pages)
+
+
+async def test_every_api_refuses_page_ids_outside_the_pool_or_repeated(
+    bootstrap_url: str,
+) -> None:
+    """send and init check their page ids once, at the call: outside the pool, negative or
+    repeated is a ProtocolError (a send's counted ``sends_refused``), the handle is left as
+    it was, and nothing is sent or written."""
+    async with open_pair("mooncake", bootstrap_url) as pair:
+        n = pair.src.spec.num_pages
+        sender = pair.prefill.sender(1, num_pages=2, aux_slot=0)
+        receiver = pair.decode.receiver(1, bootstrap_url=bootstrap_url)
+        bad = ([n, 1], [-1, 1], [3, 3], np.array([n - 1, n], dtype=np.int32))
+        for pages in bad:
+            with pytest.raises(ProtocolError, match="page"):
+                sender.send(pages, last=True)
+            with pytest.raises(ProtocolError, match="page"):
+                receiver.init(pages, 0)
+        assert pair.prefill.statistics().sends_refused == len(bad)
+        sender.send([0, 1], last=True)  # the refusals left both handles as they were
+        receiver.init([2, 3], 0)
+        with trio.fail_after(10):
+            assert await receiver.wait() is KVPoll.Success, receiver.failure
+
+
 async def test_an_answer_that_breaks_the_resolver_is_contained(
     bootstrap_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

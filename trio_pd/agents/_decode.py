@@ -63,9 +63,8 @@ from ..core._memory import (
     check_aux_slot,
     check_prefix_pages,
     check_state_slots,
-    page_ids,
+    pool_page_ids,
     read_aux_stamp,
-    validate_pages,
 )
 from ..core._rooms import (
     Arm,
@@ -262,9 +261,7 @@ class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
         their slots, ``i`` to ``i``. They are held with ``pages`` and come back with them
         (``on_release``). Left out: no slot of any component. :class:`ProtocolError` for
         slots outside a component or repeated, or not one list per component."""
-        self._agent._init(
-            self._room, page_ids(pages), aux_slot, on_release, prefix_pages, state_slots,
-        )
+        self._agent._init(self._room, pages, aux_slot, on_release, prefix_pages, state_slots)
 
     def poll(self) -> KVPoll:
         """The room's status now. Never blocks; a terminal status never changes again.
@@ -300,7 +297,9 @@ class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
         later :meth:`wait` says so (leaving the room's block, or :meth:`abort`, gives it
         back through ``on_release``).
         """
-        return await super().wait()
+        # (RoomHandle.wait's body, not a call of it: one coroutine frame fewer to resume)
+        await self._room.terminal.wait()
+        return self._deliver(self._status())
 
     async def wait_released(self) -> None:
         """Wait until ``on_release`` has run (after a failure, or for a Success given up
@@ -437,7 +436,7 @@ class DecodeAgent:
         ``dp_rank`` that is not an int in ``[0, 1024)``; a DP rank the instance does not have
         fails the room (:class:`~trio_pd.BootstrapError`, the service's 404)."""
         room = as_index(room, "room")
-        if room in self._rooms:
+        if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on decode rank {self.tp_rank}")
         if "?" in bootstrap_url:
             base, named = split_dp_url(bootstrap_url)
@@ -478,31 +477,33 @@ class DecodeAgent:
     def _init(
         self,
         rec: _Room,
-        pages: npt.NDArray[np.generic],
+        pages: npt.ArrayLike,
         aux_slot: int,
         on_release: Callable[[], None] | None,
         prefix_pages: int = 0,
         state_slots: Sequence[npt.ArrayLike] = (),
     ) -> None:
+        """:meth:`DecodeReceiver.init`: the caller's pages are checked (integers inside the
+        pool, none repeated) and copied here, once; the TRANSFER's encoder and the prefill
+        rank check the ids again only where they cross the wire."""
         if rec.machine.pages is not None:
             raise ProtocolError(f"room {rec.machine.room}: init called twice")
+        ids = pool_page_ids(pages, self.pool.num_pages, np.int32)  # (a copy)
         prefix_pages = check_prefix_pages(prefix_pages)
         aux_slot = check_aux_slot(aux_slot, self.pool.aux_slots)
-        validate_pages(pages, self.pool.num_pages)
-        if len(pages) > _wire.MAX_TRANSFER_PAGES:  # (its TRANSFER could not carry them)
+        if ids.size > _wire.MAX_TRANSFER_PAGES:  # (its TRANSFER could not carry them)
             raise ProtocolError(
-                f"{len(pages)} pages in one request; a TRANSFER carries at most "
+                f"{ids.size} pages in one request; a TRANSFER carries at most "
                 f"{_wire.MAX_TRANSFER_PAGES}"
             )
+        states = self.pool.states
         slots = check_state_slots(
-            [st.slots for st in self.pool.states], state_slots, "destination"
-        )
+            [st.slots for st in states], state_slots, "destination"
+        ) if states or type(state_slots) is not tuple or state_slots else ()  # (no call: none)
         rec.on_release = on_release
         if self.metrics is not None:
             rec.started = time.perf_counter()
-        self._carry(
-            rec, rec.machine.init(pages.astype(np.int32), aux_slot, prefix_pages, slots)
-        )
+        self._carry(rec, rec.machine.init(ids, aux_slot, prefix_pages, slots))
 
     def _abort(self, rec: _Room, reason: str) -> None:
         """The scheduler gave ``rec`` up (:meth:`DecodeReceiver.abort`): fail it, or, if it
@@ -512,11 +513,13 @@ class DecodeAgent:
     def _bind(self, rec: _Room) -> None:
         """The instance is resolved: the room knows its source ranks."""
         rec.sources = list(rec.instance.sources)
-        if self._rooms.get(rec.machine.room) is rec:
+        if self.table.rooms.get(rec.machine.room) is rec:
             for rank in rec.sources:
                 rank.rooms.add(rec.machine.room)
         # (each (PP stage, TP rank) is a rank of its own: counted by rank_id)
-        self._carry(rec, rec.machine.bind([r.rank_id for r in rec.sources]))
+        due = rec.machine.bind([r.rank_id for r in rec.sources])
+        if due:  # (nothing, unless init came first or the room failed)
+            self._carry(rec, due)
 
     def _resolved(self, inst: Instance) -> None:
         waiting, inst.waiting = inst.waiting, []
@@ -559,7 +562,7 @@ class DecodeAgent:
         for effect in due:
             match effect:  # (the success path's effects first: fewer checks)
                 case SendTransfers():
-                    self._carry(rec, [self.table.timer(rec, "waiting")])
+                    self._arm(self.table.timer(rec, "waiting"))
                     self.wire.send_transfers(rec)
                 case Succeeded():
                     self._give_landing(rec)  # (scattered already, before Success)
@@ -580,9 +583,9 @@ class DecodeAgent:
                 case SendAborts(ranks=ranks):
                     self.wire.send_aborts(rec, ranks)
                 case ArmAckDeadline():
-                    self._carry(rec, [self.table.timer(rec, "ack")])
-                case Arm(after=after, key=key):
-                    self.timers.after(after, partial(self._timer_due, key))
+                    self._arm(self.table.timer(rec, "ack"))
+                case Arm():
+                    self._arm(effect)
                 case Count(name=name):
                     self.counters.bump(name)
                 case Release(how=how):
@@ -611,6 +614,11 @@ class DecodeAgent:
                             self.sources.nursery.start_soon(self._probe_writer, rec, rank)
                 case _:
                     raise AssertionError(f"decode cannot do {effect!r}")
+
+    def _arm(self, arm: Arm) -> None:
+        """Arm a deadline the table made (:meth:`_timer_due` hears it)."""
+        after, key = arm.after, arm.key
+        self.timers.after(after, partial(self._timer_due, key))
 
     def _give_landing(self, rec: _Room) -> None:
         """The room's landing range goes back: it succeeded (copied out already), or its
@@ -770,7 +778,7 @@ class DecodeWire:
         check = partial(self.check_source, msg=msg, sender=sender)
         due = self.agent.table.on_status(
             msg.room, msg.epoch, msg.rank, msg.ok, msg.reason, self.aux_matches, check,
-            self.land,
+            None if self.agent.landing is None else self.land,  # (no landing area: no copy)
         )
         self.carry_at(msg.room, due)
 
@@ -781,9 +789,10 @@ class DecodeWire:
     def carry_at(self, room: int, due: Due) -> None:
         """:meth:`_carry` for what the table made due about ``room``, held here or not (a
         late message is only counted)."""
-        rec = self.agent._rooms.get(room)
+        rec = self.agent.table.rooms.get(room)
         if rec is not None:
-            self.agent._carry(rec, due)
+            if due:
+                self.agent._carry(rec, due)
             return
         for effect in due:
             match effect:

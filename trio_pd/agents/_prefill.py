@@ -57,7 +57,6 @@ from ..core._memory import (
     as_index,
     check_aux_slot,
     check_num_pages,
-    page_ids,
 )
 from ..core._rooms import (
     Arm,
@@ -300,15 +299,16 @@ class PrefillSender(RoomHandle["PrefillAgent", _Room]):
         """
         room, agent = self._room, self._agent
         try:
-            due = room.machine.admit(
-                page_ids(pages), last, state_slots, None if layers is None else layer_range(layers)
+            due = room.machine.admit(  # (checks and copies the pages: one intake check)
+                pages, last, state_slots, None if layers is None else layer_range(layers)
             )
         except ProtocolError:
             agent.counters.bump("sends_refused")
             raise
         if not room.sent and agent.metrics is not None:
             room.sent, room.started = True, time.perf_counter()
-        agent._carry(room, due)
+        if due:  # (a chunk that waits for decode's metadata makes nothing due)
+            agent._carry(room, due)
 
     def abort(self, reason: str = "aborted by the prefill scheduler") -> None:
         """Abort the room: close admission, cancel work not yet started, publish Failed.
@@ -457,14 +457,15 @@ class PrefillAgent:
         ABORT of an old use must not kill this one); the room then fails at its bootstrap
         deadline if no TRANSFER follows."""
         room = as_index(room, "room")
-        if room in self._rooms:
+        if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on prefill rank {self.tp_rank}")
-        aux_slot = check_aux_slot(aux_slot, self.pool.aux_slots)
+        pool = self.pool
+        aux_slot = check_aux_slot(aux_slot, pool.aux_slots)
         num_pages = check_num_pages(num_pages)
         machine = PrefillRoom(
-            room, num_pages, aux_slot, self.pool.num_pages,
-            tuple(st.slots for st in self.pool.states), epoch=epoch,
-            num_layers=self.pool.num_layers,
+            room, num_pages, aux_slot, pool.num_pages,
+            tuple(st.slots for st in pool.states) if pool.states else (), epoch=epoch,
+            num_layers=pool.num_layers,
         )
         rec = _Room(machine, on_release)
         if self.metrics is not None:

@@ -834,7 +834,9 @@ def stamp_aux_row(pool: PoolSpec, slot: int, room: int, epoch: int) -> None:
 def read_aux_stamp(pool: PoolSpec, slot: int) -> tuple[int, int]:
     """The ``(room, epoch)`` :data:`AUX_STAMP` at the start of aux row ``slot``, read in place
     (from a CUDA device with a device copy when the pool's aux buffer lives there)."""
-    address, kind = aux_row_address(pool, slot), pool.aux_kind
+    # (aux_row_address and aux_kind, inline: once a request on the event loop)
+    address = pool.aux_base + slot * pool.aux_item_len
+    kind = None if pool._kinds is None else pool.aux_kind
     if kind is not None and kind.device is not None:
         from ..io._cuda import read
 
@@ -862,6 +864,8 @@ def as_index(value: object, what: str) -> int:
     """``value`` (a slot, a count, a room id) as an int: a Python or numpy integer, not a
     bool, and not a float or a string, which ``int()`` would truncate or parse. Raises
     :class:`~trio_pd.ProtocolError` naming ``what``."""
+    if type(value) is int:  # (the common case, with no call: a bool's type is bool)
+        return value
     if not isinstance(value, (bool, np.bool_)):
         try:
             return operator.index(value)  # type: ignore[arg-type]
@@ -874,7 +878,7 @@ def check_aux_slot(slot: object, slots: int, what: str = "aux slot") -> int:
     """``slot`` as a slot of an aux buffer of ``slots`` rows: an int (:func:`as_index`) in
     ``[0, slots)``. Raises :class:`~trio_pd.ProtocolError` naming ``what``. The one check of
     an aux slot, wherever one comes in (a sender, a receiver's ``init``, a TRANSFER)."""
-    index = as_index(slot, what)
+    index = slot if type(slot) is int else as_index(slot, what)  # (a plain int: no call)
     if not 0 <= index < slots:
         raise ProtocolError(f"{what} {index} outside [0, {slots})")
     return index
@@ -899,10 +903,32 @@ def page_ids(pages: object) -> npt.NDArray[np.int64]:
     return arr.astype(np.int64, copy=True).reshape(-1)
 
 
+def pool_page_ids(
+    pages: object, num_pages: int, dtype: type[np.signedinteger[Any]] = np.int64
+) -> npt.NDArray[Any]:
+    """:func:`page_ids` and :func:`validate_pages` in one intake: ``pages`` as a flat copy
+    of ``dtype`` (int64, or int32 for ids below ``2**31``), each an integer in ``[0,
+    num_pages)`` and none repeated. Refuses what the two refuse, with the same
+    :class:`~trio_pd.ProtocolError` (anything the quick path does not pass goes through them
+    both); the quick path (up to :data:`SMALL` ids of a 1-D integer array or list) is one
+    conversion, one pass over Python ints and one copy."""
+    try:
+        arr = np.asarray(pages)
+    except (TypeError, ValueError, OverflowError):
+        arr = None  # (page_ids says why)
+    if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and 0 < arr.size <= SMALL:
+        values = arr.tolist()
+        if min(values) >= 0 and max(values) < num_pages and len(set(values)) == arr.size:
+            return arr.astype(dtype)  # (a copy: never the caller's array)
+    ids = page_ids(pages)
+    validate_pages(ids, num_pages)
+    return ids if dtype is np.int64 else ids.astype(dtype)
+
+
 def check_num_pages(num_pages: object) -> int:
     """A room's ``num_pages`` as an int (:func:`as_index`); ValueError outside
     ``[0, MAX_POOL_PAGES]``."""
-    n = as_index(num_pages, "num_pages")
+    n = num_pages if type(num_pages) is int else as_index(num_pages, "num_pages")
     if not 0 <= n <= MAX_POOL_PAGES:
         raise ValueError(f"num_pages must be in [0, {MAX_POOL_PAGES}], not {n}")
     return n
@@ -912,7 +938,7 @@ def check_prefix_pages(prefix_pages: object) -> int:
     """A decode rank's ``prefix_pages`` (the request's first pages it holds already), as an
     int (:func:`as_index`) in ``[0, MAX_POOL_PAGES]``. Raises
     :class:`~trio_pd.ProtocolError`."""
-    prefix = as_index(prefix_pages, "prefix_pages")
+    prefix = prefix_pages if type(prefix_pages) is int else as_index(prefix_pages, "prefix_pages")
     if not 0 <= prefix <= MAX_POOL_PAGES:
         raise ProtocolError(f"prefix_pages must be an int >= 0, not {prefix_pages!r}")
     return prefix

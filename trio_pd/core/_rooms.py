@@ -60,7 +60,7 @@ from ._errors import (
     TransferError,
     TransferTimeout,
 )
-from ._memory import check_aux_slot, check_state_slots, validate_pages
+from ._memory import check_aux_slot, check_state_slots, pool_page_ids
 from ._state import (
     AckBook,
     KVPoll,
@@ -304,12 +304,15 @@ class Target:
             )
         if landing and not peer.landing_pages:
             raise ProtocolError(f"room {room.room}: landing pages, but no landing area")
-        validate_pages(dst_pages, peer.landing_pages if landing else peer.num_pages)
+        # (the wire's decoder checked them against the largest pool; this is the peer's)
+        ids = pool_page_ids(dst_pages, peer.landing_pages if landing else peer.num_pages)
         check_aux_slot(aux_slot, peer.aux_slots, "decode aux slot")
-        dst_slots = check_state_slots(peer.state_slots, state_slots, "destination")
+        dst_slots = check_state_slots(
+            peer.state_slots, state_slots, "destination"
+        ) if peer.state_slots or state_slots else ()
         return cls(
-            endpoint, session, decode_rank, epoch, aux_slot, dst_pages.astype(np.int64),
-            prefix_pages, dst_slots, landing,
+            endpoint, session, decode_rank, epoch, aux_slot, ids, prefix_pages, dst_slots,
+            landing,
         )
 
 
@@ -367,11 +370,12 @@ class RequestPages:
     ) -> tuple[int, tuple[int, int] | None]:
         """Refuse a chunk that breaks the rule above (:class:`ProtocolError`); else the
         request page it starts at, and its layers (None: every layer)."""
-        self.check_open()
-        if layers == (0, self.num_layers):
+        if self.last:
+            self.check_open()  # (raises)
+        if layers is not None and layers == (0, self.num_layers):
             layers = None  # every layer: a plain chunk
         if layers is None and self.layer_pages is None:
-            end = self.sent + len(pages)
+            end = self.sent + pages.size
             if end > self.num_pages or (last and end != self.num_pages):
                 raise ProtocolError(
                     f"room {self.room}: chunk ends at page {end} of {self.num_pages}"
@@ -449,11 +453,11 @@ class RequestPages:
         self, start: int, pages: Pages, last: bool, layers: tuple[int, int] | None
     ) -> None:
         """Record a chunk :meth:`check` passed (``start`` and ``layers`` as it returned)."""
-        end = start + len(pages)
+        end = start + pages.size
         self.last = last
         if layers is None and self.layer_pages is None:
             self.sent = end
-            if len(pages):
+            if pages.size:
                 self.admitted.append(pages)
             return
         a, b = layers if layers is not None else (0, self.num_layers)
@@ -569,15 +573,12 @@ class ChunkQueue:
         return Chunk(lease, pages, first.start, group[-1].last, layers), len(group) - 1
 
 
-def check_source(
-    room: PrefillRoom, pages: Pages, last: bool, state_slots: Sequence[npt.ArrayLike] | None
+def check_source_slots(
+    room: PrefillRoom, last: bool, state_slots: Sequence[npt.ArrayLike] | None
 ) -> tuple[Pages, ...]:
-    """The checks of :meth:`PrefillRoom.admit` against this rank's own pool: page ids inside
-    it, and state slots (one list per state component, inside it) with the last chunk only.
-    The state slots the chunk brings, or :class:`ProtocolError`."""
-    validate_pages(pages, room.pool_pages)
-    if state_slots is None and not (last and room.state_sizes):
-        return ()
+    """The state slots of a chunk :meth:`PrefillRoom.admit` takes, checked against this
+    rank's own pool (one list per state component, inside it), with the last chunk only;
+    or :class:`ProtocolError`. (Its page ids are checked there: :func:`pool_page_ids`.)"""
     if not last:
         raise ProtocolError(f"room {room.room}: state slots go with the last chunk")
     return check_state_slots(room.state_sizes, () if state_slots is None else state_slots, "source")
@@ -662,25 +663,35 @@ class PrefillRoom:
     # ---------------------------------------------------------------- admission and chunks
 
     def admit(
-        self, pages: Pages, last: bool, state_slots: Sequence[npt.ArrayLike] | None = None,
+        self, pages: npt.ArrayLike, last: bool,
+        state_slots: Sequence[npt.ArrayLike] | None = None,
         layers: tuple[int, int] | None = None,
     ) -> Due:
         """The scheduler hands over the next chunk. Takes its lease at once (I3) or raises
         :class:`AdmissionClosed` (closed room, I2) / :class:`ProtocolError` (a chunk past
-        ``num_pages``, after the last one, with page ids outside the pool, or state slots
-        that are not one list per state component, inside it, or given before the last
-        chunk). The state slots go with the last chunk, under its lease.
+        ``num_pages``, after the last one, with page ids that are not integers, outside the
+        pool or repeated, or state slots that are not one list per state component, inside
+        it, or given before the last chunk). The state slots go with the last chunk, under
+        its lease. ``pages`` are the caller's: checked and copied here, the one check of a
+        chunk's page ids (:func:`pool_page_ids`), so reusing them later changes nothing.
 
         ``layers`` ``(a, b)``: the chunk is layers ``[a, b)`` of its pages only (layer-wise
         streaming, :class:`RequestPages`); None: every layer, the request's next pages."""
-        self.intake.check_open()
-        slots = check_source(self, pages, last, state_slots)
-        start, layers = self.intake.check(pages, last, layers)
-        lease = self.leases.admit(len(pages))  # raises AdmissionClosed: I2
-        chunk = Chunk(lease, pages, start, last, layers)
-        self.intake.advance(start, pages, last, layers)
-        self.state_slots = slots
-        if not self.chunks.add(chunk, self.ready):
+        intake = self.intake
+        if intake.last:
+            intake.check_open()  # (raises: the first thing a chunk after the last one hears)
+        ids = pool_page_ids(pages, self.pool_pages)
+        slots = None
+        if state_slots is not None or (last and self.state_sizes):
+            slots = check_source_slots(self, last, state_slots)
+        start, layers = intake.check(ids, last, layers)
+        lease = self.leases.admit(ids.size)  # raises AdmissionClosed: I2
+        chunk = Chunk(lease, ids, start, last, layers)
+        intake.advance(start, ids, last, layers)
+        if slots is not None:  # (only the last chunk brings any: the room is unchanged else)
+            self.state_slots = slots
+        expected = self.expected_targets  # (ready, without the property's call)
+        if not self.chunks.add(chunk, expected is not None and len(self.targets) >= expected):
             return []
         self.cell.advance(KVPoll.Transferring)
         return [RunChunks(1)]

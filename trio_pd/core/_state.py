@@ -61,7 +61,7 @@ class StatusCell:
         Use :meth:`fail` for Failed (it needs a reason)."""
         if new is KVPoll.Failed:
             raise ValueError("use fail() to record a failure with its reason")
-        if self.terminal or new <= self._status:
+        if self._status in TERMINAL or new <= self._status:  # (terminal, without a call)
             return False
         self._status = new
         return True
@@ -69,7 +69,7 @@ class StatusCell:
     def fail(self, error: TransferError, *, propagated: bool = False) -> bool:
         """Fail with a reason. Returns False if already terminal (Success stands; the first
         failure's reason stays)."""
-        if self.terminal:
+        if self._status in TERMINAL:
             return False
         self._status = KVPoll.Failed
         self.failure = error
@@ -227,11 +227,18 @@ class RankSet:
         self.bits |= 1 << rank
 
     def update(self, ranks: Iterable[int]) -> None:
-        for rank in ranks:
-            self.add(rank)
+        bits = self.bits
+        for rank in ranks:  # (add's check, once a rank, without a call each)
+            if rank < 0:
+                raise ValueError(f"rank {rank} is negative")
+            bits |= 1 << rank
+        self.bits = bits
 
     def __contains__(self, rank: object) -> bool:
-        return isinstance(rank, int) and rank >= 0 and bool(self.bits >> rank & 1)
+        return (
+            (type(rank) is int or isinstance(rank, int)) and rank >= 0
+            and bool(self.bits >> rank & 1)
+        )
 
     def __iter__(self) -> Iterator[int]:
         bits, rank = self.bits, 0

@@ -289,7 +289,9 @@ class PrefillRooms(Generic[R]):
             # decode aborted this very use before the scheduler created it here: fail now
             # rather than at the bootstrap deadline
             due += machine.close(TransferAborted(f"room {room} aborted by decode"))
-        pending = self.parked.pop(room, {})
+        pending = self.parked.pop(room, None)
+        if not pending:  # (the common case: sender() before any TRANSFER)
+            return due
         self.parked_page_ids -= sum(p.page_ids for p in pending.values())
         for parked in pending.values():
             peer = peer_of(parked.endpoint)
@@ -561,7 +563,8 @@ class DecodeRooms(Generic[D]):
     def room_for(self, room_id: int, epoch: int) -> D | None:
         """The use a STATUS or ABORT_ACK for (room, epoch) is for; None if late."""
         rec = self.rooms.get(room_id)
-        if rec is None or rec.machine.epoch != epoch or not rec.machine.resolved:
+        # (machine.resolved, without the property's call)
+        if rec is None or rec.machine.epoch != epoch or rec.machine.required is None:
             return None
         return rec
 
