@@ -3,9 +3,10 @@
 Two rules of the specification live here, and only here:
 
 * **A chunk transfer is a nursery** (SPEC §5.1). The chunk's engine calls, one per destination
-  rank, are children of one nursery (or its body, when there is one destination: the nursery
-  waits for that just the same, without a task per chunk). The chunk ends only when every
-  call has returned, a failed call's siblings included: drain on failure is structural.
+  rank, are children of one nursery. The chunk ends only when every call has returned, a
+  failed call's siblings included: drain on failure is structural. With one destination
+  there is no sibling and no nursery: the runner awaits its one call, and a lane call, once
+  started, is waited for even when cancelled, so the chunk still cannot end while it runs.
 * **Business abort is not DMA completion** (§5.2). The chunk runs inside a cancel scope the
   room keeps; an abort cancels it. An engine call goes onto its peer's lane
   (:meth:`Lane.run_sync <trio_pd.io._lane.Lane.run_sync>`): cancelled while still queued, it
@@ -389,7 +390,7 @@ class ChunkRunner:
             engine=engine, pool=pool, counters=counters, staging_bytes=staging_bytes
         )
 
-    async def run(  # noqa: ASYNC910 (the nursery's exit is a schedule point on every path)
+    async def run(  # noqa: ASYNC910 (a schedule point on every path: see _transfer's callers)
         self,
         room: PrefillRoom,
         scopes: dict[trio.CancelScope, None],
@@ -408,6 +409,8 @@ class ChunkRunner:
         calls: list[_Call] = []
         failure: TransferError | None = None
         ran_to_end = False
+        # one destination: its call runs here, no nursery (see _transfer)
+        single = len(room.targets) == 1
         scope = trio.CancelScope()
         try:
             try:
@@ -416,12 +419,20 @@ class ChunkRunner:
                     if room.leases.closed:
                         scope.cancel("room closed before the chunk started")
                     try:
-                        await self._transfer(room, chunk, calls)
+                        if single:
+                            await self._transfer(room, chunk, calls, None)
+                            if not calls:  # (a call awaited is a schedule point; none was)
+                                await trio.lowlevel.cancel_shielded_checkpoint()
+                        else:
+                            async with trio.open_nursery() as nursery:
+                                await self._transfer(room, chunk, calls, nursery)
                         ran_to_end = True
                     finally:
                         scopes.pop(scope, None)
             except* Exception as group:  # planning, validation or engine: the room fails
                 failure = room_error(group)
+                if single:  # (where a nursery's exit would have been, as on every path)
+                    await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self.planner.settle_staging(room, calls)
             outcome = outcome_of(calls)
@@ -437,44 +448,52 @@ class ChunkRunner:
                 failure = TransferAborted(f"room {room.room}: the prefill agent is closing")
             settle(outcome, failure)
 
-    async def _transfer(self, room: PrefillRoom, chunk: Chunk, calls: list[_Call]) -> None:
-        """The chunk's engine calls, one per destination rank, in one nursery: it exits only
-        when every one has (SPEC §5.1, scenarios 1 and 2). Each starts as a child as soon as
-        it is planned; with one destination the call runs in the nursery's body."""
-        single = len(room.targets) == 1
-        async with trio.open_nursery() as nursery:
-            for target in room.targets.values():
-                peer = self.peers.get(target.endpoint)
-                if peer is None or peer.session != target.session:
-                    raise PeerLost(
-                        f"decode peer {target.endpoint} re-registered with another engine session"
-                    )
-                if not peer.ready.is_set():
-                    await peer.ready.wait()  # not started yet: cancellable
-                staging = self.planner.stages(peer, chunk, target)
-                if staging and not self.planner.staging.registered:
-                    await self.planner.register_staging()  # once per agent; cancellable until then
-                call = _Call()
-                blocks, prepare = self.planner.plan(room, chunk, target, peer, call, staging)
-                if len(blocks.lens) == 0:
-                    continue  # a dummy rank for this destination: bookkeeping only
-                calls.append(call)  # (settling gives back or keeps its staging range)
-                call.peer = peer
-                call.tail = (int(blocks.src[-1]), int(blocks.dst[-1]))
-                if peer.probing and not peer.failed:
-                    # a write to it has just failed: this room was not in that call, and
-                    # the peer may well be alive (SPEC §5.7). Not started yet: cancellable
-                    await self.peers.probes.verdict(peer)
-                if peer.failed:
-                    self.peers.probes.reprobe(peer)  # (unless a probe is running)
-                    raise PeerLost(
-                        f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
-                        "fast until it answers a probe or registers again"
-                    )
-                if single:
-                    await self._engine_call(peer, blocks, call, prepare)
-                else:
-                    nursery.start_soon(self._engine_call, peer, blocks, call, prepare)
+    async def _transfer(  # noqa: ASYNC910 (run: a schedule point on the paths with none here)
+        self, room: PrefillRoom, chunk: Chunk, calls: list[_Call], nursery: trio.Nursery | None
+    ) -> None:
+        """The chunk's engine calls, one per destination rank, as children of ``nursery``,
+        which exits only when every one has (SPEC §5.1, scenarios 1 and 2). Each starts as
+        soon as it is planned.
+
+        With one destination (``nursery`` None) the one call is awaited here: there is no
+        sibling to wait for, and :meth:`Lane.run_sync <trio_pd.io._lane.Lane.run_sync>`
+        returns only once a started call has, also when cancelled, so the chunk cannot end
+        while its call runs, as in a nursery. What a nursery adds there is a schedule point
+        at its exit even when its body had none: :meth:`run` makes it where no call was
+        awaited (a dummy rank, a chunk that failed before its call), so every path keeps one,
+        but a chunk whose call returned costs one task step less."""
+        for target in room.targets.values():
+            peer = self.peers.get(target.endpoint)
+            if peer is None or peer.session != target.session:
+                raise PeerLost(
+                    f"decode peer {target.endpoint} re-registered with another engine session"
+                )
+            if not peer.ready.is_set():
+                await peer.ready.wait()  # not started yet: cancellable
+            staging = self.planner.stages(peer, chunk, target)
+            if staging and not self.planner.staging.registered:
+                await self.planner.register_staging()  # once per agent; cancellable until then
+            call = _Call()
+            blocks, prepare = self.planner.plan(room, chunk, target, peer, call, staging)
+            if len(blocks.lens) == 0:
+                continue  # a dummy rank for this destination: bookkeeping only
+            calls.append(call)  # (settling gives back or keeps its staging range)
+            call.peer = peer
+            call.tail = (int(blocks.src[-1]), int(blocks.dst[-1]))
+            if peer.probing and not peer.failed:
+                # a write to it has just failed: this room was not in that call, and
+                # the peer may well be alive (SPEC §5.7). Not started yet: cancellable
+                await self.peers.probes.verdict(peer)
+            if peer.failed:
+                self.peers.probes.reprobe(peer)  # (unless a probe is running)
+                raise PeerLost(
+                    f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
+                    "fast until it answers a probe or registers again"
+                )
+            if nursery is None:
+                await self._engine_call(peer, blocks, call, prepare)
+            else:
+                nursery.start_soon(self._engine_call, peer, blocks, call, prepare)
 
     async def _blame(self, peer: DecodePeer, write: Write, error: Exception) -> PeerLost | None:
         """An engine call to ``peer`` raised ``error``: is the peer alive (its probe's
