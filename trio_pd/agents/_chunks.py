@@ -139,6 +139,12 @@ class Write:
 def outcome_of(calls: list[_Call]) -> Outcome:
     """An error anywhere: unknown completion (quarantine). Otherwise any call done: drained.
     None started: cancelled."""
+    if len(calls) == 1:  # (one destination: most chunks)
+        state = calls[0].state
+        return (
+            Outcome.ERROR if state == "error"
+            else Outcome.COMPLETED if state == "done" else Outcome.CANCELLED
+        )
     states = {c.state for c in calls}
     if "error" in states:
         return Outcome.ERROR
@@ -185,6 +191,9 @@ class ChunkPlanner:
         self.staging = StagingArea(staging_bytes if host_source(pool) else 0)
         #: layer-wise chunks: (id(pool), a, b) -> (pool, its view of layers [a, b))
         self._views: dict[tuple[int, int, int], tuple[PoolSpec, PoolSpec]] = {}
+        #: id(peer) -> (peer, whether its head slices go through staging): fixed for the life
+        #: of a registration, and asked for every chunk
+        self._heads_staged: dict[int, tuple[DecodePeer, bool]] = {}
         self._staging_lock = trio.Lock()
 
     def stages(self, peer: DecodePeer, chunk: Chunk, target: Target | None = None) -> bool:
@@ -193,7 +202,13 @@ class ChunkPlanner:
         destination is the peer's landing area (trio_pd.core._landing)."""
         if not (len(chunk.pages) > 0 and self.staging.usable) or peer.heads is None:
             return False
-        if stages_heads(self.pool, peer.pool, peer.heads):
+        hit = self._heads_staged.get(id(peer))
+        if hit is None or hit[0] is not peer:
+            if len(self._heads_staged) >= 4096:
+                self._heads_staged.clear()
+            staged = stages_heads(self.pool, peer.pool, peer.heads)
+            hit = self._heads_staged[id(peer)] = (peer, staged)
+        if hit[1]:
             return True
         return (
             target is not None and target.landing and peer.landing is not None
@@ -527,7 +542,7 @@ class ChunkRunner:
         """
         write = Write(self.engine, peer.session, blocks, prepare)
         metrics = self._metrics()
-        t0 = time.perf_counter()
+        t0 = 0.0 if metrics is None else time.perf_counter()
         try:
             await self.peers.run_engine_call(peer.lane, write)
         except trio.Cancelled:
