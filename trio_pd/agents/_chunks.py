@@ -405,7 +405,7 @@ class ChunkRunner:
             engine=engine, pool=pool, counters=counters, staging_bytes=staging_bytes
         )
 
-    async def run(  # noqa: ASYNC910 (a schedule point on every path: see _transfer's callers)
+    async def run(  # noqa: ASYNC910 (every path schedules: a call, a nursery, or below)
         self,
         room: PrefillRoom,
         scopes: dict[trio.CancelScope, None],
