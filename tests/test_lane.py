@@ -70,6 +70,32 @@ async def test_calls_run_in_order_on_one_thread() -> None:
     lane.close()
 
 
+async def test_a_call_wakes_a_waiting_thread_and_a_busy_one_finds_it() -> None:
+    """A call is notified to the thread only while it waits (``Lane._idle``): one made while
+    the thread is in a call is found in the queue when that call returns, and one made while
+    it waits wakes it at once, not when its wait for calls runs out (``idle_exit``)."""
+    lane = Lane("t", idle_exit=60.0)  # (far past BOUND: a missed wake-up fails the test)
+    held = Held(1)
+    got: list[Any] = []
+
+    async def call(fn: Any) -> None:
+        got.append(await lane.run_sync(fn))
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, held)
+            await held.wait_entered()
+            assert not lane._idle
+            nursery.start_soon(call, lambda: 2)  # queued while the thread is busy
+            await trio.testing.wait_all_tasks_blocked()
+            held.go.set()
+        assert sorted(got) == [1, 2]
+        while not lane._idle:  # noqa: ASYNC110 (a thread's state: no trio event to wait on)
+            await trio.sleep(0.001)
+        assert await lane.run_sync(lambda: 3) == 3  # the thread was waiting for calls
+    lane.close()
+
+
 async def test_errors_reach_the_caller_and_the_lane_goes_on() -> None:
     lane = Lane("t")
 

@@ -44,6 +44,7 @@ from trio_pd import (
     PrefillAgent,
     PrefillConfig,
     RemoteFailure,
+    TransferAborted,
     open_decode,
     open_prefill,
 )
@@ -55,7 +56,7 @@ from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy, StallGate
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, HostKVPool
 
-from .helpers.agents import Pair, host_pool, open_pair
+from .helpers.agents import Pair, host_pool, open_pair, poll_until
 
 #: bound on every wait for something that must happen
 BOUND = 15.0
@@ -1038,6 +1039,62 @@ async def test_closing_prefill_does_not_ack_a_quarantined_room(
             assert decode.statistics().acks_received == 0
             assert decode.statistics().peers_closed == 0  # (no BYE: a write is not proven over)
     finally:
+        pe.close()
+        de.close()
+
+
+async def test_closing_prefill_waits_for_a_started_call_and_fails_a_queued_one(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """The agent closes (its workers cancelled from outside) while room 51's write is in the
+    engine and room 52's is queued behind it on the same lane. Each chunk has one
+    destination, so its call is awaited without a nursery (docs/lifetimes.md, section 2);
+    the started call is waited for all the same, the close with it, and room 51's pages go
+    back only once it returned; the queued call never starts: room 52 fails with
+    :class:`TransferAborted` (the agent is closing) and its pages go back at once."""
+    log: list[str] = []
+    src, dst = host_pool("mha"), host_pool("mha")
+    pe, de = FaultEngine(make_engine(engine_name), stall_call(0)), make_engine(engine_name)
+
+    async def let_go() -> None:
+        await watch()  # the close waits for the stalled write meanwhile
+        log.append("write let go")
+        pe.stalls.release_all()
+
+    try:
+        async with (
+            open_decode(engine=de, pool=dst.spec) as decode,
+            trio.open_nursery() as side,
+            open_prefill(
+                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=KV_HEADS,
+                config=PrefillConfig(inflight_per_peer=1, batch_blocks=0),
+            ) as prefill,
+        ):
+            senders = {}
+            for room in (51, 52):
+                k = room - 51
+                senders[room] = prefill.sender(
+                    room, num_pages=2, aux_slot=k,
+                    on_release=lambda room=room: log.append(f"{room} released"),
+                )
+                decode.receiver(room, bootstrap_url=bootstrap_url).init(
+                    np.arange(2) + 2 * k, k
+                )
+            senders[51].send(np.arange(2), last=True)
+            await stalled(pe.stalls)  # 51's write is in the engine
+            senders[52].send(np.arange(2) + 2, last=True)
+            (peer,) = prefill.peers.all()
+            with trio.fail_after(BOUND):  # 52's write is queued on the lane behind it
+                await poll_until(lambda: peer.lane.outstanding == 2)
+            side.start_soon(let_go)
+        assert log == ["52 released", "write let go", "51 released"], log
+        failure = senders[52].failure
+        assert isinstance(failure, TransferAborted) and "is closing" in str(failure), failure
+        # 51's write returned during the close: no worker publishes then, the close fails it
+        assert "prefill agent closed" in str(senders[51].failure)
+        assert pe.statistics().calls == 1  # 52's never reached the engine
+    finally:
+        pe.stalls.release_all()
         pe.close()
         de.close()
 

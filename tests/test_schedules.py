@@ -296,6 +296,7 @@ async def start_prefill(
     timers: bool = False,
     layers: int = 1,
     landing: tuple[tuple[int, ...], int] = ((), 0),
+    coalesce_pages: int = PrefillConfig().coalesce_pages,
 ) -> PrefillRig:
     """A real PrefillAgent on the twins, its workers and timer task running in ``nursery``,
     with one decode peer registered (through its real REGISTER handler; ``landing``: the
@@ -307,7 +308,8 @@ async def start_prefill(
     agent = cls(
         engine=engine, pool=src.spec, tp_rank=0, tp_size=1, kv_heads=1, host="unused",
         config=PrefillConfig(
-            workers=workers, bootstrap_timeout=1e4, quarantine_fence=fence, tombstone_ttl=1e4
+            workers=workers, bootstrap_timeout=1e4, quarantine_fence=fence, tombstone_ttl=1e4,
+            coalesce_pages=coalesce_pages,
         ),
         control=control,  # type: ignore[arg-type]
     )
@@ -619,14 +621,16 @@ def test_ack_vs_quarantine_every_schedule() -> None:
 
 def release_vs_drain(point: Point, *, how: str) -> Callable[[], Awaitable[None]]:
     """Two chunks of one room on two workers, in flight together; the room is concluded by
-    its last chunk, or aborted (by the scheduler or by decode) at ``point``.
+    its last chunk, or aborted (by the scheduler or by decode) at ``point``. (Each chunk is
+    its own engine call: coalesced into one, the two would be a single call, and the abort at
+    ``("return", 1)`` would race publication instead, which publication_vs_abort covers.)
 
     Invariant (I1, I3, SPEC §5.3, §8.5): the release callback runs exactly once, with no
     engine call in flight, after every engine call that started has returned."""
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
-            rig = await start_prefill(nursery, workers=2)
+            rig = await start_prefill(nursery, workers=2, coalesce_pages=1)
             sender = rig.room(3)
             sender.send(np.array([0, 1]))
             sender.send(np.array([2]), last=True)

@@ -3,9 +3,10 @@
 Two rules of the specification live here, and only here:
 
 * **A chunk transfer is a nursery** (SPEC §5.1). The chunk's engine calls, one per destination
-  rank, are children of one nursery (or its body, when there is one destination: the nursery
-  waits for that just the same, without a task per chunk). The chunk ends only when every
-  call has returned, a failed call's siblings included: drain on failure is structural.
+  rank, are children of one nursery. The chunk ends only when every call has returned, a
+  failed call's siblings included: drain on failure is structural. With one destination
+  there is no sibling and no nursery: the runner awaits its one call, and a lane call, once
+  started, is waited for even when cancelled, so the chunk still cannot end while it runs.
 * **Business abort is not DMA completion** (§5.2). The chunk runs inside a cancel scope the
   room keeps; an abort cancels it. An engine call goes onto its peer's lane
   (:meth:`Lane.run_sync <trio_pd.io._lane.Lane.run_sync>`): cancelled while still queued, it
@@ -138,6 +139,12 @@ class Write:
 def outcome_of(calls: list[_Call]) -> Outcome:
     """An error anywhere: unknown completion (quarantine). Otherwise any call done: drained.
     None started: cancelled."""
+    if len(calls) == 1:  # (one destination: most chunks)
+        state = calls[0].state
+        return (
+            Outcome.ERROR if state == "error"
+            else Outcome.COMPLETED if state == "done" else Outcome.CANCELLED
+        )
     states = {c.state for c in calls}
     if "error" in states:
         return Outcome.ERROR
@@ -184,6 +191,9 @@ class ChunkPlanner:
         self.staging = StagingArea(staging_bytes if host_source(pool) else 0)
         #: layer-wise chunks: (id(pool), a, b) -> (pool, its view of layers [a, b))
         self._views: dict[tuple[int, int, int], tuple[PoolSpec, PoolSpec]] = {}
+        #: id(peer) -> (peer, whether its head slices go through staging): fixed for the life
+        #: of a registration, and asked for every chunk
+        self._heads_staged: dict[int, tuple[DecodePeer, bool]] = {}
         self._staging_lock = trio.Lock()
 
     def stages(self, peer: DecodePeer, chunk: Chunk, target: Target | None = None) -> bool:
@@ -192,7 +202,13 @@ class ChunkPlanner:
         destination is the peer's landing area (trio_pd.core._landing)."""
         if not (len(chunk.pages) > 0 and self.staging.usable) or peer.heads is None:
             return False
-        if stages_heads(self.pool, peer.pool, peer.heads):
+        hit = self._heads_staged.get(id(peer))
+        if hit is None or hit[0] is not peer:
+            if len(self._heads_staged) >= 4096:
+                self._heads_staged.clear()
+            staged = stages_heads(self.pool, peer.pool, peer.heads)
+            hit = self._heads_staged[id(peer)] = (peer, staged)
+        if hit[1]:
             return True
         return (
             target is not None and target.landing and peer.landing is not None
@@ -389,7 +405,7 @@ class ChunkRunner:
             engine=engine, pool=pool, counters=counters, staging_bytes=staging_bytes
         )
 
-    async def run(  # noqa: ASYNC910 (the nursery's exit is a schedule point on every path)
+    async def run(  # noqa: ASYNC910 (every path schedules: a call, a nursery, or below)
         self,
         room: PrefillRoom,
         scopes: dict[trio.CancelScope, None],
@@ -408,6 +424,8 @@ class ChunkRunner:
         calls: list[_Call] = []
         failure: TransferError | None = None
         ran_to_end = False
+        # one destination: its call runs here, no nursery (see _transfer)
+        single = len(room.targets) == 1
         scope = trio.CancelScope()
         try:
             try:
@@ -416,12 +434,20 @@ class ChunkRunner:
                     if room.leases.closed:
                         scope.cancel("room closed before the chunk started")
                     try:
-                        await self._transfer(room, chunk, calls)
+                        if single:
+                            await self._transfer(room, chunk, calls, None)
+                            if not calls:  # (a call awaited is a schedule point; none was)
+                                await trio.lowlevel.cancel_shielded_checkpoint()
+                        else:
+                            async with trio.open_nursery() as nursery:
+                                await self._transfer(room, chunk, calls, nursery)
                         ran_to_end = True
                     finally:
                         scopes.pop(scope, None)
             except* Exception as group:  # planning, validation or engine: the room fails
                 failure = room_error(group)
+                if single:  # (where a nursery's exit would have been, as on every path)
+                    await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self.planner.settle_staging(room, calls)
             outcome = outcome_of(calls)
@@ -437,44 +463,52 @@ class ChunkRunner:
                 failure = TransferAborted(f"room {room.room}: the prefill agent is closing")
             settle(outcome, failure)
 
-    async def _transfer(self, room: PrefillRoom, chunk: Chunk, calls: list[_Call]) -> None:
-        """The chunk's engine calls, one per destination rank, in one nursery: it exits only
-        when every one has (SPEC §5.1, scenarios 1 and 2). Each starts as a child as soon as
-        it is planned; with one destination the call runs in the nursery's body."""
-        single = len(room.targets) == 1
-        async with trio.open_nursery() as nursery:
-            for target in room.targets.values():
-                peer = self.peers.get(target.endpoint)
-                if peer is None or peer.session != target.session:
-                    raise PeerLost(
-                        f"decode peer {target.endpoint} re-registered with another engine session"
-                    )
-                if not peer.ready.is_set():
-                    await peer.ready.wait()  # not started yet: cancellable
-                staging = self.planner.stages(peer, chunk, target)
-                if staging and not self.planner.staging.registered:
-                    await self.planner.register_staging()  # once per agent; cancellable until then
-                call = _Call()
-                blocks, prepare = self.planner.plan(room, chunk, target, peer, call, staging)
-                if len(blocks.lens) == 0:
-                    continue  # a dummy rank for this destination: bookkeeping only
-                calls.append(call)  # (settling gives back or keeps its staging range)
-                call.peer = peer
-                call.tail = (int(blocks.src[-1]), int(blocks.dst[-1]))
-                if peer.probing and not peer.failed:
-                    # a write to it has just failed: this room was not in that call, and
-                    # the peer may well be alive (SPEC §5.7). Not started yet: cancellable
-                    await self.peers.probes.verdict(peer)
-                if peer.failed:
-                    self.peers.probes.reprobe(peer)  # (unless a probe is running)
-                    raise PeerLost(
-                        f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
-                        "fast until it answers a probe or registers again"
-                    )
-                if single:
-                    await self._engine_call(peer, blocks, call, prepare)
-                else:
-                    nursery.start_soon(self._engine_call, peer, blocks, call, prepare)
+    async def _transfer(  # noqa: ASYNC910 (run: a schedule point on the paths with none here)
+        self, room: PrefillRoom, chunk: Chunk, calls: list[_Call], nursery: trio.Nursery | None
+    ) -> None:
+        """The chunk's engine calls, one per destination rank, as children of ``nursery``,
+        which exits only when every one has (SPEC §5.1, scenarios 1 and 2). Each starts as
+        soon as it is planned.
+
+        With one destination (``nursery`` None) the one call is awaited here: there is no
+        sibling to wait for, and :meth:`Lane.run_sync <trio_pd.io._lane.Lane.run_sync>`
+        returns only once a started call has, also when cancelled, so the chunk cannot end
+        while its call runs, as in a nursery. What a nursery adds there is a schedule point
+        at its exit even when its body had none: :meth:`run` makes it where no call was
+        awaited (a dummy rank, a chunk that failed before its call), so every path keeps one,
+        but a chunk whose call returned costs one task step less."""
+        for target in room.targets.values():
+            peer = self.peers.get(target.endpoint)
+            if peer is None or peer.session != target.session:
+                raise PeerLost(
+                    f"decode peer {target.endpoint} re-registered with another engine session"
+                )
+            if not peer.ready.is_set():
+                await peer.ready.wait()  # not started yet: cancellable
+            staging = self.planner.stages(peer, chunk, target)
+            if staging and not self.planner.staging.registered:
+                await self.planner.register_staging()  # once per agent; cancellable until then
+            call = _Call()
+            blocks, prepare = self.planner.plan(room, chunk, target, peer, call, staging)
+            if len(blocks.lens) == 0:
+                continue  # a dummy rank for this destination: bookkeeping only
+            calls.append(call)  # (settling gives back or keeps its staging range)
+            call.peer = peer
+            call.tail = (int(blocks.src[-1]), int(blocks.dst[-1]))
+            if peer.probing and not peer.failed:
+                # a write to it has just failed: this room was not in that call, and
+                # the peer may well be alive (SPEC §5.7). Not started yet: cancellable
+                await self.peers.probes.verdict(peer)
+            if peer.failed:
+                self.peers.probes.reprobe(peer)  # (unless a probe is running)
+                raise PeerLost(
+                    f"decode peer {peer.endpoint} is lost ({peer.lost}): chunks to it fail "
+                    "fast until it answers a probe or registers again"
+                )
+            if nursery is None:
+                await self._engine_call(peer, blocks, call, prepare)
+            else:
+                nursery.start_soon(self._engine_call, peer, blocks, call, prepare)
 
     async def _blame(self, peer: DecodePeer, write: Write, error: Exception) -> PeerLost | None:
         """An engine call to ``peer`` raised ``error``: is the peer alive (its probe's
@@ -508,7 +542,7 @@ class ChunkRunner:
         """
         write = Write(self.engine, peer.session, blocks, prepare)
         metrics = self._metrics()
-        t0 = time.perf_counter()
+        t0 = 0.0 if metrics is None else time.perf_counter()
         try:
             await self.peers.run_engine_call(peer.lane, write)
         except trio.Cancelled:

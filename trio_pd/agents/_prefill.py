@@ -14,7 +14,7 @@
   STATUS): one retry policy, bounded.
 
 This module does the I/O the machines ask for (:meth:`PrefillAgent._carry`) and nothing
-else: the worker tasks, the publication lock (§5.4), the listener's dispatch, and the one
+else: the worker tasks, publication (§5.4), the listener's dispatch, and the one
 timers task that hands each deadline the table armed back to it.
 """
 
@@ -229,7 +229,9 @@ class _Room:
 
     @property
     def lock(self) -> trio.Lock:
-        """The publication lock, made when the room first publishes (see _lazy)."""
+        """A lock for a publication that awaits (a subclass's ``_publish``): the agent's own
+        is one synchronous step and takes it only while another holds it. Made on first
+        use (see _lazy)."""
         if self._lock is None:
             self._lock = trio.Lock()
         return self._lock
@@ -583,14 +585,26 @@ class PrefillAgent:
         )
 
     async def _publish(self, rec: _Room) -> None:
-        """Decide and publish the room's outcome, once, under the room's lock (SPEC §5.4).
-        (A method of the agent, which its workers call: a subclass may replace it.)"""
-        if not rec.machine.publish_due:
+        """Decide and publish the room's outcome, once (SPEC §5.4): ``PrefillRoom.publish``
+        checks and sends in one synchronous step, so no abort can come in between. (A
+        method of the agent, which its workers call: a subclass may replace it.)
+
+        No schedule point when it publishes: its callers just had one (the chunk's engine
+        call; a publish job's own checkpoint), and one here would only cost a task step. A
+        cancelled worker (the agent closing) publishes nothing, as before: the close fails
+        what is left. A publication of the room that holds its lock across an await (none
+        here; a subclass's) is waited for."""
+        room = rec.machine
+        if not room.publish_due:
             await trio.lowlevel.checkpoint()  # a checkpoint on every path
             return
-        async with rec.lock:
-            send = partial(self.wire.send_status_now, rec.machine.room)
-            self._carry(rec, rec.machine.publish(send))
+        await trio.lowlevel.checkpoint_if_cancelled()
+        send = partial(self.wire.send_status_now, room.room)
+        if rec._lock is not None and rec._lock.locked():
+            async with rec._lock:
+                self._carry(rec, room.publish(send))
+            return
+        self._carry(rec, room.publish(send))
 
     # ------------------------------------------------------------------ shutdown
 
@@ -643,6 +657,7 @@ class PrefillWorkers:
         returns without a checkpoint: the task's next job, or its end, follows)."""
         rec, job = item
         if job == "publish":
+            await trio.lowlevel.checkpoint()  # (publication itself has none: _publish)
             await self.agent._publish(rec)
             return
         rec.chunk_job = False

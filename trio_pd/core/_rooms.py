@@ -102,7 +102,7 @@ class CancelWork:
 
 @dataclass(frozen=True, slots=True)
 class PublishDue:
-    """Prefill: the room's outcome is due; take the room's lock and call ``publish``."""
+    """Prefill: the room's outcome is due; call ``publish``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -702,7 +702,7 @@ class PrefillRoom:
         return self.chunks.take(limit, self.num_layers, self.leases.merge)
 
     def chunk_settled(self, chunk: Chunk, outcome: Outcome, failure: TransferError | None) -> Due:
-        """A chunk's engine calls are all terminal (its nursery exited). ``outcome`` is how
+        """A chunk's engine calls are all terminal (all have returned). ``outcome`` is how
         they ended (SPEC §5.3): completed and cancelled retire the lease, an error quarantines
         it (completion of its blocks is unknown, so its pages do not go back on the error).
         ``failure`` is set when the chunk failed the room."""
@@ -789,8 +789,8 @@ class PrefillRoom:
         return self.leases.closed and self.ready
 
     def publish(self, send: StatusSend) -> Due:
-        """Decide and send the room's outcome (SPEC §5.4). The caller holds the room's lock
-        and ``send`` never blocks, so nothing interleaves between the check and the sends.
+        """Decide and send the room's outcome (SPEC §5.4). It is synchronous and
+        ``send`` never blocks, so nothing interleaves between the check and the sends.
 
         Success is sent to each target while every send is accepted; the first refusal (a
         full socket) fails the room here and now, and the remaining targets (and the refused

@@ -129,7 +129,13 @@ class Lane:
         self.depth = depth
         self.nice = nice
         self._token = trio.lowlevel.current_trio_token()
-        self._cond = threading.Condition()
+        #: the condition's lock, taken directly on trio's side: the Condition's Python-level
+        #: ``__enter__`` and ``__exit__`` cost the event loop two calls more per engine call
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
+        #: the thread waits on the condition (set and cleared under the lock): a call is
+        #: notified only then, a busy thread finds it in the queue before it waits again
+        self._idle = False
         self._jobs: deque[_Job] = deque()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -147,15 +153,8 @@ class Lane:
         once it has started, the caller waits for it to return.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        self.outstanding += 1
-        try:
-            return await self._run_sync(fn, *args)
-        finally:
-            self.outstanding -= 1
-
-    async def _run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         job = _Job(fn, args, trio.lowlevel.current_task())
-        with self._cond:
+        with self._mutex:
             if self._closed:
                 raise LaneClosed(f"{self!r} takes no more calls")
             self._jobs.append(job)
@@ -164,16 +163,21 @@ class Lane:
                     target=self._serve, name=f"trio_pd lane {self.name}", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            elif self._idle:
+                self._cond.notify()
 
         def abort(_: Any) -> trio.lowlevel.Abort:
-            with self._cond:
+            with self._mutex:
                 if job.state == "queued":
                     job.state = "cancelled"  # the thread skips it
                     return trio.lowlevel.Abort.SUCCEEDED
             return trio.lowlevel.Abort.FAILED  # started: its result will come
 
-        return await trio.lowlevel.wait_task_rescheduled(abort)
+        self.outstanding += 1
+        try:
+            return await trio.lowlevel.wait_task_rescheduled(abort)
+        finally:
+            self.outstanding -= 1
 
     def close(self) -> None:
         """No more calls; the thread runs what is queued, then exits. Idempotent."""
@@ -199,9 +203,10 @@ class Lane:
             with self._cond:
                 while len(flying) < self.depth:
                     while not self._jobs and not flying and not done and not self._closed:
-                        if not self._cond.wait(self.idle_exit) and not (
-                            self._jobs or self._closed
-                        ):
+                        self._idle = True
+                        woken = self._cond.wait(self.idle_exit)
+                        self._idle = False
+                        if not woken and not (self._jobs or self._closed):
                             self._thread = None  # under the lock: the next call starts one
                             return
                     while self._jobs and job is None:
