@@ -5,7 +5,6 @@ room. Actions are synchronous and run in deadline order."""
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -18,7 +17,7 @@ log = logging.getLogger("trio_pd.timers")
 class Timers:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Callable[[], object]]] = []
-        self._seq = itertools.count()
+        self._seq = 0  # ties in deadline run in arming order (and never compare actions)
         self._wakeup = trio.Event()
         #: reads ``trio.current_time()``: while :meth:`run` runs, straight from the run's
         #: clock (two calls instead of four; every arm and every peer lookup reads it)
@@ -29,7 +28,8 @@ class Timers:
 
     def at(self, deadline: float, action: Callable[[], object]) -> None:
         """Run ``action()`` once ``trio.current_time()`` reaches ``deadline``."""
-        heapq.heappush(self._heap, (deadline, next(self._seq), action))
+        self._seq += 1
+        heapq.heappush(self._heap, (deadline, self._seq, action))
         if self._heap[0][0] == deadline:
             self._wakeup.set()
 
@@ -38,7 +38,8 @@ class Timers:
         several)."""
         deadline = self.clock() + delay
         heap = self._heap
-        heapq.heappush(heap, (deadline, next(self._seq), action))
+        self._seq += 1
+        heapq.heappush(heap, (deadline, self._seq, action))
         if heap[0][0] == deadline:
             self._wakeup.set()
 
