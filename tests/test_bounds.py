@@ -173,6 +173,31 @@ async def test_full_registry_evicts_a_gone_or_idle_peer(
         assert "dropped" in peers.refused.get(unused_endpoint(0), "")
 
 
+async def test_a_lookup_keeps_a_peer_from_being_the_least_recently_used(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """A lookup by endpoint (a TRANSFER, a chunk, a STATUS) stamps the peer as used: with
+    every slot taken, a new REGISTER drops the peer least recently *looked up*, not the one
+    registered first."""
+    cfg = config(PrefillConfig, max_decode_peers=2, peer_idle_timeout=0.0)
+    async with open_pair(engine_name, bootstrap_url, prefill_config=cfg) as pair, \
+            fake_decode() as fake:
+        peers = pair.prefill.peers
+        async with raw_push(pair.prefill.endpoint) as sock:
+            for i in range(3):
+                if i == 2:  # the first one registered is looked up: the second is now older
+                    await trio.sleep(0.01)
+                    assert peers.get(unused_endpoint(0)) is not None
+                reg = register(unused_endpoint(i), pair.decode.engine, pair.dst.spec)
+                await sock.send_multipart(_wire.encode(reg))
+                await barrier(sock, fake)
+                with trio.fail_after(5):
+                    await poll_until(lambda: all(p.ready.is_set() for p in peers.all()))
+        assert stat(pair.prefill, "peers_evicted") == 1
+        assert {p.endpoint for p in peers.all()} == {unused_endpoint(0), unused_endpoint(2)}
+        assert "dropped" in peers.refused.get(unused_endpoint(1), "")
+
+
 async def test_a_dropped_peer_is_forgotten_by_the_engine(
     engine_name: str, bootstrap_url: str
 ) -> None:

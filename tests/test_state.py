@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import trio_pd
 from trio_pd.core._errors import AdmissionClosed, TransferError
 from trio_pd.core._state import (
     AckBook,
@@ -159,6 +163,23 @@ def test_rank_set_behaves_like_a_set(a: set[int], b: set[int], probe: int) -> No
 def test_combined_status_is_the_minimum() -> None:
     assert combine([KVPoll.Success, KVPoll.Failed, KVPoll.Transferring]) is KVPoll.Failed
     assert combine([KVPoll.Success, KVPoll.Transferring]) is KVPoll.Transferring
+
+
+def test_a_status_is_written_by_its_cell_only() -> None:
+    """``StatusCell.status`` is a plain attribute (it is read several times per request): its
+    rules (forward only, Failed absorbing, the first reason kept) hold because only the cell's
+    own ``advance`` and ``fail`` assign it. No other module of the package assigns a
+    ``.status``."""
+    root = Path(trio_pd.__file__).parent
+    writes = [
+        f"{path.relative_to(root)}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if re.search(r"\.status\s*(?:=[^=]|[-+|&]=)", line) and path.name != "_state.py"
+    ]
+    assert writes == []
+    state = (root / "core" / "_state.py").read_text()
+    assert len(re.findall(r"self\.status = ", state)) == 3  # __init__, advance, fail
 
 
 TestStatusRules = StatusRules.TestCase

@@ -185,7 +185,7 @@ class PeerRegistry:
     def get(self, endpoint: str) -> DecodePeer | None:
         peer = self._peers.get(endpoint)
         if peer is not None:
-            peer.last_used = trio.current_time()
+            peer.last_used = self.timers.clock()
         return peer
 
     def all(self) -> list[DecodePeer]:
@@ -290,7 +290,7 @@ class PeerRegistry:
                 for ours, theirs in zip(self.pool.states, pool.states, strict=True)
             ),
         )
-        peer.last_used = trio.current_time()
+        peer.last_used = self.timers.clock()
         peer.key = key
         if landing is not None:
             peer.landing = layer_view(landing, self.first_layer, self.pool.num_layers)
@@ -310,7 +310,7 @@ class PeerRegistry:
         """Drop one registration to make room for a new one: a proven-gone peer first, else
         the least recently used idle one (see :meth:`register`). False if none may go.
         One pass over the peers; it runs only when every slot is taken."""
-        now = trio.current_time()
+        now = self.timers.clock()
         fenced = self.quarantines.fenced()
         victim: DecodePeer | None = None
         for peer in self._peers.values():

@@ -41,37 +41,35 @@ class StatusCell:
     saw it keeps seeing it). The first failure's reason wins and stays readable.
     """
 
-    __slots__ = ("_status", "failure", "propagated")
+    __slots__ = ("failure", "propagated", "status")
 
     def __init__(self) -> None:
-        self._status = KVPoll.Bootstrapping
+        #: the status: a plain attribute (read several times per request), written by
+        #: :meth:`advance` and :meth:`fail` only, never assigned from outside
+        self.status = KVPoll.Bootstrapping
         self.failure: TransferError | None = None
         self.propagated = False
 
     @property
-    def status(self) -> KVPoll:
-        return self._status
-
-    @property
     def terminal(self) -> bool:
-        return self._status in TERMINAL
+        return self.status in TERMINAL
 
     def advance(self, new: KVPoll) -> bool:
         """Move to ``new`` if that is forward and we are not terminal. Returns whether it moved.
         Use :meth:`fail` for Failed (it needs a reason)."""
         if new is KVPoll.Failed:
             raise ValueError("use fail() to record a failure with its reason")
-        if self._status in TERMINAL or new <= self._status:  # (terminal, without a call)
+        if self.status in TERMINAL or new <= self.status:  # (terminal, without a call)
             return False
-        self._status = new
+        self.status = new
         return True
 
     def fail(self, error: TransferError, *, propagated: bool = False) -> bool:
         """Fail with a reason. Returns False if already terminal (Success stands; the first
         failure's reason stays)."""
-        if self._status in TERMINAL:
+        if self.status in TERMINAL:
             return False
-        self._status = KVPoll.Failed
+        self.status = KVPoll.Failed
         self.failure = error
         self.propagated = propagated
         return True

@@ -1,0 +1,50 @@
+"""The agent's one timers task (``io/_timers.py``): deadline order, ties in arming order, and
+the clock it reads (the run's own: under a mock clock, that one)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import trio
+import trio.testing
+
+from trio_pd.io._timers import Timers
+
+
+async def test_after_runs_in_deadline_order_ties_in_arming_order(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    timers = Timers()
+    fired: list[tuple[str, float]] = []
+
+    def mark(name: str) -> None:
+        fired.append((name, trio.current_time()))
+
+    start = trio.current_time()
+    timers.after(2.0, lambda: mark("late"))  # armed before the task runs: still this clock
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timers.run)
+        await trio.testing.wait_all_tasks_blocked()
+        for name in ("a", "b", "c"):
+            timers.after(1.0, partial(mark, name))
+        timers.at(start + 0.5, lambda: mark("early"))
+        await trio.sleep(3.0)
+        nursery.cancel_scope.cancel()
+    assert [name for name, _ in fired] == ["early", "a", "b", "c", "late"]
+    assert [round(t - start, 6) for _, t in fired] == [0.5, 1.0, 1.0, 1.0, 2.0]
+    assert len(timers) == 0
+
+
+async def test_the_clock_is_the_runs_while_running_and_the_plain_call_after(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    timers = Timers()
+    assert timers.clock is trio.current_time
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timers.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert timers.clock == autojump_clock.current_time
+        await trio.sleep(5.0)
+        assert timers.clock() == trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert timers.clock is trio.current_time
