@@ -85,3 +85,19 @@ def test_bootstrap_tables_import_no_io() -> None:
 def test_the_probe_sees_an_impure_import() -> None:
     """The probe itself works: importing an agent module through it does show trio."""
     assert "trio" in _offenders(_loaded(["agents._prefill"]))
+
+
+def test_no_class_is_over_300_lines() -> None:
+    """Issue 28's structure target: a class that grows past 300 lines is doing two jobs
+    (split it by concern, as the room tables, fences and DP routes were)."""
+    import ast
+
+    root = Path(trio_pd.__file__).parent
+    long = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 300:
+                    long.append(f"{path.relative_to(root)}:{node.name} ({lines} lines)")
+    assert long == []

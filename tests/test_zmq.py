@@ -11,7 +11,7 @@ import trio
 import trio.testing
 import zmq
 
-from trio_pd.io._zmq import Socket, open_socket
+from trio_pd.io._zmq import Socket, open_socket, serve
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 
@@ -531,7 +531,7 @@ async def test_aclose_closes_even_when_cancelled(ctx: Ctx) -> None:
 
 async def _serve_until_closed(sock: Socket, got: list[list[bytes]], batch: int = 64) -> None:
     with pytest.raises(trio.ClosedResourceError):
-        await sock.serve(got.append, batch)
+        await serve(sock, got.append, batch)
 
 
 async def _until(done: Callable[[], bool]) -> None:
@@ -641,7 +641,7 @@ async def test_serve_under_random_cancellation_loses_nothing(ctx: Ctx) -> None:
                 nonlocal cancels
                 while len(got) < n:
                     with trio.move_on_after(rng.choice([0, 0, 1e-5, 1e-4, 1e-3])) as cs:
-                        await pull.serve(lambda msg: got.append(int(msg[0])), rng.choice([1, 3]))
+                        await serve(pull, lambda msg: got.append(int(msg[0])), rng.choice([1, 3]))
                     cancels += cs.cancelled_caught
 
             async def sender() -> None:
@@ -658,7 +658,7 @@ async def test_serve_under_random_cancellation_loses_nothing(ctx: Ctx) -> None:
 async def test_serve_refuses_a_batch_below_one(ctx: Ctx) -> None:
     async with open_socket(ctx, zmq.PULL) as pull:
         with pytest.raises(ValueError):
-            await pull.serve(lambda msg: None, 0)
+            await serve(pull, lambda msg: None, 0)
 
 
 async def test_serve_ends_at_once_when_its_handler_closes_the_socket(ctx: Ctx) -> None:
@@ -678,5 +678,5 @@ async def test_serve_ends_at_once_when_its_handler_closes_the_socket(ctx: Ctx) -
                     b.close()
 
             with pytest.raises(trio.ClosedResourceError):
-                await b.serve(handle, 64)
+                await serve(b, handle, 64)
     assert got == [[b"0"], [b"1"]]

@@ -395,8 +395,7 @@ class DecodeAgent:
         #: where fragmented rooms land (``DecodeConfig.landing_bytes``; set by open_decode)
         self.landing: LandingArea | None = None
         self._token = trio.lowlevel.current_trio_token()
-        #: the messages to and from prefill ranks; ``_handle`` is the listener's dispatch, and
-        #: the handlers it calls are the agent's attributes (wrapped in place by tests)
+        #: messages to and from prefill ranks (``_handle``: the listener's; tests wrap these)
         self.wire = DecodeWire(self)
         self._handle = self.wire.handle
         self._on_status, self._on_ack = self.wire.on_status, self.wire.on_ack

@@ -619,8 +619,7 @@ class PrefillRoom:
     acks: AckBook = field(default_factory=AckBook)
     #: decode rank -> where it wants the KV; set by :meth:`add_target`
     targets: dict[int, Target] = field(default_factory=dict)
-    #: how many TRANSFERs the room waits for (decode ranks this rank serves); None until the
-    #: first arrives
+    #: TRANSFERs the room waits for (decode ranks this rank serves); None before the first
     expected_targets: int | None = None
     #: this use's epoch, from its first TRANSFER; None before
     epoch: int | None = None
@@ -739,16 +738,13 @@ class PrefillRoom:
         num_pages: int, dst_pages: npt.NDArray[np.integer[Any]], peer: PeerPool, expected: int,
         prefix_pages: int = 0, state_slots: Sequence[npt.ArrayLike] = (), landing: bool = False,
     ) -> Due:
-        """A decode rank's TRANSFER for this room, from a registered peer. Validated here:
-        a bad one fails the room and that rank is told at once (it must not wait for its
-        own deadline); a late one for a room already over is answered Failed or dropped.
-        A refusal is reported as a :class:`Refused` effect (the listener counts it).
-
-        A second TRANSFER from a decode rank that already has one for this use of the room is
-        refused and changes nothing: the first one's pages, aux row and slots stay the
-        target (decode sends one per use, so a second is a replay, a bug or a forgery; taking
-        it would write the room's bytes into memory decode never gave this room and still
-        report Success)."""
+        """A decode rank's TRANSFER for this room, from a registered peer. A bad one fails
+        the room and that rank is told at once (no waiting for its own deadline); a late one
+        for a room already over is answered Failed or dropped; a refusal is a
+        :class:`Refused` effect (the listener counts it). A second TRANSFER from a rank that
+        has one for this use is refused and changes nothing: decode sends one per use, so a
+        second is a replay, a bug or a forgery, and taking it would write the room's bytes
+        where decode never asked and still report Success."""
         if self.leases.closed or self.published:
             if self.cell.status is KVPoll.Failed:
                 return [SendFailed(endpoint, epoch, reason_of(self.cell.failure))]
@@ -780,8 +776,7 @@ class PrefillRoom:
 
     @property
     def publish_due(self) -> bool:
-        """The outcome can be decided: not yet published, no live lease, and either failed or
-        concluded with every decode rank's metadata in."""
+        """Decidable now: unpublished, no live lease, failed or concluded with every TRANSFER in."""
         if self.published or self.leases.live:
             return False
         if self.cell.status is KVPoll.Failed:

@@ -45,7 +45,7 @@ from ._push import PushSockets, is_ipv6
 from ._security import ZAP_ENDPOINT, Keypair, Vouch, ZapGate, serve_zap
 from ._term import ContextTerm
 from ._timers import Timers
-from ._zmq import Socket, open_socket
+from ._zmq import Socket, open_socket, serve
 
 log = logging.getLogger("trio_pd.control")
 
@@ -200,7 +200,7 @@ class ControlPlane:
         interleave.
 
         Everything already waiting on a socket is handled in the same step (:data:`BATCH` at
-        most, :meth:`Socket.serve <trio_pd.io._zmq.Socket.serve>`): under a busy loop every
+        most, :func:`~trio_pd.io._zmq.serve`): under a busy loop every
         receive that checkpoints costs a whole scheduling round, and an ABORT queued behind a
         burst of TRANSFERs would wait one round per message ahead of it.
 
@@ -216,13 +216,13 @@ class ControlPlane:
                 dispatch = functools.partial(self._dispatch_curve, handle=handle)
                 for sock in (self._pull, self._ping_pull):
                     nursery.start_soon(
-                        functools.partial(sock.serve, dispatch, self.BATCH, frames=True),
-                        name=f"{sock.serve.__qualname__} (CURVE)",
+                        functools.partial(serve, sock, dispatch, self.BATCH, frames=True),
+                        name=f"{serve.__qualname__} (CURVE)",
                     )
                 return
             dispatch = functools.partial(self._dispatch, handle=handle)
             for sock in (self._pull, self._ping_pull):
-                nursery.start_soon(sock.serve, dispatch, self.BATCH)
+                nursery.start_soon(serve, sock, dispatch, self.BATCH)
 
     def drain_nowait(self, handle: Handler, limit: int = 100_000) -> int:
         """Handle every message already waiting on the control socket (not the heartbeat

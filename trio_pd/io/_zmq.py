@@ -386,24 +386,11 @@ class Socket:
             frames.append(frame.bytes)
         return frames
 
-    def readable_nowait(self) -> bool:
-        """Whether a message is waiting to be received (``zmq.EVENTS`` says ``POLLIN``);
-        never checkpoints. Like every libzmq call here it hands readiness out to waiting
-        tasks. Reading ``zmq.EVENTS`` keeps the GIL, where a receive that finds nothing
-        releases it and raises: a listener that has taken what was waiting asks this, and
-        then receives with ``missed=True``.
-
-        Raises:
-          trio.ClosedResourceError: if the socket was closed.
-        """
-        return bool(self._ready.poll() & _POLLIN)
-
     async def recv_multipart(self, *, missed: bool = False) -> list[bytes]:
         """Receive one whole multipart message, waiting until one arrives.
 
         ``missed=True`` says that the caller found nothing waiting just now, with no
-        checkpoint since (its :meth:`recv_multipart_nowait` raised :exc:`trio.WouldBlock`, or
-        :meth:`readable_nowait` said False: a listener that took everything waiting): the
+        checkpoint since (its :meth:`recv_multipart_nowait` raised :exc:`trio.WouldBlock`): the
         receive then starts by reading ``zmq.EVENTS`` instead of repeating that attempt. A
         message that arrived in between is taken all the same.
 
@@ -445,90 +432,6 @@ class Socket:
           trio.ClosedResourceError: if the socket was closed before or during the call.
         """
         return await self._run(_POLLIN, self.recv_frames_nowait, missed)
-
-    async def serve(
-        self, handle: Callable[[list[Any]], object], batch: int, *, frames: bool = False
-    ) -> NoReturn:
-        """Hand every message the socket receives to ``handle``, in order, until cancelled or
-        closed: :meth:`recv_multipart` in a loop, without its per-message costs. Each message
-        is a list of ``bytes``; with ``frames=True``, of :class:`zmq.Frame` objects, which
-        carry the connection's metadata (see :meth:`recv_frames_nowait`).
-
-        ``handle`` is synchronous and runs between two receives. What is already waiting is
-        taken in the same scheduling step, at most ``batch`` messages; then the loop yields
-        (a checkpoint) before it takes more, so a long burst still lets other tasks run. A
-        message behind a burst (an ABORT behind TRANSFERs) thus waits for no scheduling round
-        per message ahead of it. Between two messages the loop asks ``zmq.EVENTS`` whether
-        another is waiting (a read that keeps the GIL, where a receive that finds nothing
-        releases it and raises); when none is, that same read is the one rule 3 asks for
-        before sleeping on the descriptor, so a wake-up costs one ``EVENTS`` read, one
-        receive and one wait. (One coroutine, with no layers above or below it but the
-        sleep: every frame of the chain is resumed on every wake-up.)
-
-        **Cancellation:** at a checkpoint only, between two messages: each message is either
-        handed to ``handle`` or left on the socket.
-
-        Raises:
-          trio.ClosedResourceError: once the socket is closed.
-          ValueError: if ``batch`` is below 1.
-        """
-        copy = not frames
-        if batch < 1:
-            raise ValueError(f"batch must be at least 1, not {batch!r}")
-        zsock, ready = self._zsock, self._ready
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            # One scheduling step: take what is waiting, ``batch`` messages at most.
-            taken = 0
-            events = -1  # -1: zmq.EVENTS not read since the last libzmq call
-            while True:
-                if self._closed:
-                    raise trio.ClosedResourceError("this zmq socket was closed")
-                try:
-                    frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
-                    message = [frame.bytes if copy else frame]
-                    while frame.more:  # (the rest of a message is there once its first is)
-                        frame = _recv(zsock, _DONTWAIT, False)
-                        message.append(frame.bytes if copy else frame)
-                except zmq.Again:
-                    events = -1
-                    break
-                except zmq.ZMQError as exc:
-                    if exc.errno in _CLOSED_ERRNOS:
-                        raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
-                    raise
-                finally:
-                    if ready._fd_waiting or ready.parked:
-                        self._after_call()
-                handle(message)
-                if self._closed:  # (by the handler: never read, or sleep on, a closed socket)
-                    raise trio.ClosedResourceError("this zmq socket was closed")
-                taken += 1
-                if taken == batch:
-                    break
-                try:
-                    events = _get(zsock, _EVENTS)
-                except zmq.ZMQError as exc:
-                    if exc.errno in _CLOSED_ERRNOS:
-                        raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
-                    raise
-                if ready._fd_waiting or ready.parked:
-                    ready.hand_out(events)
-                if not events & _POLLIN:
-                    break
-            if taken == batch:
-                await trio.lowlevel.checkpoint()
-                continue
-            # A receive met EAGAIN (events < 0): read EVENTS (rule 3). Should it say a
-            # message is there after all, yield before trying again, so that a socket whose
-            # EVENTS and receives disagree can never spin the event loop.
-            if events < 0 and ready.poll() & _POLLIN:
-                await trio.lowlevel.checkpoint()
-                continue
-            if ready._fd_waiting:
-                await ready.wait(_POLLIN)  # another task sleeps on the fd: park (rule 1)
-            else:
-                await ready.sleep_fd(_POLLIN, self._check_open)
 
     # ------------------------------------------------------------------ close
 
@@ -600,3 +503,88 @@ def open_socket(
     except BaseException:
         zsock.close(linger=0)
         raise
+
+
+async def serve(
+    sock: Socket, handle: Callable[[list[Any]], object], batch: int, *, frames: bool = False
+) -> NoReturn:
+    """Hand every message ``sock`` receives to ``handle``, in order, until cancelled or
+    closed: :meth:`Socket.recv_multipart` in a loop, without its per-message costs. Each message
+    is a list of ``bytes``; with ``frames=True``, of :class:`zmq.Frame` objects, which
+    carry the connection's metadata (see :meth:`Socket.recv_frames_nowait`).
+
+    ``handle`` is synchronous and runs between two receives. What is already waiting is
+    taken in the same scheduling step, at most ``batch`` messages; then the loop yields
+    (a checkpoint) before it takes more, so a long burst still lets other tasks run. A
+    message behind a burst (an ABORT behind TRANSFERs) thus waits for no scheduling round
+    per message ahead of it. Between two messages the loop asks ``zmq.EVENTS`` whether
+    another is waiting (a read that keeps the GIL, where a receive that finds nothing
+    releases it and raises); when none is, that same read is the one rule 3 asks for
+    before sleeping on the descriptor, so a wake-up costs one ``EVENTS`` read, one
+    receive and one wait. (One coroutine, with no layers above or below it but the
+    sleep: every frame of the chain is resumed on every wake-up.)
+
+    **Cancellation:** at a checkpoint only, between two messages: each message is either
+    handed to ``handle`` or left on the socket.
+
+    Raises:
+      trio.ClosedResourceError: once the socket is closed.
+      ValueError: if ``batch`` is below 1.
+    """
+    copy = not frames
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, not {batch!r}")
+    zsock, ready = sock._zsock, sock._ready
+    await trio.lowlevel.checkpoint_if_cancelled()
+    while True:
+        # One scheduling step: take what is waiting, ``batch`` messages at most.
+        taken = 0
+        events = -1  # -1: zmq.EVENTS not read since the last libzmq call
+        while True:
+            if sock._closed:
+                raise trio.ClosedResourceError("this zmq socket was closed")
+            try:
+                frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
+                message = [frame.bytes if copy else frame]
+                while frame.more:  # (the rest of a message is there once its first is)
+                    frame = _recv(zsock, _DONTWAIT, False)
+                    message.append(frame.bytes if copy else frame)
+            except zmq.Again:
+                events = -1
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno in _CLOSED_ERRNOS:
+                    raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
+                raise
+            finally:
+                if ready._fd_waiting or ready.parked:
+                    sock._after_call()
+            handle(message)
+            if sock._closed:  # (by the handler: never read, or sleep on, a closed socket)
+                raise trio.ClosedResourceError("this zmq socket was closed")
+            taken += 1
+            if taken == batch:
+                break
+            try:
+                events = _get(zsock, _EVENTS)
+            except zmq.ZMQError as exc:
+                if exc.errno in _CLOSED_ERRNOS:
+                    raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
+                raise
+            if ready._fd_waiting or ready.parked:
+                ready.hand_out(events)
+            if not events & _POLLIN:
+                break
+        if taken == batch:
+            await trio.lowlevel.checkpoint()
+            continue
+        # A receive met EAGAIN (events < 0): read EVENTS (rule 3). Should it say a
+        # message is there after all, yield before trying again, so that a socket whose
+        # EVENTS and receives disagree can never spin the event loop.
+        if events < 0 and ready.poll() & _POLLIN:
+            await trio.lowlevel.checkpoint()
+            continue
+        if ready._fd_waiting:
+            await ready.wait(_POLLIN)  # another task sleeps on the fd: park (rule 1)
+        else:
+            await ready.sleep_fd(_POLLIN, sock._check_open)
