@@ -319,10 +319,11 @@ class ChunkPlanner:
         src: Pages | list[int] = []
         dst: Pages | list[int] = []
         heads = None
-        if peer.heads is not None and len(src_pages):
-            first = chunk.start + len(chunk.pages) - len(src_pages) - target.prefix
+        n = len(src_pages)
+        if peer.heads is not None and n:
+            first = chunk.start + len(chunk.pages) - n - target.prefix
             src = src_pages
-            dst = target.dst_pages[first : first + len(src_pages)]
+            dst = target.dst_pages[first : first + n]
             heads = self._mha(peer)
         aux = None
         if chunk.last and peer.writes_aux:

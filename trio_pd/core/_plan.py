@@ -481,12 +481,12 @@ SMALL_CHUNK = 8
 def _few_runs(
     src_pages: Sequence[int] | npt.NDArray[np.int64],
     dst_pages: Sequence[int] | npt.NDArray[np.int64],
+    n: int,
 ) -> tuple[list[int], list[int], list[int]] | None:
-    """:func:`_runs` of two non-empty page lists of one length as Python ints, or None where
+    """:func:`_runs` of two page lists of length ``n`` > 0 as Python ints, or None where
     there are more than :data:`SMALL_CHUNK` runs (a chunk of more pages than that). Up to
     :data:`~trio_pd.core._memory.SMALL` pages in Python (a chunk consecutive on both sides,
     the usual one, by two list comparisons: no loop over its pages), more in numpy."""
-    n = len(src_pages)
     if n > _memory.SMALL:
         s, d = np.asarray(src_pages), np.asarray(dst_pages)
         if s.dtype.kind not in "iu" or d.dtype.kind not in "iu":
@@ -552,7 +552,7 @@ def plan_small(
         item = src.item_len
         if item != dst.item_len:
             return None
-        runs = _few_runs(src_pages, dst_pages)
+        runs = _few_runs(src_pages, dst_pages, n)
         if runs is None:
             return None
         ss, ds, ns = runs
