@@ -110,10 +110,22 @@ def contiguous_runs(
 def _runs_small(sl: list[int], dl: list[int]) -> tuple[list[int], list[int], list[int]]:
     """:func:`_runs` on two non-empty lists of one length, in Python (see
     :data:`~trio_pd.core._memory.SMALL`)."""
+    runs = _runs_upto(sl, dl, 0)
+    assert runs is not None
+    return runs
+
+
+def _runs_upto(
+    sl: list[int], dl: list[int], most: int
+) -> tuple[list[int], list[int], list[int]] | None:
+    """:func:`_runs_small`, or None as soon as it finds more than ``most`` runs (0: any
+    number)."""
     s0, d0, lengths = [sl[0]], [dl[0]], []
     start = 0
     for i in range(1, len(sl)):
         if sl[i] != sl[i - 1] + 1 or dl[i] != dl[i - 1] + 1:
+            if len(s0) == most:
+                return None
             lengths.append(i - start)
             start = i
             s0.append(sl[i])
@@ -503,8 +515,7 @@ def _few_runs(
         and sl == list(range(a, a + n)) and dl == list(range(b, b + n))
     ):
         return [a], [b], [n]
-    runs = _runs_small(sl, dl)
-    return runs if len(runs[0]) <= SMALL_CHUNK else None
+    return _runs_upto(sl, dl, SMALL_CHUNK)  # (a fragmented chunk: declined at its 9th run)
 
 
 def plan_small(
