@@ -496,7 +496,7 @@ def _few_runs(
     n: int,
 ) -> tuple[list[int], list[int], list[int]] | None:
     """:func:`_runs` of two page lists of length ``n`` > 0 as Python ints, or None where
-    there are more than :data:`SMALL_CHUNK` runs (a chunk of more pages than that). Up to
+    there are more than :data:`SMALL_CHUNK` runs (only a chunk of more pages can have). Up to
     :data:`~trio_pd.core._memory.SMALL` pages in Python (a chunk consecutive on both sides,
     the usual one, by two list comparisons: no loop over its pages), more in numpy."""
     if n > _memory.SMALL:
