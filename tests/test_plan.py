@@ -656,24 +656,115 @@ def test_plan_small_matches_the_general_path(
     regions = dst.regions()
     if drop is not None:
         regions = [r for i, r in enumerate(regions) if i != drop % len(regions)]
-    table = RegionTable(regions)
     aux_arg = None if aux is None else (src, dst, aux[0], aux[1])
-    small = plan_small(src, dst, sp, dp, aux_arg, table, heads=sliced)
+    _check_small(src, dst, sp, dp, aux_arg, RegionTable(regions), sliced)
+
+
+def _check_small(
+    src: PoolSpec, dst: PoolSpec, sp: list[int], dp: list[int],
+    aux: tuple[PoolSpec, PoolSpec, int, int] | None, table: RegionTable,
+    sliced: tuple[int, int] | None,
+) -> None:
+    """plan_small gives exactly the general path's blocks, or declines; it declines a chunk
+    the general path plans only if it is not of whole pages in at most SMALL_CHUNK runs."""
+    small = plan_small(src, dst, sp, dp, aux, table, heads=sliced)
+    # (the agents hand it numpy arrays: the same answer)
+    again = plan_small(src, dst, np.array(sp, dtype=np.int64), np.array(dp, dtype=np.int64),
+                       aux, table, heads=sliced)
+    assert (small is None) == (again is None)
     try:
-        want: Blocks | None = _general_plan(src, dst, sp, dp, aux_arg, table, sliced)
+        want: Blocks | None = _general_plan(src, dst, sp, dp, aux, table, sliced)
     except (ValueError, RegionError, ProtocolError):
         want = None
     if small is None:
         whole = sliced is None or (src.heads == dst.heads == sliced[1] - sliced[0]
                                    and src.first_head == sliced[0])
-        applies = len(sp) <= SMALL_CHUNK and ((whole and src.item_len == dst.item_len
-                                               and src.page_size == dst.page_size) or not sp)
+        few = contiguous_runs(sp, dp)[2].size <= SMALL_CHUNK
+        applies = few and ((whole and src.item_len == dst.item_len
+                            and src.page_size == dst.page_size) or not sp)
         assert want is None or not applies  # declined only what it does not plan
         return
-    assert want is not None
-    for got, ref in zip(small, want, strict=True):
-        assert got.dtype == np.uint64
-        assert got.tolist() == ref.tolist()
+    assert want is not None and again is not None
+    for got, ref, arr in zip(small, want, again, strict=True):
+        assert got.dtype == arr.dtype == np.uint64
+        assert got.tolist() == ref.tolist() == arr.tolist()
+
+
+@FAST
+@PATHS
+@given(
+    layout=st.sampled_from(["mha", "mla"]),
+    heads=st.sampled_from([(1, 0, None), (2, 0, (0, 2)), (2, 0, (0, 1))]),
+    runs=st.lists(
+        st.tuples(st.one_of(st.none(), st.integers(0, 199)),
+                  st.one_of(st.none(), st.integers(0, 199)), st.integers(1, 48)),
+        min_size=1, max_size=SMALL_CHUNK + 3,
+    ),
+    aux=st.one_of(st.none(), st.tuples(st.integers(-1, 4), st.integers(-1, 4))),
+    drop=st.one_of(st.none(), st.integers(0, 9)),
+    swap=st.one_of(st.none(), st.tuples(st.booleans(), st.integers(0, 999), st.integers(0, 999))),
+)
+def test_plan_small_matches_the_general_path_on_long_chunks(
+    path: str, layout: Literal["mha", "mla"], heads: tuple[int, int, tuple[int, int] | None],
+    runs: list[tuple[int | None, int | None, int]], aux: tuple[int, int] | None,
+    drop: int | None, swap: tuple[bool, int, int] | None,
+) -> None:
+    """Chunks of many pages made of runs (a start of None goes on from the last run's end,
+    so runs merge), maybe with two pages of one side swapped (the first and last page
+    kept: a chunk that only looks consecutive from its ends): plan_small takes those of at
+    most SMALL_CHUNK runs, contiguous or not, in Python up to _memory.SMALL pages and in
+    numpy above (the numpy path forces the latter), and plans exactly the general path's
+    blocks or declines."""
+    nh, first, sliced = heads
+    src = make_pool(layout=layout, heads=nh, first_head=first, num_pages=200, base=100)
+    dst = make_pool(layout=layout, heads=nh, first_head=first, num_pages=200, base=9, gap=8)
+    sp: list[int] = []
+    dp: list[int] = []
+    seen: set[int] = set()
+    a = b = 0
+    for s0, d0, k in runs:
+        a = a if s0 is None else s0
+        b = b if d0 is None else d0
+        for i in range(k):
+            if a + i < 200 and b + i < 200 and b + i not in seen:
+                seen.add(b + i)  # destination ids checked (distinct), as the agents' are
+                sp.append(a + i)
+                dp.append(b + i)
+        a, b = a + k, b + k
+    if swap is not None and len(sp) > 3:
+        side = sp if swap[0] else dp
+        i, j = 1 + swap[1] % (len(sp) - 2), 1 + swap[2] % (len(sp) - 2)
+        side[i], side[j] = side[j], side[i]
+    regions = dst.regions()
+    if drop is not None:
+        regions = [r for i, r in enumerate(regions) if i != drop % len(regions)]
+    aux_arg = None if aux is None else (src, dst, aux[0], aux[1])
+    with on_path(path):
+        _check_small(src, dst, sp, dp, aux_arg, RegionTable(regions), sliced)
+
+
+def test_plan_small_takes_long_contiguous_chunks() -> None:
+    """The bench's chunk (64 pages consecutive on both sides, and the aux row) and a longer
+    one in a few runs take the Python path, which declines only past SMALL_CHUNK runs."""
+    src, dst = make_pool(num_pages=300, base=100), make_pool(num_pages=300, base=9)
+    table = RegionTable(dst.regions())
+    pages = np.arange(10, 74, dtype=np.int64)
+    blocks = plan_small(src, dst, pages, pages + 5, (src, dst, 1, 2), table)
+    assert blocks is not None and blocks.num_blocks == src.num_buffers + 1
+    runs = np.concatenate([np.arange(20 * i, 20 * i + 15) for i in range(SMALL_CHUNK)])
+    assert plan_small(src, dst, runs, runs, None, table) is not None
+    more = np.concatenate([runs, [299]])
+    assert plan_small(src, dst, more, more, None, table) is None
+    assert plan_small(src, dst, more[:60], more[:60][::-1].copy(), None, table) is None
+    # up to _memory.SMALL pages in Python: SMALL_CHUNK runs taken, one more declined
+    short = np.concatenate([np.arange(9 * i, 9 * i + 7) for i in range(SMALL_CHUNK)])
+    assert short.size <= _memory.SMALL
+    assert plan_small(src, dst, short, short, None, table) is not None
+    short = np.concatenate([short, [298]])
+    assert plan_small(src, dst, short, short, None, table) is None
+    # a source address past 2**64 (a source id far past the pool): declined
+    far = np.array([2**62, 2**62 + 1], dtype=np.int64)
+    assert plan_small(src, dst, far, np.array([0, 1]), None, table) is None
 
 
 @PATHS

@@ -39,7 +39,6 @@ from ..core._errors import (
 )
 from ..core._memory import PoolSpec, layer_buffers, layer_view, stamp_aux_row
 from ..core._plan import (
-    SMALL_CHUNK,
     Blocks,
     concat,
     plan_aux,
@@ -261,9 +260,7 @@ class ChunkPlanner:
         skip = target.prefix - chunk.start  # pages of the chunk decode holds already
         if skip > 0:
             src_pages = src_pages[skip:]
-        if not staging and len(src_pages) <= SMALL_CHUNK and not (
-            chunk.last and self.pool.states
-        ):
+        if not staging and not (chunk.last and self.pool.states):
             small = self._plan_small(room, chunk, target, peer, src_pool, dst_pool, src_pages)
             if small is not None:
                 return small, None
@@ -316,16 +313,17 @@ class ChunkPlanner:
         self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer,
         src_pool: PoolSpec, dst_pool: PoolSpec, src_pages: Pages,
     ) -> Blocks | None:
-        """:meth:`plan` for a chunk of a few pages, no staging and no state slots
-        (:func:`~trio_pd.core._plan.plan_small`: the same blocks); None: take the general
-        path."""
-        src: list[int] = []
-        dst: list[int] = []
+        """:meth:`plan` for a chunk of whole pages in a few runs, no staging and no state
+        slots (:func:`~trio_pd.core._plan.plan_small`: the same blocks); None: take the
+        general path."""
+        src: Pages | list[int] = []
+        dst: Pages | list[int] = []
         heads = None
-        if peer.heads is not None and len(src_pages):
-            first = chunk.start + len(chunk.pages) - len(src_pages) - target.prefix
-            src = src_pages.tolist()
-            dst = target.dst_pages[first : first + len(src_pages)].tolist()
+        n = len(src_pages)
+        if peer.heads is not None and n:
+            first = chunk.start + len(chunk.pages) - n - target.prefix
+            src = src_pages
+            dst = target.dst_pages[first : first + n]
             heads = self._mha(peer)
         aux = None
         if chunk.last and peer.writes_aux:

@@ -110,10 +110,22 @@ def contiguous_runs(
 def _runs_small(sl: list[int], dl: list[int]) -> tuple[list[int], list[int], list[int]]:
     """:func:`_runs` on two non-empty lists of one length, in Python (see
     :data:`~trio_pd.core._memory.SMALL`)."""
+    runs = _runs_upto(sl, dl, 0)
+    assert runs is not None
+    return runs
+
+
+def _runs_upto(
+    sl: list[int], dl: list[int], most: int
+) -> tuple[list[int], list[int], list[int]] | None:
+    """:func:`_runs_small`, or None as soon as it finds more than ``most`` runs (0: any
+    number)."""
     s0, d0, lengths = [sl[0]], [dl[0]], []
     start = 0
     for i in range(1, len(sl)):
         if sl[i] != sl[i - 1] + 1 or dl[i] != dl[i - 1] + 1:
+            if len(s0) == most:
+                return None
             lengths.append(i - start)
             start = i
             s0.append(sl[i])
@@ -473,40 +485,71 @@ def plan_aux(src: PoolSpec, dst: PoolSpec, src_slot: int, dst_slot: int) -> Bloc
     )
 
 
-#: chunks of at most this many pages take :func:`plan_small` (the agents' hot path)
+#: chunks of at most this many runs of pages (consecutive on both sides) take
+#: :func:`plan_small` (the agents' hot path): a chunk of that many pages always qualifies
 SMALL_CHUNK = 8
+
+
+def _few_runs(
+    src_pages: Sequence[int] | npt.NDArray[np.int64],
+    dst_pages: Sequence[int] | npt.NDArray[np.int64],
+    n: int,
+) -> tuple[list[int], list[int], list[int]] | None:
+    """:func:`_runs` of two page lists of length ``n`` > 0 as Python ints, or None where
+    there are more than :data:`SMALL_CHUNK` runs (only a chunk of more pages can have). Up to
+    :data:`~trio_pd.core._memory.SMALL` pages in Python (a chunk consecutive on both sides,
+    the usual one, by two list comparisons: no loop over its pages), more in numpy."""
+    if n > _memory.SMALL:
+        s, d = np.asarray(src_pages), np.asarray(dst_pages)
+        if s.dtype.kind not in "iu" or d.dtype.kind not in "iu":
+            return None  # (not page ids: the general path refuses them)
+        s0, d0, k = _runs(s.astype(np.int64, copy=False), d.astype(np.int64, copy=False))
+        if k.size > SMALL_CHUNK:
+            return None
+        return s0.tolist(), d0.tolist(), k.tolist()
+    sl = src_pages.tolist() if isinstance(src_pages, np.ndarray) else list(src_pages)
+    dl = dst_pages.tolist() if isinstance(dst_pages, np.ndarray) else list(dst_pages)
+    a, b = sl[0], dl[0]
+    if (
+        sl[-1] - a == n - 1 == dl[-1] - b
+        and sl == list(range(a, a + n)) and dl == list(range(b, b + n))
+    ):
+        return [a], [b], [n]
+    return _runs_upto(sl, dl, SMALL_CHUNK)  # (a fragmented chunk: declined at its 9th run)
 
 
 def plan_small(
     src: PoolSpec,
     dst: PoolSpec,
-    src_pages: Sequence[int],
-    dst_pages: Sequence[int],
+    src_pages: Sequence[int] | npt.NDArray[np.int64],
+    dst_pages: Sequence[int] | npt.NDArray[np.int64],
     aux: tuple[PoolSpec, PoolSpec, int, int] | None,
     regions: RegionTable,
     *,
     heads: tuple[int, int] | None = None,
 ) -> Blocks | None:
-    """A small chunk's blocks in plain Python: what ``validate_blocks(concat([plan_pages(src,
-    dst, src_pages, dst_pages, heads=heads, pages_checked=True), plan_aux(*aux)]), regions)``
-    gives (the pages' part left out when there are none), the same blocks in the same order,
-    with three numpy arrays made once at the end instead of a dozen small ones: a 1-page
-    chunk's planning costs more in numpy calls than in work (docs/bench.md). The page ids must
-    have been checked already (:func:`validate_pages`), as ``pages_checked=True`` says.
+    """A chunk's blocks in plain Python, for a chunk of whole pages in a few runs: what
+    ``validate_blocks(concat([plan_pages(src, dst, src_pages, dst_pages, heads=heads,
+    pages_checked=True), plan_aux(*aux)]), regions)`` gives (the pages' part left out when
+    there are none), the same blocks in the same order, with three numpy arrays made once at
+    the end instead of a dozen small ones: a chunk's planning costs more in numpy calls than
+    in work (docs/bench.md). The page ids must have been checked already
+    (:func:`validate_pages`), as ``pages_checked=True`` says.
 
     None where it does not apply or something would be refused (more than
-    :data:`SMALL_CHUNK` pages, pools that are not both packed, head slices, pages of different
-    sizes, extra aux buffers, an aux slot out of range, a block outside ``regions``): the
-    caller then takes the general path, which plans the same blocks or raises its error.
+    :data:`SMALL_CHUNK` runs of pages consecutive on both sides, pools that are not both
+    packed, head slices, pages of different sizes, extra aux buffers, an aux slot out of
+    range, a block outside ``regions``): the caller then takes the general path, which plans
+    the same blocks or raises its error.
     """
     n = len(src_pages)
-    if n > SMALL_CHUNK or n != len(dst_pages):
+    if n != len(dst_pages):
         return None
+    num_buffers = src.num_buffers
     if n and (
         not (src.packed and dst.packed)
-        or src.num_buffers != dst.num_buffers
+        or num_buffers != dst.num_buffers
         or src.page_size != dst.page_size
-        or src.item_len != dst.item_len
         or not (heads is None or (
             src.first_head == dst.first_head == heads[0]
             and src.heads == dst.heads == heads[1] - heads[0]
@@ -516,16 +559,21 @@ def plan_small(
     s: list[int] = []
     d: list[int] = []
     lens: list[int] = []
-    if n and src.num_buffers:
+    if n and num_buffers:
         item = src.item_len
-        ss, ds, ns = _runs_small(list(src_pages), list(dst_pages))
+        if item != dst.item_len:
+            return None
+        runs = _few_runs(src_pages, dst_pages, n)
+        if runs is None:
+            return None
+        ss, ds, ns = runs
         s = [b + x * item for b in src.buffer_bases for x in ss]
         d = [b + x * item for b in dst.buffer_bases for x in ds]
-        lens = [x * item for x in ns] * src.num_buffers
+        lens = [x * item for x in ns] * num_buffers
     if aux is not None:
         asrc, adst, a, b = aux
         if (
-            asrc.extra_aux or adst.extra_aux or asrc.aux_item_lens != adst.aux_item_lens
+            asrc.extra_aux or adst.extra_aux or asrc.aux_item_len != adst.aux_item_len
             or not 0 <= a < asrc.aux_slots or not 0 <= b < adst.aux_slots
         ):
             return None
@@ -537,7 +585,7 @@ def plan_small(
         i = bisect.bisect_right(base_list, x) - 1
         if k == 0 or i < 0 or x + k > reach_list[i] or x < 0:
             return None  # (the general path says what is wrong)
-    if any(x < 0 or x > _memory._U64_MAX for x in s):
+    if s and (min(s) < 0 or max(s) > _memory._U64_MAX):
         return None
     return Blocks(np.array(s, dtype=_U64), np.array(d, dtype=_U64), np.array(lens, dtype=_U64))
 
