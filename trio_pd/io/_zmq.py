@@ -59,6 +59,16 @@ _POLLOUT: Final = int(zmq.POLLOUT)
 # libzmq errors that mean "this socket cannot be used any more".
 _CLOSED_ERRNOS: Final = frozenset({zmq.ETERM, zmq.ENOTSOCK})
 
+
+def _unusable(exc: zmq.ZMQError) -> Exception:
+    """What a libzmq error is raised as: :exc:`trio.ClosedResourceError` if it says the
+    socket (or its context) is gone, else the error itself."""
+    if exc.errno in _CLOSED_ERRNOS:
+        closed = trio.ClosedResourceError(f"zmq socket unusable: {exc}")
+        closed.__cause__ = exc
+        return closed
+    return exc
+
 # The per-message calls go to pyzmq's compiled socket methods, under the Python layer that
 # :class:`zmq.Socket` adds (per-frame type checks, enum wrapping of flags and of ``EVENTS``):
 # the same libzmq calls, about a third fewer Python calls on each message's path.
@@ -106,9 +116,7 @@ class _Readiness:
         try:
             events = _get(self._zsock, _EVENTS)
         except zmq.ZMQError as exc:
-            if exc.errno in _CLOSED_ERRNOS:
-                raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
-            raise
+            raise _unusable(exc)  # noqa: B904 (_unusable sets its cause)
         self.hand_out(events)
         return events
 
@@ -243,9 +251,7 @@ class Socket:
         except zmq.Again:
             raise trio.WouldBlock from None
         except zmq.ZMQError as exc:
-            if exc.errno in _CLOSED_ERRNOS:
-                raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
-            raise
+            raise _unusable(exc)  # noqa: B904 (_unusable sets its cause)
         finally:
             self._after_call()
 
@@ -339,9 +345,7 @@ class Socket:
         except zmq.Again:
             raise trio.WouldBlock from None
         except zmq.ZMQError as exc:
-            if exc.errno in _CLOSED_ERRNOS:
-                raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
-            raise
+            raise _unusable(exc)  # noqa: B904 (_unusable sets its cause)
         finally:
             ready = self._ready
             if ready._fd_waiting or ready.parked:
@@ -553,9 +557,7 @@ async def serve(
                 events = -1
                 break
             except zmq.ZMQError as exc:
-                if exc.errno in _CLOSED_ERRNOS:
-                    raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
-                raise
+                raise _unusable(exc)  # noqa: B904 (_unusable sets its cause)
             finally:
                 if ready._fd_waiting or ready.parked:
                     sock._after_call()
@@ -568,9 +570,7 @@ async def serve(
             try:
                 events = _get(zsock, _EVENTS)
             except zmq.ZMQError as exc:
-                if exc.errno in _CLOSED_ERRNOS:
-                    raise trio.ClosedResourceError(f"zmq socket unusable: {exc}") from exc
-                raise
+                raise _unusable(exc)  # noqa: B904 (_unusable sets its cause)
             if ready._fd_waiting or ready.parked:
                 ready.hand_out(events)
             if not events & _POLLIN:
