@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -28,6 +29,18 @@ def ctx() -> Iterator[Ctx]:
     yield context
     # Hangs (and pytest-timeout fails the test) if a test leaked a socket.
     context.term()
+
+@asynccontextmanager
+async def tcp_pair(ctx: Ctx, hwm: int) -> AsyncIterator[tuple[Socket, Socket]]:
+    """A PULL and a PUSH connected to it over tcp on loopback, both with high-water mark
+    ``hwm``: (pull, push)."""
+    async with (
+        open_socket(ctx, zmq.PULL, rcvhwm=hwm) as pull,
+        open_socket(ctx, zmq.PUSH, sndhwm=hwm) as push,
+    ):
+        push.connect(pull.bind("tcp://127.0.0.1:*"))
+        yield pull, push
+
 
 
 def fill(sock: Socket, frames: list[bytes], bound: int = 100_000) -> int:
@@ -146,11 +159,7 @@ async def test_nowait_send_raises_wouldblock_on_hwm_to_unbound_endpoint(
 async def test_nowait_send_raises_wouldblock_when_peer_never_reads_tcp(
     ctx: Ctx,
 ) -> None:
-    async with (
-        open_socket(ctx, zmq.PULL, rcvhwm=1) as pull,
-        open_socket(ctx, zmq.PUSH, sndhwm=1) as push,
-    ):
-        push.connect(pull.bind("tcp://127.0.0.1:*"))
+    async with tcp_pair(ctx, 1) as (_pull, push):
         # Kernel buffers absorb a lot over tcp; big frames keep the bound small.
         fill(push, [b"x" * 65536], bound=100_000)
 
@@ -250,11 +259,7 @@ async def test_receiving_under_random_cancellation_loses_nothing(ctx: Ctx, how: 
     n = 2000
     rng = random.Random(1234)
     with trio.fail_after(60):
-        async with (
-            open_socket(ctx, zmq.PULL, rcvhwm=4) as pull,
-            open_socket(ctx, zmq.PUSH, sndhwm=4) as push,
-        ):
-            push.connect(pull.bind("tcp://127.0.0.1:*"))
+        async with tcp_pair(ctx, 4) as (pull, push):
             got: list[int] = []
             cancels = 0
 
@@ -294,11 +299,7 @@ async def test_two_senders_and_two_receivers_share_sockets(ctx: Ctx) -> None:
     exactly once, whole, and in each sender's order; nobody hangs."""
     n = 1500
     with trio.fail_after(60):
-        async with (
-            open_socket(ctx, zmq.PULL, rcvhwm=8) as pull,
-            open_socket(ctx, zmq.PUSH, sndhwm=8) as push,
-        ):
-            push.connect(pull.bind("tcp://127.0.0.1:*"))
+        async with tcp_pair(ctx, 8) as (pull, push):
             got: dict[str, list[tuple[bytes, int]]] = {"r1": [], "r2": []}
 
             async def receiver(name: str) -> None:
@@ -596,11 +597,7 @@ async def test_serve_shares_its_socket_with_other_receivers(ctx: Ctx) -> None:
     every message arrives exactly once, whole, and nobody hangs."""
     n = 1500
     with trio.fail_after(60):
-        async with (
-            open_socket(ctx, zmq.PULL, rcvhwm=8) as pull,
-            open_socket(ctx, zmq.PUSH, sndhwm=8) as push,
-        ):
-            push.connect(pull.bind("tcp://127.0.0.1:*"))
+        async with tcp_pair(ctx, 8) as (pull, push):
             served: list[list[bytes]] = []
             received: list[list[bytes]] = []
 
