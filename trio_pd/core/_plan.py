@@ -180,6 +180,14 @@ def _check_slice(src: PoolSpec, dst: PoolSpec, h0: int, h1: int) -> None:
             )
 
 
+def _holds_exactly(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int]) -> bool:
+    """Both pools hold exactly heads ``[h0, h1)``: a copy of them is of whole pages (the rule
+    of :func:`plan_pages`, :func:`plan_small`, :func:`stages_pages` and
+    :func:`stages_heads`, one place)."""
+    h0, h1 = heads
+    return src.first_head == dst.first_head == h0 and src.heads == dst.heads == h1 - h0
+
+
 def plan_pages(
     src: PoolSpec,
     dst: PoolSpec,
@@ -230,10 +238,7 @@ def plan_pages(
 
     src_bases = _bases_column(src.buffer_bases)
     dst_bases = _bases_column(dst.buffer_bases)
-    whole = heads is None or (
-        src.first_head == dst.first_head == heads[0]
-        and src.heads == dst.heads == heads[1] - heads[0]
-    )
+    whole = heads is None or _holds_exactly(src, dst, heads)
     if whole:
         if src.item_len != dst.item_len:
             raise ValueError(
@@ -374,8 +379,7 @@ def stages_heads(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) ->
     if src.page_layout != "nhd" or dst.page_layout != "nhd":
         return False  # (a head-major slice is one block per page already)
     h0, h1 = heads
-    whole = src.first_head == dst.first_head == h0 and src.heads == dst.heads == h1 - h0
-    return not whole and dst.first_head == h0 and dst.heads == h1 - h0
+    return not _holds_exactly(src, dst, heads) and dst.first_head == h0 and dst.heads == h1 - h0
 
 
 def stages_pages(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) -> bool:
@@ -383,10 +387,7 @@ def stages_pages(src: PoolSpec, dst: PoolSpec, heads: tuple[int, int] | None) ->
     are alike on both sides (the same heads, page sizes and page layout): then a chunk's
     source pages can be gathered into a staging area as they are and written with
     :func:`plan_staged` (a decode landing area, ``trio_pd.core._landing``)."""
-    if heads is not None and not (
-        src.first_head == dst.first_head == heads[0]
-        and src.heads == dst.heads == heads[1] - heads[0]
-    ):
+    if heads is not None and not _holds_exactly(src, dst, heads):
         return False
     return src.item_lens == dst.item_lens and src.page_layout == dst.page_layout
 
@@ -550,10 +551,7 @@ def plan_small(
         not (src.packed and dst.packed)
         or num_buffers != dst.num_buffers
         or src.page_size != dst.page_size
-        or not (heads is None or (
-            src.first_head == dst.first_head == heads[0]
-            and src.heads == dst.heads == heads[1] - heads[0]
-        ))
+        or not (heads is None or _holds_exactly(src, dst, heads))
     ):
         return None
     s: list[int] = []
