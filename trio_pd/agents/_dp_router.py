@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Generic, Protocol, TypeVar, assert_never
+from typing import Generic, assert_never
 
 import trio
 
@@ -41,6 +41,7 @@ from ..bootstrap._bootstrap_client import (
 from ..core._dp_routes import (
     DpRoutes,
     DropRoute,
+    R,  # (a room the routes hold; they read its machine)
     Resolve,
     Route,
     Routed,
@@ -56,7 +57,7 @@ from ..core._errors import (
     NotReady,
     TransferError,
 )
-from ..core._rooms import Arm, Count, DecodeRoom, Warn
+from ..core._rooms import Arm, Count, Warn
 from ..core._stats import Counters
 from ..io._timers import Timers
 from ._sources import Instance, Sources
@@ -65,16 +66,6 @@ log = logging.getLogger("trio_pd.decode")
 
 #: how many bootstrap URLs the router keeps state for
 _MAX_ROUTES = 4096
-
-
-class _Routed(Protocol):
-    """What the router reads of a room: its machine (room id, epoch, status)."""
-
-    @property
-    def machine(self) -> DecodeRoom: ...
-
-
-R = TypeVar("R", bound=_Routed)
 
 
 def dp_instance(base: str, dp_rank: int) -> str:
