@@ -29,10 +29,12 @@ Host pools only: the scatter writes the destination pages with numpy.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import numpy.typing as npt
 
-from ._memory import _SPEC_FIELDS, HOST, MAX_POOL_PAGES, PoolSpec, Region
+from ._memory import HOST, MAX_POOL_PAGES, PoolSpec, Region
 from ._staging import RunMap, buffer_view
 
 #: the area's start is aligned to this (a page: what engines that pin memory want)
@@ -46,9 +48,7 @@ def landing_spec(pool: PoolSpec, bases: tuple[int, ...], pages: int) -> PoolSpec
     """``pool`` as a landing area of ``pages`` pages at ``bases`` (one per KV buffer): the
     same geometry, each buffer's pages packed, the aux buffers and no state component (the
     aux row and state slots of a landed room go to the real pool)."""
-    values = {f: getattr(pool, f) for f in _SPEC_FIELDS}
-    values.update(num_pages=pages, buffer_bases=tuple(bases), page_strides=(), states=())
-    return PoolSpec(**values)
+    return replace(pool, num_pages=pages, buffer_bases=tuple(bases), page_strides=(), states=())
 
 
 class LandingArea:
