@@ -32,6 +32,7 @@ from trio_pd.core._plan import (
     plan_aux,
     plan_pages,
     plan_small,
+    stages_pages,
     total_bytes,
     validate_blocks,
 )
@@ -409,6 +410,9 @@ def test_plan_pages_refuses_layouts_that_do_not_fit() -> None:
         plan_pages(two, one, pages, pages, heads=(1, 3))  # head 2 is on neither
     with pytest.raises(ValueError, match="does not fit"):
         plan_pages(two, one, pages, pages, heads=(1, 1))  # empty slice
+    with pytest.raises(ValueError, match="does not fit"):  # as many heads, but other ones
+        plan_pages(make_pool(heads=1), one, pages, pages, heads=(0, 1))
+    assert not stages_pages(make_pool(heads=1), one, (0, 1))  # (not whole pages either)
     with pytest.raises(ValueError, match="per head"):
         plan_pages(two, make_pool(heads=1, first_head=1, head_bytes=4), pages, pages, heads=(1, 2))
     with pytest.raises(ValueError, match="page size"):
