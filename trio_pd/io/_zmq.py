@@ -268,19 +268,16 @@ class Socket:
             # waiter instead, so that each meets the error on a call of its own.
             self._ready.wake_all()
 
-    async def _run(self, flag: int, op: Callable[[], _T], missed: bool = False) -> _T:
-        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it.
-        ``missed``: the caller's own ``op`` raised WouldBlock just now, with no checkpoint
-        since, so the first try is skipped: it would only repeat that EAGAIN."""
+    async def _run(self, flag: int, op: Callable[[], _T]) -> _T:
+        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        if not missed:
-            try:
-                result = op()
-            except trio.WouldBlock:
-                pass
-            else:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return result
+        try:
+            result = op()
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return result
         while True:
             # Cancelled can only come out of _wait, before op() succeeded: nothing consumed.
             await self._ready.wait(flag)
@@ -390,13 +387,8 @@ class Socket:
             frames.append(frame.bytes)
         return frames
 
-    async def recv_multipart(self, *, missed: bool = False) -> list[bytes]:
+    async def recv_multipart(self) -> list[bytes]:
         """Receive one whole multipart message, waiting until one arrives.
-
-        ``missed=True`` says that the caller found nothing waiting just now, with no
-        checkpoint since (its :meth:`recv_multipart_nowait` raised :exc:`trio.WouldBlock`): the
-        receive then starts by reading ``zmq.EVENTS`` instead of repeating that attempt. A
-        message that arrived in between is taken all the same.
 
         **Cancellation:** cancel-atomic. If :exc:`trio.Cancelled` is raised, no message was
         taken from the socket: it stays there for the next receive. Always checkpoints, even
@@ -405,7 +397,7 @@ class Socket:
         Raises:
           trio.ClosedResourceError: if the socket was closed before or during the call.
         """
-        return await self._run(_POLLIN, self.recv_multipart_nowait, missed)
+        return await self._run(_POLLIN, self.recv_multipart_nowait)
 
     def recv_frames_nowait(self) -> list[zmq.Frame]:
         """:meth:`recv_multipart_nowait`, as :class:`zmq.Frame` objects (``copy=False``),
@@ -425,17 +417,6 @@ class Socket:
             frame = _recv(zsock, _DONTWAIT, False)
             frames.append(frame)
         return frames
-
-    async def recv_frames(self, *, missed: bool = False) -> list[zmq.Frame]:
-        """:meth:`recv_multipart`, as :class:`zmq.Frame` objects (see
-        :meth:`recv_frames_nowait`); ``missed`` as there, for :meth:`recv_frames_nowait`.
-
-        **Cancellation:** cancel-atomic, as :meth:`recv_multipart`.
-
-        Raises:
-          trio.ClosedResourceError: if the socket was closed before or during the call.
-        """
-        return await self._run(_POLLIN, self.recv_frames_nowait, missed)
 
     # ------------------------------------------------------------------ close
 
