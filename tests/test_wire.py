@@ -813,6 +813,14 @@ _STATUS_FIELDS: dict[str, tuple[Any, st.SearchStrategy[Any]]] = {
 }
 
 
+def test_the_self_check_tests_vary_every_field() -> None:
+    """A field added to Transfer or Status is drawn by the agreement tests below (and must
+    then be checked by _plainly_valid): left out of these tables, they would never vary
+    it, and a cheap check that let its bad values through would pass them."""
+    assert tuple(_TRANSFER_FIELDS) == Transfer.__struct_fields__
+    assert tuple(_STATUS_FIELDS) == Status.__struct_fields__
+
+
 def _draw_fields(
     data: st.DataObject, fields: dict[str, tuple[Any, st.SearchStrategy[Any]]]
 ) -> dict[str, Any]:
