@@ -838,7 +838,7 @@ def run_peer(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[st
     time (every thread, ``time.process_time()`` while it ran its requests) per request,
     with the part its event loop spent filling (prefill) or verifying (decode) pages and in
     the page allocator's sanitizer (poisoning freed pages, checking the poison)."""
-    from ._demo import check, run_processes
+    from ._demo import RANK_COUNTERS, check, run_processes
 
     d = peer_demo_options(opts)
     done = 0
@@ -867,8 +867,7 @@ def run_peer(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[st
             "pid": rank["pid"], "cpu_seconds": rank["cpu_seconds"],
             "cpu_ms_per_request": round(rank["cpu_seconds"] / n * 1e3, 3),
             "harness_ms_per_request": round(rank["harness_cpu_seconds"] / n * 1e3, 3),
-            **{k: rank.get(k, 0) for k in (
-                "engine_calls", "chunks_staged", "rooms_landed", "landing_full")},
+            **{k: rank.get(k, 0) for k in RANK_COUNTERS},
         }
 
     peer = {
