@@ -214,6 +214,20 @@ def test_status_reason_is_truncated_by_encoder() -> None:
     assert_refused([pack(d)], "reason")
 
 
+def test_encode_takes_subclasses_of_a_message_and_nothing_else() -> None:
+    """A subclass of Status is encoded as a Status (its long reason cut too); what is no
+    control message is refused, not sent."""
+
+    class _Status(Status, frozen=True):
+        pass
+
+    long = _Status(WIRE_VERSION, room=1, epoch=0, rank=0, ok=False, reason="é" * 5000)
+    got, _ = decode(encode(long))
+    assert type(got) is Status and got.reason == "é" * MAX_REASON_CHARS
+    with pytest.raises(ProtocolError, match="cannot encode object: not a control message"):
+        encode(object())  # type: ignore[arg-type]
+
+
 def test_encode_transfer_of_1000_pages_is_fast() -> None:
     # A rough guard against an accidental slow path (the target is a few µs on a server).
     import timeit
