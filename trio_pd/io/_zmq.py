@@ -158,7 +158,7 @@ class _Readiness:
             await trio.lowlevel.checkpoint()
             return
         if not self._fd_waiting:
-            await self.sleep_fd(flag, self._check_open)  # become the one task on the fd
+            await self.sleep_fd(flag)  # become the one task on the fd
         else:
             lot = self._parked_in if flag == _POLLIN else self._parked_out
             self.parked += 1
@@ -167,9 +167,7 @@ class _Readiness:
             finally:
                 self.parked -= 1
 
-    async def sleep_fd(  # noqa: ASYNC910 (a kick ends a real sleep)
-        self, flag: int, check_open: Callable[[], None]
-    ) -> None:
+    async def sleep_fd(self, flag: int) -> None:  # noqa: ASYNC910 (a kick ends a real sleep)
         """Become the task sleeping on the descriptor for ``flag``, as :meth:`wait` does,
         without its poll: the caller read ``zmq.EVENTS`` after the socket's last libzmq call,
         with no checkpoint since, and it did not report ``flag`` (rule 3); no other task
@@ -179,7 +177,7 @@ class _Readiness:
         try:
             await trio.lowlevel.wait_readable(self.fd)
         except trio.ClosedResourceError:
-            check_open()  # closed: raise; open: kicked (_kick), a wake-up
+            self._check_open()  # closed: raise; open: kicked (_kick), a wake-up
         finally:
             # Whatever woke us (readable, kicked, cancelled, closed), others may now sleep
             # unwatched: let them all re-check and elect a new fd task.
@@ -568,4 +566,4 @@ async def serve(
         if ready._fd_waiting:
             await ready.wait(_POLLIN)  # another task sleeps on the fd: park (rule 1)
         else:
-            await ready.sleep_fd(_POLLIN, sock._check_open)
+            await ready.sleep_fd(_POLLIN)
