@@ -375,15 +375,7 @@ class Socket:
         return self._call(self._recv_frames)
 
     def _recv_frames(self) -> list[bytes]:
-        # Received as zmq.Frame, whose ``more`` libzmq's receive sets: reading RCVMORE with
-        # ``get`` costs two Python calls (pyzmq looks the option up in an enum) per frame.
-        zsock = self._zsock
-        frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
-        frames = [frame.bytes]
-        while frame.more:  # (the rest of a message is there once its first is)
-            frame = _recv(zsock, _DONTWAIT, False)
-            frames.append(frame.bytes)
-        return frames
+        return [frame.bytes for frame in self._recv_zmq_frames()]
 
     async def recv_multipart(self) -> list[bytes]:
         """Receive one whole multipart message, waiting until one arrives.
@@ -408,10 +400,12 @@ class Socket:
         return self._call(self._recv_zmq_frames)
 
     def _recv_zmq_frames(self) -> list[zmq.Frame]:
+        # Received as zmq.Frame, whose ``more`` libzmq's receive sets: reading RCVMORE with
+        # ``get`` costs two Python calls (pyzmq looks the option up in an enum) per frame.
         zsock = self._zsock
         frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
         frames = [frame]
-        while frame.more:
+        while frame.more:  # (the rest of a message is there once its first is)
             frame = _recv(zsock, _DONTWAIT, False)
             frames.append(frame)
         return frames
