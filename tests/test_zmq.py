@@ -30,6 +30,7 @@ def ctx() -> Iterator[Ctx]:
     # Hangs (and pytest-timeout fails the test) if a test leaked a socket.
     context.term()
 
+
 @asynccontextmanager
 async def tcp_pair(ctx: Ctx, hwm: int) -> AsyncIterator[tuple[Socket, Socket]]:
     """A PULL and a PUSH connected to it over tcp on loopback, both with high-water mark
@@ -40,7 +41,6 @@ async def tcp_pair(ctx: Ctx, hwm: int) -> AsyncIterator[tuple[Socket, Socket]]:
     ):
         push.connect(pull.bind("tcp://127.0.0.1:*"))
         yield pull, push
-
 
 
 def fill(sock: Socket, frames: list[bytes], bound: int = 100_000) -> int:
