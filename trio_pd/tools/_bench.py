@@ -73,7 +73,7 @@ from ..bootstrap._bootstrap import open_bootstrap_server
 from ..core._errors import AdmissionClosed
 from ..core._memory import PoolSpec, read_aux_stamp
 from ..core._plan import Blocks, chunk_ranges, concat, plan_aux, plan_pages, total_bytes
-from ..core._state import KVPoll
+from ..core._state import TERMINAL, KVPoll
 from ..engines import Deferred, Pending, TransferEngine, make_engine, start_write
 from ._bench_layers import LayerBenchOptions, run_layerwise
 
@@ -551,7 +551,7 @@ async def _request(
             aborted_at.append(time.perf_counter())
             rx.abort("bench: abort under load")
     status = await rx.wait()
-    if tx.poll() not in (KVPoll.Success, KVPoll.Failed):  # (mostly terminal already)
+    if tx.poll() not in TERMINAL:  # (mostly terminal already)
         await tx.wait()
     if status is not KVPoll.Success:
         await released.wait()
