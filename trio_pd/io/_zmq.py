@@ -514,12 +514,13 @@ async def serve(
     zsock, ready = sock._zsock, sock._ready
     await trio.lowlevel.checkpoint_if_cancelled()
     while True:
-        # One scheduling step: take what is waiting, ``batch`` messages at most.
+        # One scheduling step: take what is waiting, ``batch`` messages at most. (Within it
+        # only the handler can close the socket, and it is asked after each one.)
+        if sock._closed:
+            raise trio.ClosedResourceError("this zmq socket was closed")
         taken = 0
         events = -1  # -1: zmq.EVENTS not read since the last libzmq call
         while True:
-            if sock._closed:
-                raise trio.ClosedResourceError("this zmq socket was closed")
             try:
                 frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
                 message = [frame.bytes if copy else frame]
