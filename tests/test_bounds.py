@@ -69,6 +69,15 @@ def unused_endpoint(i: int) -> str:
     return f"tcp://127.0.0.1:{20_000 + i}"  # below the ephemeral range: nobody binds it
 
 
+async def register_settled(sock: Any, fake: Any, pair: Any, i: int, engine: Any) -> None:
+    """REGISTER :func:`unused_endpoint` ``i`` with ``engine``'s session on ``sock``, then wait
+    until prefill has handled it and every accepted registration's ``add_peer`` has run."""
+    await sock.send_multipart(_wire.encode(register(unused_endpoint(i), engine, pair.dst.spec)))
+    await barrier(sock, fake)
+    with trio.fail_after(5):
+        await poll_until(lambda: all(p.ready.is_set() for p in pair.prefill.peers.all()))
+
+
 # ------------------------------------------------------------------------ PUSH sockets
 
 
@@ -160,11 +169,7 @@ async def test_full_registry_evicts_a_gone_or_idle_peer(
         peers = pair.prefill.peers
         async with raw_push(pair.prefill.endpoint) as sock:
             for i in range(6):
-                reg = register(unused_endpoint(i), pair.decode.engine, pair.dst.spec)
-                await sock.send_multipart(_wire.encode(reg))
-                await barrier(sock, fake)
-                with trio.fail_after(5):
-                    await poll_until(lambda: all(p.ready.is_set() for p in peers.all()))
+                await register_settled(sock, fake, pair, i, pair.decode.engine)
         assert len(peers.all()) == 3
         # (the real decode has no receiver yet, so it never registered): 20000..20002 made room
         assert stat(pair.prefill, "peers_evicted") == 3
@@ -188,11 +193,7 @@ async def test_a_lookup_keeps_a_peer_from_being_the_least_recently_used(
                 if i == 2:  # the first one registered is looked up: the second is now older
                     await trio.sleep(0.01)
                     assert peers.get(unused_endpoint(0)) is not None
-                reg = register(unused_endpoint(i), pair.decode.engine, pair.dst.spec)
-                await sock.send_multipart(_wire.encode(reg))
-                await barrier(sock, fake)
-                with trio.fail_after(5):
-                    await poll_until(lambda: all(p.ready.is_set() for p in peers.all()))
+                await register_settled(sock, fake, pair, i, pair.decode.engine)
         assert stat(pair.prefill, "peers_evicted") == 1
         assert {p.endpoint for p in peers.all()} == {unused_endpoint(0), unused_endpoint(2)}
         assert "dropped" in peers.refused.get(unused_endpoint(1), "")
@@ -221,11 +222,7 @@ async def test_a_dropped_peer_is_forgotten_by_the_engine(
             peers = pair.prefill.peers
             async with raw_push(pair.prefill.endpoint) as sock:
                 for i, e in enumerate(extra):
-                    reg = register(unused_endpoint(i), e, pair.dst.spec)
-                    await sock.send_multipart(_wire.encode(reg))
-                    await barrier(sock, fake)
-                    with trio.fail_after(5):
-                        await poll_until(lambda: all(p.ready.is_set() for p in peers.all()))
+                    await register_settled(sock, fake, pair, i, e)
                 with trio.fail_after(5):  # (the count follows the engine call's return)
                     await poll_until(lambda: stat(pair.prefill, "engine_peers_removed") >= 2)
             assert removed == [extra[0].session_id, extra[1].session_id]

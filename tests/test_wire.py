@@ -214,6 +214,20 @@ def test_status_reason_is_truncated_by_encoder() -> None:
     assert_refused([pack(d)], "reason")
 
 
+def test_encode_takes_subclasses_of_a_message_and_nothing_else() -> None:
+    """A subclass of Status is encoded as a Status (its long reason cut too); what is no
+    control message is refused, not sent."""
+
+    class _Status(Status, frozen=True):
+        pass
+
+    long = _Status(WIRE_VERSION, room=1, epoch=0, rank=0, ok=False, reason="é" * 5000)
+    got, _ = decode(encode(long))
+    assert type(got) is Status and got.reason == "é" * MAX_REASON_CHARS
+    with pytest.raises(ProtocolError, match="cannot encode object: not a control message"):
+        encode(object())  # type: ignore[arg-type]
+
+
 def test_encode_transfer_of_1000_pages_is_fast() -> None:
     # A rough guard against an accidental slow path (the target is a few µs on a server).
     import timeit
@@ -811,6 +825,14 @@ _STATUS_FIELDS: dict[str, tuple[Any, st.SearchStrategy[Any]]] = {
     "ok": (True, _bools),
     "reason": ("", _reasons),
 }
+
+
+def test_the_self_check_tests_vary_every_field() -> None:
+    """A field added to Transfer or Status is drawn by the agreement tests below (and must
+    then be checked by _plainly_valid): left out of these tables, they would never vary
+    it, and a cheap check that let its bad values through would pass them."""
+    assert tuple(_TRANSFER_FIELDS) == Transfer.__struct_fields__
+    assert tuple(_STATUS_FIELDS) == Status.__struct_fields__
 
 
 def _draw_fields(

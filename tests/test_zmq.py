@@ -30,6 +30,7 @@ def ctx() -> Iterator[Ctx]:
     # Hangs (and pytest-timeout fails the test) if a test leaked a socket.
     context.term()
 
+
 @asynccontextmanager
 async def tcp_pair(ctx: Ctx, hwm: int) -> AsyncIterator[tuple[Socket, Socket]]:
     """A PULL and a PUSH connected to it over tcp on loopback, both with high-water mark
@@ -40,7 +41,6 @@ async def tcp_pair(ctx: Ctx, hwm: int) -> AsyncIterator[tuple[Socket, Socket]]:
     ):
         push.connect(pull.bind("tcp://127.0.0.1:*"))
         yield pull, push
-
 
 
 def fill(sock: Socket, frames: list[bytes], bound: int = 100_000) -> int:
@@ -121,26 +121,6 @@ async def test_nowait_never_checkpoints_and_async_always_does(
                 await a.send_multipart([b"2"])
             with trio.testing.assert_checkpoints():
                 assert await b.recv_multipart() == [b"2"]
-
-
-async def test_recv_after_a_miss_takes_a_message_that_arrived_meanwhile(ctx: Ctx) -> None:
-    """``missed=True`` skips the first try, never a message: one that arrived between the
-    caller's WouldBlock and the receive is taken at once (not after a wait for the next
-    one), over tcp, where it arrives from libzmq's I/O thread; and it checkpoints."""
-    with trio.fail_after(10):
-        async with open_socket(ctx, zmq.PULL) as pull, open_socket(ctx, zmq.PUSH) as push:
-            push.connect(pull.bind("tcp://127.0.0.1:*"))
-            await push.send_multipart([b"first"])
-            assert await pull.recv_multipart() == [b"first"]
-            with pytest.raises(trio.WouldBlock):
-                pull.recv_multipart_nowait()
-            push.send_multipart_nowait([b"meanwhile"])
-            with trio.fail_after(2), trio.testing.assert_checkpoints():
-                assert await pull.recv_multipart(missed=True) == [b"meanwhile"]
-            # and with nothing there, it waits for the next one, as without the hint
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(push.send_multipart, [b"later"])
-                assert await pull.recv_multipart(missed=True) == [b"later"]
 
 
 # --------------------------------------------------------------------------- back-pressure

@@ -711,14 +711,11 @@ def encode(msg: Message, pages: npt.NDArray[np.int32] | None = None) -> list[byt
     again here, unless :func:`_plainly_valid` shows at less cost that it would pass.
     """
     cls = type(msg)
-    if cls is Status:
+    exact = cls in _EXACT_TYPES  # (the usual case: no isinstance call below)
+    if not exact and not isinstance(msg, _MESSAGE_TYPES):
+        raise ProtocolError(f"cannot encode {cls.__name__}: not a control message")
+    if cls is Status or (not exact and isinstance(msg, Status)):
         reason = msg.reason  # type: ignore[union-attr]
-        if (type(reason) is str or isinstance(reason, str)) and len(reason) > MAX_REASON_CHARS:
-            msg = msgspec.structs.replace(msg, reason=reason[:MAX_REASON_CHARS])
-    elif cls not in _EXACT_TYPES:
-        if not isinstance(msg, _MESSAGE_TYPES):
-            raise ProtocolError(f"cannot encode {cls.__name__}: not a control message")
-        reason = msg.reason if isinstance(msg, Status) else None
         if isinstance(reason, str) and len(reason) > MAX_REASON_CHARS:
             msg = msgspec.structs.replace(msg, reason=reason[:MAX_REASON_CHARS])
     try:
@@ -732,7 +729,7 @@ def encode(msg: Message, pages: npt.NDArray[np.int32] | None = None) -> list[byt
             _decode_header(header)
         except ProtocolError as exc:
             raise ProtocolError(f"refusing to encode {cls.__name__}: {exc}") from exc
-    if cls is not Transfer and (cls in _EXACT_TYPES or not isinstance(msg, Transfer)):
+    if cls is not Transfer and (exact or not isinstance(msg, Transfer)):
         if pages is not None:
             raise ProtocolError(f"{cls.__name__} carries no page ids")
         return [header]

@@ -260,7 +260,7 @@ class ControlPlane:
         self._dispatch(list(map(_FRAME_BYTES, frames)), handle, sender)
 
     def _dispatch(
-        self, frames: list[bytes] | list[memoryview], handle: Handler, sender: str | None = None
+        self, frames: list[bytes], handle: Handler, sender: str | None = None
     ) -> None:
         """Decode and handle one message. Nothing it raises (short of ``BaseException``:
         cancellation, ``KeyboardInterrupt``) leaves here: each error is counted and logged

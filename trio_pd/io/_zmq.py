@@ -158,7 +158,7 @@ class _Readiness:
             await trio.lowlevel.checkpoint()
             return
         if not self._fd_waiting:
-            await self.sleep_fd(flag, self._check_open)  # become the one task on the fd
+            await self.sleep_fd(flag)  # become the one task on the fd
         else:
             lot = self._parked_in if flag == _POLLIN else self._parked_out
             self.parked += 1
@@ -167,9 +167,7 @@ class _Readiness:
             finally:
                 self.parked -= 1
 
-    async def sleep_fd(  # noqa: ASYNC910 (a kick ends a real sleep)
-        self, flag: int, check_open: Callable[[], None]
-    ) -> None:
+    async def sleep_fd(self, flag: int) -> None:  # noqa: ASYNC910 (a kick ends a real sleep)
         """Become the task sleeping on the descriptor for ``flag``, as :meth:`wait` does,
         without its poll: the caller read ``zmq.EVENTS`` after the socket's last libzmq call,
         with no checkpoint since, and it did not report ``flag`` (rule 3); no other task
@@ -179,7 +177,7 @@ class _Readiness:
         try:
             await trio.lowlevel.wait_readable(self.fd)
         except trio.ClosedResourceError:
-            check_open()  # closed: raise; open: kicked (_kick), a wake-up
+            self._check_open()  # closed: raise; open: kicked (_kick), a wake-up
         finally:
             # Whatever woke us (readable, kicked, cancelled, closed), others may now sleep
             # unwatched: let them all re-check and elect a new fd task.
@@ -268,19 +266,16 @@ class Socket:
             # waiter instead, so that each meets the error on a call of its own.
             self._ready.wake_all()
 
-    async def _run(self, flag: int, op: Callable[[], _T], missed: bool = False) -> _T:
-        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it.
-        ``missed``: the caller's own ``op`` raised WouldBlock just now, with no checkpoint
-        since, so the first try is skipped: it would only repeat that EAGAIN."""
+    async def _run(self, flag: int, op: Callable[[], _T]) -> _T:
+        """The async twin of a ``*_nowait`` operation, the way trio's own sockets do it."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        if not missed:
-            try:
-                result = op()
-            except trio.WouldBlock:
-                pass
-            else:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return result
+        try:
+            result = op()
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return result
         while True:
             # Cancelled can only come out of _wait, before op() succeeded: nothing consumed.
             await self._ready.wait(flag)
@@ -380,23 +375,10 @@ class Socket:
         return self._call(self._recv_frames)
 
     def _recv_frames(self) -> list[bytes]:
-        # Received as zmq.Frame, whose ``more`` libzmq's receive sets: reading RCVMORE with
-        # ``get`` costs two Python calls (pyzmq looks the option up in an enum) per frame.
-        zsock = self._zsock
-        frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
-        frames = [frame.bytes]
-        while frame.more:  # (the rest of a message is there once its first is)
-            frame = _recv(zsock, _DONTWAIT, False)
-            frames.append(frame.bytes)
-        return frames
+        return [frame.bytes for frame in self._recv_zmq_frames()]
 
-    async def recv_multipart(self, *, missed: bool = False) -> list[bytes]:
+    async def recv_multipart(self) -> list[bytes]:
         """Receive one whole multipart message, waiting until one arrives.
-
-        ``missed=True`` says that the caller found nothing waiting just now, with no
-        checkpoint since (its :meth:`recv_multipart_nowait` raised :exc:`trio.WouldBlock`): the
-        receive then starts by reading ``zmq.EVENTS`` instead of repeating that attempt. A
-        message that arrived in between is taken all the same.
 
         **Cancellation:** cancel-atomic. If :exc:`trio.Cancelled` is raised, no message was
         taken from the socket: it stays there for the next receive. Always checkpoints, even
@@ -405,7 +387,7 @@ class Socket:
         Raises:
           trio.ClosedResourceError: if the socket was closed before or during the call.
         """
-        return await self._run(_POLLIN, self.recv_multipart_nowait, missed)
+        return await self._run(_POLLIN, self.recv_multipart_nowait)
 
     def recv_frames_nowait(self) -> list[zmq.Frame]:
         """:meth:`recv_multipart_nowait`, as :class:`zmq.Frame` objects (``copy=False``),
@@ -418,24 +400,15 @@ class Socket:
         return self._call(self._recv_zmq_frames)
 
     def _recv_zmq_frames(self) -> list[zmq.Frame]:
+        # Received as zmq.Frame, whose ``more`` libzmq's receive sets: reading RCVMORE with
+        # ``get`` costs two Python calls (pyzmq looks the option up in an enum) per frame.
         zsock = self._zsock
         frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
         frames = [frame]
-        while frame.more:
+        while frame.more:  # (the rest of a message is there once its first is)
             frame = _recv(zsock, _DONTWAIT, False)
             frames.append(frame)
         return frames
-
-    async def recv_frames(self, *, missed: bool = False) -> list[zmq.Frame]:
-        """:meth:`recv_multipart`, as :class:`zmq.Frame` objects (see
-        :meth:`recv_frames_nowait`); ``missed`` as there, for :meth:`recv_frames_nowait`.
-
-        **Cancellation:** cancel-atomic, as :meth:`recv_multipart`.
-
-        Raises:
-          trio.ClosedResourceError: if the socket was closed before or during the call.
-        """
-        return await self._run(_POLLIN, self.recv_frames_nowait, missed)
 
     # ------------------------------------------------------------------ close
 
@@ -541,12 +514,13 @@ async def serve(
     zsock, ready = sock._zsock, sock._ready
     await trio.lowlevel.checkpoint_if_cancelled()
     while True:
-        # One scheduling step: take what is waiting, ``batch`` messages at most.
+        # One scheduling step: take what is waiting, ``batch`` messages at most. (Within it
+        # only the handler can close the socket, and it is asked after each one.)
+        if sock._closed:
+            raise trio.ClosedResourceError("this zmq socket was closed")
         taken = 0
         events = -1  # -1: zmq.EVENTS not read since the last libzmq call
         while True:
-            if sock._closed:
-                raise trio.ClosedResourceError("this zmq socket was closed")
             try:
                 frame: zmq.Frame = _recv(zsock, _DONTWAIT, False)
                 message = [frame.bytes if copy else frame]
@@ -587,4 +561,4 @@ async def serve(
         if ready._fd_waiting:
             await ready.wait(_POLLIN)  # another task sleeps on the fd: park (rule 1)
         else:
-            await ready.sleep_fd(_POLLIN, sock._check_open)
+            await ready.sleep_fd(_POLLIN)

@@ -73,7 +73,7 @@ from ..bootstrap._bootstrap import open_bootstrap_server
 from ..core._errors import AdmissionClosed
 from ..core._memory import PoolSpec, read_aux_stamp
 from ..core._plan import Blocks, chunk_ranges, concat, plan_aux, plan_pages, total_bytes
-from ..core._state import KVPoll
+from ..core._state import TERMINAL, KVPoll
 from ..engines import Deferred, Pending, TransferEngine, make_engine, start_write
 from ._bench_layers import LayerBenchOptions, run_layerwise
 
@@ -551,7 +551,7 @@ async def _request(
             aborted_at.append(time.perf_counter())
             rx.abort("bench: abort under load")
     status = await rx.wait()
-    if tx.poll() not in (KVPoll.Success, KVPoll.Failed):  # (mostly terminal already)
+    if tx.poll() not in TERMINAL:  # (mostly terminal already)
         await tx.wait()
     if status is not KVPoll.Success:
         await released.wait()
@@ -838,7 +838,7 @@ def run_peer(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[st
     time (every thread, ``time.process_time()`` while it ran its requests) per request,
     with the part its event loop spent filling (prefill) or verifying (decode) pages and in
     the page allocator's sanitizer (poisoning freed pages, checking the poison)."""
-    from ._demo import check, run_processes
+    from ._demo import RANK_COUNTERS, check, run_processes
 
     d = peer_demo_options(opts)
     done = 0
@@ -867,8 +867,7 @@ def run_peer(opts: BenchOptions, progress: Progress = lambda _: None) -> dict[st
             "pid": rank["pid"], "cpu_seconds": rank["cpu_seconds"],
             "cpu_ms_per_request": round(rank["cpu_seconds"] / n * 1e3, 3),
             "harness_ms_per_request": round(rank["harness_cpu_seconds"] / n * 1e3, 3),
-            **{k: rank.get(k, 0) for k in (
-                "engine_calls", "chunks_staged", "rooms_landed", "landing_full")},
+            **{k: rank.get(k, 0) for k in RANK_COUNTERS},
         }
 
     peer = {

@@ -41,11 +41,8 @@ from ..agents._decode import DecodeConfig, open_decode
 from ..agents._prefill import PrefillConfig, open_prefill
 from ..bootstrap._bootstrap import open_bootstrap_server
 from ..core._memory import PoolSpec
-from ..core._state import KVPoll
+from ..core._state import TERMINAL, KVPoll
 from ..engines import TransferEngine
-
-_TERMINAL = (KVPoll.Success, KVPoll.Failed)
-
 
 #: how a run makes each of its engines (the bench's own factory, which tests replace)
 EngineMaker = Callable[[], TransferEngine]
@@ -214,7 +211,7 @@ def run_thread(
                 decode.pop_released()
                 for k, (room, tx, rx) in list(flying.items()):
                     rs = rx.poll()
-                    if rs not in _TERMINAL or room not in released:
+                    if rs not in TERMINAL or room not in released:
                         continue  # (prefill releases its pages once it is terminal)
                     if rs is KVPoll.Failed or tx.poll() is not KVPoll.Success:
                         failed += 1

@@ -59,6 +59,9 @@ ABORT_POINTS = ("before_bootstrap", "between_chunks", "mid_chunk", "after_last")
 #: the CUDA device of every pool with ``--device cuda`` (pick another GPU with
 #: ``CUDA_VISIBLE_DEVICES``)
 DEMO_DEVICE = 0
+#: the agent counters each rank's entry of the summary's ``ranks`` carries (how the bytes
+#: went: engine calls, staged chunks, landed rooms); the bench's peer preset reports them too
+RANK_COUNTERS: Final = ("engine_calls", "chunks_staged", "rooms_landed", "landing_full")
 Side = Literal["prefill", "decode"]
 _T = TypeVar("_T")
 
@@ -987,9 +990,7 @@ def summarize(
         "ranks": [
             {"role": r.role, "rank": r.rank, "pid": r.pid, "cpu_seconds": round(r.cpu_seconds, 4),
              "harness_cpu_seconds": round(r.harness_cpu_seconds, 4),
-             # (how the bytes went: engine calls, staged chunks, landed rooms)
-             **{k: r.stats.get(k, 0) for k in (
-                 "engine_calls", "chunks_staged", "rooms_landed", "landing_full")}}
+             **{k: r.stats.get(k, 0) for k in RANK_COUNTERS}}
             for r in results
         ],
     }
