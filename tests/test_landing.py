@@ -591,3 +591,30 @@ async def test_a_landing_size_that_is_not_bytes_is_refused_up_front(nbytes: obje
                 pass
     finally:
         de.close()
+
+
+async def test_a_close_cut_short_still_keeps_a_held_landing_area() -> None:
+    """``open_decode``'s close runs under a 10 s deadline; one that ran out before the
+    landing area's turn (a slow drain, a slow deregistration) must still keep the memory of
+    an area whose range a room holds (a write may still land there), not leave it to be
+    freed with the agent. ``close_landing`` decides that before its first schedule point."""
+    from types import SimpleNamespace
+
+    from trio_pd.agents._decode import close_landing
+    from trio_pd.core import _landing
+
+    from .helpers.agents import host_pool
+
+    area = LandingArea(host_pool().spec, 1 << 20)
+    assert area.usable and area.reserve(3) is not None
+    unregistered: list[object] = []
+    agent = SimpleNamespace(landing=area, engine=SimpleNamespace(unregister=unregistered.append))
+    try:
+        with trio.CancelScope() as scope:
+            scope.cancel()  # (the close's deadline has passed)
+            await close_landing(agent, area)  # type: ignore[arg-type]
+        assert area in _landing.KEPT, "a held landing area was left to be freed"
+        assert agent.landing is None and not area.registered
+    finally:
+        if area in _landing.KEPT:
+            _landing.KEPT.remove(area)

@@ -438,30 +438,30 @@ def test_publication_vs_abort_every_schedule(via: str) -> None:
 
 
 class CheckOutsideLock(PrefillAgent):
-    """A planted bug: decides the outcome *before* taking the lock, and awaits in between
-    (the check-then-act race SPEC §5.4 forbids)."""
+    """A planted bug: decides the outcome, then awaits before it acts on it (the
+    check-then-act race SPEC §5.4 forbids; a lock taken only around the act, as this class
+    once did, would not close it)."""
 
     async def _publish(self, rec: _Room) -> None:
         room = rec.machine
         if not room.publish_due:
             return
-        ok = room.cell.status is not KVPoll.Failed  # checked outside the lock...
+        ok = room.cell.status is not KVPoll.Failed  # checked before the await...
         await trio.lowlevel.checkpoint()  # ...and an abort can land here
-        async with rec.lock:
-            if room.published:
-                return
-            room.published = True
-            for target in room.targets.values():
-                self.control.send_nowait(
-                    target.endpoint,
-                    wire.Status(
-                        v=wire.WIRE_VERSION, room=room.room, epoch=target.epoch,
-                        rank=self.tp_rank, ok=ok,
-                    ),
-                )
-            if ok:
-                room.cell.advance(KVPoll.Success)
-                rec.terminal.set()
+        if room.published:
+            return
+        room.published = True
+        for target in room.targets.values():
+            self.control.send_nowait(
+                target.endpoint,
+                wire.Status(
+                    v=wire.WIRE_VERSION, room=room.room, epoch=target.epoch,
+                    rank=self.tp_rank, ok=ok,
+                ),
+            )
+        if ok:
+            room.cell.advance(KVPoll.Success)
+            rec.terminal.set()
 
 
 def test_planted_check_outside_lock_is_found_and_replays() -> None:

@@ -67,8 +67,7 @@ from .core._memory import (
     check_num_pages,
     check_prefix_pages,
     check_state_slots,
-    page_ids,
-    validate_pages,
+    pool_page_ids,
 )
 from .core._rooms import RequestPages
 from .core._state import KVPoll
@@ -625,10 +624,9 @@ class SyncSender(_Handle):
         for a room that failed or was aborted meanwhile is dropped (its pages are not
         trio_pd's); :meth:`poll` says Failed.
         """
-        ids = page_ids(pages)  # (a copy)
         pool = self._prefill._pool
+        ids = pool_page_ids(pages, pool.num_pages)  # (a copy)
         span = layer_range(layers)
-        validate_pages(ids, pool.num_pages)
         slots = None
         if state_slots is not None or (last and pool.states):
             if not last:
@@ -703,9 +701,8 @@ class SyncReceiver(_Handle):
         failed before its init runs gets its pages back at once (through pop_released), as
         does one whose facade has closed.
         """
-        ids = page_ids(pages)  # (a copy)
         pool = self._decode._pool
-        validate_pages(ids, pool.num_pages)
+        ids = pool_page_ids(pages, pool.num_pages)  # (a copy)
         aux_slot = check_aux_slot(aux_slot, pool.aux_slots)
         slots = check_state_slots([st.slots for st in pool.states], state_slots, "destination")
         prefix = check_prefix_pages(prefix_pages)  # (every check before the room is inited)

@@ -190,9 +190,6 @@ class ChunkPlanner:
         self.staging = StagingArea(staging_bytes if host_source(pool) else 0)
         #: layer-wise chunks: (id(pool), a, b) -> (pool, its view of layers [a, b))
         self._views: dict[tuple[int, int, int], tuple[PoolSpec, PoolSpec]] = {}
-        #: id(peer) -> (peer, whether its head slices go through staging): fixed for the life
-        #: of a registration, and asked for every chunk
-        self._heads_staged: dict[int, tuple[DecodePeer, bool]] = {}
         self._staging_lock = trio.Lock()
 
     def stages(self, peer: DecodePeer, chunk: Chunk, target: Target | None = None) -> bool:
@@ -201,18 +198,20 @@ class ChunkPlanner:
         destination is the peer's landing area (trio_pd.core._landing)."""
         if not (len(chunk.pages) > 0 and self.staging.usable) or peer.heads is None:
             return False
-        hit = self._heads_staged.get(id(peer))
-        if hit is None or hit[0] is not peer:
-            if len(self._heads_staged) >= 4096:
-                self._heads_staged.clear()
-            staged = stages_heads(self.pool, peer.pool, peer.heads)
-            hit = self._heads_staged[id(peer)] = (peer, staged)
-        if hit[1]:
+        if self._heads_staged(peer):
             return True
         return (
             target is not None and target.landing and peer.landing is not None
             and stages_pages(self.pool, peer.landing, self._mha(peer))
         )
+
+    def _heads_staged(self, peer: DecodePeer) -> bool:
+        """Whether ``peer``'s head slices go through staging (``stages_heads``): fixed for
+        the life of its registration and asked for every chunk, so kept on the peer."""
+        staged = peer.heads_staged
+        if staged is None:
+            staged = peer.heads_staged = stages_heads(self.pool, peer.pool, peer.heads)
+        return staged
 
     def _mha(self, peer: DecodePeer) -> tuple[int, int] | None:
         return peer.heads if self.pool.layout == "mha" else None
@@ -277,7 +276,7 @@ class ChunkPlanner:
                 call.staged = r
                 parts.append(plan_staged(src_pool, dst_pool, dst, r.addr))
                 # head slices, or (a landing target) whole pages: every head we hold
-                heads = mha_heads if stages_heads(self.pool, peer.pool, peer.heads) else (
+                heads = mha_heads if self._heads_staged(peer) else (
                     self.pool.first_head, self.pool.first_head + self.pool.heads
                 )
                 assert heads is not None

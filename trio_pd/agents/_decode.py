@@ -895,11 +895,13 @@ async def open_landing(agent: DecodeAgent, nbytes: int) -> LandingArea | None:
     return area
 
 
-async def close_landing(agent: DecodeAgent, area: LandingArea) -> None:
+async def close_landing(  # noqa: ASYNC910 (to_thread.run_sync schedules, raising or not)
+    agent: DecodeAgent, area: LandingArea
+) -> None:
     """Deregister the landing area (the agent is closing). A range still held by a room
     whose drain was not proven keeps the area's memory for the life of the process: a write
-    may still land there (the pool's pages stay held the same way)."""
-    await trio.lowlevel.checkpoint()
+    may still land there (the pool's pages stay held the same way). That is decided before
+    the first schedule point: a close whose deadline has passed keeps a held area too."""
     agent.landing = None
     area.registered = False
     if area.reserved:

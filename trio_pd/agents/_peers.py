@@ -86,6 +86,10 @@ class DecodePeer:
     #: what the room table needs of it (``PrefillWire.peer_view``), made on first use: every
     #: field it is made of is fixed for the life of this registration
     view: DecodePeerView | None = None
+    #: whether this rank's head slices for it go through staging (``_plan.stages_heads``
+    #: of our pool and ``pool``), worked out by the chunk planner on first use: fixed for
+    #: the life of this registration
+    heads_staged: bool | None = None
 
     @property
     def probing(self) -> bool:

@@ -212,7 +212,6 @@ class _Room:
     scopes: dict[trio.CancelScope, None] = field(default_factory=dict)
     terminal: LazyEvent = field(default_factory=LazyEvent)
     released: LazyEvent = field(default_factory=LazyEvent)
-    _lock: trio.Lock | None = None
     #: metrics attached only: the ``time.perf_counter()`` the room's transfer latency runs
     #: from, its creation until the first ``send()`` (``sent``) moves it there, once
     started: float | None = None
@@ -226,15 +225,6 @@ class _Room:
     #: being taken (the worker that takes it queues the next if chunks remain): one worker
     #: wake-up per engine call, not one per chunk that coalescing then finds gone
     chunk_job: bool = False
-
-    @property
-    def lock(self) -> trio.Lock:
-        """A lock for a publication that awaits (a subclass's ``_publish``): the agent's own
-        is one synchronous step and takes it only while another holds it. Made on first
-        use (see _lazy)."""
-        if self._lock is None:
-            self._lock = trio.Lock()
-        return self._lock
 
 
 def layer_range(layers: range | None) -> tuple[int, int] | None:
@@ -592,19 +582,13 @@ class PrefillAgent:
         No schedule point when it publishes: its callers just had one (the chunk's engine
         call; a publish job's own checkpoint), and one here would only cost a task step. A
         cancelled worker (the agent closing) publishes nothing, as before: the close fails
-        what is left. A publication of the room that holds its lock across an await (none
-        here; a subclass's) is waited for."""
+        what is left."""
         room = rec.machine
         if not room.publish_due:
             await trio.lowlevel.checkpoint()  # a checkpoint on every path
             return
         await trio.lowlevel.checkpoint_if_cancelled()
-        send = partial(self.wire.send_status_now, room.room)
-        if rec._lock is not None and rec._lock.locked():
-            async with rec._lock:
-                self._carry(rec, room.publish(send))
-            return
-        self._carry(rec, room.publish(send))
+        self._carry(rec, room.publish(partial(self.wire.send_status_now, room.room)))
 
     # ------------------------------------------------------------------ shutdown
 
