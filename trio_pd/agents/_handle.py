@@ -97,13 +97,6 @@ class RoomHandle(AbortsOnExit, Generic[A, R]):
         """What reading ``status`` hands the caller: nothing, unless a handle says so."""
         return status
 
-    async def _ended(self) -> None:
-        """Wait until the room is terminal, delivering nothing.
-
-        **Cancellation:** as :meth:`wait`.
-        """
-        await self._room.terminal.wait()
-
     def _when_ended(self, hook: Callable[[], object]) -> None:
         """Call ``hook()`` once the room is terminal (now if it is), delivering nothing: on
         the trio thread, synchronously, inside the step that ended the room."""
