@@ -3,6 +3,8 @@ the clock it reads (the run's own: under a mock clock, that one)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from functools import partial
 
 import trio
@@ -48,3 +50,47 @@ async def test_the_clock_is_the_runs_while_running_and_the_plain_call_after(
         assert timers.clock() == trio.current_time()
         nursery.cancel_scope.cancel()
     assert timers.clock is trio.current_time
+
+
+async def test_a_cancelled_deadline_never_runs_and_lets_its_action_go_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """What an action holds (a room's record) is let go when it is cancelled, not when its
+    deadline comes; cancelling twice, or after it ran, changes nothing."""
+
+    class Held:
+        pass
+
+    timers = Timers()
+    fired: list[str] = []
+    held = Held()
+    gone = weakref.ref(held)
+    keep = timers.after(1.0, lambda: fired.append("kept"))
+    drop = timers.after(300.0, partial(fired.append, held))
+    del held
+    timers.cancel(drop)
+    gc.collect()
+    assert gone() is None, "a cancelled deadline still holds its action"
+    timers.cancel(drop)
+    assert len(timers) == 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timers.run)
+        await trio.sleep(400.0)
+        timers.cancel(keep)  # (ran already)
+        nursery.cancel_scope.cancel()
+    assert fired == ["kept"] and len(timers) == 0
+
+
+def test_cancelled_deadlines_never_grow_the_heap_past_twice_the_armed_ones() -> None:
+    """100,000 rooms, each arming one long deadline cancelled when the room ends: the heap
+    stays bounded by the deadlines still armed (what a server with 300-second timeouts
+    would otherwise hold for five minutes)."""
+    timers = Timers()
+    timers.clock = lambda: 0.0
+    armed = [timers.after(300.0 + k, lambda: None) for k in range(10)]
+    biggest = 0
+    for k in range(100_000):
+        timers.cancel(timers.after(300.0 + k % 7, lambda: None))
+        biggest = max(biggest, len(timers._heap))
+    assert len(timers) == len(armed) == 10
+    assert biggest <= 2 * 10 + 66

@@ -91,7 +91,7 @@ from ..io._control import ControlPlane, sweep_idle_sockets
 from ..io._outbox import Outbox
 from ..io._probe import wait_idle
 from ..io._security import Keypair, Security, resolve
-from ..io._timers import Timers
+from ..io._timers import Timer, Timers
 from ._dp_router import DpRouter, dp_instance
 from ._handle import RoomHandle
 from ._lazy import LazyEvent
@@ -206,6 +206,8 @@ class _Room:
     #: the first of the landing pages the room holds (as many as its pages), or None: held
     #: until Success, or until its pages are released (trio_pd.core._landing)
     landing: int | None = None
+    #: the room's deadlines armed (cancelled when it is forgotten: they hold the record)
+    timers: list[Timer] = field(default_factory=list)
 
 
 class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
@@ -561,7 +563,7 @@ class DecodeAgent:
         for effect in due:
             match effect:  # (the success path's effects first: fewer checks)
                 case SendTransfers():
-                    self._arm(self.table.timer(rec, "waiting"))
+                    self._arm(rec, self.table.timer(rec, "waiting"))
                     self.wire.send_transfers(rec)
                 case Succeeded():
                     self._give_landing(rec)  # (scattered already, before Success)
@@ -569,6 +571,8 @@ class DecodeAgent:
                     rec.terminal.set()
                 case Forget():
                     self.table.forget(rec)
+                    for timer in rec.timers:  # (its deadlines let the record go now)
+                        self.timers.cancel(timer)
                     for rank in rec.sources:
                         rank.rooms.discard(machine.room)
                 case Failed(error=error):
@@ -582,9 +586,9 @@ class DecodeAgent:
                 case SendAborts(ranks=ranks):
                     self.wire.send_aborts(rec, ranks)
                 case ArmAckDeadline():
-                    self._arm(self.table.timer(rec, "ack"))
+                    self._arm(rec, self.table.timer(rec, "ack"))
                 case Arm():
-                    self._arm(effect)
+                    self._arm(rec, effect)
                 case Count(name=name):
                     self.counters.bump(name)
                 case Release(how=how):
@@ -614,10 +618,13 @@ class DecodeAgent:
                 case _:
                     raise AssertionError(f"decode cannot do {effect!r}")
 
-    def _arm(self, arm: Arm) -> None:
-        """Arm a deadline the table made (:meth:`_timer_due` hears it)."""
+    def _arm(self, rec: _Room, arm: Arm) -> None:
+        """Arm a deadline the table made (:meth:`_timer_due` hears it); one of ``rec``'s own
+        goes when the room is forgotten (:class:`~trio_pd.io._timers.Timers`, why)."""
         after, key = arm.after, arm.key
-        self.timers.after(after, partial(self._timer_due, key))
+        timer = self.timers.after(after, partial(self._timer_due, key))
+        if type(key) is RoomDeadline and key.rec is rec:
+            rec.timers.append(timer)
 
     def _give_landing(self, rec: _Room) -> None:
         """The room's landing range goes back: it succeeded (copied out already), or its

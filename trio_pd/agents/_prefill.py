@@ -89,7 +89,7 @@ from ..io._control import ControlPlane, sweep_idle_sockets
 from ..io._outbox import Outbox
 from ..io._probe import wait_idle
 from ..io._security import Keypair, Security, check_register_mac, resolve
-from ..io._timers import Timers
+from ..io._timers import Timer, Timers
 from ._chunks import ChunkRunner
 from ._handle import RoomHandle
 from ._jobs import JobQueues
@@ -225,6 +225,8 @@ class _Room:
     #: being taken (the worker that takes it queues the next if chunks remain): one worker
     #: wake-up per engine call, not one per chunk that coalescing then finds gone
     chunk_job: bool = False
+    #: the room's deadlines armed (cancelled when it is forgotten: they hold the record)
+    timers: list[Timer] = field(default_factory=list)
 
 
 def layer_range(layers: range | None) -> tuple[int, int] | None:
@@ -553,6 +555,8 @@ class PrefillAgent:
                 case Forget():
                     if rec.announced is not None and self.dp_announcer is not None:
                         self.dp_announcer.forget(*rec.announced)  # (a reuse is announced)
+                    for timer in rec.timers:  # (its deadlines let the record go now)
+                        self.timers.cancel(timer)
                     self._carry(rec, self.table.forget(rec))
                 case CancelWork(reason=reason):
                     for scope in list(rec.scopes):
@@ -562,6 +566,8 @@ class PrefillAgent:
                     rec.terminal.set()
                 case Quarantine(lease=lease):
                     self.workers.quarantine(rec, lease)
+                case Arm(after=after, key=key) if type(key) is RoomDeadline and key.rec is rec:
+                    rec.timers.append(self.timers.after(after, partial(self._timer_due, key)))
                 case _:
                     self._carry_one(room, effect)
         effect = None  # (no name for a Reject's error in this frame: _raise_reject)

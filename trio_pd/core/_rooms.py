@@ -204,7 +204,8 @@ class Arm:
     """Either side: hand ``key`` back to the agent's table's ``handle_timer`` once ``after`` seconds
     have passed. The table reads no clock, so the delay is relative: the agent turns it into
     a deadline at once. An expiry that is no longer wanted is ignored by the table, so the
-    agent never disarms anything."""
+    table never disarms anything (the agent lets a room's own deadlines go with its record,
+    at ``Forget``: :mod:`trio_pd.io._timers`)."""
 
     kind: TimerKind
     after: float

@@ -1,6 +1,14 @@
 """One task per agent runs every deadline the agent has (bootstrap and waiting timeouts,
 quarantine fences, ack and send retries, tombstone expiry): no task, and no cancel scope, per
-room. Actions are synchronous and run in deadline order."""
+room. Actions are synchronous and run in deadline order.
+
+**A deadline that is no longer wanted goes with what it was for.** An armed action holds what
+it acts on (a room's deadline holds the room's record, its page ids with it), so a deadline
+left in the heap until it expires keeps an ended room for the whole timeout: with
+300-second timeouts, every room of the last five minutes, and the garbage collector walking
+all of them. :meth:`Timers.cancel` drops the action at once; the heap's entry (three words)
+stays until it comes up or the heap is rebuilt, which happens when cancelled entries are
+more than half of it, so the heap is at most twice the deadlines still armed."""
 
 from __future__ import annotations
 
@@ -8,40 +16,68 @@ import heapq
 import logging
 import math
 from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import trio
 
 log = logging.getLogger("trio_pd.timers")
 
+#: an armed deadline: ``[deadline, seq, action]``, the action None once it ran or was
+#: cancelled (a list, so that the heap compares it in C; ``seq`` is unique, so the action
+#: is never compared)
+Timer: TypeAlias = list[Any]
+
+#: the heap is rebuilt once cancelled entries are more than half of it and at least this many
+_COMPACT_MIN = 64
+
 
 class Timers:
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[], object]]] = []
+        self._heap: list[Timer] = []
         self._seq = 0  # ties in deadline run in arming order (and never compare actions)
+        self._cancelled = 0  # cancelled entries still in the heap
         self._wakeup = trio.Event()
         #: reads ``trio.current_time()``: while :meth:`run` runs, straight from the run's
         #: clock (two calls instead of four; every arm and every peer lookup reads it)
         self.clock: Callable[[], float] = trio.current_time
 
     def __len__(self) -> int:
-        return len(self._heap)
+        """Deadlines armed and not yet run or cancelled."""
+        return len(self._heap) - self._cancelled
 
-    def at(self, deadline: float, action: Callable[[], object]) -> None:
-        """Run ``action()`` once ``trio.current_time()`` reaches ``deadline``."""
+    def at(self, deadline: float, action: Callable[[], object]) -> Timer:
+        """Run ``action()`` once ``trio.current_time()`` reaches ``deadline``; the handle
+        :meth:`cancel` takes."""
         self._seq += 1
-        heapq.heappush(self._heap, (deadline, self._seq, action))
-        if self._heap[0][0] == deadline:
+        timer = [deadline, self._seq, action]
+        heapq.heappush(self._heap, timer)
+        if self._heap[0] is timer:
             self._wakeup.set()
+        return timer
 
-    def after(self, delay: float, action: Callable[[], object]) -> None:
+    def after(self, delay: float, action: Callable[[], object]) -> Timer:
         """Run ``action()`` ``delay`` seconds from now (:meth:`at`, inlined: a request arms
         several)."""
-        deadline = self.clock() + delay
         heap = self._heap
         self._seq += 1
-        heapq.heappush(heap, (deadline, self._seq, action))
-        if heap[0][0] == deadline:
+        timer = [self.clock() + delay, self._seq, action]
+        heapq.heappush(heap, timer)
+        if heap[0] is timer:
             self._wakeup.set()
+        return timer
+
+    def cancel(self, timer: Timer) -> None:
+        """``timer``'s action will not run, and is let go now. A no-op for one that ran or
+        was cancelled already."""
+        if timer[2] is None:
+            return
+        timer[2] = None
+        self._cancelled += 1
+        heap = self._heap
+        if self._cancelled > _COMPACT_MIN and self._cancelled * 2 > len(heap):
+            heap[:] = [t for t in heap if t[2] is not None]
+            heapq.heapify(heap)
+            self._cancelled = 0
 
     async def run(self) -> None:
         """Run due actions until cancelled.
@@ -51,17 +87,22 @@ class Timers:
         # the same clock trio.current_time() reads, for this run only (an agent's Timers
         # run in the trio run that uses them; after it, back to the plain call)
         self.clock = clock = trio.lowlevel.current_clock().current_time
+        heap = self._heap
         try:
             while True:
                 now = clock()
-                while self._heap and self._heap[0][0] <= now:
-                    _, _, action = heapq.heappop(self._heap)
+                while heap and heap[0][0] <= now:
+                    timer = heapq.heappop(heap)
+                    action, timer[2] = timer[2], None
+                    if action is None:
+                        self._cancelled -= 1
+                        continue
                     try:
                         action()
                     except Exception:  # one room's bug must not end the agent (SPEC §5.7)
                         log.exception("timer action %r raised", action)
                 self._wakeup = trio.Event()
-                deadline = self._heap[0][0] if self._heap else math.inf
+                deadline = heap[0][0] if heap else math.inf
                 with trio.move_on_at(deadline):
                     await self._wakeup.wait()
         finally:
