@@ -15,7 +15,7 @@ from trio_pd import EngineError, KVPoll, PrefillConfig
 from trio_pd.engines import TransferEngine
 from trio_pd.engines.fault import Fault, FaultEngine, Policy
 
-from .helpers.agents import Pair, open_pair
+from .helpers.agents import Pair, host_pool, open_pair
 
 BOUND = 10.0
 ROOMS = 5
@@ -32,28 +32,28 @@ def faults(policy: Policy) -> tuple[list[FaultEngine], object]:
 
 
 async def _rooms_behind_a_stall(
-    pair: Pair, gate_engine: FaultEngine
+    pair: Pair, gate_engine: FaultEngine, n: int = 2
 ) -> tuple[dict[int, KVPoll], dict[int, BaseException | None]]:
-    """Room 0's write is held at the gate; rooms 1..ROOMS-1 send one 2-page chunk each while
-    it is held; then the gate opens. Each room's outcome (byte-verified where Success), and
-    each prefill sender's failure."""
+    """Room 0's write is held at the gate; rooms 1..ROOMS-1 send one ``n``-page chunk each
+    while it is held; then the gate opens. Each room's outcome (byte-verified where Success),
+    and each prefill sender's failure."""
     senders, receivers = {}, {}
     for room in range(ROOMS):
-        pages = np.array([room * 2, room * 2 + 1])
+        pages = np.arange(room * n, room * n + n)
         dst_pages = pages + 100
         pair.src.fill(pages, room=room)
         pair.src.fill_aux(room, room=room)
-        senders[room] = pair.prefill.sender(room, num_pages=2, aux_slot=room)
+        senders[room] = pair.prefill.sender(room, num_pages=n, aux_slot=room)
         receivers[room] = pair.decode.receiver(room, bootstrap_url=pair.url)
         receivers[room].init(dst_pages, room)
     with trio.fail_after(BOUND):
         while any(s.poll() is not KVPoll.WaitingForInput for s in senders.values()):  # noqa: ASYNC110
             await trio.sleep(0.005)
-    senders[0].send(np.array([0, 1]), last=True)
+    senders[0].send(np.arange(n), last=True)
     with trio.fail_after(BOUND):
         await gate_engine.stalls.wait_stalled_async(1)
     for room in range(1, ROOMS):
-        senders[room].send(np.array([room * 2, room * 2 + 1]), last=True)
+        senders[room].send(np.arange(room * n, room * n + n), last=True)
     await trio.sleep(0.05)  # (every chunk is queued on the lane: nothing waits on a batch)
     gate_engine.stalls.release_all()
     out = {}
@@ -62,7 +62,7 @@ async def _rooms_behind_a_stall(
             out[room] = await receivers[room].wait()
             await senders[room].wait()
             if out[room] is KVPoll.Success:
-                pages = np.array([room * 2, room * 2 + 1]) + 100
+                pages = np.arange(room * n, room * n + n) + 100
                 assert pair.verify(room, pages, room), f"room {room}: bytes differ"
     return out, {room: s.failure for room, s in senders.items()}
 
@@ -86,6 +86,29 @@ async def test_queued_rooms_share_engine_calls(engine_name: str, bootstrap_url: 
             assert made[0].statistics().calls < ROOMS
         else:
             assert stats.chunks_batched == 0 and stats.engine_calls == ROOMS
+
+
+async def test_how_large_joined_writes_may_be_is_the_engines_call(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """Rooms of 1.5 MiB each, queued behind a held write. By default the engine says how
+    large a joined call may be (``trio_pd.engines.join_bytes``): NIXL joins them (32 MiB),
+    Mooncake sends each alone (1 MiB: its TCP transport finishes a joined call's rooms
+    together). ``PrefillConfig.batch_bytes`` overrides the engine's figure either way."""
+    engine_joins = {"nixl": True, "mooncake": False}[engine_name]
+    pool = dict(num_pages=192, page_size=16, head_bytes=1024)  # 128 KiB a page, 4 buffers
+    for batch_bytes, want_batched in ((None, engine_joins), (1 << 20, False), (64 << 20, True)):
+        made, wrap = faults(lambda i, _p, _n: Fault("stall") if i == 0 else None)
+        cfg = PrefillConfig(batch_bytes=batch_bytes, coalesce_pages=1)
+        async with open_pair(engine_name, bootstrap_url, wrap=wrap,  # type: ignore[arg-type]
+                             prefill_config=cfg, src=host_pool(**pool),
+                             dst=host_pool(**pool)) as pair:
+            assert sum(pair.src.spec.item_lens) * 12 >= 1.5 * (1 << 20)
+            out, _ = await _rooms_behind_a_stall(pair, made[0], n=12)
+            stats = pair.prefill.statistics()
+        assert all(s is KVPoll.Success for s in out.values()), (batch_bytes, out)
+        assert (stats.chunks_batched > 0) is want_batched, (batch_bytes, stats)
+        assert stats.engine_calls + stats.chunks_batched == ROOMS
 
 
 async def test_a_shared_call_that_fails_fails_every_room_in_it(

@@ -83,7 +83,7 @@ from ..core._state import KVPoll, Lease, Outcome
 from ..core._stats import AgentStatistics, Counters, count_room_end
 from ..core._tables import DecodePeerView, PrefillDeadlines, PrefillRooms, RoomDeadline
 from ..core._topology import model_kv_heads, served_decode_ranks
-from ..engines import TransferEngine
+from ..engines import TransferEngine, join_bytes
 from ..io import _descriptors, _names
 from ..io._control import ControlPlane, sweep_idle_sockets
 from ..io._outbox import Outbox
@@ -127,10 +127,13 @@ class PrefillConfig:
     #: chunks of several rooms queued at once for the same decode peer join one engine call,
     #: up to this many blocks (0: one call per chunk) and ``batch_bytes`` bytes in all. Only
     #: what is already queued joins; a failure of the shared call fails each room in it
-    #: (docs/lifetimes.md). The byte bound keeps it to small writes (docs/bench.md)
+    #: (docs/lifetimes.md). How large the writes may be is the engine's call: see
+    #: ``batch_bytes``
     batch_blocks: int = 1024
-    #: the bytes one such shared engine call may carry in all (see ``batch_blocks``)
-    batch_bytes: int = 1 << 20
+    #: the bytes one such shared engine call may carry in all (see ``batch_blocks``); None:
+    #: what the engine says it is best given (:func:`trio_pd.engines.join_bytes`: 32 MiB for
+    #: NIXL, 1 MiB for Mooncake, whose transport finishes a joined call's rooms together)
+    batch_bytes: int | None = None
     #: host memory for gathering head slices for decode ranks of a larger TP (MHA, host
     #: pools), so each destination page goes as one block instead of one per token slot;
     #: allocated and registered the first time it is needed (0: never stage). A chunk that
@@ -184,13 +187,16 @@ class PrefillConfig:
         ``close_timeout`` may be None); counts and sizes are ints (not bools): ``workers``,
         ``inflight_per_peer``, ``coalesce_pages``, ``max_pending_meta``,
         ``max_pending_page_ids``, ``max_peer_sockets`` and ``max_decode_peers`` ``>= 1``;
-        ``batch_blocks``, ``batch_bytes``, ``staging_bytes``, ``lane_nice`` and ``sndhwm``
-        (0: ZeroMQ's no limit) ``>= 0``. ``open_prefill`` calls it before anything starts."""
+        ``batch_blocks``, ``batch_bytes`` (or None), ``staging_bytes``, ``lane_nice`` and
+        ``sndhwm`` (0: ZeroMQ's no limit) ``>= 0``. ``open_prefill`` calls it before anything
+        starts."""
         for name in ("workers", "inflight_per_peer", "coalesce_pages", "max_pending_meta",
                      "max_pending_page_ids", "max_peer_sockets", "max_decode_peers"):
             check_count(what, name, getattr(self, name), 1)
-        for name in ("batch_blocks", "batch_bytes", "staging_bytes", "lane_nice", "sndhwm"):
+        for name in ("batch_blocks", "staging_bytes", "lane_nice", "sndhwm"):
             check_count(what, name, getattr(self, name), 0)
+        if self.batch_bytes is not None:
+            check_count(what, "batch_bytes", self.batch_bytes, 0)
         for name in ("bootstrap_timeout", "tombstone_ttl", "failed_status_retry",
                      "peer_idle_timeout"):
             check_seconds(what, name, getattr(self, name))
@@ -388,7 +394,8 @@ class PrefillAgent:
             engine=engine, pool=pool, tp_rank=tp_rank, tp_size=tp_size, kv_heads=kv_heads,
             inflight_per_peer=config.inflight_per_peer, lane_nice=config.lane_nice,
             fence=fence, counters=self.counters, timers=self.timers,
-            batch_blocks=config.batch_blocks, batch_bytes=config.batch_bytes,
+            batch_blocks=config.batch_blocks,
+            batch_bytes=join_bytes(engine) if config.batch_bytes is None else config.batch_bytes,
             forget_endpoint=self.wire.forget_endpoint,
             max_peers=config.max_decode_peers, peer_idle=config.peer_idle_timeout,
             pp_rank=pp_rank, pp_size=pp_size, first_layer=first_layer,

@@ -16,6 +16,7 @@ from ._base import TransferEngine as TransferEngine
 from ._base import call_mark as call_mark
 from ._base import fence_writer as fence_writer
 from ._base import flushed as flushed
+from ._base import join_bytes as join_bytes
 from ._base import keeps_failed_calls as keeps_failed_calls
 from ._base import start_write as start_write
 

@@ -87,6 +87,24 @@ def fence_writer(engine: TransferEngine, session: str, hosts: Sequence[str]) -> 
     return fence(session, hosts)
 
 
+#: what writes of several rooms to one peer may weigh in all to join one engine call, for an
+#: engine that does not say (``join_bytes``): small writes only, whose cost is the call
+JOIN_BYTES = 1 << 20
+
+
+def join_bytes(engine: TransferEngine) -> int:
+    """The bytes up to which ``engine`` is best given the chunk writes of several rooms to one
+    peer as one call (``engine.join_bytes``; :data:`JOIN_BYTES` where it does not say).
+
+    Joining saves a call, its completion and a wake-up of the event loop per room. What it
+    may cost is the engine's own: a transport that moves one call's blocks in order finishes
+    every joined room at the end of the whole call, and the rooms behind it start late
+    (Mooncake's TCP transport: large joined writes moved 0.80-0.90 GB/s against 1.03-1.24
+    alone); one that moves a call's blocks as fast as separate calls loses nothing (NIXL over
+    UCX). docs/bench.md has both measurements."""
+    return int(getattr(engine, "join_bytes", JOIN_BYTES))
+
+
 def keeps_failed_calls(engine: TransferEngine) -> bool:
     """Whether ``engine`` may still hold a failed write's blocks after the call returned (it
     offers ``call_mark`` and ``flushed``: Mooncake's TCP transport does). For an engine that

@@ -66,6 +66,7 @@ from ._base import (
     call_mark,
     fence_writer,
     flushed,
+    join_bytes,
     keeps_failed_calls,
 )
 
@@ -284,6 +285,12 @@ class FaultEngine(ClosesOnExit):
     def write_deadline_s(self) -> float:
         """The wrapped engine's deadline (the fence the trio layer waits out)."""
         return float(getattr(self.inner, "write_deadline_s", 10.0))
+
+    @property
+    def join_bytes(self) -> int:
+        """The wrapped engine's bound on a joined call (:func:`~trio_pd.engines.join_bytes`):
+        faults land on the calls the wrapped engine would really be given."""
+        return join_bytes(self.inner)
 
     @property
     def session_id(self) -> str:

@@ -25,10 +25,12 @@ write is complete.
 the joinable calls queued right behind it with the same :attr:`~Joinable.join_key` (the same
 engine and peer: chunks of other rooms for the same decode rank) into one call, up to
 ``join_blocks`` blocks and ``join_bytes`` bytes in all: what is queued already, never a wait
-for more. The byte bound keeps joining to small writes, whose cost is the call, not the
-bytes: joined large writes would all finish at the end of one long call, and the rooms behind
-them would start late (measured: the default bench workload's 8 MiB calls, joined, moved 0.80
-to 0.90 GB/s on Mooncake against 1.03 to 1.24 alone). Each joined
+for more. The byte bound is the engine's (:func:`trio_pd.engines.join_bytes`): on an engine
+that finishes a joined call's writes together, joined large writes all end with the whole
+call and the rooms behind them start late (measured: the default bench workload's 8 MiB
+calls, joined, moved 0.80 to 0.90 GB/s on Mooncake against 1.03 to 1.24 alone), so it joins
+small writes only, whose cost is the call; NIXL moved joined 8 MiB writes as fast as separate
+ones, and the event loop then wakes once for all of their rooms. Each joined
 call is *started* by that, exactly as if it ran alone (it can no longer be cancelled), and
 each caller gets the shared call's result: its value, or its error (a copy each). So a
 failure of the shared call fails every call in it (each room quarantines its own lease), and

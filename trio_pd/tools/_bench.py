@@ -74,7 +74,7 @@ from ..core._errors import AdmissionClosed
 from ..core._memory import PoolSpec, read_aux_stamp
 from ..core._plan import Blocks, chunk_ranges, concat, plan_aux, plan_pages, total_bytes
 from ..core._state import TERMINAL, KVPoll
-from ..engines import Deferred, Pending, TransferEngine, make_engine, start_write
+from ..engines import Deferred, Pending, TransferEngine, join_bytes, make_engine, start_write
 from ._bench_layers import LayerBenchOptions, run_layerwise
 
 if TYPE_CHECKING:
@@ -345,9 +345,11 @@ class _Ceiling:
     pushing them from plain threads (no trio_pd). The blocks come at both granularities the
     prefill agent may use: one engine call per chunk, and one per group of chunks that a
     backlog coalesces (``PrefillConfig.coalesce_pages``), so the ceiling is the better of the
-    two whichever the agent made. It stays open through the trio_pd runs, whose repeats it
-    alternates with (idle Mooncake engines use no CPU), so that both sides of the ratio
-    sample the same minutes of a shared box."""
+    two whichever the agent made; and, where the engine joins writes of several rooms into one
+    call (:func:`~trio_pd.engines.join_bytes`, ``PrefillConfig.batch_blocks``), the coalesced
+    calls of consecutive requests joined as the lane would join them. It stays open through
+    the trio_pd runs, whose repeats it alternates with (idle Mooncake engines use no CPU), so
+    that both sides of the ratio sample the same minutes of a shared box."""
 
     def __init__(self, s: _Setup) -> None:
         opts = s.opts
@@ -358,10 +360,14 @@ class _Ceiling:
             name: [blk for r in s.load for blk in plan_request(s.src.spec, s.dst.spec, r, n)]
             for name, n in per_call.items()
         }
-        sizes = {sum(total_bytes(b) for b in calls) for calls in self.calls.values()}
-        assert len(sizes) == 1, "both granularities move the same bytes"
-        self.nbytes = sizes.pop()
         self.a, self.b = _engine_pair(s)
+        coarsest = self.calls[list(per_call)[-1]]
+        joined = _joined(coarsest, opts.batch_blocks, join_bytes(self.a))
+        if len(joined) < len(coarsest):
+            self.calls["joined"] = joined
+        sizes = {sum(total_bytes(b) for b in calls) for calls in self.calls.values()}
+        assert len(sizes) == 1, "every granularity moves the same bytes"
+        self.nbytes = sizes.pop()
         self.peer = self.b.session_id
         pushes: dict[str, Callable[[TransferEngine, str, list[Blocks]], float]] = {
             f"write x{n}": partial(_push, threads=n) for n in opts.ceiling_threads
@@ -385,6 +391,26 @@ class _Ceiling:
     def close(self) -> None:
         self.a.close()
         self.b.close()
+
+
+def _joined(calls: list[Blocks], max_blocks: int, max_bytes: int) -> list[Blocks]:
+    """``calls`` joined in order as a lane joins queued writes (``trio_pd/io/_lane.py``): each
+    takes the calls behind it while the group stays within ``max_blocks`` blocks and
+    ``max_bytes`` bytes."""
+    out: list[Blocks] = []
+    group: list[Blocks] = []
+    blocks = nbytes = 0
+    for call in calls:
+        n, size = call.num_blocks, total_bytes(call)
+        if group and (blocks + n > max_blocks or nbytes + size > max_bytes):
+            out.append(concat(group))
+            group, blocks, nbytes = [], 0, 0
+        group.append(call)
+        blocks += n
+        nbytes += size
+    if group:
+        out.append(concat(group))
+    return out
 
 
 def open_ceiling(s: _Setup, progress: Progress) -> _Ceiling:
