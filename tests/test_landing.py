@@ -663,11 +663,11 @@ async def test_a_reregister_that_moves_the_landing_area_fails_the_rooms_resolved
                 off += pages * item
             return tuple(out)
 
-        def area(at: int, n: int = pages) -> list[np.ndarray]:
+        def area(at: int) -> list[np.ndarray]:
             """Each buffer's landing pages at ``at``, as (pages, item) views of ``mem``."""
             out, off = [], at
             for item in items:
-                out.append(mem[off : off + n * item].reshape(n, item))
+                out.append(mem[off : off + pages * item].reshape(pages, item))
                 off += pages * item
             return out
 
@@ -715,50 +715,56 @@ async def test_a_reregister_that_moves_the_landing_area_fails_the_rooms_resolved
                 s1.send(src1[2:], last=True)
                 s2 = p.sender(2, num_pages=4, aux_slot=2)
                 s2.send(src2, last=True)
-                with trio.fail_after(15):
-                    if change == "same":  # nothing moved: both rooms complete into A
+                if change == "same":  # nothing moved: both rooms complete into A
+                    with trio.fail_after(15):
                         assert await s1.wait() is KVPoll.Success, s1.failure
                         assert await s2.wait() is KVPoll.Success, s2.failure
-                        for b, view in enumerate(area(a_at)):
-                            assert (view[:4] == _page_bytes(pair.src, b, src1)).all()
-                            assert (view[4:] == _page_bytes(pair.src, b, src2)).all()
-                        assert p.statistics().registrations_moved == 0
-                        return
-                    assert await s1.wait() is KVPoll.Failed
-                    assert isinstance(s1.failure, PeerLost), s1.failure
-                    assert "other memory" in str(s1.failure)
-                    status = await fake.next_matching(
-                        lambda m: isinstance(m, _wire.Status) and m.room == 1
-                    )
+                    for b, view in enumerate(area(a_at)):
+                        assert (view[:4] == _page_bytes(pair.src, b, src1)).all()
+                        assert (view[4:] == _page_bytes(pair.src, b, src2)).all()
+                    assert (mem[b_at:] == before[b_at:]).all(), "B was written"
+                else:
+                    with trio.fail_after(15):
+                        assert await s1.wait() is KVPoll.Failed
+                        assert isinstance(s1.failure, PeerLost), s1.failure
+                        assert "other memory" in str(s1.failure)
+                        status = await fake.next_matching(
+                            lambda m: isinstance(m, _wire.Status) and m.room == 1
+                        )
                     assert isinstance(status, _wire.Status) and not status.ok
-                    await s1.wait_released()
-                # nothing of room 1 after the move, nor of the parked room 2, anywhere
-                assert (mem == before).all(), "a room resolved against A was written"
-                assert s2.poll() is not KVPoll.Success
-                # room 2, sent again against the registration now, goes where it says
-                await send(transfer(2, 2, fake.endpoint, 4, aux_slot=2, landing=True),
-                           [0, 1, 2, 3])
-                await barrier(sock, fake)
-                with trio.fail_after(15):
-                    got = await s2.wait()
-                ranges: list[tuple[int, int]] = []
-                if change == "moved":
-                    assert got is KVPoll.Success, s2.failure
-                    off = b_at
-                    for b, (view, item) in enumerate(zip(area(b_at), items, strict=True)):
-                        assert (view[:4] == _page_bytes(pair.src, b, src2)).all()
-                        ranges.append((off, off + 4 * item))
-                        off += pages * item
-                else:  # 4 ids for an area of 2 pages now: refused, nothing written
-                    assert got is KVPoll.Failed and isinstance(s2.failure, ProtocolError)
-                changed = np.flatnonzero(mem != before)
-                assert all(any(a <= int(i) < z for a, z in ranges) for i in changed), (
-                    "a byte landed outside room 2's landing pages"
-                )
+                    # nothing of room 1 after the move, nor of the parked room 2, anywhere
+                    assert (mem == before).all(), "a room resolved against A was written"
+                    assert s2.poll() is not KVPoll.Success
+                    # room 2, sent again against the registration now, goes where it says
+                    await send(transfer(2, 2, fake.endpoint, 4, aux_slot=2, landing=True),
+                               [0, 1, 2, 3])
+                    await barrier(sock, fake)
+                    with trio.fail_after(15):
+                        got = await s2.wait()
+                    ranges: list[tuple[int, int]] = []
+                    if change == "moved":
+                        assert got is KVPoll.Success, s2.failure
+                        off = b_at
+                        for b, (view, item) in enumerate(zip(area(b_at), items, strict=True)):
+                            assert (view[:4] == _page_bytes(pair.src, b, src2)).all()
+                            ranges.append((off, off + 4 * item))
+                            off += pages * item
+                    else:  # 4 ids for an area of 2 pages now: refused, nothing written
+                        assert got is KVPoll.Failed and isinstance(s2.failure, ProtocolError)
+                    changed = np.flatnonzero(mem != before)
+                    assert all(any(a <= int(i) < z for a, z in ranges) for i in changed), (
+                        "a byte landed outside room 2's landing pages"
+                    )
+                    assert not any(st.ok for st in fake.statuses(1)), "room 1 reported Success"
                 with trio.fail_after(10):
+                    await s1.wait_released()
                     await s2.wait_released()
+            # the guards around and between the areas were never written
+            for lo, hi in ((0, a_at), (a_at + pages * per_page, b_at),
+                           (b_at + pages * per_page, len(mem))):
+                assert (mem[lo:hi] == SENTINEL).all(), f"a guard byte in [{lo}, {hi}) written"
             stats = p.statistics()
-            assert stats.registrations_moved == 1
+            assert stats.registrations_moved == (change != "same")
             assert stats.leases_live == 0 and stats.leases_quarantined == 0
             with trio.fail_after(10):
                 await poll_until(lambda: p.statistics().rooms_active == 0)
