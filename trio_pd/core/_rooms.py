@@ -744,13 +744,12 @@ class PrefillRoom:
         prefix_pages: int = 0, state_slots: Sequence[npt.ArrayLike] = (), landing: bool = False,
         registration: int = 0,
     ) -> Due:
-        """A decode rank's TRANSFER for this room, from a registered peer. A bad one fails
-        the room and that rank is told at once (no waiting for its own deadline); a late one
-        for a room already over is answered Failed or dropped; a refusal is a
-        :class:`Refused` effect (the listener counts it). A second TRANSFER from a rank that
-        has one for this use is refused and changes nothing: decode sends one per use, so a
-        second is a replay, a bug or a forgery, and taking it would write the room's bytes
-        where decode never asked and still report Success."""
+        """A decode rank's TRANSFER for this room, from a registered peer. A bad one fails the room
+        and that rank is told at once (no waiting for its own deadline); a late one for a room
+        already over is answered Failed or dropped; a refusal is a :class:`Refused` effect (the
+        listener counts it). A second TRANSFER from a rank that has one for this use is refused and
+        changes nothing: decode sends one per use, so a second is a replay, a bug or a forgery, and
+        taking it would write the room's bytes where decode never asked and still report Success."""
         if self.leases.closed or self.published:
             if self.cell.status is KVPoll.Failed:
                 return [SendFailed(endpoint, epoch, reason_of(self.cell.failure))]
