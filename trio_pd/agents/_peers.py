@@ -265,16 +265,16 @@ class PeerRegistry:
         self.refused.pop(msg.endpoint, None)
         self.refused_key.pop(msg.endpoint, None)
         memory = resolved_against(msg)
-        registration = 0
+        registration = 0  # (0: a new one, numbered below)
         if old is not None and old.session == msg.session:
             lane = old.lane
-            registration = old.registration
-            if old.memory != memory:
+            if old.memory == memory:
+                registration = old.registration  # (the same registration: its rooms go on)
+            else:
                 # the same engine, other memory (a pool or landing area moved, another rank):
                 # the page ids of TRANSFERs taken under the old registration name memory it
                 # no longer registers, so their rooms fail (_chunks: PeerLost) and what is
                 # parked of them is dropped, rather than written at those ids into the new
-                registration = 0
                 self.counters.bump("registrations_moved")
                 log.warning("decode peer %s registered again with the same engine session but "
                             "other memory: rooms resolved against the old registration fail",
