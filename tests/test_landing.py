@@ -15,24 +15,27 @@ from __future__ import annotations
 import ctypes
 from dataclasses import replace
 
+import msgspec
 import numpy as np
 import pytest
 import trio
 
 from trio_pd import DecodeConfig, KVPoll
 from trio_pd.core import _wire
-from trio_pd.core._errors import TransferAborted
+from trio_pd.core._errors import PeerLost, ProtocolError, TransferAborted
 from trio_pd.core._landing import LandingArea, fragmented, landing_spec
+from trio_pd.core._memory import HOST, Region
 from trio_pd.core._plan import plan_staged, stages_pages
 from trio_pd.core._rooms import DecodeRoom, Succeeded
 from trio_pd.core._staging import StagingArea
-from trio_pd.engines import TransferEngine
+from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import HostKVPool
 from trio_pd.tools._demo import DemoOptions
 
-from .helpers.agents import poll_until
+from .helpers.agents import open_pair, poll_until
 from .helpers.cluster import open_cluster
+from .helpers.peers import barrier, fake_decode, raw_push, register, transfer
 
 LANDING = DecodeConfig(landing_bytes=1 << 20)
 
@@ -618,3 +621,152 @@ async def test_a_close_cut_short_still_keeps_a_held_landing_area() -> None:
     finally:
         if area in _landing.KEPT:
             _landing.KEPT.remove(area)
+
+
+# ------------------------------------------------------------------------ a moved landing area
+
+
+SENTINEL = 0xEE
+
+
+@pytest.mark.parametrize("change", ["same", "moved", "fewer pages"])
+async def test_a_reregister_that_moves_the_landing_area_fails_the_rooms_resolved_against_it(
+    insecure: None, engine_name: str, bootstrap_url: str, change: str
+) -> None:
+    """A decode endpoint (a raw one: real engine, real memory, real sockets) registers a
+    landing area A, gets a room's first chunk written there, has a second room's TRANSFER
+    parked, then sends a second REGISTER with the SAME engine session advertising area B
+    (other bases, or fewer pages), while its memory for both stays registered with the
+    engine, so only prefill's own check stands between a stale room and the wrong bytes.
+
+    The rooms resolved against A fail with PeerLost (no Success for bytes that did not all
+    land in one registered area), counted; not a byte lands outside the area the endpoint
+    registered when it was written (guards around and between the areas stay untouched, A
+    is not written after the REGISTER that moved it, B gets nothing of a room resolved
+    against A); a parked TRANSFER resolved against A is dropped, and the room's TRANSFER
+    against B lands there; every page comes back. A REGISTER that moves nothing (``same``)
+    keeps the rooms: they complete into A."""
+    async with open_pair(engine_name, bootstrap_url) as pair, fake_decode() as fake:
+        p, spec = pair.prefill, pair.dst.spec
+        items = spec.item_lens
+        pages, guard = 8, 4096
+        per_page = sum(items)
+        # guard | A (buffer after buffer) | guard | B | guard, one registered region
+        mem = np.full(4 * guard + 2 * pages * per_page, SENTINEL, dtype=np.uint8)
+        base = int(mem.ctypes.data)
+        a_at, b_at = guard, 2 * guard + pages * per_page
+
+        def bases(at: int) -> tuple[int, ...]:
+            out, off = [], at
+            for item in items:
+                out.append(base + off)
+                off += pages * item
+            return tuple(out)
+
+        def area(at: int) -> list[np.ndarray]:
+            """Each buffer's landing pages at ``at``, as (pages, item) views of ``mem``."""
+            out, off = [], at
+            for item in items:
+                out.append(mem[off : off + pages * item].reshape(pages, item))
+                off += pages * item
+            return out
+
+        engine = make_engine(engine_name)
+        try:
+            await trio.to_thread.run_sync(
+                engine.register,
+                [*spec.regions(), Region(base, int(mem.nbytes), HOST)],
+            )
+            first = register(fake.endpoint, engine, spec, landing_bases=bases(a_at),
+                             landing_pages=pages)
+            second = {
+                "same": first,
+                "moved": msgspec.structs.replace(first, landing_bases=bases(b_at)),
+                "fewer pages": msgspec.structs.replace(first, landing_pages=2),
+            }[change]
+            src1, src2 = np.array([10, 3, 17, 5]), np.array([20, 8, 31, 2])
+            for room, src in ((1, src1), (2, src2)):
+                pair.src.fill(src, room)
+                pair.src.fill_aux(room, room)
+            async with raw_push(p.endpoint) as sock:
+
+                async def send(msg: _wire.Message, ids: list[int] | None = None) -> None:
+                    arr = None if ids is None else np.array(ids, dtype=np.int32)
+                    await sock.send_multipart(_wire.encode(msg, arr))
+
+                await send(first)
+                await barrier(sock, fake)
+                s1 = p.sender(1, num_pages=4, aux_slot=1)
+                await send(transfer(1, 1, fake.endpoint, 4, aux_slot=1, landing=True),
+                           [0, 1, 2, 3])
+                await send(transfer(2, 2, fake.endpoint, 4, aux_slot=2, landing=True),
+                           [4, 5, 6, 7])  # parked: no sender for room 2 yet
+                await barrier(sock, fake)
+                s1.send(src1[:2])
+                with trio.fail_after(10):  # room 1's first chunk has landed in A
+                    await poll_until(lambda: p.statistics().leases_live == 0)
+                assert s1.poll() is not KVPoll.Failed, s1.failure
+                for b, view in enumerate(area(a_at)):
+                    assert (view[:2] == _page_bytes(pair.src, b, src1[:2])).all()
+
+                await send(second)
+                await barrier(sock, fake)
+                before = mem.copy()
+                s1.send(src1[2:], last=True)
+                s2 = p.sender(2, num_pages=4, aux_slot=2)
+                s2.send(src2, last=True)
+                if change == "same":  # nothing moved: both rooms complete into A
+                    with trio.fail_after(15):
+                        assert await s1.wait() is KVPoll.Success, s1.failure
+                        assert await s2.wait() is KVPoll.Success, s2.failure
+                    for b, view in enumerate(area(a_at)):
+                        assert (view[:4] == _page_bytes(pair.src, b, src1)).all()
+                        assert (view[4:] == _page_bytes(pair.src, b, src2)).all()
+                    assert (mem[b_at:] == before[b_at:]).all(), "B was written"
+                else:
+                    with trio.fail_after(15):
+                        assert await s1.wait() is KVPoll.Failed
+                        assert isinstance(s1.failure, PeerLost), s1.failure
+                        assert "other memory" in str(s1.failure)
+                        status = await fake.next_matching(
+                            lambda m: isinstance(m, _wire.Status) and m.room == 1
+                        )
+                    assert isinstance(status, _wire.Status) and not status.ok
+                    # nothing of room 1 after the move, nor of the parked room 2, anywhere
+                    assert (mem == before).all(), "a room resolved against A was written"
+                    assert s2.poll() is not KVPoll.Success
+                    # room 2, sent again against the registration now, goes where it says
+                    await send(transfer(2, 2, fake.endpoint, 4, aux_slot=2, landing=True),
+                               [0, 1, 2, 3])
+                    await barrier(sock, fake)
+                    with trio.fail_after(15):
+                        got = await s2.wait()
+                    ranges: list[tuple[int, int]] = []
+                    if change == "moved":
+                        assert got is KVPoll.Success, s2.failure
+                        off = b_at
+                        for b, (view, item) in enumerate(zip(area(b_at), items, strict=True)):
+                            assert (view[:4] == _page_bytes(pair.src, b, src2)).all()
+                            ranges.append((off, off + 4 * item))
+                            off += pages * item
+                    else:  # 4 ids for an area of 2 pages now: refused, nothing written
+                        assert got is KVPoll.Failed and isinstance(s2.failure, ProtocolError)
+                    changed = np.flatnonzero(mem != before)
+                    assert all(any(a <= int(i) < z for a, z in ranges) for i in changed), (
+                        "a byte landed outside room 2's landing pages"
+                    )
+                    assert not any(st.ok for st in fake.statuses(1)), "room 1 reported Success"
+                with trio.fail_after(10):
+                    await s1.wait_released()
+                    await s2.wait_released()
+            # the guards around and between the areas were never written
+            for lo, hi in ((0, a_at), (a_at + pages * per_page, b_at),
+                           (b_at + pages * per_page, len(mem))):
+                assert (mem[lo:hi] == SENTINEL).all(), f"a guard byte in [{lo}, {hi}) written"
+            stats = p.statistics()
+            assert stats.registrations_moved == (change != "same")
+            assert stats.leases_live == 0 and stats.leases_quarantined == 0
+            with trio.fail_after(10):
+                await poll_until(lambda: p.statistics().rooms_active == 0)
+        finally:
+            await trio.to_thread.run_sync(engine.close)

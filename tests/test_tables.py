@@ -8,10 +8,12 @@ effects the tables return.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -47,8 +49,10 @@ from trio_pd.core._tables import (
     PrefillDeadlines,
     PrefillRooms,
     RoomDeadline,
+    resolved_against,
 )
-from trio_pd.core._wire import WIRE_VERSION, Transfer
+from trio_pd.core._wire import WIRE_VERSION, PoolWire, Register, Transfer
+from trio_pd.testing.pools import HostKVPool
 
 POOL = 64
 DEADLINES = PrefillDeadlines(bootstrap=30.0, tombstone=120.0)
@@ -182,6 +186,49 @@ def test_parked_transfers_reach_the_room_the_scheduler_makes() -> None:
     assert rec5.machine.targets == {} and table.parked == {}
     with pytest.raises(TransferError):
         table.open(_room(3), _peer_of)
+
+
+def test_a_parked_transfer_is_taken_only_under_the_registration_it_was_checked_against() -> None:
+    """Same engine session, but a registration that moved the memory (another
+    ``registration``): the parked TRANSFER is not taken, its page ids name the old memory;
+    a TRANSFER taken under a registration carries its number into the target, which the
+    chunk runner compares before each write."""
+    table: PrefillRooms[Rec] = PrefillRooms(DEADLINES)
+
+    def view(registration: int) -> Callable[[str], DecodePeerView]:
+        return lambda ep: replace(_view(int(ep[1:])), registration=registration)
+
+    _transfer(table, 6, 0, 7, 2, peer=view(1)("d0"))
+    rec = _room(6)
+    table.open(rec, view(2))
+    assert rec.machine.targets == {} and table.parked == {} and table.parked_page_ids == 0
+    _transfer(table, 6, 0, 7, 2, peer=view(2)("d0"))  # sent again under the new one
+    assert rec.machine.targets[0].registration == 2
+    _transfer(table, 7, 0, 7, 2, peer=view(3)("d0"))
+    rec7 = _room(7)
+    table.open(rec7, view(3))  # the same registration: taken
+    assert rec7.machine.targets[0].registration == 3
+
+
+def test_what_a_registration_resolves_page_ids_against() -> None:
+    """A REGISTER that changes the landing area, the pool or the rank is another
+    registration for the rooms; the engine metadata and keys are not part of it."""
+    pool = PoolWire.from_spec(HostKVPool(layout="mha", num_pages=8, num_layers=1, page_size=1,
+                                         head_bytes=8, heads=1).spec)
+    msg = Register(v=WIRE_VERSION, endpoint="tcp://127.0.0.1:1", decode_rank=0, decode_tp=1,
+                   engine="mooncake", session="s", engine_meta=b"a", pool=pool,
+                   landing_bases=(4096,), landing_pages=4)
+    same = msgspec.structs.replace(msg, engine_meta=b"b", control_key="k")
+    assert resolved_against(same) == resolved_against(msg)
+    for moved in (
+        msgspec.structs.replace(msg, landing_bases=(8192,)),
+        msgspec.structs.replace(msg, landing_pages=3),
+        msgspec.structs.replace(msg, landing_bases=(), landing_pages=0),
+        msgspec.structs.replace(msg, pool=msgspec.structs.replace(
+            pool, buffer_bases=tuple(b + 4096 for b in pool.buffer_bases))),
+        msgspec.structs.replace(msg, decode_rank=1),
+    ):
+        assert resolved_against(moved) != resolved_against(msg)
 
 
 def test_parking_is_bounded() -> None:

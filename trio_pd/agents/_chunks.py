@@ -480,6 +480,11 @@ class ChunkRunner:
                 raise PeerLost(
                     f"decode peer {target.endpoint} re-registered with another engine session"
                 )
+            if peer.registration != target.registration:
+                raise PeerLost(
+                    f"decode peer {target.endpoint} re-registered with other memory (its pool "
+                    "or landing area moved): the room's page ids name the old"
+                )
             if not peer.ready.is_set():
                 await peer.ready.wait()  # not started yet: cancellable
             staging = self.planner.stages(peer, chunk, target)

@@ -8,6 +8,7 @@ quiet or gone (:mod:`trio_pd.agents._quarantine`, SPEC §5.6).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from ..core._errors import IncompatiblePeer
 from ..core._landing import landing_spec
 from ..core._memory import PoolSpec, RegionTable, layer_view
 from ..core._stats import Counters
-from ..core._tables import DecodePeerView
+from ..core._tables import DecodePeerView, resolved_against
 from ..core._topology import (
     SlotCuts,
     pairing_problem,
@@ -90,6 +91,10 @@ class DecodePeer:
     #: of our pool and ``pool``), worked out by the chunk planner on first use: fixed for
     #: the life of this registration
     heads_staged: bool | None = None
+    #: which registration of the endpoint this is (``DecodePeerView.registration``), and what
+    #: its TRANSFERs' page ids are resolved against (``_tables.resolved_against``)
+    registration: int = 0
+    memory: tuple[object, ...] = ()
 
     @property
     def probing(self) -> bool:
@@ -185,6 +190,8 @@ class PeerRegistry:
         self.refused_key: dict[str, str] = {}
         #: engine sessions of dropped peers being removed from the engine (see _make_room)
         self._removing: dict[str, trio.Event] = {}
+        #: numbers each new registration (``DecodePeer.registration``)
+        self._registrations = itertools.count(1)
 
     def get(self, endpoint: str) -> DecodePeer | None:
         peer = self._peers.get(endpoint)
@@ -257,8 +264,21 @@ class PeerRegistry:
             raise error
         self.refused.pop(msg.endpoint, None)
         self.refused_key.pop(msg.endpoint, None)
+        memory = resolved_against(msg)
+        registration = 0  # (0: a new one, numbered below)
         if old is not None and old.session == msg.session:
             lane = old.lane
+            if old.memory == memory:
+                registration = old.registration  # (the same registration: its rooms go on)
+            else:
+                # the same engine, other memory (a pool or landing area moved, another rank):
+                # the page ids of TRANSFERs taken under the old registration name memory it
+                # no longer registers, so their rooms fail (_chunks: PeerLost) and what is
+                # parked of them is dropped, rather than written at those ids into the new
+                self.counters.bump("registrations_moved")
+                log.warning("decode peer %s registered again with the same engine session but "
+                            "other memory: rooms resolved against the old registration fail",
+                            msg.endpoint)
         else:
             lane = Lane(
                 f"{msg.endpoint} ({msg.session})",
@@ -296,6 +316,8 @@ class PeerRegistry:
         )
         peer.last_used = self.timers.clock()
         peer.key = key
+        peer.registration = registration or next(self._registrations)
+        peer.memory = memory
         if landing is not None:
             peer.landing = layer_view(landing, self.first_layer, self.pool.num_layers)
         self._peers[msg.endpoint] = peer

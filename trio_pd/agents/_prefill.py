@@ -727,7 +727,8 @@ class PrefillWire:
                         0 if peer.landing is None else peer.landing.num_pages)
         served = tuple(served_decode_ranks(self.agent.tp_rank, self.agent.tp_size, peer.decode_tp))
         peer.view = DecodePeerView(
-            peer.endpoint, peer.session, peer.decode_rank, peer.decode_tp, pool, served
+            peer.endpoint, peer.session, peer.decode_rank, peer.decode_tp, pool, served,
+            peer.registration,
         )
         return peer.view
 

@@ -285,12 +285,17 @@ class Target:
     #: ``dst_pages`` are pages of the decode rank's landing area, not of its pool
     #: (trio_pd.core._landing)
     landing: bool = False
+    #: which registration of the endpoint its page ids were resolved against
+    #: (``DecodePeerView.registration``): a chunk is written only while the endpoint's
+    #: registration is still that one (same session, same memory)
+    registration: int = 0
 
     @classmethod
     def from_transfer(
         cls, room: PrefillRoom, endpoint: str, session: str, decode_rank: int, epoch: int,
         aux_slot: int, num_pages: int, dst_pages: npt.NDArray[np.integer[Any]], peer: PeerPool,
         prefix_pages: int, state_slots: Sequence[npt.ArrayLike], landing: bool = False,
+        registration: int = 0,
     ) -> Target:
         """A decode rank's TRANSFER (arguments as :meth:`PrefillRoom.add_target` takes them)
         checked against the room (its epoch, once known, and its size) and against the sizes
@@ -313,7 +318,7 @@ class Target:
         ) if peer.state_slots or state_slots else ()
         return cls(
             endpoint, session, decode_rank, epoch, aux_slot, ids, prefix_pages, dst_slots,
-            landing,
+            landing, registration,
         )
 
 
@@ -738,14 +743,14 @@ class PrefillRoom:
         self, *, endpoint: str, session: str, decode_rank: int, epoch: int, aux_slot: int,
         num_pages: int, dst_pages: npt.NDArray[np.integer[Any]], peer: PeerPool, expected: int,
         prefix_pages: int = 0, state_slots: Sequence[npt.ArrayLike] = (), landing: bool = False,
+        registration: int = 0,
     ) -> Due:
-        """A decode rank's TRANSFER for this room, from a registered peer. A bad one fails
-        the room and that rank is told at once (no waiting for its own deadline); a late one
-        for a room already over is answered Failed or dropped; a refusal is a
-        :class:`Refused` effect (the listener counts it). A second TRANSFER from a rank that
-        has one for this use is refused and changes nothing: decode sends one per use, so a
-        second is a replay, a bug or a forgery, and taking it would write the room's bytes
-        where decode never asked and still report Success."""
+        """A decode rank's TRANSFER for this room, from a registered peer. A bad one fails the room
+        and that rank is told at once (no waiting for its own deadline); a late one for a room
+        already over is answered Failed or dropped; a refusal is a :class:`Refused` effect (the
+        listener counts it). A second TRANSFER from a rank that has one for this use is refused and
+        changes nothing: decode sends one per use, so a second is a replay, a bug or a forgery, and
+        taking it would write the room's bytes where decode never asked and still report Success."""
         if self.leases.closed or self.published:
             if self.cell.status is KVPoll.Failed:
                 return [SendFailed(endpoint, epoch, reason_of(self.cell.failure))]
@@ -757,7 +762,7 @@ class PrefillRoom:
         try:
             target = Target.from_transfer(
                 self, endpoint, session, decode_rank, epoch, aux_slot, num_pages, dst_pages,
-                peer, prefix_pages, state_slots, landing,
+                peer, prefix_pages, state_slots, landing, registration,
             )
         except ProtocolError as exc:
             return [Refused(exc), *self.close(exc), SendFailed(endpoint, epoch, reason_of(exc))]

@@ -150,6 +150,10 @@ class AgentStatistics:
     engine_peers_removed: int = 0
     #: prefill: REGISTERs refused because every peer slot was held by a live, busy peer
     peers_refused: int = 0
+    #: prefill: REGISTERs with a registered endpoint's engine session but other memory (its
+    #: pool or landing area moved, another rank): the rooms resolved against the old
+    #: registration fail with PeerLost, its parked TRANSFERs are dropped
+    registrations_moved: int = 0
     #: decode: receivers never given init within waiting_timeout, failed and forgotten
     rooms_reclaimed: int = 0
     #: decode: rooms that succeeded but were given up (aborted, or their block left) before
@@ -222,6 +226,7 @@ SIDES: Final[Mapping[str, Side]] = MappingProxyType({
     "peers_evicted": "prefill",
     "engine_peers_removed": "prefill",
     "peers_refused": "prefill",
+    "registrations_moved": "prefill",
     "rooms_reclaimed": "decode",
     "released_unclaimed": "decode",
     "rooms_landed": "decode",

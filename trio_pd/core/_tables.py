@@ -63,7 +63,7 @@ from ._rooms import (
     reason_of,
 )
 from ._state import KVPoll
-from ._wire import Transfer
+from ._wire import Register, Transfer
 
 # --------------------------------------------------------------------------------------------
 # Prefill
@@ -95,6 +95,20 @@ class DecodePeerView:
     pool: PeerPool
     #: the decode ranks (of its TP size) this prefill rank writes to
     served: tuple[int, ...]
+    #: which registration of the endpoint this is: a REGISTER with another engine session,
+    #: or with the same session but other memory (:func:`resolved_against`), is a new one,
+    #: and a TRANSFER taken under an earlier one is written no more
+    registration: int = 0
+
+
+def resolved_against(msg: Register) -> tuple[object, ...]:
+    """What a TRANSFER's page ids are resolved against in a REGISTER: the decode rank and
+    TP size, the pool (its geometry and where its buffers are) and the landing area (its
+    bases and its page count). A REGISTER from a registered endpoint, with its engine session,
+    that changes any of it is a new registration (``DecodePeerView.registration``): page ids
+    taken under the old one name memory the endpoint no longer registers, so the rooms that
+    hold them fail (PeerLost) rather than be written into the new memory at the old ids."""
+    return (msg.decode_rank, msg.decode_tp, msg.pool, msg.landing_bases, msg.landing_pages)
 
 
 class _HasPrefillRoom(Protocol):
@@ -134,6 +148,8 @@ class _Parked:
     state_slots: tuple[npt.NDArray[np.integer[Any]], ...] = ()
     #: the page ids are landing pages (``Transfer.landing``)
     landing: bool = False
+    #: the registration they were checked against (``DecodePeerView.registration``)
+    registration: int = 0
 
     @property
     def page_ids(self) -> int:
@@ -210,7 +226,7 @@ def _add_target(
         endpoint=peer.endpoint, session=peer.session, decode_rank=decode_rank, epoch=epoch,
         aux_slot=aux_slot, num_pages=num_pages, dst_pages=pages, peer=peer.pool,
         expected=len(peer.served), prefix_pages=prefix_pages, state_slots=state_slots,
-        landing=landing,
+        landing=landing, registration=peer.registration,
     )
 
 
@@ -295,7 +311,9 @@ class PrefillRooms(Generic[R]):
         self.parked_page_ids -= sum(p.page_ids for p in pending.values())
         for parked in pending.values():
             peer = peer_of(parked.endpoint)
-            if peer is not None and peer.session == parked.session:  # else decode restarted
+            if peer is not None and (peer.session, peer.registration) == (
+                parked.session, parked.registration
+            ):  # else decode restarted, or moved the memory its page ids name
                 due += _add_target(
                     machine, peer, parked.decode_rank, parked.epoch, parked.aux_slot,
                     parked.num_pages, parked.dst_pages, parked.prefix_pages,
@@ -407,7 +425,7 @@ class PrefillRooms(Generic[R]):
             return [Reject(exc)]
         entry = _Parked(
             peer.endpoint, peer.session, decode_rank, msg.epoch, msg.aux_slot, msg.num_pages,
-            msg.required, dst_pages, msg.prefix_pages, checked, msg.landing,
+            msg.required, dst_pages, msg.prefix_pages, checked, msg.landing, peer.registration,
         )
         pending = self.parked.get(room_id)
         due: Due = []
