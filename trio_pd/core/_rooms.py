@@ -1040,6 +1040,11 @@ class DecodeRoom:
             # ABORTs still tell the senders; pages given to init later go back at once.
             self.forgotten = True
             return [SendAborts(tuple(required)), Forget()]
+        if self.released:
+            # given after the failure, so handed back unsent (and forgotten) then: nothing
+            # is held, no ack is awaited; the ABORTs still tell the senders. (An ack deadline
+            # would do nothing but keep the forgotten room's record until it passed.)
+            return [SendAborts(tuple(required))]
         return [SendAborts(tuple(required)), ArmAckDeadline(), *self._maybe_release()]
 
     def on_status(
