@@ -9,8 +9,9 @@ second, and the bound on routes: asserted on the effects :class:`DpRoutes` retur
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from trio_pd.core._dp_routes import (
     Disarm,
@@ -209,6 +210,17 @@ def test_a_room_s_deadline_is_disarmed_exactly_when_its_wait_ends() -> None:
     assert isinstance(due[-1], Unroutable) and not [x for x in due if isinstance(x, Disarm)]
 
 
+def _carry(armed: set[Hashable], due: Sequence[object]) -> None:
+    """The shell's bookkeeping of deadlines, modelled: an Arm enters its key, a Disarm takes
+    one that is armed."""
+    for effect in due:
+        if isinstance(effect, Arm):
+            assert effect.key not in armed
+            armed.add(effect.key)
+        elif isinstance(effect, Disarm):
+            armed.remove(effect.key)  # (KeyError: never armed, or disarmed twice)
+
+
 def _order(key: Hashable) -> int:
     """A deadline's place in a seeded run's choice: its room's id (-1: a quiet time)."""
     return key.rec.room if isinstance(key, RouteTimer) else -1
@@ -223,15 +235,7 @@ def test_every_armed_deadline_is_armed_exactly_while_its_room_waits_asked() -> N
         rnd = random.Random(seed)
         routes: DpRoutes[Rec] = DpRoutes(DEADLINES)
         armed: set[Hashable] = set()
-
-        def carry(due: list[object]) -> None:
-            for effect in due:
-                if isinstance(effect, Arm):
-                    assert effect.key not in armed
-                    armed.add(effect.key)
-                elif isinstance(effect, Disarm):
-                    armed.remove(effect.key)  # (KeyError: never armed, or disarmed twice)
-
+        carry = partial(_carry, armed)
         recs: list[Rec] = []
         for _ in range(40):
             op = rnd.randrange(8)

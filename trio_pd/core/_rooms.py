@@ -205,7 +205,8 @@ class Arm:
     have passed. The table reads no clock, so the delay is relative: the agent turns it into
     a deadline at once. An expiry that is no longer wanted is ignored by the table, so the
     table never disarms anything (the agent lets a room's own deadlines go with its record,
-    at ``Forget``: :mod:`trio_pd.io._timers`)."""
+    at ``Forget``: :mod:`trio_pd.io._timers`). The DP routes do disarm a room's deadline
+    when its wait ends (:class:`~._dp_routes.Disarm`)."""
 
     kind: TimerKind
     after: float
