@@ -305,6 +305,8 @@ async def test_unknown_room_fails_at_the_bootstrap_deadline() -> None:
         assert "DP rank" in str(receiver.failure) and receiver.prefill_dp_rank is None
         assert c.decode.statistics().timeouts == 1
         assert c.boot.statistics().dp_rooms_unknown >= 2  # it asked more than once
+        # the deadline that ran left the router's books too (only the quiet second is armed)
+        assert not [k for k in c.decode.router._armed if isinstance(k, RouteTimer)]
         for group in c.prefill:
             for p in group:
                 assert not p.agent.table.parked and p.agent.statistics().refused_messages == 0
