@@ -8,9 +8,13 @@ second, and the bound on routes: asserted on the effects :class:`DpRoutes` retur
 
 from __future__ import annotations
 
+import random
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from trio_pd.core._dp_routes import (
+    Disarm,
     DpRoutes,
     DropRoute,
     QuietTimer,
@@ -156,6 +160,116 @@ def test_the_deadline_fails_the_room_and_warns_at_most_once_a_second() -> None:
     d.machine.fail(TransferAborted("aborted"))
     assert routes.handle_timer(RouteTimer(route, d)) == [] and route.pending == {}
     assert routes.handle_timer(RouteTimer(route, a)) == []
+
+
+def test_a_room_s_deadline_is_disarmed_exactly_when_its_wait_ends() -> None:
+    """A deadline armed at a room's first ask holds the room's record: it is disarmed as the
+    room leaves its route before it, however it leaves (routed by an answer or by the
+    topology, failed by a refusal or by an instance that did not resolve), and only then; a
+    room never asked for armed none and disarms none; the deadline that runs disarms
+    nothing (it ran); an expiry after the Disarm (were the shell to run one) changes
+    nothing."""
+    routes: DpRoutes[Rec] = DpRoutes(DEADLINES)
+    a, b, c = Rec(1), Rec(2), Rec(3)
+    _waiting(routes, a, b, c)
+    route = routes.routes[URL]
+    routes.resolved(URL, 2)
+    routes.asking(route, [a, b])  # (c: not asked yet, no deadline)
+    # an answer: only the room it routes leaves, its Disarm just before its Routed
+    assert routes.answered(route, [a, b], 2, [1, None]) == (
+        True, [Disarm(RouteTimer(route, a)), Routed(a, URL, 1)])
+    assert routes.handle_timer(RouteTimer(route, a)) == [] and list(route.pending) == [b, c]
+    # a refusal: every waiting room leaves; the asked one disarms, the other has nothing to
+    error = BootstrapError("401 bad token")
+    due = routes.refused(route, error)
+    assert [type(e) for e in due] == [Warn, Disarm, Unroutable, Unroutable]
+    assert due[1] == Disarm(RouteTimer(route, b))
+    assert [e.rec for e in due[2:]] == [b, c]  # type: ignore[union-attr]
+    assert routes.handle_timer(RouteTimer(route, b)) == []
+    # learnt again from the topology (a prefill rank was lost), with asked rooms waiting
+    d, e, f = Rec(4), Rec(5), Rec(6)
+    _waiting(routes, d, e)
+    routes.asking(route, [d])
+    routes.forget_sizes()
+    assert routes.resolved(URL, 1) == [
+        Disarm(RouteTimer(route, d)), Routed(d, URL, 0), Routed(e, URL, 0), Wake(URL)]
+    _waiting(routes, f)
+    routes.forget_sizes()
+    route.dp_size = 2
+    routes.asking(route, [f])
+    route.dp_size = None
+    failure = BootstrapError("no answer")
+    assert routes.resolve_failed(URL, failure) == [
+        Disarm(RouteTimer(route, f)), Unroutable(f, failure), Wake(URL)]
+    # its own deadline: the room fails, and nothing is disarmed (that deadline just ran)
+    g = Rec(7)
+    _waiting(routes, g)
+    routes.resolved(URL, 2)
+    routes.asking(route, [g])
+    due = routes.handle_timer(RouteTimer(route, g))
+    assert isinstance(due[-1], Unroutable) and not [x for x in due if isinstance(x, Disarm)]
+
+
+def _carry(armed: set[Hashable], due: Sequence[object]) -> None:
+    """The shell's bookkeeping of deadlines, modelled: an Arm enters its key, a Disarm takes
+    one that is armed."""
+    for effect in due:
+        if isinstance(effect, Arm):
+            assert effect.key not in armed
+            armed.add(effect.key)
+        elif isinstance(effect, Disarm):
+            armed.remove(effect.key)  # (KeyError: never armed, or disarmed twice)
+
+
+def _order(key: Hashable) -> int:
+    """A deadline's place in a seeded run's choice: its room's id (-1: a quiet time)."""
+    return key.rec.room if isinstance(key, RouteTimer) else -1
+
+
+def test_every_armed_deadline_is_armed_exactly_while_its_room_waits_asked() -> None:
+    """Random runs (seeded) of every call, with the shell's bookkeeping modelled: each Arm
+    enters a key, each Disarm takes one that is armed, each expiry takes its own. After every
+    step the room deadlines armed are exactly those of the rooms waiting that an ask
+    included: none outlives its room's wait, and none is disarmed twice or after it ran."""
+    for seed in range(200):
+        rnd = random.Random(seed)
+        routes: DpRoutes[Rec] = DpRoutes(DEADLINES)
+        armed: set[Hashable] = set()
+        carry = partial(_carry, armed)
+        recs: list[Rec] = []
+        for _ in range(40):
+            op = rnd.randrange(8)
+            route = routes.routes.get(URL)
+            if op == 0 or route is None:
+                recs.append(Rec(len(recs)))
+                carry(routes.add(recs[-1], URL))
+            elif op == 1:
+                carry(routes.asking(route, list(route.pending))[1])
+            elif op == 2 and route.pending:
+                batch = rnd.sample(list(route.pending), rnd.randint(1, len(route.pending)))
+                ranks = [rnd.choice([None, 0, 1]) for _ in batch]
+                carry(routes.answered(route, batch, 2, ranks)[1])
+            elif op == 3:
+                carry(routes.refused(route, BootstrapError("refused")))
+            elif op == 4:
+                routes.forget_sizes()
+            elif op == 5:
+                carry(routes.resolved(URL, rnd.choice([1, 2])))
+            elif op == 6:
+                carry(routes.resolve_failed(URL, BootstrapError("did not resolve")))
+            elif armed:  # an expiry: the shell lets its handle go, then hands the key back
+                key = rnd.choice(sorted(armed, key=_order))
+                armed.remove(key)
+                carry(routes.handle_timer(key))
+            # a stale expiry (already disarmed or run) is ignored
+            route = routes.routes[URL]
+            for rec in recs:
+                stale = RouteTimer(route, rec)
+                if stale not in armed and rec not in route.pending:
+                    assert routes.handle_timer(stale) == []
+            waiting = {RouteTimer(r, rec) for r in routes.routes.values()
+                       for rec, asked in r.pending.items() if asked}
+            assert {k for k in armed if isinstance(k, RouteTimer)} == waiting, seed
 
 
 def test_routes_are_bounded_and_only_idle_ones_go() -> None:

@@ -9,6 +9,7 @@ bounded; a condition without an event is polled under a deadline (:func:`poll_un
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 from collections.abc import AsyncIterator
@@ -49,6 +50,7 @@ from trio_pd.bootstrap._bootstrap_client import (
     TokenProof,
     dp_url,
 )
+from trio_pd.core._dp_routes import RouteTimer
 from trio_pd.core._errors import ConfigurationError, NotReady
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.io._security import default_token
@@ -303,6 +305,8 @@ async def test_unknown_room_fails_at_the_bootstrap_deadline() -> None:
         assert "DP rank" in str(receiver.failure) and receiver.prefill_dp_rank is None
         assert c.decode.statistics().timeouts == 1
         assert c.boot.statistics().dp_rooms_unknown >= 2  # it asked more than once
+        # the deadline that ran left the router's books too (only the quiet second is armed)
+        assert not [k for k in c.decode.router._armed if isinstance(k, RouteTimer)]
         for group in c.prefill:
             for p in group:
                 assert not p.agent.table.parked and p.agent.statistics().refused_messages == 0
@@ -367,6 +371,61 @@ async def test_closing_decode_while_rooms_ask_is_bounded() -> None:
             assert all(r.poll() is KVPoll.Failed for r in receivers)
         finally:
             engine.close()
+
+
+def decode_records_alive(rooms: set[int]) -> list[int]:
+    """The decode agent's room records (its ``_Room``) of ``rooms`` still reachable."""
+    from trio_pd.agents import _decode
+
+    gc.collect()
+    return sorted(o.machine.room for o in gc.get_objects()
+                  if type(o) is _decode._Room and o.machine.room in rooms)
+
+
+async def test_routed_rooms_are_let_go_at_once_not_at_their_bootstrap_deadline() -> None:
+    """A room waiting for its DP rank arms its bootstrap deadline at its first ask; once it
+    is routed (or can no longer be), that deadline is dropped there and then, not left armed
+    with the room in it. Here the deadline is an hour away: after the rooms (succeeded, and
+    aborted while asking, whose ABORT still reaches their DP rank) have ended and their
+    handles are dropped, nothing of the decode agent holds their records, and no timer is
+    left armed on a room's routing. Before, each routed room kept its record (and the
+    route) until its bootstrap deadline: every room of the last 30 seconds by default, for
+    the garbage collector to walk."""
+    far = 3600.0
+    dcfg = DecodeConfig(bootstrap_timeout=far, waiting_timeout=far, ack_timeout=far)
+    rooms = set(range(60, 72))
+    async with open_cluster(decode_config=dcfg, prefill_config=PrefillConfig(
+            bootstrap_timeout=far)) as c:
+        for room in sorted(rooms):
+            if room % 4:  # routed by the service's answer, then succeeds
+                r = open_room(c, room, room % 2)
+                await finish(c, r)
+                del r
+                continue
+            # aborted while it asks: routed once its DP rank announces it, to tell it
+            dst = c.dst_pages.alloc_nowait(2)
+            assert dst is not None
+            receiver = c.decode.receiver(room, bootstrap_url=c.url, epoch=room)
+            receiver.init(dst, 2, on_release=partial(c.dst_pages.free, dst))
+            receiver.abort("the client went away")
+            senders, _ = open_senders(c, room, room % 2, 2, epoch=room)
+            with trio.fail_after(BOUND):
+                await receiver.wait_released()
+                for s in senders:
+                    assert await s.wait() is KVPoll.Failed
+                    await s.wait_released()
+            del receiver, senders, s
+        assert c.boot.statistics().requests[("POST", "/query_dp_ranks", 200)] >= 1
+        with trio.fail_after(BOUND):  # (decode forgets an aborted room once it is acked)
+            await poll_until(lambda: c.decode.statistics().rooms_active == 0)
+        assert decode_records_alive(rooms) == []
+        # the deadlines are cancelled, not only let go: none left armed on a route's room
+        armed = [t[2] for t in c.decode.timers._heap if t[2] is not None]
+        assert len(armed) == len(c.decode.timers)
+        assert not [a for a in armed if isinstance(a, partial)
+                    and any(isinstance(x, RouteTimer) for x in a.args)]
+        assert not c.decode.router._armed
+    c.assert_no_late_writes()
 
 
 # ------------------------------------------------------------------------------ the service

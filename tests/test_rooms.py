@@ -902,6 +902,23 @@ def test_decode_success_needs_aux_epoch() -> None:
     assert Release("drained") in due
 
 
+def test_decode_room_failed_and_given_back_before_its_ranks_are_known_awaits_no_ack() -> None:
+    """Failed before its ranks were known (aborted while its instance resolves, or while it
+    waits for its DP rank), then given pages: they go back at once, unsent, and the room is
+    forgotten. Once its ranks are known, the ABORTs still tell them; but nothing is held, so
+    no ack deadline is armed (it would only keep the forgotten room's record until it
+    passed)."""
+    room = DecodeRoom(room=1, epoch=2)
+    assert room.fail(TransferAborted("x"))[1:] == []
+    assert room.init(np.arange(3, dtype=np.int32), 0) == [Release("unsent"), Forget()]
+    assert room.bind([0, 1]) == [SendAborts((0, 1))]
+    assert not room.holding and room.ack_deadline("drain") == []
+    # pages never given: the ABORTs, and the room is forgotten then
+    bare = DecodeRoom(room=3, epoch=4)
+    bare.fail(TransferAborted("x"))
+    assert bare.bind([0]) == [SendAborts((0,)), Forget()]
+
+
 TestPrefillRules = PrefillRules.TestCase
 TestPrefillRules.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestDecodeRules = DecodeRules.TestCase

@@ -16,9 +16,11 @@ fate: a room it cannot route is handed back to the agent (``on_failed``), a rout
 (``on_routed``).
 
 Every decision of it is :class:`~trio_pd.core._dp_routes.DpRoutes`'s (pure): which rooms
-wait where, when each is asked for, what an answer means, each room's deadline and the pause
-between two warnings of one. :class:`DpRouter` is its shell: the asks over HTTP, the one
-task per service that makes them, the instances resolved, the effects carried out.
+wait where, when each is asked for, what an answer means, each room's deadline (armed at its
+first ask, disarmed when its wait ends) and the pause between two warnings of one.
+:class:`DpRouter` is its shell: the asks over HTTP, the one task per service that makes them,
+the instances resolved, the effects carried out (a deadline's handle kept from its ``Arm`` to
+its ``Disarm`` or its expiry, whichever comes first).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..bootstrap._bootstrap_client import (
     dp_url,
 )
 from ..core._dp_routes import (
+    Disarm,
     DpRoutes,
     DropRoute,
     R,  # (a room the routes hold; they read its machine)
@@ -59,7 +62,7 @@ from ..core._errors import (
 )
 from ..core._rooms import Arm, Count, Warn
 from ..core._stats import Counters
-from ..io._timers import Timers
+from ..io._timers import Timer, Timers
 from ._sources import Instance, Sources
 
 log = logging.getLogger("trio_pd.decode")
@@ -109,6 +112,10 @@ class DpRouter(Generic[R]):
             RouteDeadlines(bootstrap=bootstrap_timeout), max_routes=_MAX_ROUTES
         )
         self._askers: dict[str, _Asker] = {}
+        #: the deadlines the routes armed and have not yet disarmed, each until it runs or
+        #: a :class:`Disarm` cancels it (a room's holds its record: it goes when its wait
+        #: ends, not when its deadline would have passed)
+        self._armed: dict[Hashable, Timer] = {}
 
     def target(self, base: str, dp_rank: int | None) -> str | None:
         """The instance URL a new room of the service at ``base`` goes to: the DP rank it
@@ -172,7 +179,10 @@ class DpRouter(Generic[R]):
                     if asker is not None and asker.client is not None and nursery is not None:
                         nursery.start_soon(asker.client.aclose)
                 case Arm(after=after, key=key):
-                    self.timers.after(after, partial(self._timer_due, key))
+                    assert key not in self._armed, key  # (one deadline a key, at a time)
+                    self._armed[key] = self.timers.after(after, partial(self._timer_due, key))
+                case Disarm(key=key):
+                    self.timers.cancel(self._armed.pop(key))
                 case Count(name=name):
                     self.counters.bump(name)
                 case Warn(message=message):
@@ -181,7 +191,9 @@ class DpRouter(Generic[R]):
                     assert_never(effect)
 
     def _timer_due(self, key: Hashable) -> None:
-        """A deadline the routes armed has passed: they decide what that means."""
+        """A deadline the routes armed has passed (its handle goes: it ran): they decide
+        what that means."""
+        del self._armed[key]
         self._carry(self.routes.handle_timer(key))
 
     def _asker(self, url: str) -> _Asker:

@@ -11,14 +11,22 @@ instance did not resolve before the size was learnt, or its deadline passed
 waiting in them, their deadlines and the pause between two warnings of a deadline. Like the
 room tables (:mod:`._tables`) it imports no trio, socket or HTTP client and reads no clock:
 each call returns the effects now due (:class:`Routed`, :class:`Unroutable`,
-:class:`Resolve`, :class:`Wake`, :class:`StartAsking`, :class:`DropRoute`, and the shared
-:class:`~._rooms.Arm`, :class:`~._rooms.Count`, :class:`~._rooms.Warn`), and the shell
-(:class:`~trio_pd.agents._dp_router.DpRouter`) carries them out and makes the asks.
+:class:`Resolve`, :class:`Wake`, :class:`StartAsking`, :class:`DropRoute`, :class:`Disarm`, and
+the shared :class:`~._rooms.Arm`, :class:`~._rooms.Count`, :class:`~._rooms.Warn`), and the
+shell (:class:`~trio_pd.agents._dp_router.DpRouter`) carries them out and makes the asks.
+
+**A room's deadline goes when its wait ends.** Its key (:class:`RouteTimer`) holds the room's
+record, so the armed deadline would keep a room routed in milliseconds, page ids and all,
+reachable for the whole bootstrap deadline. Every room that leaves its route before its
+deadline, routed or unroutable, leaves with a :class:`Disarm` of that deadline if it was
+armed (each :class:`~._rooms.Arm` of a :class:`RouteTimer` is matched by exactly one
+:class:`Disarm` or by its own expiry, never both). A room the caller gave up keeps waiting:
+once routed, its DP rank must hear the ABORT.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
@@ -113,6 +121,14 @@ class Unroutable(Generic[R]):
 
 
 @dataclass(frozen=True, slots=True)
+class Disarm:
+    """The deadline armed under ``key`` (a :class:`RouteTimer`) is no longer wanted: the
+    room's wait ended before it. Cancel it now (it holds the room's record)."""
+
+    key: Hashable
+
+
+@dataclass(frozen=True, slots=True)
 class Resolve:
     """Resolve the instance at ``url`` (DP rank 0's group): its topology says the DP size.
     If it is resolved already, say so (:meth:`DpRoutes.resolved`)."""
@@ -147,14 +163,15 @@ class DropRoute:
 
 
 RouteDue: TypeAlias = list[
-    Routed[R] | Unroutable[R] | Resolve | Wake | StartAsking[R] | DropRoute | Arm | Count | Warn
+    Routed[R] | Unroutable[R] | Resolve | Wake | StartAsking[R] | DropRoute | Arm | Disarm
+    | Count | Warn
 ]
 
 
 class DpRoutes(Generic[R]):
     """Decode's DP routing: per bootstrap URL, the rooms waiting for their DP rank (at most
     ``max_routes`` URLs) and the service's DP size once known; every room leaves its route
-    once, routed or unroutable."""
+    once, routed or unroutable, and its deadline, if armed, with it (:class:`Disarm`)."""
 
     def __init__(self, deadlines: RouteDeadlines | None = None, *, max_routes: int = 4096) -> None:
         self.deadlines = deadlines or RouteDeadlines()
@@ -214,8 +231,7 @@ class DpRoutes(Generic[R]):
         if route.dp_size is None and dp_size is not None:
             route.dp_size = dp_size
             if dp_size == 1:
-                due += [Routed(rec, url, 0) for rec in route.pending]
-                route.pending.clear()
+                due += self._leave_all(route, lambda rec: Routed(rec, url, 0))
         return [*due, Wake(url)]
 
     def resolve_failed(self, url: str, error: TransferError) -> RouteDue[R]:
@@ -227,8 +243,7 @@ class DpRoutes(Generic[R]):
             return []
         due: RouteDue[R] = []
         if route.dp_size is None:
-            due += [Unroutable(rec, error) for rec in route.pending]
-            route.pending.clear()
+            due += self._leave_all(route, lambda rec: Unroutable(rec, error))
         return [*due, Wake(url)]
 
     def forget_sizes(self) -> None:
@@ -259,7 +274,7 @@ class DpRoutes(Generic[R]):
         for rec, k in zip(batch, ranks, strict=True):
             if k is None or rec not in route.pending:
                 continue
-            del route.pending[rec]
+            due += self._leave(route, rec)
             due.append(Routed(rec, route.url, k))
         if None in ranks:
             route.last_error = f"DP size {dp_size}; no prefill DP rank announced the room"
@@ -273,9 +288,7 @@ class DpRoutes(Generic[R]):
         """A definite refusal (401, 400...): every room waiting fails now."""
         failure = BootstrapError(f"prefill instance {route.url}: {error}")
         due: RouteDue[R] = [Warn(str(failure))]
-        due += [Unroutable(rec, failure) for rec in route.pending]
-        route.pending.clear()
-        return due
+        return due + self._leave_all(route, lambda rec: Unroutable(rec, failure))
 
     # ---------------------------------------------------------------- deadlines
 
@@ -294,8 +307,8 @@ class DpRoutes(Generic[R]):
         answered, with a :class:`BootstrapError` as an instance that does not resolve. At
         most one warning per route each ``warn_every``."""
         if rec not in route.pending:
-            return []
-        del route.pending[rec]
+            return []  # (it left before: its Disarm was due then; this is a stale expiry)
+        del route.pending[rec]  # (this very deadline ran: nothing to disarm)
         if rec.machine.status is KVPoll.Failed:
             return []  # failed meanwhile (aborted): there is nobody to tell
         timeout = self.deadlines.bootstrap
@@ -316,6 +329,24 @@ class DpRoutes(Generic[R]):
             due += [Warn(str(error)),
                     Arm("dp_warn", self.deadlines.warn_every, QuietTimer(route))]
         return [*due, Unroutable(rec, error)]
+
+    # ---------------------------------------------------------------- leaving
+
+    def _leave(self, route: Route[R], rec: R) -> RouteDue[R]:
+        """``rec``'s wait in ``route`` ends before its deadline: the deadline goes too, if
+        an ask armed it (:meth:`asking`)."""
+        return [Disarm(RouteTimer(route, rec))] if route.pending.pop(rec) else []
+
+    def _leave_all(
+        self, route: Route[R], outcome: Callable[[R], Routed[R] | Unroutable[R]]
+    ) -> RouteDue[R]:
+        """Every room waiting in ``route`` leaves, oldest first: its deadline's
+        :class:`Disarm` if armed, then ``outcome(rec)``."""
+        due: RouteDue[R] = []
+        for rec in list(route.pending):
+            due += self._leave(route, rec)
+            due.append(outcome(rec))
+        return due
 
     # ---------------------------------------------------------------- the bound
 
@@ -338,6 +369,7 @@ class DpRoutes(Generic[R]):
 
 
 __all__ = [
+    "Disarm",
     "DpRoutes",
     "DropRoute",
     "QuietTimer",

@@ -205,7 +205,8 @@ class Arm:
     have passed. The table reads no clock, so the delay is relative: the agent turns it into
     a deadline at once. An expiry that is no longer wanted is ignored by the table, so the
     table never disarms anything (the agent lets a room's own deadlines go with its record,
-    at ``Forget``: :mod:`trio_pd.io._timers`)."""
+    at ``Forget``: :mod:`trio_pd.io._timers`). The DP routes do disarm a room's deadline
+    when its wait ends (:class:`~._dp_routes.Disarm`)."""
 
     kind: TimerKind
     after: float
@@ -1045,6 +1046,11 @@ class DecodeRoom:
             # ABORTs still tell the senders; pages given to init later go back at once.
             self.forgotten = True
             return [SendAborts(tuple(required)), Forget()]
+        if self.released:
+            # given after the failure, so handed back unsent (and forgotten) then: nothing
+            # is held, no ack is awaited; the ABORTs still tell the senders. (An ack deadline
+            # would do nothing but keep the forgotten room's record until it passed.)
+            return [SendAborts(tuple(required))]
         return [SendAborts(tuple(required)), ArmAckDeadline(), *self._maybe_release()]
 
     def on_status(
