@@ -566,7 +566,7 @@ class DecodeAgent:
                     self._arm(rec, self.table.timer(rec, "waiting"))
                     self.wire.send_transfers(rec)
                 case Succeeded():
-                    self._give_landing(rec)  # (scattered already, before Success)
+                    self.wire.give_landing(rec)  # (scattered already, before Success)
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Forget():
@@ -592,7 +592,7 @@ class DecodeAgent:
                 case Count(name=name):
                     self.counters.bump(name)
                 case Release(how=how):
-                    self._give_landing(rec)  # (no write of the room can land any more)
+                    self.wire.give_landing(rec)  # (no write of the room can land any more)
                     if how == "peer_gone":
                         self.counters.bump("released_peer_gone")
                     elif how == "timeout":
@@ -625,13 +625,6 @@ class DecodeAgent:
         timer = self.timers.after(after, partial(self._timer_due, key))
         if type(key) is RoomDeadline and key.rec is rec:
             rec.timers.append(timer)
-
-    def _give_landing(self, rec: _Room) -> None:
-        """The room's landing range goes back: it succeeded (copied out already), or its
-        pages are released (no write of it can land any more)."""
-        if rec.landing is not None and self.landing is not None and rec.machine.pages is not None:
-            self.landing.give(rec.landing, len(rec.machine.pages))
-        rec.landing = None
 
     # ------------------------------------------------------------------ deadlines, probes
 
@@ -701,7 +694,7 @@ class DecodeWire:
         """The page ids the room's TRANSFERs name: a run of landing pages when its pages are
         fragmented, every source rank takes landing pages, landing cuts its blocks, and the
         landing area has a free run for them (held from now on:
-        :meth:`DecodeAgent._give_landing`); else its own pages."""
+        :meth:`give_landing`); else its own pages."""
         machine, agent = rec.machine, self.agent
         pages, area = machine.pages, agent.landing
         assert pages is not None
@@ -733,6 +726,14 @@ class DecodeWire:
             return
         area.scatter(rec.landing, pages)
         self.agent.counters.bump("rooms_landed")
+
+    def give_landing(self, rec: _Room) -> None:
+        """The room's landing range goes back: it succeeded (copied out already), or its
+        pages are released (no write of it can land any more)."""
+        area, pages = self.agent.landing, rec.machine.pages
+        if rec.landing is not None and area is not None and pages is not None:
+            area.give(rec.landing, len(pages))
+        rec.landing = None
 
     def send_aborts(self, rec: _Room, ranks: tuple[int, ...]) -> None:
         machine, agent = rec.machine, self.agent

@@ -602,11 +602,7 @@ class MooncakeEngine(ClosesOnExit):
     """
 
     name = "mooncake"
-    #: chunk writes of several rooms to one peer join one call up to this many bytes
-    #: (:func:`~trio_pd.engines.join_bytes`): small writes only. Its TCP transport finishes
-    #: a joined call's rooms together at the end of the call, so large joined writes were
-    #: slower than the same writes alone (docs/bench.md)
-    join_bytes = 1 << 20
+    join_bytes = 1 << 20  # (other rooms' writes join one call up to this: engines.join_bytes)
 
     def __init__(
         self,

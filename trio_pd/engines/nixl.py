@@ -434,17 +434,10 @@ class NixlEngine(ClosesOnExit):
     a kind; a region's own :class:`~trio_pd.core._memory.MemoryKind` wins (module docstring).
     ``progress_delay_us``: see the module docstring. ``transfer_timeout_s``: see
     :meth:`write`. Raises :class:`~trio_pd.ConfigurationError` if the wheel is missing,
-    :class:`~trio_pd.EngineError` if the agent cannot be built.
-    """
+    :class:`~trio_pd.EngineError` if the agent cannot be built."""
 
     name = "nixl"
-    #: chunk writes of several rooms to one peer join one call up to this many bytes
-    #: (:func:`~trio_pd.engines.join_bytes`): a joined call moves its blocks as fast as
-    #: separate calls would, and the event loop wakes once for all of its rooms (measured on
-    #: the bench's 8 MiB requests: the loop's CPU per request a quarter lower, the same
-    #: GB/s; docs/bench.md). 32 MiB is about 4 ms of writing here, what an abort of a room
-    #: in such a call may wait for it
-    join_bytes = 32 << 20
+    join_bytes = 32 << 20  # (other rooms' writes join one call up to this: engines.join_bytes)
 
     def __init__(
         self,
