@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 
 import trio
+import trio.lowlevel
 
 from ..core._memory import Region
 from ..engines import TransferEngine
@@ -51,13 +52,18 @@ async def bounded(what: str, step: Callable[[], Awaitable[object]]) -> bool:
     **Cancellation:** shielded: the caller's cancellation does not reach the step; it is
     delivered at the caller's next checkpoint.
     """
+    failed: Exception | None = None
     with trio.CancelScope(shield=True) as scope:
         scope.deadline = trio.current_time() + STEP_TIMEOUT
         try:
             await step()
         except Exception as exc:
-            log.warning("agent close: %s failed, given up: %r", what, exc)
-            return False
+            failed = exc
+        # (a schedule point on every path, that no cancellation can interrupt)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+    if failed is not None:
+        log.warning("agent close: %s failed, given up: %r", what, failed)
+        return False
     if scope.cancelled_caught:
         log.warning("agent close: %s did not finish within %g s, given up", what, STEP_TIMEOUT)
         return False
