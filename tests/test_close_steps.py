@@ -226,3 +226,33 @@ async def test_a_close_step_is_shielded_and_bounded(
         ran.append("not reached")
     assert scope.cancelled_caught and ran == ["quick"]
     assert gave_up(caplog, "hang") and gave_up(caplog, "boom")
+
+
+async def test_a_cancelled_block_still_closes_every_socket(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """Both agents left by a cancellation of the block (the usual way a server stops them):
+    every close step still runs, the control planes' sockets and contexts are closed and
+    both pools deregistered (a prefill agent without a staging area once skipped its control
+    plane: the step before it checkpointed unshielded)."""
+    src, dst = host_pool(), host_pool()
+    pe = HangingUnregister(make_engine(engine_name), lambda regions: False)
+    de = HangingUnregister(make_engine(engine_name), lambda regions: False)
+    try:
+        with trio.fail_after(30), trio.CancelScope() as scope:
+            async with open_prefill(
+                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=2
+            ) as prefill, open_decode(
+                engine=de, pool=dst.spec, config=DecodeConfig(landing_bytes=1 << 20)
+            ) as decode:
+                controls = [prefill.control, decode.control]
+                scope.cancel()
+                await trio.sleep_forever()
+        assert scope.cancelled_caught
+        for control in controls:
+            assert control._pull.closed and control._ping_pull.closed and control._ctx.closed
+        assert pe.unregistered == [src.spec.regions()]
+        assert de.unregistered[0] == dst.spec.regions() and len(de.unregistered) == 2
+    finally:
+        pe.close()
+        de.close()

@@ -238,7 +238,8 @@ class ChunkPlanner:
 
         **Cancellation:** shielded (the step is): a cancellation is delivered after it."""
         if not self.staging.registered:
-            await trio.lowlevel.checkpoint()
+            # (one that cannot be cancelled: the close's later steps must run)
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         self.staging.registered = False
         self.staging.disabled = True

@@ -1002,11 +1002,13 @@ async def open_decode(
                 nursery.cancel_scope.cancel(CLOSING)
     finally:
         agent.sources.nursery = None
-        # each step bounded on its own (_close): one that hangs skips none of the others
-        await wait_probe_threads(agent.sources.probe_threads.limiter, config.ack_timeout)
-        if registered:
-            await unregister(engine, regions, f"decode rank {tp_rank}'s pool")
-        if landing is not None:
-            await close_landing(agent, landing)
-        await bounded("closing the DP routers' bootstrap clients", agent.router.aclose)
-        await bounded("closing the control plane", agent.control.aclose)
+        # shielded (a cancelled block still closes everything), each step bounded on its
+        # own (_close): one that hangs skips none of the others
+        with trio.CancelScope(shield=True):
+            await wait_probe_threads(agent.sources.probe_threads.limiter, config.ack_timeout)
+            if registered:
+                await unregister(engine, regions, f"decode rank {tp_rank}'s pool")
+            if landing is not None:
+                await close_landing(agent, landing)
+            await bounded("closing the DP routers' bootstrap clients", agent.router.aclose)
+            await bounded("closing the control plane", agent.control.aclose)

@@ -1059,9 +1059,11 @@ async def open_prefill(
         agent._shutdown_rooms()
         if proven:
             agent._say_goodbye()
-        # each step bounded on its own (_close): one that hangs skips none of the others
-        await wait_probe_threads(agent.peers.probe_threads.limiter, agent.peers.fence)
-        if registered:
-            await unregister(engine, regions, f"prefill rank {tp_rank}'s pool")
-        await agent.runner.planner.close_staging()
-        await bounded("closing the control plane", agent.control.aclose)
+        # shielded (a cancelled block still closes everything), each step bounded on its
+        # own (_close): one that hangs skips none of the others
+        with trio.CancelScope(shield=True):
+            await wait_probe_threads(agent.peers.probe_threads.limiter, agent.peers.fence)
+            if registered:
+                await unregister(engine, regions, f"prefill rank {tp_rank}'s pool")
+            await agent.runner.planner.close_staging()
+            await bounded("closing the control plane", agent.control.aclose)
