@@ -256,3 +256,27 @@ async def test_a_cancelled_block_still_closes_every_socket(
     finally:
         pe.close()
         de.close()
+
+
+async def test_a_cancelled_router_close_still_closes_every_client() -> None:
+    """The DP router's close, cancelled (a close step past its deadline): every bootstrap
+    client's connections are closed all the same, then the cancellation propagates."""
+    from trio_pd.agents._dp_router import DpRouter, _Asker
+    from trio_pd.bootstrap._bootstrap_client import BootstrapClient
+    from trio_pd.core._stats import Counters
+
+    router: DpRouter[object] = DpRouter(
+        sources=None, timers=None, counters=Counters(), bootstrap_timeout=1.0,  # type: ignore[arg-type]
+        token="t", on_routed=lambda *a: None, on_failed=lambda *a: None,
+    )
+    clients = [BootstrapClient(f"http://127.0.0.1:{9 + i}", token="t") for i in range(3)]
+    for i, client in enumerate(clients):
+        router._askers[f"u{i}"] = _Asker(client=client)
+    try:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await router.aclose()
+        assert all(c._transport.http.is_closed for c in clients), "a client was left open"
+    finally:
+        for c in clients:
+            await c.aclose()
