@@ -280,3 +280,40 @@ async def test_a_cancelled_router_close_still_closes_every_client() -> None:
     finally:
         for c in clients:
             await c.aclose()
+
+
+@pytest.mark.usefixtures("kept")
+async def test_every_close_step_cut_at_its_first_schedule_point(
+    engine_name: str, bootstrap_url: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``STEP_TIMEOUT`` 0: every step of both closes is cut at its first schedule point (a
+    cancellation at every await of the close). The sockets are closed all the same (they
+    close before it), each step given up is logged, and the landing and staging areas,
+    whose deregistration never ran, are kept."""
+    monkeypatch.setattr(_close, "STEP_TIMEOUT", 0.0)
+    src, dst = host_pool(), host_pool()
+    pe, de = make_engine(engine_name), make_engine(engine_name)
+    try:
+        with caplog.at_level(logging.WARNING, "trio_pd"), trio.fail_after(30):
+            async with open_prefill(
+                engine=pe, pool=src.spec, bootstrap_url=bootstrap_url, kv_heads=2,
+                config=PrefillConfig(staging_bytes=1 << 20),
+            ) as prefill, open_decode(
+                engine=de, pool=dst.spec, config=DecodeConfig(landing_bytes=1 << 20)
+            ) as decode:
+                await prefill.runner.planner.register_staging()
+                staging, landing = prefill.runner.planner.staging, decode.landing
+                assert staging.registered and landing is not None
+                controls = [prefill.control, decode.control]
+        for control in controls:
+            assert control._pull.closed and control._ping_pull.closed
+        assert landing in _landing.KEPT and staging in _chunks._KEPT
+        for what in ("deregistering decode rank 0's pool", "deregistering the landing area",
+                     "deregistering prefill rank 0's pool", "deregistering the staging area",
+                     "closing the control plane"):
+            assert gave_up(caplog, what), what
+    finally:
+        # (the areas are still registered: the engines go with the process's memory)
+        pe.close()
+        de.close()
