@@ -57,6 +57,7 @@ from ..core._state import Liveness, Outcome
 from ..core._stats import Counters
 from ..engines import TransferEngine, start_write
 from ..io._lane import LaneClosed
+from ._close import unregister
 from ._peers import DecodePeer, PeerRegistry
 
 if TYPE_CHECKING:
@@ -229,20 +230,25 @@ class ChunkPlanner:
                 self.staging.registered = True
 
     async def close_staging(self) -> None:
-        """Deregister the staging area (the agent is closing: every call has returned). A
-        range still kept for a failed call stays allocated for the life of the process: the
-        engine may still read it."""
-        await trio.lowlevel.checkpoint()
+        """Deregister the staging area (the agent is closing: every call has returned), a
+        step bounded on its own (:func:`~trio_pd.agents._close.unregister`). A range still
+        kept for a failed call stays allocated for the life of the process: the engine may
+        still read it. So does the whole area when its deregistration fails or does not
+        return in time: the engine may still hold it registered.
+
+        **Cancellation:** shielded (the step is): a cancellation is delivered after it."""
         if not self.staging.registered:
+            # (one that cannot be cancelled: the close's later steps must run)
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         self.staging.registered = False
         self.staging.disabled = True
         if self.staging.held:
             _KEPT.append(self.staging)
-        try:
-            await trio.to_thread.run_sync(self.engine.unregister, [self.staging.region])
-        except Exception as exc:
-            log.warning("could not deregister the staging area: %s", exc)
+        if not await unregister(self.engine, [self.staging.region], "the staging area") and (
+            self.staging not in _KEPT
+        ):
+            _KEPT.append(self.staging)
 
     def plan(
         self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer, call: _Call,

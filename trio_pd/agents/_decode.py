@@ -89,9 +89,9 @@ from ..engines import TransferEngine
 from ..io import _descriptors, _names
 from ..io._control import ControlPlane, sweep_idle_sockets
 from ..io._outbox import Outbox
-from ..io._probe import wait_idle
 from ..io._security import Keypair, Security, resolve
 from ..io._timers import Timer, Timers
+from ._close import bounded, unregister, wait_probe_threads
 from ._dp_router import DpRouter, dp_instance
 from ._handle import RoomHandle
 from ._lazy import LazyEvent
@@ -903,21 +903,23 @@ async def open_landing(agent: DecodeAgent, nbytes: int) -> LandingArea | None:
     return area
 
 
-async def close_landing(  # noqa: ASYNC910 (to_thread.run_sync schedules, raising or not)
-    agent: DecodeAgent, area: LandingArea
-) -> None:
-    """Deregister the landing area (the agent is closing). A range still held by a room
-    whose drain was not proven keeps the area's memory for the life of the process: a write
-    may still land there (the pool's pages stay held the same way). That is decided before
-    the first schedule point: a close whose deadline has passed keeps a held area too."""
+async def close_landing(agent: DecodeAgent, area: LandingArea) -> None:
+    """Deregister the landing area (the agent is closing), a step bounded on its own
+    (:func:`~trio_pd.agents._close.unregister`). A range still held by a room whose drain
+    was not proven keeps the area's memory for the life of the process: a write may still
+    land there (the pool's pages stay held the same way). That is decided before the first
+    schedule point. A deregistration that fails or does not return in time keeps the
+    memory too: the engine may still hold the area registered.
+
+    **Cancellation:** shielded (the step is): a cancellation is delivered after it."""
     agent.landing = None
     area.registered = False
     if area.reserved:
         KEPT.append(area)
-    try:
-        await trio.to_thread.run_sync(agent.engine.unregister, [area.region])
-    except Exception as exc:
-        log.warning("could not deregister the landing area: %s", exc)
+    if not await unregister(agent.engine, [area.region], "the landing area") and (
+        area not in KEPT
+    ):
+        KEPT.append(area)
 
 
 @one_error
@@ -1008,11 +1010,13 @@ async def open_decode(
                 nursery.cancel_scope.cancel(CLOSING)
     finally:
         agent.sources.nursery = None
-        with trio.CancelScope(shield=True), trio.move_on_after(10):
-            await wait_idle(agent.sources.probe_threads.limiter, config.ack_timeout)
+        # shielded (a cancelled block still closes everything), each step bounded on its
+        # own (_close): one that hangs skips none of the others
+        with trio.CancelScope(shield=True):
+            await wait_probe_threads(agent.sources.probe_threads.limiter, config.ack_timeout)
             if registered:
-                await trio.to_thread.run_sync(engine.unregister, regions)
+                await unregister(engine, regions, f"decode rank {tp_rank}'s pool")
             if landing is not None:
                 await close_landing(agent, landing)
-            await agent.router.aclose()
-            await agent.control.aclose()
+            await bounded("closing the DP routers' bootstrap clients", agent.router.aclose)
+            await bounded("closing the control plane", agent.control.aclose)

@@ -146,11 +146,13 @@ class DpRouter(Generic[R]):
         self.routes.forget_sizes()
 
     async def aclose(self) -> None:
-        """The agent is closing (its tasks have ended): close the services' clients."""
-        await trio.lowlevel.checkpoint()
-        for asker in self._askers.values():
-            if asker.client is not None:
-                await asker.client.aclose()
+        """The agent is closing (its tasks have ended): close the services' clients.
+
+        **Cancellation:** every client's connections are closed even if cancelled (each
+        client closes its own before its first schedule point, and a cancellation of one
+        does not skip the next), then ``Cancelled`` propagates."""
+        clients = [a.client for a in self._askers.values() if a.client is not None]
+        await _close_all(clients)
 
     # ---------------------------------------------------------------- internals
 
@@ -263,3 +265,14 @@ class DpRouter(Generic[R]):
             self._carry(due)
             learnt = learnt or got
         return learnt
+
+
+async def _close_all(clients: list[BootstrapClient]) -> None:
+    """``aclose`` every client in turn; one that raises (a cancellation) skips no other."""
+    if not clients:
+        await trio.lowlevel.checkpoint()
+        return
+    try:
+        await clients[0].aclose()
+    finally:
+        await _close_all(clients[1:])

@@ -87,10 +87,10 @@ from ..engines import TransferEngine, join_bytes
 from ..io import _descriptors, _names
 from ..io._control import ControlPlane, sweep_idle_sockets
 from ..io._outbox import Outbox
-from ..io._probe import wait_idle
 from ..io._security import Keypair, Security, check_register_mac, resolve
 from ..io._timers import Timer, Timers
 from ._chunks import ChunkRunner
+from ._close import bounded, unregister, wait_probe_threads
 from ._handle import RoomHandle
 from ._jobs import JobQueues
 from ._lazy import LazyEvent
@@ -1073,9 +1073,11 @@ async def open_prefill(
         agent._shutdown_rooms()
         if proven:
             agent._say_goodbye()
-        with trio.CancelScope(shield=True), trio.move_on_after(10):
-            await wait_idle(agent.peers.probe_threads.limiter, agent.peers.fence)
+        # shielded (a cancelled block still closes everything), each step bounded on its
+        # own (_close): one that hangs skips none of the others
+        with trio.CancelScope(shield=True):
+            await wait_probe_threads(agent.peers.probe_threads.limiter, agent.peers.fence)
             if registered:
-                await trio.to_thread.run_sync(engine.unregister, regions)
+                await unregister(engine, regions, f"prefill rank {tp_rank}'s pool")
             await agent.runner.planner.close_staging()
-            await agent.control.aclose()
+            await bounded("closing the control plane", agent.control.aclose)
