@@ -148,7 +148,11 @@ def test_bench_on_device_pools_of_the_stand_in(
     runs = 2 * opts.ceiling_repeats
     assert r["verified_bytes"] == runs * opts.load_requests * opts.request_bytes
     assert r["ceiling_gbps"] > 0 and r["trio_pd_gbps"] > 0
-    assert set(r["ceiling_calls"]) == {"per chunk", "coalesced"}
+    # (and, on an engine that joins other rooms' writes, NIXL, the joined calls: fewer)
+    joined = {"joined"} if engine_name == "nixl" else set()
+    assert set(r["ceiling_calls"]) == {"per chunk", "coalesced"} | joined
+    if joined:
+        assert r["ceiling_calls"]["joined"] < r["ceiling_calls"]["coalesced"]
     tp = r["tp_mismatch"]
     assert tp["tp1_1_gbps"] > 0 and tp["tp1_4_gbps"] > 0 and "in place" in tp["note"]
     console = Console(record=True, width=200, file=io.StringIO())
