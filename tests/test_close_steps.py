@@ -12,12 +12,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import trio
 
 from trio_pd import DecodeConfig, PrefillConfig, open_decode, open_prefill
-from trio_pd.agents import _chunks, _close
+from trio_pd.agents import _chunks, _close, _dp_router
 from trio_pd.core import _landing
 from trio_pd.core._memory import Region
 from trio_pd.engines import TransferEngine, make_engine
@@ -317,3 +318,27 @@ async def test_every_close_step_cut_at_its_first_schedule_point(
         # (the areas are still registered: the engines go with the process's memory)
         pe.close()
         de.close()
+
+
+async def test_thousands_of_bootstrap_clients_close_in_a_loop_a_cancel_skipping_none() -> None:
+    """The DP router closes one bootstrap client per route (up to 4,096 routes): every one is
+    closed, also under a cancellation, which propagates after the last (a chain of
+    ``finally`` blocks, the first version, raised RecursionError past ~1,000)."""
+    closed: list[int] = []
+
+    class Client:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        async def aclose(self) -> None:
+            closed.append(self.k)  # (its connections go before its first schedule point)
+            await trio.lowlevel.checkpoint()
+
+    clients: list[Any] = [Client(k) for k in range(3000)]
+    await _dp_router._close_all(clients)
+    assert closed == list(range(3000))
+    closed.clear()
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await _dp_router._close_all(clients)
+    assert scope.cancelled_caught and closed == list(range(3000))
