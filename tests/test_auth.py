@@ -587,8 +587,11 @@ async def test_plain_and_wrong_key_clients_never_reach_the_handler(engine_name: 
             wrong_key = Keypair.generate().public_text
             for server_key, keys in ((None, None), (wrong_key, Keypair.generate())):
                 async with monitored_push(pair.prefill.endpoint, server_key, keys) as (sock, mon):
-                    for frames in messages:
-                        sock.send_multipart_nowait(frames)  # queued until a handshake completes
+                    with trio.fail_after(10):
+                        for frames in messages:
+                            # queued until a handshake completes; waits while the socket has
+                            # no pipe yet (its connect not yet made: seen under load)
+                            await sock.send_multipart(frames)
                     await _handshake_fails(mon)
         finally:
             evil.close()
