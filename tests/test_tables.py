@@ -241,7 +241,7 @@ def test_parking_is_bounded() -> None:
     assert isinstance(_transfer(table, 3, 0, 1, 0)[0], Reject)  # a third room
     assert isinstance(_transfer(table, 2, 1, 1, 2)[0], Reject)  # 7 page ids
     assert table.parked_page_ids == 5
-    assert table.handle_timer(key) == []
+    assert [type(e) for e in table.handle_timer(key)] == [SendFailed, SendFailed]
     assert table.parked_page_ids == 1
     with pytest.raises(ProtocolError):
         table.check_park(2, 0, 0)
@@ -283,6 +283,25 @@ def test_failed_rooms_and_expiry() -> None:
     assert not isinstance(_transfer(table, 3, 1, 2, 2)[-1], SendFailed)
     table.handle_timer(tomb)
     assert table.tombstones == {}
+
+
+def test_an_expired_parked_transfer_fails_the_decode_room_that_sent_it() -> None:
+    """A TRANSFER parked for a room the scheduler has not made by the bootstrap deadline is
+    dropped, and each decode rank that sent one is told Failed: its room fails now, rather
+    than wait its own (longer) deadline for writes this rank will never make. (Seen in a
+    chaos run: prefill's and decode's schedulers, each out of pages, took different rooms;
+    decode's TRANSFERs sat parked, were dropped in silence, and decode waited 120 s.)"""
+    table: PrefillRooms[Rec] = PrefillRooms(DEADLINES)
+    key = _arms(_transfer(table, 9, 0, 5, 2))[0].key
+    _transfer(table, 9, 1, 5, 3)
+    due = table.handle_timer(key)
+    assert table.parked == {} and table.parked_page_ids == 0
+    assert [(e.endpoint, e.epoch) for e in due if isinstance(e, SendFailed)] == [
+        ("d0", 5), ("d1", 5)
+    ]
+    assert all("did not create it within 30 s" in e.reason for e in due
+               if isinstance(e, SendFailed))
+    assert table.handle_timer(key) == []  # (fired once; a stale expiry tells no one)
 
 
 def test_old_expiry_spares_a_newer_entry() -> None:
@@ -571,11 +590,19 @@ class PrefillTableRules(RuleBasedStateMachine):
     @rule(i=st.integers(0, 20))
     def expire(self, i: int) -> None:
         key = self.keys.pop(i % len(self.keys))
-        assert self.table.handle_timer(key) == []
+        due = self.table.handle_timer(key)
+        told = sorted((e.endpoint, e.epoch) for e in due if isinstance(e, SendFailed))
+        assert len(told) == len(due)  # (an expiry only tells the senders of what it drops)
         match key:
             case ("parked" | "failed" as kind, room, _generation):
                 if self.live.get((kind, room)) != key:
+                    assert due == []
                     return  # armed for an earlier entry of this room id: the newer one stays
+                if kind == "parked":  # each parked TRANSFER's sender is told Failed
+                    assert told == sorted(
+                        (f"d{rank}", epoch) for rank, (epoch, _n) in
+                        self.parked.get(room, {}).items()
+                    )
                 del self.live[(kind, room)]
                 if kind == "failed":
                     self.failed.pop(room, None)

@@ -25,6 +25,7 @@ from trio_pd import (
     KVPoll,
     PeerLost,
     PrefillAgent,
+    PrefillConfig,
     TransferAborted,
     TransferTimeout,
     open_decode,
@@ -288,6 +289,30 @@ async def test_handle_creation_order(engine_name: str, bootstrap_url: str, order
             assert await sender.wait() is KVPoll.Success, sender.failure
             await sender.wait_released()
         assert pair.verify(room, dst, 6)
+
+
+async def test_a_transfer_whose_room_prefill_never_makes_fails_decode_at_prefills_deadline(
+    engine_name: str, bootstrap_url: str
+) -> None:
+    """Decode's TRANSFER reaches prefill, whose scheduler never makes the room (in a chaos
+    run the two schedulers, each out of pages, took different rooms): the TRANSFER is parked
+    and dropped at prefill's bootstrap deadline, and decode is told Failed then, its pages
+    given back on the ack, rather than waiting out its own (much longer) deadline. A sender
+    made later for that use fails at once (decode's ABORT left a tombstone)."""
+    async with open_pair(
+        engine_name, bootstrap_url, prefill_config=PrefillConfig(bootstrap_timeout=1.0),
+        decode_config=DecodeConfig(waiting_timeout=60.0),
+    ) as pair:
+        room, epoch = 4343, 77
+        with trio.fail_after(15):
+            receiver = pair.decode.receiver(room, bootstrap_url=bootstrap_url, epoch=epoch)
+            receiver.init(np.array([9, 8, 7]), 6)
+            await poll_until(lambda: room in pair.prefill.table.parked)
+            assert await receiver.wait() is KVPoll.Failed
+            assert "did not create it within 1 s" in str(receiver.failure), receiver.failure
+            await receiver.wait_released()
+            sender = pair.prefill.sender(room, num_pages=3, aux_slot=0, epoch=epoch)
+            assert sender.poll() is KVPoll.Failed, sender.failure
 
 
 # ------------------------------------------------------------------------ room reuse

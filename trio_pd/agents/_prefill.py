@@ -531,8 +531,10 @@ class PrefillAgent:
     def _timer_due(self, key: Hashable) -> None:
         """A deadline the table armed has passed: it decides what that means."""
         due = self.table.handle_timer(key)
-        if isinstance(key, RoomDeadline):  # (the table's own expiries make nothing due)
+        if isinstance(key, RoomDeadline):
             self._carry(key.rec, due)
+        elif due and isinstance(key, tuple):  # (a parked TRANSFER expired: told Failed)
+            self._carry_at(int(key[1]), due)
 
     def _carry(self, rec: _Room, due: Due, *, in_worker: bool = False) -> None:
         """Carry out what a room machine made due. Synchronous: it never waits."""

@@ -76,7 +76,8 @@ class PrefillDeadlines:
     frees a page)."""
 
     #: a room whose decode metadata has not all arrived by then fails; a parked TRANSFER
-    #: whose room the scheduler has not created by then is dropped; a failed room's late
+    #: whose room the scheduler has not created by then is dropped, and its decode rank
+    #: told Failed (its room would otherwise wait out its own deadline); a failed room's late
     #: TRANSFERs are answered Failed for this long after it was forgotten
     bootstrap: float = 30.0
     #: an ABORT for a (room, epoch) this rank does not hold refuses its TRANSFER this long
@@ -238,7 +239,7 @@ class PrefillRooms(Generic[R]):
 
     * ``parked``: TRANSFERs that beat the scheduler's ``sender()`` (at most ``max_rooms``
       rooms and ``max_page_ids`` page ids; past that a TRANSFER is refused before its page
-      ids are looked at), dropped at the bootstrap deadline;
+      ids are looked at), dropped at the bootstrap deadline, each sender told Failed;
     * ``tombstones``: (room, epoch)s decode aborted while this rank held nothing of them: a
       late TRANSFER for one is refused; each lasts ``deadlines.tombstone``, at most
       ``max_tombstones`` at once (:class:`Tombstones`);
@@ -488,9 +489,20 @@ class PrefillRooms(Generic[R]):
                 if kind == "failed":
                     self.failed_recently.pop(room_id, None)
                     return []
+                # The scheduler did not make the room in time: each decode rank that sent a
+                # TRANSFER is told (Failed), so its room fails now rather than wait out its
+                # own deadline for writes this rank will never make. (Its ABORT then leaves a
+                # tombstone here, so a sender() made later for that use fails at once.)
+                expired: Due = []
                 for parked in self.parked.pop(room_id, {}).values():
                     self.parked_page_ids -= parked.page_ids
+                    expired.append(SendFailed(
+                        parked.endpoint, parked.epoch,
+                        f"room {room_id}: the prefill scheduler did not create it within "
+                        f"{self.deadlines.bootstrap:g} s of its TRANSFER",
+                    ))
                 self.aborted_parked.pop(room_id, None)
+                return expired
             case ("tombstone", int(room_id), int(epoch), int(generation)):
                 self._tombstones.expire(room_id, epoch, generation)
         return []
