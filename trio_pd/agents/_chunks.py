@@ -57,7 +57,7 @@ from ..core._state import Liveness, Outcome
 from ..core._stats import Counters
 from ..engines import TransferEngine, start_write
 from ..io._lane import LaneClosed
-from ._close import unregister
+from ._close import deregister_area
 from ._peers import DecodePeer, PeerRegistry
 
 if TYPE_CHECKING:
@@ -243,12 +243,8 @@ class ChunkPlanner:
             return
         self.staging.registered = False
         self.staging.disabled = True
-        if self.staging.held:
-            _KEPT.append(self.staging)
-        if not await unregister(self.engine, [self.staging.region], "the staging area") and (
-            self.staging not in _KEPT
-        ):
-            _KEPT.append(self.staging)
+        await deregister_area(self.engine, self.staging.region, "the staging area",
+                              self.staging, bool(self.staging.held), _KEPT)
 
     def plan(
         self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer, call: _Call,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import TypeVar
 
 import trio
 import trio.lowlevel
@@ -36,7 +37,9 @@ from ..io._probe import wait_idle
 
 log = logging.getLogger("trio_pd.close")
 
-__all__ = ["STEP_TIMEOUT", "bounded", "unregister", "wait_probe_threads"]
+A = TypeVar("A")
+
+__all__ = ["STEP_TIMEOUT", "bounded", "deregister_area", "unregister", "wait_probe_threads"]
 
 #: seconds one waiting step of an agent's close may take (waiting for probe threads, one
 #: deregistration, closing the bootstrap clients, the control plane's ``term``); past it the
@@ -84,6 +87,20 @@ async def unregister(engine: TransferEngine, regions: list[Region], what: str) -
         log.warning("agent close: %s may still be registered with the engine %s: its memory "
                     "must not be freed while the engine lives", what, engine.name)
     return done
+
+
+async def deregister_area(
+    engine: TransferEngine, region: Region, what: str, area: A, held: bool, kept: list[A]
+) -> None:
+    """Deregister ``region``, an area of ours (a landing or staging area), a step of its own
+    (:func:`unregister`). The area goes to ``kept`` (memory for the life of the process)
+    when ``held`` (a write may still land in it or read it: decided before the first
+    schedule point, so a close cut short keeps it too) or when its deregistration did not
+    return (the engine may still hold it registered)."""
+    if held:
+        kept.append(area)
+    if not await unregister(engine, [region], what) and not held:
+        kept.append(area)
 
 
 async def wait_probe_threads(limiter: trio.CapacityLimiter, within: float) -> bool:

@@ -91,7 +91,7 @@ from ..io._control import ControlPlane, sweep_idle_sockets
 from ..io._outbox import Outbox
 from ..io._security import Keypair, Security, resolve
 from ..io._timers import Timer, Timers
-from ._close import bounded, unregister, wait_probe_threads
+from ._close import bounded, deregister_area, unregister, wait_probe_threads
 from ._dp_router import DpRouter, dp_instance
 from ._handle import RoomHandle
 from ._lazy import LazyEvent
@@ -571,8 +571,7 @@ class DecodeAgent:
                     rec.terminal.set()
                 case Forget():
                     self.table.forget(rec)
-                    for timer in rec.timers:  # (its deadlines let the record go now)
-                        self.timers.cancel(timer)
+                    self.timers.cancel_all(rec.timers)  # (its deadlines let it go now)
                     for rank in rec.sources:
                         rank.rooms.discard(machine.room)
                 case Failed(error=error):
@@ -914,12 +913,8 @@ async def close_landing(agent: DecodeAgent, area: LandingArea) -> None:
     **Cancellation:** shielded (the step is): a cancellation is delivered after it."""
     agent.landing = None
     area.registered = False
-    if area.reserved:
-        KEPT.append(area)
-    if not await unregister(agent.engine, [area.region], "the landing area") and (
-        area not in KEPT
-    ):
-        KEPT.append(area)
+    await deregister_area(agent.engine, area.region, "the landing area", area,
+                          bool(area.reserved), KEPT)
 
 
 @one_error

@@ -564,8 +564,7 @@ class PrefillAgent:
                 case Forget():
                     if rec.announced is not None and self.dp_announcer is not None:
                         self.dp_announcer.forget(*rec.announced)  # (a reuse is announced)
-                    for timer in rec.timers:  # (its deadlines let the record go now)
-                        self.timers.cancel(timer)
+                    self.timers.cancel_all(rec.timers)  # (its deadlines let it go now)
                     self._carry(rec, self.table.forget(rec))
                 case CancelWork(reason=reason):
                     for scope in list(rec.scopes):

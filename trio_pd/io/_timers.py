@@ -79,6 +79,13 @@ class Timers:
             heapq.heapify(heap)
             self._cancelled = 0
 
+    def cancel_all(self, timers: list[Timer]) -> None:
+        """:meth:`cancel` each of ``timers`` (a room's, when it is forgotten), and forget
+        them."""
+        for timer in timers:
+            self.cancel(timer)
+        timers.clear()
+
     async def run(self) -> None:
         """Run due actions until cancelled.
 
