@@ -46,6 +46,7 @@ from trio_pd.core._tables import (
     DecodeDeadlines,
     DecodePeerView,
     DecodeRooms,
+    IdDeadline,
     PrefillDeadlines,
     PrefillRooms,
     RoomDeadline,
@@ -109,7 +110,8 @@ def test_abort_for_a_use_that_has_not_told_its_epoch_does_not_touch_it() -> None
     rec = _room(9)
     table.open(rec, _peer_of)
     due = table.on_abort(9, 1, "d0")
-    assert due == [Arm("tombstone", 120.0, ("tombstone", 9, 1, 1)), SendAck("d0", 1)]
+    tombstone = IdDeadline("tombstone", 9, 1, epoch=1)
+    assert due == [Arm("tombstone", 120.0, tombstone), SendAck("d0", 1)]
     assert not rec.machine.leases.closed and not rec.machine.cell.terminal
     other = _room(10)
     table.open(other, _peer_of)
@@ -170,7 +172,7 @@ def test_abort_of_a_parked_transfer_fails_the_next_sender() -> None:
 
 def test_parked_transfers_reach_the_room_the_scheduler_makes() -> None:
     table: PrefillRooms[Rec] = PrefillRooms(DEADLINES)
-    assert _arms(_transfer(table, 3, 0, 7, 2)) == [Arm("parked", 30.0, ("parked", 3, 1))]
+    assert _arms(_transfer(table, 3, 0, 7, 2)) == [Arm("parked", 30.0, IdDeadline("parked", 3, 1))]
     assert table.decode_metadata(3, 7, _peer_of) is KVPoll.Bootstrapping
     _transfer(table, 3, 1, 7, 2)
     assert table.decode_metadata(3, 7, _peer_of) is KVPoll.WaitingForInput
@@ -594,7 +596,7 @@ class PrefillTableRules(RuleBasedStateMachine):
         told = sorted((e.endpoint, e.epoch) for e in due if isinstance(e, SendFailed))
         assert len(told) == len(due)  # (an expiry only tells the senders of what it drops)
         match key:
-            case ("parked" | "failed" as kind, room, _generation):
+            case IdDeadline(kind="parked" | "failed" as kind, room=room):
                 if self.live.get((kind, room)) != key:
                     assert due == []
                     return  # armed for an earlier entry of this room id: the newer one stays
@@ -609,7 +611,7 @@ class PrefillTableRules(RuleBasedStateMachine):
                 else:
                     self.parked.pop(room, None)
                     self.aborted.pop(room, None)
-            case ("tombstone", room, epoch, _generation):
+            case IdDeadline(kind="tombstone", room=room, epoch=int(epoch)):
                 self.tombstones[room].discard(epoch)
                 if not self.tombstones[room]:
                     del self.tombstones[room]

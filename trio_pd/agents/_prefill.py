@@ -81,7 +81,13 @@ from ..core._rooms import (
 )
 from ..core._state import KVPoll, Lease, Outcome
 from ..core._stats import AgentStatistics, Counters, count_room_end
-from ..core._tables import DecodePeerView, PrefillDeadlines, PrefillRooms, RoomDeadline
+from ..core._tables import (
+    DecodePeerView,
+    IdDeadline,
+    PrefillDeadlines,
+    PrefillRooms,
+    RoomDeadline,
+)
 from ..core._topology import model_kv_heads, served_decode_ranks
 from ..engines import TransferEngine, join_bytes
 from ..io import _descriptors, _names
@@ -531,10 +537,11 @@ class PrefillAgent:
     def _timer_due(self, key: Hashable) -> None:
         """A deadline the table armed has passed: it decides what that means."""
         due = self.table.handle_timer(key)
-        if isinstance(key, RoomDeadline):
-            self._carry(key.rec, due)
-        elif due and isinstance(key, tuple):  # (a parked TRANSFER expired: told Failed)
-            self._carry_at(int(key[1]), due)
+        match key:
+            case RoomDeadline(rec=rec):
+                self._carry(rec, due)
+            case IdDeadline(room=room):  # (a parked TRANSFER's senders are told Failed)
+                self._carry_at(room, due)
 
     def _carry(self, rec: _Room, due: Due, *, in_worker: bool = False) -> None:
         """Carry out what a room machine made due. Synchronous: it never waits."""

@@ -131,6 +131,20 @@ class RoomDeadline(Generic[T]):
     rec: T
 
 
+@dataclass(frozen=True, slots=True)
+class IdDeadline:
+    """The key of a deadline of a room id rather than of a use this rank holds: the expiry of
+    a parked TRANSFER (``"parked"``), of a failed room's memory (``"failed"``), or of a
+    tombstone (``"tombstone"``, for its ``epoch``). ``generation`` tells the entry armed for
+    the id now from an earlier one: the expiry of an earlier entry does nothing. What an
+    expiry makes due concerns :attr:`room` (a parked TRANSFER's senders are told Failed)."""
+
+    kind: Literal["parked", "failed", "tombstone"]
+    room: int
+    generation: int
+    epoch: int | None = None
+
+
 @dataclass(eq=False, slots=True)
 class _Parked:
     """A TRANSFER that came before the scheduler created its room."""
@@ -187,7 +201,7 @@ class Tombstones:
         self._generation += 1
         self.rooms.setdefault(room, set()).add(epoch)
         self._order[(room, epoch)] = self._generation
-        return Arm("tombstone", after, ("tombstone", room, epoch, self._generation))
+        return Arm("tombstone", after, IdDeadline("tombstone", room, self._generation, epoch))
 
     def expire(self, room: int, epoch: int, generation: int) -> None:
         if self._order.get((room, epoch)) == generation:
@@ -278,7 +292,7 @@ class PrefillRooms(Generic[R]):
     def _arm(self, kind: Literal["parked", "failed"], room: int) -> Arm:
         self._generation += 1
         self._armed[(kind, room)] = self._generation
-        return Arm(kind, self.deadlines.bootstrap, (kind, room, self._generation))
+        return Arm(kind, self.deadlines.bootstrap, IdDeadline(kind, room, self._generation))
 
     @property
     def tombstones(self) -> dict[int, set[int]]:
@@ -482,7 +496,7 @@ class PrefillRooms(Generic[R]):
                 # no (complete) decode metadata in time: fail; nothing is freed by it
                 due = rec.machine.bootstrap_deadline(self.deadlines.bootstrap)
                 return [Count("timeouts"), *due] if due else []
-            case ("parked" | "failed" as kind, int(room_id), int(generation)):
+            case IdDeadline("parked" | "failed" as kind, room_id, generation):
                 if self._armed.get((kind, room_id)) != generation:
                     return []  # armed for an earlier entry of this room id, since replaced
                 del self._armed[(kind, room_id)]
@@ -503,7 +517,7 @@ class PrefillRooms(Generic[R]):
                     ))
                 self.aborted_parked.pop(room_id, None)
                 return expired
-            case ("tombstone", int(room_id), int(epoch), int(generation)):
+            case IdDeadline("tombstone", room_id, generation, int(epoch)):
                 self._tombstones.expire(room_id, epoch, generation)
         return []
 
@@ -658,6 +672,7 @@ __all__ = [
     "DecodeDeadlines",
     "DecodePeerView",
     "DecodeRooms",
+    "IdDeadline",
     "PrefillDeadlines",
     "PrefillRooms",
     "RoomDeadline",
