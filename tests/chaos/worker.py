@@ -61,6 +61,31 @@ def emit(ev: str, **fields: Any) -> None:
     print("CHAOS " + json.dumps({"ev": ev, "t": time.time(), **fields}), flush=True)
 
 
+class Turns:
+    """Requests take their pages in the order their commands came, as a scheduler's queue
+    hands out memory. Without it, trio starts the tasks of a batch in no fixed order: with
+    pools that hold two rooms, prefill and decode could give pages to different rooms first
+    and each wait for the other's, until the bootstrap deadline failed them."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self._ended: set[int] = set()
+        self._moved = trio.Event()
+
+    async def wait(self, turn: int) -> None:
+        while self.next != turn:
+            await self._moved.wait()
+
+    def end(self, turn: int) -> None:
+        """``turn`` has its pages, or will not wait for them (cancelled): the next goes."""
+        self._ended.add(turn)
+        while self.next in self._ended:
+            self._ended.discard(self.next)
+            self.next += 1
+        self._moved.set()
+        self._moved = trio.Event()
+
+
 class Rank:
     def __init__(self, role: str, opts: dict[str, Any]) -> None:
         self.role = role
@@ -89,6 +114,18 @@ class Rank:
         self.agent: Any = None
         #: the prefill rank's engine wrapper when started with opts ``fault`` (see command)
         self.fault: FaultEngine | None = None
+        self.turns = Turns()
+        self.arrived = 0  # requests commanded so far: the next one's turn
+
+    async def take_pages(self, turn: int, n: int) -> tuple[Any, Any]:
+        """``n`` page rows and an aux row, in the order the requests came."""
+        try:
+            await self.turns.wait(turn)
+            rows = await self.pages.alloc(n)
+            aux_rows = await self.aux.alloc(1)
+        finally:
+            self.turns.end(turn)
+        return rows, aux_rows
 
     def guard_bytes_touched(self) -> int:
         return sum(int((g != GUARD_POISON).sum()) for g in self.guards)
@@ -116,10 +153,9 @@ class Rank:
         self.proofs[proof] = self.proofs.get(proof, 0) + 1
         emit("released", i=i, proof=proof)
 
-    async def prefill_one(self, cmd: dict[str, Any]) -> None:
+    async def prefill_one(self, cmd: dict[str, Any], turn: int) -> None:
         i, n = int(cmd["i"]), int(cmd["pages"])
-        rows = await self.pages.alloc(n)
-        aux_rows = await self.aux.alloc(1)
+        rows, aux_rows = await self.take_pages(turn, n)
         pages, aux = rows + GUARD_ROWS, aux_rows + GUARD_ROWS  # the pool's own ids
         self.pool.fill(pages, int(cmd["room"]))
         self.pool.fill_aux(int(aux[0]), int(cmd["room"]))
@@ -150,10 +186,9 @@ class Rank:
             return
         emit("done", i=i, status="HUNG", failure=None)
 
-    async def decode_one(self, cmd: dict[str, Any]) -> None:
+    async def decode_one(self, cmd: dict[str, Any], turn: int) -> None:
         i, n = int(cmd["i"]), int(cmd["pages"])
-        rows = await self.pages.alloc(n)
-        aux_rows = await self.aux.alloc(1)
+        rows, aux_rows = await self.take_pages(turn, n)
         pages, aux = rows + GUARD_ROWS, aux_rows + GUARD_ROWS  # the pool's own ids
 
         def release() -> None:
@@ -231,7 +266,8 @@ class Rank:
             one = self.prefill_one if self.role == "prefill" else self.decode_one
             async for cmd in commands:
                 if cmd["cmd"] == "req":
-                    nursery.start_soon(one, cmd)
+                    nursery.start_soon(one, cmd, self.arrived)
+                    self.arrived += 1
                 elif cmd["cmd"] == "close_agent":
                     nursery.cancel_scope.cancel()
                     return True
