@@ -5,6 +5,8 @@ gives exactly the blocks of the general path (``plan_staged`` + ``plan_aux`` + `
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -105,3 +107,47 @@ def test_plan_staged_small_declines_what_it_cannot_plan() -> None:
 
     strided = dataclasses.replace(dst, page_strides=(dst.item_len + 8,) * dst.num_buffers)
     assert plan_staged_small(src, strided, [3], BASE, None, table) is None
+
+
+def test_gathers_for_decode_ranks_of_other_heads_each_read_their_own() -> None:
+    """One prefill rank's staging area gathers for decode ranks that hold other heads (TP 1
+    -> 4 and, in the same agent, TP 1 -> 2), of every buffer or of some (layer-wise): what it
+    keeps of one destination's gather (the source views) is never used for another's, in
+    any order."""
+    from trio_pd.core._plan import staged_bytes
+    from trio_pd.core._staging import UNIT, StagingArea
+    from trio_pd.core._topology import write_heads
+    from trio_pd.testing.pools import HostKVPool
+
+    page_size, hb, layers, total = 3, 4, 2, 8
+    src = HostKVPool(layout="mha", num_pages=12, num_layers=layers, page_size=page_size,
+                     head_bytes=hb, heads=total)
+    rng = np.random.default_rng(7)
+    for buf in src.buffers:
+        buf[:] = rng.integers(0, 256, buf.shape, np.uint8)
+    area = StagingArea(64 * UNIT, unit=256)
+    cases = []
+    for d in (4, 2):
+        for rank in range(d):
+            heads = write_heads(0, rank, 1, d, total, "mha")
+            assert heads is not None
+            dst = HostKVPool(layout="mha", num_pages=4, num_layers=layers, page_size=page_size,
+                             head_bytes=hb, heads=total // d, first_head=heads[0]).spec
+            for buffers in (None, [1, 3], [0, 2]):
+                cases.append((heads, dst, buffers))
+    for order in (cases, cases[::-1], cases[1::2] + cases[::2]):
+        for i, (heads, dst, buffers) in enumerate(order):
+            pages = np.array([(i + 5) % 12, (3 * i) % 12, 11], dtype=np.int64)
+            picks = list(range(src.spec.num_buffers)) if buffers is None else buffers
+            items = tuple(dst.item_lens[b] for b in picks)
+            r = area.reserve(staged_bytes(src.spec, dst, len(pages)))
+            assert r is not None
+            area.gatherer(src.spec, pages, heads, r, items, buffers=buffers)()
+            got = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr))
+            h0, h1 = heads
+            want = np.concatenate([
+                src.buffers[b].reshape(12, page_size, total, hb)[pages, :, h0:h1].ravel()
+                for b in picks
+            ])
+            area.give(r)
+            np.testing.assert_array_equal(got[: want.size], want)
