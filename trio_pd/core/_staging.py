@@ -162,8 +162,9 @@ class StagingArea:
         first = self._runs.take(k) if nbytes > 0 else None
         if first is None:
             return None
-        base = self.region.base
-        return Reservation(first, k, base + first * self.unit, nbytes)
+        if self._mem is None:  # (allocated on first use; a Region each call no more)
+            self.region  # noqa: B018
+        return Reservation(first, k, self._base + first * self.unit, nbytes)
 
     def give(self, r: Reservation) -> None:
         """Hand a reservation back: no engine call can read it any more."""
