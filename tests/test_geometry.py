@@ -240,3 +240,53 @@ async def test_decode_refuses_an_instance_whose_bytes_per_head_differ_buffer_by_
             assert isinstance(receiver.failure, IncompatiblePeer), receiver.failure
             assert "head bytes: prefill (16, 16), decode (16, 8)" in str(receiver.failure)
             assert decode.statistics().timeouts == 0
+
+
+def _geometry_from_fields(pool: PoolSpec) -> tuple[object, ...]:
+    """head_bytes_all, item_lens, strides, item_len (None: buffers differ) and packed, worked
+    out from the pool's fields by the documented rules, with no cache."""
+    hbs = pool.buffer_head_bytes or (pool.head_bytes,) * len(pool.buffer_bases)
+    items = tuple(pool.page_size * pool.heads * hb for hb in hbs)
+    same = len(set(hbs)) <= 1
+    return (
+        hbs, items, pool.page_strides or items,
+        pool.page_size * pool.heads * (hbs[0] if hbs else pool.head_bytes) if same else None,
+        pool.page_layout == "nhd" and same and (not pool.page_strides or pool.page_strides
+                                                == items),
+    )
+
+
+def _geometry_asked(pool: PoolSpec) -> tuple[object, ...]:
+    try:
+        item: int | None = pool.item_len
+    except ValueError:
+        item = None
+    return pool.head_bytes_all, pool.item_lens, pool.strides, item, pool.packed
+
+
+def test_kept_geometry_is_each_pools_own() -> None:
+    """A pool keeps its geometry once worked out (the planners ask for it per chunk and per
+    destination): every pool answers with its own, asked in any order, and so do the pools
+    made from one (a layer view, ``replace``, a pickled or copied pool)."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from trio_pd.core._memory import layer_view
+
+    a = spec(heads=2, first=0, hbs=(64, 64, 64, 64), page_size=4, pad=(0, 0, 0, 0),
+             page_layout="nhd", base=1 << 30)
+    b = spec(heads=4, first=4, hbs=(32, 64, 32, 64), page_size=8, pad=(0, 16, 0, 0),
+             page_layout="hnd", base=1 << 34)
+    pools = [a, b]
+    for p in (a, b):
+        p.item_lens  # noqa: B018 (worked out, and kept, before the copies are made)
+        pools += [
+            layer_view(p, 1, 1), dataclasses.replace(p, page_size=2),
+            dataclasses.replace(p, page_strides=(), buffer_head_bytes=()),
+            pickle.loads(pickle.dumps(p)), copy.copy(p), copy.deepcopy(p),
+        ]
+    for order in (pools, pools[::-1], pools[::2] + pools[1::2]):
+        for p in order:
+            assert _geometry_asked(p) == _geometry_from_fields(p), p
+    assert _geometry_asked(a) != _geometry_asked(b)

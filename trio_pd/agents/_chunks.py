@@ -45,6 +45,7 @@ from ..core._plan import (
     plan_pages,
     plan_small,
     plan_staged,
+    plan_staged_small,
     plan_states,
     staged_bytes,
     stages_heads,
@@ -276,7 +277,6 @@ class ChunkPlanner:
                     self.counters.bump("staging_full")
             if r is not None:
                 call.staged = r
-                parts.append(plan_staged(src_pool, dst_pool, dst, r.addr))
                 # head slices, or (a landing target) whole pages: every head we hold
                 heads = mha_heads if self._heads_staged(peer) else (
                     self.pool.first_head, self.pool.first_head + self.pool.heads
@@ -286,6 +286,13 @@ class ChunkPlanner:
                     self.pool, src_pages, heads, r, dst_pool.item_lens,
                     buffers=self._buffers(chunk.layers),
                 )
+                quick = None
+                if not (chunk.last and self.pool.states):
+                    quick = self._plan_staged_small(room, chunk, target, peer, call, src_pool,
+                                                    dst_pool, dst)
+                if quick is not None:
+                    return quick, prepare
+                parts.append(plan_staged(src_pool, dst_pool, dst, r.addr))
             else:
                 # both page lists were validated when they arrived (admit, add_target)
                 parts.append(
@@ -332,6 +339,28 @@ class ChunkPlanner:
         blocks = plan_small(src_pool, dst_pool, src, dst, aux, peer.regions, heads=heads)
         if blocks is not None and aux is not None:
             stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
+        return blocks
+
+    def _plan_staged_small(
+        self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer, call: _Call,
+        src_pool: PoolSpec, dst_pool: PoolSpec, dst_pages: Pages,
+    ) -> Blocks | None:
+        """:meth:`plan` for a staged chunk (its reservation ``call.staged``) of a few runs of
+        destination pages and no state slots (:func:`~trio_pd.core._plan.plan_staged_small`:
+        the same blocks); None: take the general path."""
+        assert call.staged is not None
+        aux = None
+        if chunk.last and peer.writes_aux:
+            aux = (self.pool, peer.pool, room.aux_slot, target.aux_slot)
+        blocks = plan_staged_small(src_pool, dst_pool, dst_pages, call.staged.addr, aux,
+                                   peer.regions)
+        if blocks is not None and aux is not None:
+            try:
+                stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
+            except BaseException:  # (no engine call was made: nothing reads the range)
+                self.staging.give(call.staged)
+                call.staged = None
+                raise
         return blocks
 
     def _layer_views(

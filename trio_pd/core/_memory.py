@@ -18,7 +18,7 @@ import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass, fields
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -87,11 +87,25 @@ class Region:
         return self.base + self.length
 
 
-class _KindSlot:
-    """Storage for :class:`PoolSpec`'s memory kinds, outside its dataclass fields."""
+class _Geometry(NamedTuple):
+    """A pool's per-buffer geometry, worked out from its fields once (:meth:`PoolSpec._geometry`):
+    the planners ask for it on every chunk, for every destination."""
 
-    __slots__ = ("_kinds",)
+    head_bytes_all: tuple[int, ...]
+    item_lens: tuple[int, ...]
+    strides: tuple[int, ...]
+    #: bytes of a page in every buffer; None where the buffers' pages differ in size
+    item_len: int | None
+    packed: bool
+
+
+class _KindSlot:
+    """Storage for :class:`PoolSpec`'s memory kinds and its geometry, made once (a cache of
+    values that follow from its fields), outside its dataclass fields."""
+
+    __slots__ = ("_geo", "_kinds")
     _kinds: tuple[MemoryKind, ...] | None
+    _geo: _Geometry | None
 
 
 MAX_STATE_NAME: Final = 64
@@ -298,6 +312,7 @@ class PoolSpec(_KindSlot):
     kinds: InitVar[Sequence[MemoryKind] | None] = None
 
     def __post_init__(self, kinds: Sequence[MemoryKind] | None) -> None:
+        object.__setattr__(self, "_geo", None)  # (made on first use: _geometry)
         object.__setattr__(self, "kv_dtype", kv_dtype_name(self.kv_dtype))
         problem = _geometry_problem(self) or _extra_aux_problem(self.extra_aux)
         if problem is None and (not isinstance(self.states, tuple) or not all(
@@ -329,6 +344,17 @@ class PoolSpec(_KindSlot):
     def __setstate__(self, state: tuple[object, ...]) -> None:
         for name, value in zip((*_SPEC_FIELDS, "_kinds"), state, strict=True):
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_geo", None)  # (made again from the fields it now has)
+
+    def _geometry(self) -> _Geometry:
+        """:attr:`head_bytes_all`, :attr:`item_lens`, :attr:`strides`, :attr:`item_len` and
+        :attr:`packed`, worked out on first use and kept: they follow from fields a frozen
+        pool never changes, and a chunk's plan asks for them per destination."""
+        geo = self._geo
+        if geo is None:
+            geo = _geometry_of(self)
+            object.__setattr__(self, "_geo", geo)
+        return geo
 
     @property
     def region_kinds(self) -> tuple[MemoryKind, ...] | None:
@@ -380,11 +406,10 @@ class PoolSpec(_KindSlot):
     def item_len(self) -> int:
         """Bytes of one page in one buffer, for a pool whose buffers all have the same;
         :class:`ValueError` otherwise (use :attr:`item_lens`)."""
-        if self.buffer_head_bytes and len(set(self.buffer_head_bytes)) > 1:
+        item = self._geometry().item_len
+        if item is None:
             raise ValueError("the pool's buffers differ in page size: use item_lens")
-        return self.page_size * self.heads * (
-            self.buffer_head_bytes[0] if self.buffer_head_bytes else self.head_bytes
-        )
+        return item
 
     @property
     def num_buffers(self) -> int:
@@ -397,28 +422,23 @@ class PoolSpec(_KindSlot):
     @property
     def head_bytes_all(self) -> tuple[int, ...]:
         """Bytes per head, buffer by buffer."""
-        return self.buffer_head_bytes or (self.head_bytes,) * self.num_buffers
+        return self._geometry().head_bytes_all
 
     @property
     def item_lens(self) -> tuple[int, ...]:
         """Bytes of one page, buffer by buffer."""
-        per = self.page_size * self.heads
-        return tuple(per * hb for hb in self.head_bytes_all)
+        return self._geometry().item_lens
 
     @property
     def strides(self) -> tuple[int, ...]:
         """Bytes from one page's start to the next's, buffer by buffer."""
-        return self.page_strides or self.item_lens
+        return self._geometry().strides
 
     @property
     def packed(self) -> bool:
         """Token-major pages of one size in every buffer, packed: the layout whose plans
         take the fast path (``_plan.plan_pages``)."""
-        return (
-            self.page_layout == "nhd"
-            and (not self.buffer_head_bytes or len(set(self.buffer_head_bytes)) == 1)
-            and (not self.page_strides or self.page_strides == self.item_lens)
-        )
+        return self._geometry().packed
 
     def buffer_length(self, buffer: int) -> int:
         """Bytes buffer ``buffer`` spans: from its base to the end of its last page."""
@@ -439,6 +459,25 @@ class PoolSpec(_KindSlot):
         ]
         states = [r for c, st in enumerate(self.states) for r in st.regions(self.state_kinds(c))]
         return [*kv, *aux, *states]
+
+
+def _geometry_of(spec: PoolSpec) -> _Geometry:
+    """What :meth:`PoolSpec._geometry` keeps, from the pool's fields."""
+    bhb = spec.buffer_head_bytes
+    head_bytes_all = bhb or (spec.head_bytes,) * len(spec.buffer_bases)
+    per = spec.page_size * spec.heads
+    item_lens = tuple(per * hb for hb in head_bytes_all)
+    same = not bhb or len(set(bhb)) == 1
+    return _Geometry(
+        head_bytes_all=head_bytes_all,
+        item_lens=item_lens,
+        strides=spec.page_strides or item_lens,
+        item_len=per * (bhb[0] if bhb else spec.head_bytes) if same else None,
+        packed=(
+            spec.page_layout == "nhd" and same
+            and (not spec.page_strides or spec.page_strides == item_lens)
+        ),
+    )
 
 
 def _geometry_problem(spec: PoolSpec) -> str | None:

@@ -568,6 +568,17 @@ def plan_small(
         s = [b + x * item for b in src.buffer_bases for x in ss]
         d = [b + x * item for b in dst.buffer_bases for x in ds]
         lens = [x * item for x in ns] * num_buffers
+    return _finish_small(s, d, lens, aux, regions)
+
+
+def _finish_small(
+    s: list[int], d: list[int], lens: list[int],
+    aux: tuple[PoolSpec, PoolSpec, int, int] | None, regions: RegionTable,
+) -> Blocks | None:
+    """The end of :func:`plan_small` and :func:`plan_staged_small`: the aux row's block
+    appended to the pages' (``s``, ``d``, ``lens``), every block checked as
+    :func:`validate_blocks` and :func:`plan_aux` check it, and the three arrays made; None
+    where one of them would refuse (the general path then says what is wrong)."""
     if aux is not None:
         asrc, adst, a, b = aux
         if (
@@ -586,6 +597,40 @@ def plan_small(
     if s and (min(s) < 0 or max(s) > _memory._U64_MAX):
         return None
     return Blocks(np.array(s, dtype=_U64), np.array(d, dtype=_U64), np.array(lens, dtype=_U64))
+
+
+def plan_staged_small(
+    src: PoolSpec,
+    dst: PoolSpec,
+    dst_pages: Sequence[int] | npt.NDArray[np.int64],
+    base: int,
+    aux: tuple[PoolSpec, PoolSpec, int, int] | None,
+    regions: RegionTable,
+) -> Blocks | None:
+    """:func:`plan_small` for a staged chunk: what ``validate_blocks(concat([plan_staged(src,
+    dst, dst_pages, base), plan_aux(*aux)]), regions)`` gives (the aux part left out for
+    None), the same blocks in the same order, in plain Python (a decode rank of a larger TP
+    takes this path for every chunk, once per destination rank). The destination page ids
+    must have been checked already, as for :func:`plan_staged`.
+
+    None where it does not apply or something would be refused (no pages, more than
+    :data:`SMALL_CHUNK` runs of consecutive destination pages, a destination whose pages are
+    not packed, pools of different buffer counts, extra aux buffers, an aux slot out of
+    range, a block outside ``regions``): the caller then takes the general path, which plans
+    the same blocks or raises its error."""
+    n = len(dst_pages)
+    num_buffers = dst.num_buffers
+    if not n or not num_buffers or src.num_buffers != num_buffers or not dst.packed:
+        return None
+    runs = _few_runs(range(n), dst_pages, n)  # (the staging side: chunk pages 0..n-1)
+    if runs is None:
+        return None
+    ks, ds, ns = runs
+    item = dst.item_len
+    s = [base + (b * n + k) * item for b in range(num_buffers) for k in ks]
+    d = [b + x * item for b in dst.buffer_bases for x in ds]
+    lens = [x * item for x in ns] * num_buffers
+    return _finish_small(s, d, lens, aux, regions)
 
 
 def plan_states(

@@ -132,6 +132,11 @@ class StagingArea:
         #: reservations of failed calls, by the room that must release them
         self._held: dict[object, list[Reservation]] = {}
         self._source: tuple[PoolSpec, list[npt.NDArray[np.uint8]]] | None = None
+        #: (heads, destination page sizes, buffers) -> what the gather reads: _slices
+        self._sliced: dict[
+            tuple[tuple[int, int], tuple[int, ...], tuple[int, ...] | None],
+            list[tuple[npt.NDArray[np.uint8], int]],
+        ] = {}
 
     @property
     def units_reserved(self) -> int:
@@ -157,8 +162,9 @@ class StagingArea:
         first = self._runs.take(k) if nbytes > 0 else None
         if first is None:
             return None
-        base = self.region.base
-        return Reservation(first, k, base + first * self.unit, nbytes)
+        if self._mem is None:  # (allocated on first use; a Region each call no more)
+            self.region  # noqa: B018
+        return Reservation(first, k, self._base + first * self.unit, nbytes)
 
     def give(self, r: Reservation) -> None:
         """Hand a reservation back: no engine call can read it any more."""
@@ -190,19 +196,36 @@ class StagingArea:
         assert self._mem is not None
         n = int(pages.size)
         start = r.addr - self._base
+        mem = self._mem
         parts = []
-        views = self._views(pool)
-        for k, b in enumerate(range(pool.num_buffers) if buffers is None else buffers):
-            view = views[b]
-            hb = pool.head_bytes_of(b)
-            width = (heads[1] - heads[0]) * hb
-            offset = (heads[0] - pool.first_head) * hb
-            out = self._mem[start : start + n * dst_item_lens[k]].reshape(
-                n, pool.page_size, width
-            )
-            parts.append((view[:, :, offset : offset + width], out))
-            start += n * dst_item_lens[k]
+        for source, item in self._slices(pool, heads, dst_item_lens, buffers):
+            parts.append((source, mem[start : start + n * item].reshape(n, *source.shape[1:])))
+            start += n * item
         return lambda: self.gather(parts, pages)
+
+    def _slices(
+        self, pool: PoolSpec, heads: tuple[int, int], dst_item_lens: tuple[int, ...],
+        buffers: list[int] | None,
+    ) -> list[tuple[npt.NDArray[np.uint8], int]]:
+        """For each buffer :meth:`gatherer` copies, in order: the view of heads ``[h0, h1)``
+        of every token slot of every page of ``pool`` (``(num_pages, page_size, slice
+        bytes)``), and the bytes a page of it takes in staging. They depend on the pool, the
+        heads (a decode rank's), the destination's page sizes and the buffers, not on the
+        chunk: made once per destination geometry, kept while the pool is the same."""
+        key = (heads, dst_item_lens, None if buffers is None else tuple(buffers))
+        views = self._views(pool)  # (a new pool: a new cache, see _views)
+        hit = self._sliced.get(key)
+        if hit is None:
+            if len(self._sliced) >= 256:
+                self._sliced.clear()
+            hit = []
+            for k, b in enumerate(range(pool.num_buffers) if buffers is None else buffers):
+                hb = pool.head_bytes_of(b)
+                width = (heads[1] - heads[0]) * hb
+                offset = (heads[0] - pool.first_head) * hb
+                hit.append((views[b][:, :, offset : offset + width], dst_item_lens[k]))
+            self._sliced[key] = hit
+        return hit
 
     def _views(self, pool: PoolSpec) -> list[npt.NDArray[np.uint8]]:
         """numpy views ``(num_pages, page_size, slot bytes)`` of the host pool's KV buffers,
@@ -216,6 +239,7 @@ class StagingArea:
                     writeable=False,
                 ))
             self._source = (pool, views)
+            self._sliced.clear()  # (views of the pool before)
         return self._source[1]
 
     @staticmethod
