@@ -29,6 +29,8 @@ fresh room ids, the destination wiped before each load and verified after it):
   waits for its pages, queues the room, waits for the call's completion).
 * ``status/room``: the floor with one status frame per room instead of one per call.
 * ``call/room``: the floor with one engine call per room (no joining).
+* ``ahead4``: the floor with up to 4 calls handed to the thread (still 2 started at once),
+  so that the thread has the next call queued when one completes.
 * ``trio_pd``: the bench's own ``_load`` through a real prefill/decode agent pair.
 * ``ceiling``: the bench's ``_push_pipelined`` (one thread, two writes in flight) of the
   same requests' coalesced calls joined up to ``join_bytes`` (the bench's ``pipelined x1,
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import struct
 import sys
@@ -96,6 +99,8 @@ class Pusher:
         self.jobs: deque[tuple[Blocks, Callable[[Any], None], Any]] = deque()
         self.idle = False
         self.closed = False
+        #: (started, waited) perf_counter pairs of every call, and the rooms of each
+        self.times: list[tuple[float, float]] = []
         self.thread = threading.Thread(target=self._serve, daemon=True, name=f"push {peer}")
         self.thread.start()
 
@@ -126,10 +131,12 @@ class Pusher:
                     return  # closed, nothing queued or flying
             if job is not None:
                 blk, done, arg = job
-                flying.append((done, arg, start_write(self.engine, self.peer, *blk)))
+                t0 = time.perf_counter()
+                flying.append((done, (arg, t0), start_write(self.engine, self.peer, *blk)))
                 continue
-            done, arg, pending = flying.popleft()
+            done, (arg, t0), pending = flying.popleft()
             pending.wait()  # (an engine error ends the thread: the load then hangs, bounded)
+            self.times.append((t0, time.perf_counter()))
             self.token.run_sync_soon(done, arg)
 
 
@@ -246,7 +253,8 @@ class Prefill:
                     del self.rooms[r.req.room]
                     if r.done_ev is not None:
                         r.done_ev.set()
-            if self.ready and self.inflight < self.pusher.depth:
+            ahead = 4 if self.mode == "ahead4" else self.pusher.depth
+            if self.ready and self.inflight < ahead:
                 taken: list[_Room] = []
                 parts: list[Blocks] = []
                 nbytes = 0
@@ -290,6 +298,7 @@ class Floor:
         self.pre_push.connect(f"tcp://127.0.0.1:{port}")
         self.pre = Prefill(self.a, self.b.session_id, s, self.pre_pull, self.pre_push, mode)
         self.events: dict[int, trio.Event] = {}
+        self.timeline: dict[str, float] = {}
 
     def _sock(self, kind: int) -> Any:
         sock = self.ctx.socket(kind)
@@ -323,11 +332,23 @@ class Floor:
                 pre.send(req)
                 await ev.wait()
 
+        self.pre.pusher.times.clear()
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for _ in range(min(self.s.opts.concurrency, len(reqs))):
                 nursery.start_soon(client)
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        times = sorted(self.pre.pusher.times)
+        # the engine's idle time inside the load: before the first call, after the last one,
+        # and between calls when none was in flight
+        busy, reach = 0.0, start
+        for a, z in times:
+            busy += max(0.0, z - max(a, reach))
+            reach = max(reach, z)
+        self.timeline = {"calls": len(times), "lead_us": (times[0][0] - start) * 1e6,
+                         "tail_us": (end - max(z for _, z in times)) * 1e6,
+                         "idle_us": (end - start - busy) * 1e6}
+        return end - start
 
     def close(self) -> None:
         self.pre.pusher.close()
@@ -338,10 +359,59 @@ class Floor:
         self.b.close()
 
 
-FLOORS = ("floor", "task/room", "status/room", "call/room")
+FLOORS = ("floor", "task/room", "status/room", "call/room", "ahead4")
 
 
-async def main(engine: str, rounds: int, modes: list[str]) -> dict[str, Any]:
+def _where(filename: str) -> str:
+    """A profiled function's place, coarsely: trio_pd's subpackage, or the library."""
+    f = filename.replace("\\", "/")
+    if "/trio_pd/" in f:
+        return "trio_pd/" + f.split("/trio_pd/")[-1].split("/")[0]
+    if "floor_bench" in f:
+        return "floor_bench"
+    for lib in ("trio", "zmq", "numpy", "outcome", "threading", "contextlib", "dataclasses",
+                "enum", "logging", "_weakrefset", "abc", "typing"):
+        if f"/{lib}/" in f or f.endswith(f"/{lib}.py"):
+            return lib
+    return "builtins" if f.startswith("~") else f.rsplit("/", 1)[-1]
+
+
+async def _profile(modes: list[str], load: Callable[[str, list[b._Req]], Any],
+                   s: b._Setup) -> dict[str, Any]:
+    """cProfile of the loop thread over 2 loads per mode: calls per request by place, and
+    the functions with the most own time (profiled time: relative only)."""
+    import cProfile
+    import pstats
+
+    out: dict[str, Any] = {}
+    for mode in modes:
+        pr = cProfile.Profile()
+        n = 0
+        for _ in range(2):
+            reqs = b._fresh(s.load, s.rng)
+            n += len(reqs)
+            pr.enable()
+            await load(mode, reqs)
+            pr.disable()
+        st = pstats.Stats(pr)
+        by_place: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        rows = []
+        for (fn, line, name), (_cc, nc, tt, _ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+            place = _where(fn)
+            by_place[place][0] += nc / n
+            by_place[place][1] += tt / n * 1e6
+            rows.append((tt / n * 1e6, nc / n, f"{place}:{fn.rsplit('/', 1)[-1]}:{line}({name})"))
+        rows.sort(reverse=True)
+        out[mode] = {
+            "by_place": {k: [round(v[0], 1), round(v[1], 1)] for k, v in
+                         sorted(by_place.items(), key=lambda kv: -kv[1][1])},
+            "top": [[round(a, 1), round(c, 2), w] for a, c, w in rows[:30]],
+        }
+    return out
+
+
+async def main(engine: str, rounds: int, modes: list[str],
+               profile: list[str] | None = None) -> dict[str, Any]:
     opts = b.BenchOptions(engine=engine, secure=False)
     s = b._setup(opts)
     calls = [blk for r in s.load
@@ -349,6 +419,9 @@ async def main(engine: str, rounds: int, modes: list[str]) -> dict[str, Any]:
     cpu: dict[str, list[float]] = defaultdict(list)
     gbs: dict[str, list[float]] = defaultdict(list)
     counts: dict[str, dict[str, float]] = {}
+    prof_out: dict[str, Any] = {}
+    sys_us: dict[str, list[float]] = defaultdict(list)
+    tl: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     async with AsyncExitStack() as stack:
         # one floor (one engine pair, its sockets and tasks) for every floor mode: the mode
         # only says how the next load is handled
@@ -372,6 +445,7 @@ async def main(engine: str, rounds: int, modes: list[str]) -> dict[str, Any]:
         async def one(mode: str) -> float:
             reqs = b._fresh(s.load, s.rng)
             b._wipe(s.dst)
+            ru = resource.getrusage(resource.RUSAGE_THREAD)
             c = time.thread_time()
             if mode == "trio_pd":
                 assert pair is not None
@@ -380,6 +454,11 @@ async def main(engine: str, rounds: int, modes: list[str]) -> dict[str, Any]:
             else:
                 t = await floor.load(reqs, mode)
             c = time.thread_time() - c
+            ru2 = resource.getrusage(resource.RUSAGE_THREAD)
+            sys_us[mode].append((ru2.ru_stime - ru.ru_stime) / len(reqs) * 1e6)
+            if mode in FLOORS:
+                for k, v in floor.timeline.items():
+                    tl[mode][k].append(v)
             bad, _ = b.verify(s, reqs)
             assert bad == 0, f"{mode}: {bad} corrupt"
             cpu[mode].append(c / len(reqs) * 1e6)
@@ -393,7 +472,12 @@ async def main(engine: str, rounds: int, modes: list[str]) -> dict[str, Any]:
         for _ in range(rounds):
             for mode in modes:
                 if mode == "ceiling":
-                    t = b._push_pipelined(floor.a, floor.b.session_id, joined)
+                    # from a thread, the loop idle meanwhile: what the loop's thread is
+                    # charged while only the engine works (interrupts, softirqs)
+                    c = time.thread_time()
+                    t = await trio.to_thread.run_sync(
+                        b._push_pipelined, floor.a, floor.b.session_id, joined)
+                    cpu[mode].append((time.thread_time() - c) / len(s.load) * 1e6)
                     gbs[mode].append(nbytes / t / 1e9)
                 else:
                     await one(mode)
@@ -401,30 +485,68 @@ async def main(engine: str, rounds: int, modes: list[str]) -> dict[str, Any]:
             if mode == "ceiling":
                 continue
             inst = Counts()
+            eng = pair.prefill.engine if mode == "trio_pd" and pair is not None else floor.a
+            calls_made = [0]
+            inner = eng.submit
+
+            def counted(*a: Any, _inner: Any = inner, _n: list[int] = calls_made) -> Any:
+                _n[0] += 1
+                return _inner(*a)
+
+            eng.submit = counted  # (an instance attribute: start_write finds it first)
+            py = [0, 0]
+
+            def prof(frame: Any, event: str, arg: Any, _py: list[int] = py) -> None:
+                if event == "call":
+                    _py[0] += 1
+                elif event == "c_call":
+                    _py[1] += 1
+
             trio.lowlevel.add_instrument(inst)
+            sys.setprofile(prof)  # (this thread only: the loop's)
             n = 0
-            for _ in range(2):
-                reqs = b._fresh(s.load, s.rng)
-                n += len(reqs)
-                if mode == "trio_pd":
-                    assert pair is not None
-                    await b._load(pair, reqs, opts)
-                else:
-                    await floor.load(reqs, mode)
-            trio.lowlevel.remove_instrument(inst)
-            counts[mode] = {"steps": round(inst.steps / n, 2), "rounds": round(inst.rounds / n, 2)}
+            try:
+                for _ in range(2):
+                    reqs = b._fresh(s.load, s.rng)
+                    n += len(reqs)
+                    if mode == "trio_pd":
+                        assert pair is not None
+                        await b._load(pair, reqs, opts)
+                    else:
+                        await floor.load(reqs, mode)
+            finally:
+                sys.setprofile(None)
+                trio.lowlevel.remove_instrument(inst)
+                del eng.submit
+            counts[mode] = {
+                "steps": round(inst.steps / n, 2), "rounds": round(inst.rounds / n, 2),
+                "engine_calls": round(calls_made[0] / n, 3),
+                "py_calls": round(py[0] / n), "c_calls": round(py[1] / n),
+            }
+        if profile:
+            prof_out = await _profile(profile, lambda m, r: (
+                b._load(pair, r, opts) if m == "trio_pd" else floor.load(r, m)), s)
     return {
         "engine": engine, "requests": len(s.load), "bytes": nbytes,
         "ceiling_calls": len(joined), "join_bytes": join_bytes(floor.a),
         "idle_loop_cpu_pct": round(idle_pct, 2),
         "cpu_us": {k: [round(x, 1) for x in v] for k, v in cpu.items()},
         "gbps": {k: [round(x, 3) for x in v] for k, v in gbs.items()},
-        "per_request": counts,
+        "per_request": counts, "profile": prof_out,
+        "sys_us": {k: [round(x, 1) for x in v] for k, v in sys_us.items()},
+        "timeline": {m: {k: [round(x) for x in v] for k, v in d.items()} for m, d in tl.items()},
     }
 
 
+def _span(v: list[float], fmt: str = "{:.0f}") -> str:
+    if not v:
+        return "-"
+    return f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}-{fmt.format(max(v))}]"
+
+
 def summary(path: str) -> None:
-    """Medians and ranges over every process of each engine in a JSON-lines file."""
+    """Medians and ranges over every process of each engine in a JSON-lines file. The ratio
+    is each load's GB/s over the ceiling run of the same round (minutes apart at most)."""
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     with open(path) as fh:
         for line in fh:
@@ -432,23 +554,22 @@ def summary(path: str) -> None:
                 r = json.loads(line)
                 runs[r["engine"]].append(r)
     for engine, rs in runs.items():
-        print(f"\n{engine}: {len(rs)} processes")
-        modes = list(rs[0]["gbps"])
-        ceil = [x for r in rs for x in r["gbps"].get("ceiling", [])]
-        cmed = statistics.median(ceil) if ceil else float("nan")
-        print(f"{'mode':12} {'loop us/req med [range]':>26} {'GB/s med [range]':>22} "
-              f"{'ratio':>6} {'steps/req':>9} {'rounds/req':>10}")
-        for m in modes:
+        print(f"\n{engine}: {len(rs)} processes, {sum(len(r['gbps']['ceiling']) for r in rs)}"
+              " rounds; idle loop CPU %:", [r["idle_loop_cpu_pct"] for r in rs])
+        keys = ("steps", "rounds", "engine_calls", "py_calls", "c_calls")
+        print(f"{'mode':12} {'loop us/req':>18} {'GB/s':>20} {'ratio':>18} "
+              + " ".join(f"{k:>12}" for k in keys))
+        for m in rs[0]["gbps"]:
             g = [x for r in rs for x in r["gbps"][m]]
             c = [x for r in rs for x in r["cpu_us"].get(m, [])]
-            st = [r["per_request"][m]["steps"] for r in rs if m in r["per_request"]]
-            ro = [r["per_request"][m]["rounds"] for r in rs if m in r["per_request"]]
-            cs = f"{statistics.median(c):6.0f} [{min(c):.0f}-{max(c):.0f}]" if c else "-"
-            print(f"{m:12} {cs:>26} {statistics.median(g):6.2f} [{min(g):.2f}-{max(g):.2f}]"
-                  f" {statistics.median(g) / cmed:6.2f} "
-                  f"{(statistics.median(st) if st else float('nan')):9.2f} "
-                  f"{(statistics.median(ro) if ro else float('nan')):10.2f}")
-        print("idle loop CPU %:", [r["idle_loop_cpu_pct"] for r in rs])
+            ratio = [x / y for r in rs
+                     for x, y in zip(r["gbps"][m], r["gbps"]["ceiling"], strict=True)]
+            per = [r["per_request"][m] for r in rs if m in r["per_request"]]
+            cols = " ".join(
+                f"{statistics.median([p[k] for p in per if k in p] or [float('nan')]):12.2f}"
+                for k in keys)
+            print(f"{m:12} {_span(c):>18} {_span(g, '{:.2f}'):>20} "
+                  f"{_span(ratio, '{:.2f}'):>18} {cols}")
 
 
 if __name__ == "__main__":
@@ -457,9 +578,11 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--modes", default=",".join((*FLOORS, "trio_pd", "ceiling")))
     ap.add_argument("--summary", metavar="JSONL")
+    ap.add_argument("--profile", default="", help="modes to run under cProfile at the end")
     ns = ap.parse_args()
     if ns.summary:
         summary(ns.summary)
         sys.exit(0)
-    out = trio.run(main, ns.engine, ns.rounds, ns.modes.split(","))
+    out = trio.run(main, ns.engine, ns.rounds, ns.modes.split(","),
+                   [m for m in ns.profile.split(",") if m])
     print(json.dumps(out), flush=True)
