@@ -157,8 +157,8 @@ async def _drain(sock: zmq.Socket[bytes], handle: Callable[[bytes], None]) -> No
 
 
 class _Room:
-    __slots__ = ("done_ev", "dst_aux", "dst_pages", "has_pages", "has_transfer", "ready_ev",
-                 "req")
+    __slots__ = ("done_ev", "dst_aux", "dst_pages", "has_pages", "has_transfer", "plan",
+                 "ready_ev", "req", "size")
 
     def __init__(self) -> None:
         self.req: Any = None
@@ -167,6 +167,8 @@ class _Room:
         self.has_transfer = self.has_pages = False
         self.ready_ev: trio.Event | None = None
         self.done_ev: trio.Event | None = None
+        self.plan: list[Blocks] | None = None  # planned once, when first looked at
+        self.size = 0
 
 
 class Prefill:
@@ -260,12 +262,14 @@ class Prefill:
                 nbytes = 0
                 while self.ready:
                     r = self.ready[0]
-                    req = r.req
-                    # (the whole request is one coalesced chunk: 64 pages, aux row with it)
-                    plan = [plan_pages(self.src, self.dst, req.src_pages, r.dst_pages,
-                                       heads=self.heads),
-                            plan_aux(self.src, self.dst, req.src_aux, r.dst_aux)]
-                    size = total_bytes(plan[0]) + total_bytes(plan[1])
+                    if r.plan is None:
+                        req = r.req
+                        # (the whole request is one coalesced chunk: 64 pages, aux row with it)
+                        r.plan = [plan_pages(self.src, self.dst, req.src_pages, r.dst_pages,
+                                             heads=self.heads),
+                                  plan_aux(self.src, self.dst, req.src_aux, r.dst_aux)]
+                        r.size = total_bytes(r.plan[0]) + total_bytes(r.plan[1])
+                    plan, size = r.plan, r.size
                     if taken and (per_room or nbytes + size > self.join):
                         break
                     self.ready.popleft()
@@ -376,6 +380,61 @@ def _where(filename: str) -> str:
     return "builtins" if f.startswith("~") else f.rsplit("/", 1)[-1]
 
 
+class _TimedPending:
+    __slots__ = ("inner", "t0", "times")
+
+    def __init__(self, inner: Pending, t0: float, times: list[tuple[float, float]]) -> None:
+        self.inner, self.t0, self.times = inner, t0, times
+
+    def wait(self) -> None:
+        try:
+            self.inner.wait()
+        finally:
+            self.times.append((self.t0, time.perf_counter()))
+
+
+def _idle(times: list[tuple[float, float]], start: float, end: float) -> dict[str, float]:
+    """Where the engine had no call in flight inside [start, end]: before the first call
+    (lead), after the last (tail), in all (idle); microseconds."""
+    times = sorted(times)
+    busy, reach = 0.0, start
+    for a, z in times:
+        busy += max(0.0, z - max(a, reach))
+        reach = max(reach, z)
+    return {"calls": len(times), "lead_us": (times[0][0] - start) * 1e6,
+            "tail_us": (end - max(z for _, z in times)) * 1e6,
+            "idle_us": (end - start - busy) * 1e6}
+
+
+async def _engine_timeline(eng: Any, mode: str, load: Callable[[str, list[b._Req]], Any],
+                           s: b._Setup, loads: int = 3) -> dict[str, float]:
+    """Means over ``loads`` loads of :func:`_idle`, the engine's ``submit`` timed from the
+    call to the return of its wait (an instance attribute over the engine's method: the
+    lane's or the pusher's ``start_write`` finds it first)."""
+    inner = eng.submit
+    times: list[tuple[float, float]] = []
+
+    def timed(*a: Any) -> _TimedPending:
+        t0 = time.perf_counter()
+        return _TimedPending(inner(*a), t0, times)
+
+    eng.submit = timed
+    out: dict[str, float] = defaultdict(float)
+    try:
+        for _ in range(loads):
+            reqs = b._fresh(s.load, s.rng)
+            times.clear()
+            start = time.perf_counter()
+            await load(mode, reqs)
+            end = time.perf_counter()
+            for k, v in _idle(list(times), start, end).items():
+                out[k] += v / loads
+            out["load_us"] += (end - start) * 1e6 / loads
+    finally:
+        del eng.submit
+    return {k: round(v, 1) for k, v in out.items()}
+
+
 async def _profile(modes: list[str], load: Callable[[str, list[b._Req]], Any],
                    s: b._Setup) -> dict[str, Any]:
     """cProfile of the loop thread over 2 loads per mode: calls per request by place, and
@@ -421,6 +480,7 @@ async def main(engine: str, rounds: int, modes: list[str],
     counts: dict[str, dict[str, float]] = {}
     prof_out: dict[str, Any] = {}
     sys_us: dict[str, list[float]] = defaultdict(list)
+    etl: dict[str, dict[str, float]] = {}
     tl: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     async with AsyncExitStack() as stack:
         # one floor (one engine pair, its sockets and tasks) for every floor mode: the mode
@@ -523,6 +583,11 @@ async def main(engine: str, rounds: int, modes: list[str],
                 "engine_calls": round(calls_made[0] / n, 3),
                 "py_calls": round(py[0] / n), "c_calls": round(py[1] / n),
             }
+        for mode in modes:
+            if mode != "ceiling":
+                eng = pair.prefill.engine if mode == "trio_pd" and pair is not None else floor.a
+                etl[mode] = await _engine_timeline(eng, mode, lambda m, r: (
+                    b._load(pair, r, opts) if m == "trio_pd" else floor.load(r, m)), s)
         if profile:
             prof_out = await _profile(profile, lambda m, r: (
                 b._load(pair, r, opts) if m == "trio_pd" else floor.load(r, m)), s)
@@ -533,6 +598,7 @@ async def main(engine: str, rounds: int, modes: list[str],
         "cpu_us": {k: [round(x, 1) for x in v] for k, v in cpu.items()},
         "gbps": {k: [round(x, 3) for x in v] for k, v in gbs.items()},
         "per_request": counts, "profile": prof_out,
+        "engine_timeline": etl,
         "sys_us": {k: [round(x, 1) for x in v] for k, v in sys_us.items()},
         "timeline": {m: {k: [round(x) for x in v] for k, v in d.items()} for m, d in tl.items()},
     }
@@ -570,6 +636,27 @@ def summary(path: str) -> None:
                 for k in keys)
             print(f"{m:12} {_span(c):>18} {_span(g, '{:.2f}'):>20} "
                   f"{_span(ratio, '{:.2f}'):>18} {cols}")
+        print("loop sys time us/req (in the loop us above):")
+        for m in rs[0].get("sys_us", {}):
+            print(f"  {m:12} {_span([x for r in rs for x in r['sys_us'][m]])}")
+        print("floor loads' engine timeline, us (lead: to the first write; tail: after the last;"
+              " idle: none in flight):")
+        for m in rs[0].get("timeline", {}):
+            tl = {k: [x for r in rs for x in r["timeline"][m][k]] for k in rs[0]["timeline"][m]}
+            print(f"  {m:12} " + "  ".join(f"{k} {_span(v)}" for k, v in tl.items()))
+        print("engine timeline, submit wrapped (3 loads/process; us; same fields):")
+        for m in rs[0].get("engine_timeline", {}):
+            keys = rs[0]["engine_timeline"][m]
+            print(f"  {m:12} " + "  ".join(
+                f"{k} {_span([r['engine_timeline'][m][k] for r in rs])}" for k in keys))
+        for m in rs[0].get("profile", {}):
+            places: dict[str, list[float]] = defaultdict(list)
+            for r in rs:
+                for k, (calls, _) in r["profile"][m]["by_place"].items():
+                    places[k].append(calls)
+            top = sorted(places.items(), key=lambda kv: -statistics.median(kv[1]))[:8]
+            print(f"  profiled calls/req, {m}: "
+                  + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in top))
 
 
 if __name__ == "__main__":
