@@ -145,7 +145,7 @@ class Pusher:
 
 async def _drain(sock: zmq.Socket[bytes], handle: Callable[[bytes], None]) -> None:
     """Receive every message of a PULL socket only this task touches, for ever."""
-    fd = sock.getsockopt(zmq.FD)
+    fd = int(sock.getsockopt(zmq.FD))
     recv, get = zmq.backend.Socket.recv, zmq.backend.Socket.get
     while True:
         while True:
@@ -154,7 +154,7 @@ async def _drain(sock: zmq.Socket[bytes], handle: Callable[[bytes], None]) -> No
             except zmq.Again:
                 break
             handle(msg)
-        if get(sock, _EVENTS) & _POLLIN:
+        if int(get(sock, _EVENTS)) & _POLLIN:
             continue
         await trio.lowlevel.wait_readable(fd)
 
@@ -458,17 +458,21 @@ async def _profile(modes: list[str], load: Callable[[str, list[b._Req]], Any],
             pr.disable()
         st = pstats.Stats(pr)
         by_place: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        by_file: dict[str, float] = defaultdict(float)
         rows = []
         for (fn, line, name), (_cc, nc, tt, _ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
             place = _where(fn)
             by_place[place][0] += nc / n
             by_place[place][1] += tt / n * 1e6
+            by_file[f"{place}/{fn.rsplit('/', 1)[-1]}" if "/" in fn else name] += nc / n
             rows.append((tt / n * 1e6, nc / n, f"{place}:{fn.rsplit('/', 1)[-1]}:{line}({name})"))
         rows.sort(reverse=True)
         out[mode] = {
             "by_place": {k: [round(v[0], 1), round(v[1], 1)] for k, v in
                          sorted(by_place.items(), key=lambda kv: -kv[1][1])},
             "top": [[round(a, 1), round(c, 2), w] for a, c, w in rows[:30]],
+            "calls_by_file": {k: round(v, 1) for k, v in
+                              sorted(by_file.items(), key=lambda kv: -kv[1])[:25]},
         }
     return out
 
@@ -549,7 +553,7 @@ async def main(engine: str, rounds: int, modes: list[str],
             if mode == "ceiling":
                 continue
             inst = Counts()
-            eng = pair.prefill.engine if mode == "trio_pd" and pair is not None else floor.a
+            eng: Any = pair.prefill.engine if mode == "trio_pd" and pair is not None else floor.a
             calls_made = [0]
             inner = eng.submit
 
@@ -587,14 +591,18 @@ async def main(engine: str, rounds: int, modes: list[str],
                 "engine_calls": round(calls_made[0] / n, 3),
                 "py_calls": round(py[0] / n), "c_calls": round(py[1] / n),
             }
+        def run_load(m: str, r: list[b._Req]) -> Any:
+            if m == "trio_pd":
+                assert pair is not None
+                return b._load(pair, r, opts)
+            return floor.load(r, m)
+
         for mode in modes:
             if mode != "ceiling":
                 eng = pair.prefill.engine if mode == "trio_pd" and pair is not None else floor.a
-                etl[mode] = await _engine_timeline(eng, mode, lambda m, r: (
-                    b._load(pair, r, opts) if m == "trio_pd" else floor.load(r, m)), s)
+                etl[mode] = await _engine_timeline(eng, mode, run_load, s)
         if profile:
-            prof_out = await _profile(profile, lambda m, r: (
-                b._load(pair, r, opts) if m == "trio_pd" else floor.load(r, m)), s)
+            prof_out = await _profile(profile, run_load, s)
     return {
         "engine": engine, "requests": len(s.load), "bytes": nbytes,
         "ceiling_calls": len(joined), "join_bytes": join_bytes(floor.a),
@@ -629,6 +637,12 @@ def summary(path: str) -> None:
         keys = ("steps", "rounds", "engine_calls", "py_calls", "c_calls")
         print(f"{'mode':12} {'loop us/req':>18} {'GB/s':>20} {'ratio':>18} "
               + " ".join(f"{k:>12}" for k in keys))
+        ceil = [x for r in rs for x in r["gbps"]["ceiling"]]
+        print("ratio: each load over its round's ceiling run; median/median and best/best:",
+              {m: (round(statistics.median([x for r in rs for x in r["gbps"][m]])
+                         / statistics.median(ceil), 3),
+                   round(max(x for r in rs for x in r["gbps"][m]) / max(ceil), 3))
+               for m in rs[0]["gbps"]})
         for m in rs[0]["gbps"]:
             g = [x for r in rs for x in r["gbps"][m]]
             c = [x for r in rs for x in r["cpu_us"].get(m, [])]
