@@ -21,7 +21,8 @@ fresh room ids, the destination wiped before each load and verified after it):
   room's source pages ready (stamp its aux row), wait for the room's done event. Prefill:
   one receiver task on its PULL socket; per decode peer ONE writer task that takes every
   ready room (TRANSFER received and pages ready) up to the engine's ``join_bytes``, plans
-  them (the bench's ``plan_request`` at the coalesced size, as the ceiling's calls are),
+  each once (``plan_pages`` of its 64 pages plus ``plan_aux``: the bench's ``plan_request``
+  at the coalesced size, the blocks of the ceiling's calls),
   hands ONE joined engine call to a per-peer thread (two calls in flight, as a lane), and,
   when a call completes, sends ONE status frame listing the call's rooms. Decode: one
   receiver task that sets each listed room's done event.
@@ -42,8 +43,14 @@ fresh room ids, the destination wiped before each load and verified after it):
 Per mode and load: the loop thread's CPU (``time.thread_time``) over the load / requests
 (engine and lane threads excluded), and GB/s (bytes / 1e9 / seconds). After the timed
 rounds, two loads per mode under a trio Instrument that counts task steps and scheduler
-rounds (``before_task_step`` / ``before_io_wait``) per request. ``idle_loop_cpu_pct``: the
-loop's CPU while everything is open and idle (what other modes' idle agents add).
+rounds (``before_task_step`` / ``before_io_wait``) per request, the prefill engine's calls
+per request, and the loop thread's Python and C calls per request (``sys.setprofile``).
+Then three loads per mode with the prefill engine's ``submit`` timed: when the engine had
+no call in flight (before the first call, after the last, in all). ``--profile MODES``:
+cProfile of the loop over two loads of each (calls per request by package and by file).
+``idle_loop_cpu_pct``: the loop's CPU while everything is open and idle (what other modes'
+idle agents add). The summary's ratios: each load over the same round's ceiling run, and
+median over median, best over best (the bench's statistic).
 """
 
 from __future__ import annotations
