@@ -440,6 +440,17 @@ class Arrivals:
         return new
 
 
+def _say_why(f: Flight) -> None:
+    """A failed room's reason, on this rank's stderr (the run's log file): the connector's
+    ``failure_exception()`` raises it."""
+    try:
+        f.handle.failure_exception()
+    except Exception as exc:  # (what the connector says, whatever its type)
+        print(f"room {f.room} failed: {exc!r}", file=sys.stderr, flush=True)
+    else:
+        print(f"room {f.room} failed (no reason given)", file=sys.stderr, flush=True)
+
+
 def run_prefill(rank: Rank, rooms: list[int]) -> dict[str, Any]:
     """SGLang's prefill scheduler loop over ``rooms`` (the first ``warmup`` untimed)."""
     w = rank.work
@@ -496,6 +507,7 @@ def run_prefill(rank: Rank, rooms: list[int]) -> dict[str, Any]:
                     f.handle.get_transfer_metric()
                 else:
                     failed += 1
+                    _say_why(f)
                 f.handle.clear()
                 rank.free(f.pages)
                 rank.slots.free(f.slot)
@@ -564,6 +576,7 @@ def run_decode(rank: Rank, rooms: list[int], bootstrap_addr: str) -> dict[str, A
                     corrupt += 1
                 else:
                     failed += 1
+                    _say_why(f)
                 f.handle.clear()
                 rank.free(f.pages)
                 rank.metadata.clear_slot(f.slot)
