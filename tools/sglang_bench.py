@@ -928,6 +928,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['gb_per_s']:.3f} GB/s, {r['connector_ms']:.1f} ms CPU per request "
                   f"({r['verified']} verified, {r['corrupt']} corrupt, {r['failed']} failed)",
                   file=sys.stderr, flush=True)
+            if r["failed"] or r["corrupt"]:  # each rank's log says why (_say_why)
+                for side in ("p", "d"):
+                    log = logs / f"{len(runs)}-{c}-{side}.log"
+                    print(f"  {log}:\n{_tail(log)}", file=sys.stderr, flush=True)
             runs.append(r)
     result = {"workload": asdict(work), "runs": runs, "summary": compare(runs),
               "load_average": os.getloadavg(), "cpus": os.cpu_count(), "logs": str(logs)}
