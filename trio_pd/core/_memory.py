@@ -951,13 +951,18 @@ def pool_page_ids(
     :class:`~trio_pd.ProtocolError` (anything the quick path does not pass goes through them
     both); the quick path (up to :data:`SMALL` ids of a 1-D integer array or list) is one
     conversion, one pass over Python ints and one copy."""
-    try:
-        arr = np.asarray(pages)
-    except (TypeError, ValueError, OverflowError):
-        arr = None  # (page_ids says why)
+    if type(pages) is np.ndarray:  # (an array already, the usual chunk: no conversion call)
+        arr: npt.NDArray[Any] | None = pages
+    else:
+        try:
+            arr = np.asarray(pages)
+        except (TypeError, ValueError, OverflowError):
+            arr = None  # (page_ids says why)
     if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and 0 < arr.size <= SMALL:
-        values = arr.tolist()
-        if min(values) >= 0 and max(values) < num_pages and len(set(values)) == arr.size:
+        # sorted: the least and the greatest in one call (min and max are two); a chunk's
+        # ids are mostly ascending already, one run for the sort to find
+        values = sorted(arr.tolist())
+        if values[0] >= 0 and values[-1] < num_pages and len(set(values)) == arr.size:
             return arr.astype(dtype)  # (a copy: never the caller's array)
     ids = page_ids(pages)
     validate_pages(ids, num_pages)

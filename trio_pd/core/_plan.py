@@ -546,10 +546,12 @@ def plan_small(
     n = len(src_pages)
     if n != len(dst_pages):
         return None
-    num_buffers = src.num_buffers
+    # (each pool's geometry read once, not through four properties: a call per chunk each)
+    num_buffers = len(src.buffer_bases)
+    sg, dg = src._geometry(), dst._geometry()
     if n and (
-        not (src.packed and dst.packed)
-        or num_buffers != dst.num_buffers
+        not (sg.packed and dg.packed)
+        or num_buffers != len(dst.buffer_bases)
         or src.page_size != dst.page_size
         or not (heads is None or _holds_exactly(src, dst, heads))
     ):
@@ -558,8 +560,8 @@ def plan_small(
     d: list[int] = []
     lens: list[int] = []
     if n and num_buffers:
-        item = src.item_len
-        if item != dst.item_len:
+        item = sg.item_len  # (packed pools have one page size: never None here)
+        if item is None or item != dg.item_len:
             return None
         runs = _few_runs(src_pages, dst_pages, n)
         if runs is None:
