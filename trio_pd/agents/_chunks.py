@@ -198,7 +198,7 @@ class ChunkPlanner:
         """Whether this chunk's pages for ``peer`` go through staging (see _staging): head
         slices for a decode rank of a larger TP, or whole pages for a target whose
         destination is the peer's landing area (trio_pd.core._landing)."""
-        if not (len(chunk.pages) > 0 and self.staging.usable) or peer.heads is None:
+        if not (chunk.pages.size > 0 and self.staging.usable) or peer.heads is None:
             return False
         if self._heads_staged(peer):
             return True
@@ -327,9 +327,9 @@ class ChunkPlanner:
         src: Pages | list[int] = []
         dst: Pages | list[int] = []
         heads = None
-        n = len(src_pages)
+        n = src_pages.size  # (a 1-D array, as the chunk's: no len call)
         if peer.heads is not None and n:
-            first = chunk.start + len(chunk.pages) - n - target.prefix
+            first = chunk.start + chunk.pages.size - n - target.prefix
             src = src_pages
             dst = target.dst_pages[first : first + n]
             heads = self._mha(peer)

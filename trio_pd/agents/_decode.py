@@ -436,7 +436,7 @@ class DecodeAgent:
         size from its first such answer. :class:`~trio_pd.ConfigurationError` for a
         ``dp_rank`` that is not an int in ``[0, 1024)``; a DP rank the instance does not have
         fails the room (:class:`~trio_pd.BootstrapError`, the service's 404)."""
-        room = as_index(room, "room")
+        room = room if type(room) is int else as_index(room, "room")  # (an int: no call)
         if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on decode rank {self.tp_rank}")
         if "?" in bootstrap_url:
@@ -668,7 +668,7 @@ class DecodeWire:
                 decode_rank=self.agent.tp_rank,
                 aux_slot=machine.aux_slot,
                 required=len(rec.sources),
-                num_pages=len(machine.pages),
+                num_pages=machine.pages.size,
                 prefix_pages=machine.prefix_pages,
                 state_slots=tuple(tuple(s.tolist()) for s in machine.state_slots)
                 if self.agent.pool.states else msgspec.UNSET,

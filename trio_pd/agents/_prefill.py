@@ -463,7 +463,7 @@ class PrefillAgent:
         that is treated as one for another use of the room (acked, the room left alone: a late
         ABORT of an old use must not kill this one); the room then fails at its bootstrap
         deadline if no TRANSFER follows."""
-        room = as_index(room, "room")
+        room = room if type(room) is int else as_index(room, "room")  # (an int: no call)
         if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on prefill rank {self.tp_rank}")
         pool = self.pool
@@ -572,7 +572,9 @@ class PrefillAgent:
                     if rec.announced is not None and self.dp_announcer is not None:
                         self.dp_announcer.forget(*rec.announced)  # (a reuse is announced)
                     self.timers.cancel_all(rec.timers)  # (its deadlines let it go now)
-                    self._carry(rec, self.table.forget(rec))
+                    after = self.table.forget(rec)
+                    if after:  # (mostly nothing)
+                        self._carry(rec, after)
                 case CancelWork(reason=reason):
                     for scope in list(rec.scopes):
                         scope.cancel(reason)
@@ -586,7 +588,8 @@ class PrefillAgent:
                 case _:
                     self._carry_one(room, effect)
         effect = None  # (no name for a Reject's error in this frame: _raise_reject)
-        if due and isinstance(due[-1], Reject):  # (the check inline: most dues have none)
+        # (the check inline, by exact type: most dues have none, and Reject has no subclass)
+        if due and type(due[-1]) is Reject:
             _raise_reject(due)
 
     def _status(self, room: int, epoch: int, ok: bool, reason: str) -> _wire.Status:

@@ -508,8 +508,11 @@ def _few_runs(
         if k.size > SMALL_CHUNK:
             return None
         return s0.tolist(), d0.tolist(), k.tolist()
-    sl = src_pages.tolist() if isinstance(src_pages, np.ndarray) else list(src_pages)
-    dl = dst_pages.tolist() if isinstance(dst_pages, np.ndarray) else list(dst_pages)
+    # (an exact array, the usual case, without an isinstance call)
+    sl = src_pages.tolist() if type(src_pages) is np.ndarray or isinstance(
+        src_pages, np.ndarray) else list(src_pages)
+    dl = dst_pages.tolist() if type(dst_pages) is np.ndarray or isinstance(
+        dst_pages, np.ndarray) else list(dst_pages)
     a, b = sl[0], dl[0]
     if (
         sl[-1] - a == n - 1 == dl[-1] - b
@@ -588,8 +591,9 @@ def _finish_small(
             or not 0 <= a < asrc.aux_slots or not 0 <= b < adst.aux_slots
         ):
             return None
-        s.append(aux_row_address(asrc, a))
-        d.append(aux_row_address(adst, b))
+        # (aux_row_address of the first aux buffer, inline: neither pool has another)
+        s.append(asrc.aux_base + a * asrc.aux_item_len)
+        d.append(adst.aux_base + b * adst.aux_item_len)
         lens.append(asrc.aux_item_len)
     base_list, reach_list = regions.base_list, regions.reach_list
     for x, k in zip(d, lens, strict=True):
