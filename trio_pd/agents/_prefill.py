@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
@@ -107,6 +108,9 @@ if TYPE_CHECKING:
     from ..metrics import AgentMetrics
 
 log = logging.getLogger("trio_pd.prefill")
+
+#: a target's endpoint (the job queues' key is the tuple of a room's)
+_ENDPOINT = attrgetter("endpoint")
 
 #: why a closing agent fails the rooms it still holds (and tells their decode ranks)
 CLOSED = "prefill agent closed"
@@ -658,7 +662,8 @@ class PrefillWorkers:
 
     def queue(self, rec: _Room, job: _Job) -> None:
         """Queue a room's job behind the jobs for the same decode peers only (see _jobs)."""
-        self.agent.jobs.put(tuple(t.endpoint for t in rec.machine.targets.values()), (rec, job))
+        # (map with attrgetter: no generator frame to start and resume, a call each)
+        self.agent.jobs.put(tuple(map(_ENDPOINT, rec.machine.targets.values())), (rec, job))
 
     async def run_job(self, item: tuple[_Room, _Job]) -> None:
         """One job, in a task of :attr:`PrefillAgent.jobs` (a job with nothing left to do

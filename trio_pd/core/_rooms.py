@@ -766,12 +766,11 @@ class PrefillRoom:
         self.expected_targets = expected
         if not self.ready:
             return []
-        self.cell.advance(KVPoll.WaitingForInput)
         n = self.chunks.release()
-        if not n:
-            return []
-        self.cell.advance(KVPoll.Transferring)
-        return [RunChunks(n)]
+        # (WaitingForInput, or straight on to Transferring when chunks wait: one step, no
+        # reader in between, so one move, the same forward-only status as two)
+        self.cell.advance(KVPoll.Transferring if n else KVPoll.WaitingForInput)
+        return [RunChunks(n)] if n else []
 
     # ---------------------------------------------------------------- publication
 
