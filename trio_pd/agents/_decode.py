@@ -573,7 +573,8 @@ class DecodeAgent:
                     self._arm(rec, self.table.timer(rec, "waiting"))
                     self.wire.send_transfers(rec)
                 case Succeeded():
-                    self.wire.give_landing(rec)  # (scattered already, before Success)
+                    if rec.landing is not None:  # (most rooms hold no landing range)
+                        self.wire.give_landing(rec)  # (scattered already, before Success)
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Forget():
