@@ -598,8 +598,7 @@ class ChunkRunner:
                     raise lost from exc
             raise
         call.state = "done"
-        self.counters.bump("chunks_batched" if write.joined else "engine_calls")
-        self.counters.bump("bytes_written", write.nbytes)
+        self.counters.bump_write(write.joined, write.nbytes)
         if call.staged is not None:
             self.counters.bump("chunks_staged")
         # one observation per engine call, by the write that led it (a joined write's bytes
