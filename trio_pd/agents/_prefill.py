@@ -576,9 +576,7 @@ class PrefillAgent:
                     if rec.announced is not None and self.dp_announcer is not None:
                         self.dp_announcer.forget(*rec.announced)  # (a reuse is announced)
                     self.timers.cancel_all(rec.timers)  # (its deadlines let it go now)
-                    after = self.table.forget(rec)
-                    if after:  # (mostly nothing)
-                        self._carry(rec, after)
+                    self._carry(rec, self.table.forget(rec))
                 case CancelWork(reason=reason):
                     for scope in list(rec.scopes):
                         scope.cancel(reason)
@@ -592,8 +590,7 @@ class PrefillAgent:
                 case _:
                     self._carry_one(room, effect)
         effect = None  # (no name for a Reject's error in this frame: _raise_reject)
-        # (the check inline, by exact type: most dues have none, and Reject has no subclass)
-        if due and type(due[-1]) is Reject:
+        if due and type(due[-1]) is Reject:  # (inline, exact type: most dues have none)
             _raise_reject(due)
 
     def _status(self, room: int, epoch: int, ok: bool, reason: str) -> _wire.Status:

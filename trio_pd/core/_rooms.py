@@ -502,6 +502,15 @@ class ChunkQueue:
     #: handed to the workers and not yet taken (dict as an ordered set: a third the size)
     queued: dict[Chunk, None] = field(default_factory=dict)
 
+    def add(self, chunk: Chunk, ready: bool) -> bool:
+        """A chunk just admitted: queued for the workers if the room is ``ready`` (True),
+        else kept waiting for the decode metadata (False)."""
+        if ready:
+            self.queued[chunk] = None
+        else:
+            self.waiting.append(chunk)
+        return ready
+
     def release(self) -> int:
         """The room became ready: every waiting chunk is queued; how many."""
         self.queued.update(dict.fromkeys(self.waiting))
@@ -688,11 +697,8 @@ class PrefillRoom:
         if slots is not None:  # (only the last chunk brings any: the room is unchanged else)
             self.state_slots = slots
         expected = self.expected_targets  # (ready, without the property's call)
-        # (ChunkQueue.add, inline: once a chunk)
-        if expected is None or len(self.targets) < expected:
-            self.chunks.waiting.append(chunk)  # kept for the decode metadata
+        if not self.chunks.add(chunk, expected is not None and len(self.targets) >= expected):
             return []
-        self.chunks.queued[chunk] = None  # for the workers
         self.cell.advance(KVPoll.Transferring)
         return [RunChunks(1)]
 
@@ -767,8 +773,7 @@ class PrefillRoom:
         if not self.ready:
             return []
         n = self.chunks.release()
-        # (WaitingForInput, or straight on to Transferring when chunks wait: one step, no
-        # reader in between, so one move, the same forward-only status as two)
+        # (one move, straight on to Transferring when chunks wait: no reader in between)
         self.cell.advance(KVPoll.Transferring if n else KVPoll.WaitingForInput)
         return [RunChunks(n)] if n else []
 
