@@ -119,7 +119,7 @@ async def test_cancel_all_cancels_each_once_clears_the_list_and_keeps_the_heap_b
     timers.clock = lambda: 0.0
     kept = [timers.after(300.0 + k, lambda: None) for k in range(10)]
     biggest = 0
-    for k in range(10_000):
+    for _ in range(10_000):
         timers.cancel_all([timers.after(300.0, lambda: None), timers.after(301.0, lambda: None)])
         biggest = max(biggest, len(timers._heap))
     assert len(timers) == len(kept) == 10
