@@ -920,3 +920,14 @@ def test_chunk_ranges_edges() -> None:
         chunk_ranges(4, 0)
     with pytest.raises(ValueError):
         chunk_ranges(-1, 4)
+
+
+def test_plan_small_declines_pages_of_another_size() -> None:
+    """Packed pools whose pages differ in size (another ``head_bytes``) with no head slice:
+    the general path refuses them, so the small path declines rather than planning blocks
+    of the source's size into the destination's pages (it reads the two pools' page sizes
+    from their kept geometry)."""
+    src = make_pool(head_bytes=2, base=100)
+    for dst in (make_pool(head_bytes=4, base=9, gap=8), make_pool(head_bytes=1, base=9, gap=8)):
+        assert plan_small(src, dst, [0, 1], [2, 3], None, RegionTable(dst.regions())) is None
+        _check_small(src, dst, [0, 1], [2, 3], None, RegionTable(dst.regions()), None)

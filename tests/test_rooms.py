@@ -923,3 +923,39 @@ TestPrefillRules = PrefillRules.TestCase
 TestPrefillRules.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestDecodeRules = DecodeRules.TestCase
 TestDecodeRules.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+
+
+def test_prefill_publishes_only_once_every_transfer_it_waits_for_is_in() -> None:
+    """A rank that serves two decode ranks has its chunks queued, and its outcome decided,
+    only once both TRANSFERs are in: a room whose chunks all settled after the first is not
+    published. The TRANSFER that releases waiting chunks leaves the room Transferring; one
+    that finds none, WaitingForInput."""
+    room = PrefillRoom(room=1, num_pages=2, aux_slot=0, pool_pages=POOL)
+    for rank in (0, 1):
+        if rank == 1:
+            assert room.admit(_pages(0, 2), True) == []  # (one TRANSFER in: it waits)
+            assert not room.publish_due and room.cell.status is KVPoll.Bootstrapping
+        due = room.add_target(
+            endpoint=f"e{rank}", session="s", decode_rank=rank, epoch=3, aux_slot=0,
+            num_pages=2, dst_pages=np.arange(2), peer=PEER, expected=2,
+        )
+    assert due == [RunChunks(1)] and room.cell.status is KVPoll.Transferring
+    taken = room.take_chunks(8)
+    assert taken is not None
+    assert PublishDue() in room.chunk_settled(taken[0], Outcome.COMPLETED, None)
+    # the rule itself: closed, nothing live, one TRANSFER of two in: not decidable yet
+    room = PrefillRoom(room=2, num_pages=2, aux_slot=0, pool_pages=POOL)
+    room.add_target(
+        endpoint="e0", session="s", decode_rank=0, epoch=3, aux_slot=0, num_pages=2,
+        dst_pages=np.arange(2), peer=PEER, expected=2,
+    )
+    room.leases.close()
+    assert not room.publish_due and room.publish(lambda *_: True) == []
+    # a TRANSFER that completes the set with no chunk waiting: WaitingForInput
+    room = PrefillRoom(room=3, num_pages=2, aux_slot=0, pool_pages=POOL)
+    for rank in (0, 1):
+        due = room.add_target(
+            endpoint=f"e{rank}", session="s", decode_rank=rank, epoch=3, aux_slot=0,
+            num_pages=2, dst_pages=np.arange(2), peer=PEER, expected=2,
+        )
+    assert due == [] and room.cell.status is KVPoll.WaitingForInput

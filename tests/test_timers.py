@@ -94,3 +94,33 @@ def test_cancelled_deadlines_never_grow_the_heap_past_twice_the_armed_ones() -> 
         biggest = max(biggest, len(timers._heap))
     assert len(timers) == len(armed) == 10
     assert biggest <= 2 * 10 + 66
+
+
+async def test_cancel_all_cancels_each_once_clears_the_list_and_keeps_the_heap_bounded(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A room's deadlines, cancelled together when it is forgotten (``cancel_all``): none
+    runs, the room's list is emptied, one that ran or was cancelled already is not counted
+    twice, and rooms forgotten by the thousand leave the heap bounded as single cancels do."""
+    timers = Timers()
+    fired: list[str] = []
+    ran = timers.after(1.0, lambda: fired.append("ran"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timers.run)
+        await trio.sleep(2.0)
+        room = [timers.after(5.0, lambda: fired.append("a")), ran,
+                timers.after(9.0, lambda: fired.append("b"))]
+        timers.cancel(room[2])  # (cancelled once already: counted once)
+        timers.cancel_all(room)
+        assert room == [] and len(timers) == 0
+        await trio.sleep(20.0)
+        nursery.cancel_scope.cancel()
+    assert fired == ["ran"]
+    timers.clock = lambda: 0.0
+    kept = [timers.after(300.0 + k, lambda: None) for k in range(10)]
+    biggest = 0
+    for _ in range(10_000):
+        timers.cancel_all([timers.after(300.0, lambda: None), timers.after(301.0, lambda: None)])
+        biggest = max(biggest, len(timers._heap))
+    assert len(timers) == len(kept) == 10
+    assert biggest <= 2 * 10 + 66 + 2

@@ -198,7 +198,7 @@ class ChunkPlanner:
         """Whether this chunk's pages for ``peer`` go through staging (see _staging): head
         slices for a decode rank of a larger TP, or whole pages for a target whose
         destination is the peer's landing area (trio_pd.core._landing)."""
-        if not (len(chunk.pages) > 0 and self.staging.usable) or peer.heads is None:
+        if not (chunk.pages.size > 0 and self.staging.usable) or peer.heads is None:
             return False
         if self._heads_staged(peer):
             return True
@@ -257,7 +257,10 @@ class ChunkPlanner:
         prepare = None
         # layer-wise: both sides seen as pools of the chunk's layers only (their buffers);
         # a landing target's destination is the peer's landing area (_landing)
-        src_pool, dst_pool = self._layer_views(chunk.layers, peer, target.landing)
+        if chunk.layers is None and not target.landing:  # (_layer_views' answer, no call)
+            src_pool, dst_pool = self.pool, peer.pool
+        else:
+            src_pool, dst_pool = self._layer_views(chunk.layers, peer, target.landing)
         src_pages = chunk.pages
         skip = target.prefix - chunk.start  # pages of the chunk decode holds already
         if skip > 0:
@@ -327,9 +330,9 @@ class ChunkPlanner:
         src: Pages | list[int] = []
         dst: Pages | list[int] = []
         heads = None
-        n = len(src_pages)
+        n = src_pages.size  # (a 1-D array, as the chunk's: no len call)
         if peer.heads is not None and n:
-            first = chunk.start + len(chunk.pages) - n - target.prefix
+            first = chunk.start + chunk.pages.size - n - target.prefix
             src = src_pages
             dst = target.dst_pages[first : first + n]
             heads = self._mha(peer)
@@ -595,8 +598,7 @@ class ChunkRunner:
                     raise lost from exc
             raise
         call.state = "done"
-        self.counters.bump("chunks_batched" if write.joined else "engine_calls")
-        self.counters.bump("bytes_written", write.nbytes)
+        self.counters.bump_write(write.joined, write.nbytes)
         if call.staged is not None:
             self.counters.bump("chunks_staged")
         # one observation per engine call, by the write that led it (a joined write's bytes

@@ -299,9 +299,16 @@ class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
         later :meth:`wait` says so (leaving the room's block, or :meth:`abort`, gives it
         back through ``on_release``).
         """
-        # (RoomHandle.wait's body, not a call of it: one coroutine frame fewer to resume)
+        # (RoomHandle.wait's body, not a call of it: one coroutine frame fewer to resume;
+        # and _status and _deliver written out, one request each)
         await self._room.terminal.wait()
-        return self._deliver(self._status())
+        rec = self._room
+        if rec.withdrawn is not None:
+            return KVPoll.Failed
+        status = rec.machine.cell.status
+        if status is KVPoll.Success:
+            rec.delivered = True
+        return status
 
     async def wait_released(self) -> None:
         """Wait until ``on_release`` has run (after a failure, or for a Success given up
@@ -436,7 +443,7 @@ class DecodeAgent:
         size from its first such answer. :class:`~trio_pd.ConfigurationError` for a
         ``dp_rank`` that is not an int in ``[0, 1024)``; a DP rank the instance does not have
         fails the room (:class:`~trio_pd.BootstrapError`, the service's 404)."""
-        room = as_index(room, "room")
+        room = room if type(room) is int else as_index(room, "room")  # (an int: no call)
         if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on decode rank {self.tp_rank}")
         if "?" in bootstrap_url:
@@ -566,7 +573,8 @@ class DecodeAgent:
                     self._arm(rec, self.table.timer(rec, "waiting"))
                     self.wire.send_transfers(rec)
                 case Succeeded():
-                    self.wire.give_landing(rec)  # (scattered already, before Success)
+                    if rec.landing is not None:  # (most rooms hold no landing range)
+                        self.wire.give_landing(rec)  # (scattered already, before Success)
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Forget():
@@ -668,7 +676,7 @@ class DecodeWire:
                 decode_rank=self.agent.tp_rank,
                 aux_slot=machine.aux_slot,
                 required=len(rec.sources),
-                num_pages=len(machine.pages),
+                num_pages=machine.pages.size,
                 prefix_pages=machine.prefix_pages,
                 state_slots=tuple(tuple(s.tolist()) for s in machine.state_slots)
                 if self.agent.pool.states else msgspec.UNSET,

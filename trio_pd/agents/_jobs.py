@@ -68,9 +68,9 @@ class JobQueues(Generic[J]):
         serving = self._serving.get(key, 0)
         if (
             nursery is None
-            or nursery.cancel_scope.cancel_called
             or serving >= self.per_key
             or not self._queues[key]
+            or nursery.cancel_scope.cancel_called  # (last: a property that reads the clock)
         ):
             return
         self._serving[key] = serving + 1

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
@@ -107,6 +108,9 @@ if TYPE_CHECKING:
     from ..metrics import AgentMetrics
 
 log = logging.getLogger("trio_pd.prefill")
+
+#: a target's endpoint (the job queues' key is the tuple of a room's)
+_ENDPOINT = attrgetter("endpoint")
 
 #: why a closing agent fails the rooms it still holds (and tells their decode ranks)
 CLOSED = "prefill agent closed"
@@ -463,7 +467,7 @@ class PrefillAgent:
         that is treated as one for another use of the room (acked, the room left alone: a late
         ABORT of an old use must not kill this one); the room then fails at its bootstrap
         deadline if no TRANSFER follows."""
-        room = as_index(room, "room")
+        room = room if type(room) is int else as_index(room, "room")  # (an int: no call)
         if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on prefill rank {self.tp_rank}")
         pool = self.pool
@@ -586,7 +590,7 @@ class PrefillAgent:
                 case _:
                     self._carry_one(room, effect)
         effect = None  # (no name for a Reject's error in this frame: _raise_reject)
-        if due and isinstance(due[-1], Reject):  # (the check inline: most dues have none)
+        if due and type(due[-1]) is Reject:  # (inline, exact type: most dues have none)
             _raise_reject(due)
 
     def _status(self, room: int, epoch: int, ok: bool, reason: str) -> _wire.Status:
@@ -655,7 +659,8 @@ class PrefillWorkers:
 
     def queue(self, rec: _Room, job: _Job) -> None:
         """Queue a room's job behind the jobs for the same decode peers only (see _jobs)."""
-        self.agent.jobs.put(tuple(t.endpoint for t in rec.machine.targets.values()), (rec, job))
+        # (map with attrgetter: no generator frame to start and resume, a call each)
+        self.agent.jobs.put(tuple(map(_ENDPOINT, rec.machine.targets.values())), (rec, job))
 
     async def run_job(self, item: tuple[_Room, _Job]) -> None:
         """One job, in a task of :attr:`PrefillAgent.jobs` (a job with nothing left to do

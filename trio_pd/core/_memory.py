@@ -860,8 +860,10 @@ def stamp_aux_row(pool: PoolSpec, slot: int, room: int, epoch: int) -> None:
     :attr:`~PoolSpec.aux_kind`) with a device copy that has landed when this returns, so the
     engine call that follows reads the stamp. Raises :class:`~trio_pd.EngineError` if the
     copy fails."""
-    address, stamp = aux_row_address(pool, slot), AUX_STAMP.pack(room, epoch)
-    kind = pool.aux_kind
+    # (aux_row_address and aux_kind, inline: once a request on the event loop)
+    address, stamp = pool.aux_base + slot * pool.aux_item_len, AUX_STAMP.pack(room, epoch)
+    kinds = pool._kinds
+    kind = None if kinds is None else kinds[len(pool.buffer_bases)]
     if kind is not None and kind.device is not None:
         from ..io._cuda import write
 
@@ -875,7 +877,8 @@ def read_aux_stamp(pool: PoolSpec, slot: int) -> tuple[int, int]:
     (from a CUDA device with a device copy when the pool's aux buffer lives there)."""
     # (aux_row_address and aux_kind, inline: once a request on the event loop)
     address = pool.aux_base + slot * pool.aux_item_len
-    kind = None if pool._kinds is None else pool.aux_kind
+    kinds = pool._kinds
+    kind = None if kinds is None else kinds[len(pool.buffer_bases)]
     if kind is not None and kind.device is not None:
         from ..io._cuda import read
 
@@ -951,13 +954,18 @@ def pool_page_ids(
     :class:`~trio_pd.ProtocolError` (anything the quick path does not pass goes through them
     both); the quick path (up to :data:`SMALL` ids of a 1-D integer array or list) is one
     conversion, one pass over Python ints and one copy."""
-    try:
-        arr = np.asarray(pages)
-    except (TypeError, ValueError, OverflowError):
-        arr = None  # (page_ids says why)
+    if type(pages) is np.ndarray:  # (an array already, the usual chunk: no conversion call)
+        arr: npt.NDArray[Any] | None = pages
+    else:
+        try:
+            arr = np.asarray(pages)
+        except (TypeError, ValueError, OverflowError):
+            arr = None  # (page_ids says why)
     if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and 0 < arr.size <= SMALL:
-        values = arr.tolist()
-        if min(values) >= 0 and max(values) < num_pages and len(set(values)) == arr.size:
+        # sorted: the least and the greatest in one call (min and max are two); a chunk's
+        # ids are mostly ascending already, one run for the sort to find
+        values = sorted(arr.tolist())
+        if values[0] >= 0 and values[-1] < num_pages and len(set(values)) == arr.size:
             return arr.astype(dtype)  # (a copy: never the caller's array)
     ids = page_ids(pages)
     validate_pages(ids, num_pages)

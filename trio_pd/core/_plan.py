@@ -508,8 +508,11 @@ def _few_runs(
         if k.size > SMALL_CHUNK:
             return None
         return s0.tolist(), d0.tolist(), k.tolist()
-    sl = src_pages.tolist() if isinstance(src_pages, np.ndarray) else list(src_pages)
-    dl = dst_pages.tolist() if isinstance(dst_pages, np.ndarray) else list(dst_pages)
+    # (an exact array, the usual case, without an isinstance call)
+    sl = src_pages.tolist() if type(src_pages) is np.ndarray or isinstance(
+        src_pages, np.ndarray) else list(src_pages)
+    dl = dst_pages.tolist() if type(dst_pages) is np.ndarray or isinstance(
+        dst_pages, np.ndarray) else list(dst_pages)
     a, b = sl[0], dl[0]
     if (
         sl[-1] - a == n - 1 == dl[-1] - b
@@ -546,10 +549,12 @@ def plan_small(
     n = len(src_pages)
     if n != len(dst_pages):
         return None
-    num_buffers = src.num_buffers
+    # (each pool's geometry read once, not through four properties: a call per chunk each)
+    num_buffers = len(src.buffer_bases)
+    sg, dg = src._geometry(), dst._geometry()
     if n and (
-        not (src.packed and dst.packed)
-        or num_buffers != dst.num_buffers
+        not (sg.packed and dg.packed)
+        or num_buffers != len(dst.buffer_bases)
         or src.page_size != dst.page_size
         or not (heads is None or _holds_exactly(src, dst, heads))
     ):
@@ -558,8 +563,8 @@ def plan_small(
     d: list[int] = []
     lens: list[int] = []
     if n and num_buffers:
-        item = src.item_len
-        if item != dst.item_len:
+        item = sg.item_len  # (packed pools have one page size: never None here)
+        if item is None or item != dg.item_len:
             return None
         runs = _few_runs(src_pages, dst_pages, n)
         if runs is None:
@@ -586,8 +591,9 @@ def _finish_small(
             or not 0 <= a < asrc.aux_slots or not 0 <= b < adst.aux_slots
         ):
             return None
-        s.append(aux_row_address(asrc, a))
-        d.append(aux_row_address(adst, b))
+        # (aux_row_address of the first aux buffer, inline: neither pool has another)
+        s.append(asrc.aux_base + a * asrc.aux_item_len)
+        d.append(adst.aux_base + b * adst.aux_item_len)
         lens.append(asrc.aux_item_len)
     base_list, reach_list = regions.base_list, regions.reach_list
     for x, k in zip(d, lens, strict=True):

@@ -543,11 +543,11 @@ class ChunkQueue:
             return None
         first = next(iter(self.queued))
         del self.queued[first]
-        npages = len(first.pages)
+        npages = first.pages.size  # (a chunk's pages are a 1-D array: size, not a len call)
         group = [first]
         layers = first.layers
         for following in self.queued:  # admission order (a dict keeps insertion order)
-            n = len(following.pages)
+            n = following.pages.size
             if (
                 following.layers == first.layers
                 and layers == first.layers
@@ -559,14 +559,14 @@ class ChunkQueue:
                 len(group) == 1 or layers != first.layers
             ) and layers is not None and following.layers is not None and (
                 following.start == first.start
-                and n == len(first.pages)
+                and n == first.pages.size
                 and following.layers[0] == layers[1]
             ):
                 layers = (layers[0], following.layers[1])
             else:
                 break
             group.append(following)
-        if len(group) == 1:
+        if group[-1] is first:  # (alone)
             return first, 0
         for following in group[1:]:
             del self.queued[following]
@@ -772,12 +772,10 @@ class PrefillRoom:
         self.expected_targets = expected
         if not self.ready:
             return []
-        self.cell.advance(KVPoll.WaitingForInput)
         n = self.chunks.release()
-        if not n:
-            return []
-        self.cell.advance(KVPoll.Transferring)
-        return [RunChunks(n)]
+        # (one move, straight on to Transferring when chunks wait: no reader in between)
+        self.cell.advance(KVPoll.Transferring if n else KVPoll.WaitingForInput)
+        return [RunChunks(n)] if n else []
 
     # ---------------------------------------------------------------- publication
 
@@ -788,7 +786,8 @@ class PrefillRoom:
             return False
         if self.cell.status is KVPoll.Failed:
             return True
-        return self.leases.closed and self.ready
+        expected = self.expected_targets  # (ready, without the property's call: 4 a request)
+        return self.leases.closed and expected is not None and len(self.targets) >= expected
 
     def publish(self, send: StatusSend) -> Due:
         """Decide and send the room's outcome (SPEC §5.4). It is synchronous and
@@ -888,7 +887,8 @@ class PrefillRoom:
     def _settle(self) -> Due:
         """What a change of leases made due: acks, then the release, then forgetting the room
         once it holds nothing and owes nothing."""
-        due: Due = [SendAck(ep, e) for ep, e in self.acks.due(self.leases)]
+        owed = self.acks.due(self.leases)
+        due: Due = [SendAck(ep, e) for ep, e in owed] if owed else []
         if self.leases.take_release():
             self.released = True
             due.append(Release())

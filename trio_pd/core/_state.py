@@ -172,7 +172,7 @@ class LeaseBook:
     def take_release(self) -> bool:
         """True exactly once: when the room is closed and holds nothing. The caller then runs
         the room's release callback."""
-        if self.released or not self.closed or not self.holds_nothing:
+        if self.released or not self.closed or self.live or self.quarantined:  # (holds_nothing)
             return False
         self.released = True
         return True
@@ -201,6 +201,8 @@ class AckBook:
 
     def due(self, leases: LeaseBook) -> list[tuple[str, int]]:
         """The (endpoint, epoch) pairs to ack now; each is returned once."""
+        if not self.targets:  # (no ABORT, no shutdown: none owed, as most rooms)
+            return []
         if not leases.closed or not leases.holds_nothing:
             return []
         out = [(ep, e) for ep, e in self.targets.items() if ep not in self.acked]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
@@ -626,8 +627,9 @@ class DecodeRooms(Generic[D]):
         if rec is None:
             return [Count("late_messages")]
         check(rec)
+        # (partial, not a lambda: the machine's call of it runs no frame of ours)
         return rec.machine.on_status(
-            rank, ok, reason, lambda: aux_ok(rec), None if land is None else lambda: land(rec)
+            rank, ok, reason, partial(aux_ok, rec), None if land is None else partial(land, rec)
         )
 
     def on_ack(self, room_id: int, epoch: int, rank: int, check: Callable[[D], None]) -> Due:

@@ -82,9 +82,19 @@ class Timers:
     def cancel_all(self, timers: list[Timer]) -> None:
         """:meth:`cancel` each of ``timers`` (a room's, when it is forgotten), and forget
         them."""
-        for timer in timers:
-            self.cancel(timer)
+        cancelled = 0
+        for timer in timers:  # (cancel's body, once a timer, without its call)
+            if timer[2] is not None:
+                timer[2] = None
+                cancelled += 1
         timers.clear()
+        if cancelled:
+            self._cancelled += cancelled
+            heap = self._heap
+            if self._cancelled > _COMPACT_MIN and self._cancelled * 2 > len(heap):
+                heap[:] = [t for t in heap if t[2] is not None]
+                heapq.heapify(heap)
+                self._cancelled = 0
 
     async def run(self) -> None:
         """Run due actions until cancelled.
