@@ -299,16 +299,9 @@ class DecodeReceiver(RoomHandle["DecodeAgent", _Room]):
         later :meth:`wait` says so (leaving the room's block, or :meth:`abort`, gives it
         back through ``on_release``).
         """
-        # (RoomHandle.wait's body, not a call of it: one coroutine frame fewer to resume;
-        # and _status and _deliver written out, one request each)
+        # (RoomHandle.wait's body, not a call of it: one coroutine frame fewer to resume)
         await self._room.terminal.wait()
-        rec = self._room
-        if rec.withdrawn is not None:
-            return KVPoll.Failed
-        status = rec.machine.cell.status
-        if status is KVPoll.Success:
-            rec.delivered = True
-        return status
+        return self._deliver(self._status())
 
     async def wait_released(self) -> None:
         """Wait until ``on_release`` has run (after a failure, or for a Success given up

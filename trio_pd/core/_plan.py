@@ -508,11 +508,8 @@ def _few_runs(
         if k.size > SMALL_CHUNK:
             return None
         return s0.tolist(), d0.tolist(), k.tolist()
-    # (an exact array, the usual case, without an isinstance call)
-    sl = src_pages.tolist() if type(src_pages) is np.ndarray or isinstance(
-        src_pages, np.ndarray) else list(src_pages)
-    dl = dst_pages.tolist() if type(dst_pages) is np.ndarray or isinstance(
-        dst_pages, np.ndarray) else list(dst_pages)
+    sl = src_pages.tolist() if isinstance(src_pages, np.ndarray) else list(src_pages)
+    dl = dst_pages.tolist() if isinstance(dst_pages, np.ndarray) else list(dst_pages)
     a, b = sl[0], dl[0]
     if (
         sl[-1] - a == n - 1 == dl[-1] - b

@@ -786,8 +786,7 @@ class PrefillRoom:
             return False
         if self.cell.status is KVPoll.Failed:
             return True
-        expected = self.expected_targets  # (ready, without the property's call: 4 a request)
-        return self.leases.closed and expected is not None and len(self.targets) >= expected
+        return self.leases.closed and self.ready
 
     def publish(self, send: StatusSend) -> Due:
         """Decide and send the room's outcome (SPEC §5.4). It is synchronous and

@@ -272,7 +272,7 @@ def count_room_end(
         kind = "succeeded"
     else:
         kind = "aborted" if isinstance(error, TransferAborted) else "failed"
-    counters._values[kind] += 1  # (bump, without its call: the three names are counters)
+    counters.bump(kind)
     if metrics is not None:
         if error is not None:
             metrics.observe_failure(error)

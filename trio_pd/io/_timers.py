@@ -72,29 +72,30 @@ class Timers:
         if timer[2] is None:
             return
         timer[2] = None
-        self._cancelled += 1
-        heap = self._heap
-        if self._cancelled > _COMPACT_MIN and self._cancelled * 2 > len(heap):
-            heap[:] = [t for t in heap if t[2] is not None]
-            heapq.heapify(heap)
-            self._cancelled = 0
+        self._let_go(1)
 
     def cancel_all(self, timers: list[Timer]) -> None:
         """:meth:`cancel` each of ``timers`` (a room's, when it is forgotten), and forget
         them."""
         cancelled = 0
-        for timer in timers:  # (cancel's body, once a timer, without its call)
+        for timer in timers:  # (cancel's mark, once a timer, without its call)
             if timer[2] is not None:
                 timer[2] = None
                 cancelled += 1
         timers.clear()
         if cancelled:
-            self._cancelled += cancelled
-            heap = self._heap
-            if self._cancelled > _COMPACT_MIN and self._cancelled * 2 > len(heap):
-                heap[:] = [t for t in heap if t[2] is not None]
-                heapq.heapify(heap)
-                self._cancelled = 0
+            self._let_go(cancelled)
+
+    def _let_go(self, cancelled: int) -> None:
+        """``cancelled`` more entries of the heap are dead: once they are over half of it
+        (and more than :data:`_COMPACT_MIN`), the heap is rebuilt without them, so a
+        cancelled action and what it holds are let go now, not at their deadline."""
+        self._cancelled += cancelled
+        heap = self._heap
+        if self._cancelled > _COMPACT_MIN and self._cancelled * 2 > len(heap):
+            heap[:] = [t for t in heap if t[2] is not None]
+            heapq.heapify(heap)
+            self._cancelled = 0
 
     async def run(self) -> None:
         """Run due actions until cancelled.
