@@ -470,7 +470,10 @@ async def test_forged_abort_and_stray_transfer_cannot_end_a_waiting_room(
 
 # ------------------------------------------------- a caller's arguments: integers, or refused
 
-NOT_PAGE_IDS: list[Any] = [[4.7, 5.2], [True], ["3"], "ab", None, [2**70], [[0], [1, 2]]]
+NOT_PAGE_IDS: list[Any] = [
+    [4.7, 5.2], [True], ["3"], "ab", None, [2**70], [[0], [1, 2]],
+    [True, 2], (3, np.bool_(False)), [[1], [True]],  # (numpy makes these integer arrays)
+]
 
 
 @pytest.mark.parametrize("pages", NOT_PAGE_IDS, ids=repr)

@@ -940,7 +940,22 @@ def page_ids(pages: object) -> npt.NDArray[np.int64]:
         raise ProtocolError(f"page ids must be integers, not {arr.dtype} ({arr.dtype.kind})")
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise ProtocolError(f"page id {int(arr.max())} is out of range")
+    if _holds_a_bool(pages):
+        raise ProtocolError("page ids must be integers, not bools")
     return arr.astype(np.int64, copy=True).reshape(-1)
+
+
+def _holds_a_bool(pages: object) -> bool:
+    """Whether ids given as a sequence (not an array) hold a bool anywhere: ``np.asarray``
+    makes ``[True, 2]`` an integer array, so its dtype alone does not tell. An array's dtype
+    does (a bool array's kind is ``"b"``)."""
+    if isinstance(pages, np.ndarray):
+        return False
+    try:
+        items = np.asarray(pages, dtype=object).reshape(-1)
+    except (TypeError, ValueError):
+        return False  # (the integer conversion has said why already)
+    return any(isinstance(x, (bool, np.bool_)) for x in items)
 
 
 def pool_page_ids(
@@ -959,7 +974,10 @@ def pool_page_ids(
             arr = np.asarray(pages)
         except (TypeError, ValueError, OverflowError):
             arr = None  # (page_ids says why)
-    if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and 0 < arr.size <= SMALL:
+    if (
+        arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and 0 < arr.size <= SMALL
+        and (arr is pages or not _holds_a_bool(pages))
+    ):
         # sorted: the least and the greatest in one call (min and max are two); a chunk's
         # ids are mostly ascending already, one run for the sort to find
         values = sorted(arr.tolist())
