@@ -285,6 +285,37 @@ async def test_a_failed_staged_write_keeps_its_range_until_the_room_is_released(
         assert faulty[0].statistics().faults.get("partial", 0) == 1
 
 
+@pytest.mark.parametrize("where", ["gather", "plan", "quick plan"])
+async def test_a_staged_chunk_whose_planning_fails_gives_its_range_back(
+    engine_name: str, bootstrap_url: str, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Planning a staged chunk raises after its range was reserved (making the gather, the
+    general plan, or the quick plan): no engine call was made, so the range goes back at
+    once and the room fails; it stayed reserved for good when the gather or the general
+    plan raised."""
+    from trio_pd.agents import _chunks
+
+    def boom(*_args: object, **_kwargs: object) -> Any:
+        raise RuntimeError(f"test: the {where} failed")
+
+    async with open_cluster(engine_name, bootstrap_url, _opts(engine_name)) as c:
+        agent = c.prefill[0].agent
+        area = agent.runner.planner.staging
+        if where == "gather":
+            monkeypatch.setattr(area, "gatherer", boom)
+        elif where == "plan":
+            monkeypatch.setattr(_chunks, "plan_staged_small", lambda *_a: None)
+            monkeypatch.setattr(_chunks, "plan_staged", boom)
+        else:
+            monkeypatch.setattr(_chunks, "plan_staged_small", boom)
+        events = {k: trio.Event() for k in ("p", "d0", "d1")}
+        sender, _receivers, _ = await _room(c, 11, 8, events)
+        with trio.fail_after(15):
+            assert await sender.wait() is KVPoll.Failed
+            await events["p"].wait()
+        assert area.units_reserved == 0 and area.held == 0
+
+
 async def test_the_area_stays_allocated_when_the_agent_closes_with_a_range_held(
     bootstrap_url: str,
 ) -> None:

@@ -122,7 +122,11 @@ class Rank:
         try:
             await self.turns.wait(turn)
             rows = await self.pages.alloc(n)
-            aux_rows = await self.aux.alloc(1)
+            try:
+                aux_rows = await self.aux.alloc(1)
+            except BaseException:  # (cancelled waiting for an aux row: the rows go back)
+                self.pages.free(rows)
+                raise
         finally:
             self.turns.end(turn)
         return rows, aux_rows

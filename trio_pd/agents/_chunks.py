@@ -285,17 +285,21 @@ class ChunkPlanner:
                     self.pool.first_head, self.pool.first_head + self.pool.heads
                 )
                 assert heads is not None
-                prepare = self.staging.gatherer(
-                    self.pool, src_pages, heads, r, dst_pool.item_lens,
-                    buffers=self._buffers(chunk.layers),
-                )
-                quick = None
-                if not (chunk.last and self.pool.states):
-                    quick = self._plan_staged_small(room, chunk, target, peer, call, src_pool,
-                                                    dst_pool, dst)
-                if quick is not None:
-                    return quick, prepare
-                parts.append(plan_staged(src_pool, dst_pool, dst, r.addr))
+                try:
+                    prepare = self.staging.gatherer(
+                        self.pool, src_pages, heads, r, dst_pool.item_lens,
+                        buffers=self._buffers(chunk.layers),
+                    )
+                    quick = None
+                    if not (chunk.last and self.pool.states):
+                        quick = self._plan_staged_small(room, chunk, target, peer, call,
+                                                        src_pool, dst_pool, dst)
+                    if quick is not None:
+                        return quick, prepare
+                    parts.append(plan_staged(src_pool, dst_pool, dst, r.addr))
+                except BaseException:
+                    self._unstage(call)
+                    raise
             else:
                 # both page lists were validated when they arrived (admit, add_target)
                 parts.append(
@@ -314,11 +318,16 @@ class ChunkPlanner:
             blocks = parts[0] if len(parts) == 1 else concat(parts)
             validate_blocks(blocks, peer.regions)  # I8: nothing lands outside decode's memory
         except BaseException:
-            if call.staged is not None:  # (no engine call was made: nothing reads it)
-                self.staging.give(call.staged)
-                call.staged = None
+            self._unstage(call)
             raise
         return blocks, prepare
+
+    def _unstage(self, call: _Call) -> None:
+        """Planning ``call`` failed: its staging range goes back (no engine call was made,
+        so nothing reads it)."""
+        if call.staged is not None:
+            self.staging.give(call.staged)
+            call.staged = None
 
     def _plan_small(
         self, room: PrefillRoom, chunk: Chunk, target: Target, peer: DecodePeer,
@@ -357,13 +366,8 @@ class ChunkPlanner:
             aux = (self.pool, peer.pool, room.aux_slot, target.aux_slot)
         blocks = plan_staged_small(src_pool, dst_pool, dst_pages, call.staged.addr, aux,
                                    peer.regions)
-        if blocks is not None and aux is not None:
-            try:
-                stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
-            except BaseException:  # (no engine call was made: nothing reads the range)
-                self.staging.give(call.staged)
-                call.staged = None
-                raise
+        if blocks is not None and aux is not None:  # (a failure: plan gives the range back)
+            stamp_aux_row(self.pool, room.aux_slot, room.room, target.epoch)
         return blocks
 
     def _layer_views(

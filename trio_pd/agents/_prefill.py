@@ -590,7 +590,7 @@ class PrefillAgent:
                 case _:
                     self._carry_one(room, effect)
         effect = None  # (no name for a Reject's error in this frame: _raise_reject)
-        if due and type(due[-1]) is Reject:  # (inline, exact type: most dues have none)
+        if due and isinstance(due[-1], Reject):  # (the check inline: most dues have none)
             _raise_reject(due)
 
     def _status(self, room: int, epoch: int, ok: bool, reason: str) -> _wire.Status:

@@ -860,9 +860,9 @@ def stamp_aux_row(pool: PoolSpec, slot: int, room: int, epoch: int) -> None:
     :attr:`~PoolSpec.aux_kind`) with a device copy that has landed when this returns, so the
     engine call that follows reads the stamp. Raises :class:`~trio_pd.EngineError` if the
     copy fails."""
-    # (aux_row_address inline, and aux_kind only where kinds are known: once a request)
+    # (aux_row_address inline: once a request on the event loop)
     address, stamp = pool.aux_base + slot * pool.aux_item_len, AUX_STAMP.pack(room, epoch)
-    kind = None if pool._kinds is None else pool.aux_kind
+    kind = pool.aux_kind
     if kind is not None and kind.device is not None:
         from ..io._cuda import write
 
@@ -876,7 +876,7 @@ def read_aux_stamp(pool: PoolSpec, slot: int) -> tuple[int, int]:
     (from a CUDA device with a device copy when the pool's aux buffer lives there)."""
     # (aux_row_address and aux_kind, inline: once a request on the event loop)
     address = pool.aux_base + slot * pool.aux_item_len
-    kind = None if pool._kinds is None else pool.aux_kind
+    kind = pool.aux_kind
     if kind is not None and kind.device is not None:
         from ..io._cuda import read
 

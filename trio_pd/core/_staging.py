@@ -149,12 +149,16 @@ class StagingArea:
     @property
     def region(self) -> Region:
         """The area's memory, allocated on first use (host memory, page-aligned)."""
+        self._allocate()
+        return Region(self._base, self.units * self.unit, HOST)
+
+    def _allocate(self) -> None:
+        """The area's memory, made on first use (page-aligned host memory)."""
         if self._mem is None:
             raw = np.empty(self.units * self.unit + ALIGN, dtype=np.uint8)
             skip = -raw.ctypes.data % ALIGN
             self._mem = raw[skip : skip + self.units * self.unit]
             self._base = int(self._mem.ctypes.data)
-        return Region(self._base, self.units * self.unit, HOST)
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """A free run of units holding ``nbytes``, or None when there is none now."""
@@ -162,8 +166,8 @@ class StagingArea:
         first = self._runs.take(k) if nbytes > 0 else None
         if first is None:
             return None
-        if self._mem is None:  # (allocated on first use; a Region each call no more)
-            self.region  # noqa: B018
+        if self._mem is None:
+            self._allocate()
         return Reservation(first, k, self._base + first * self.unit, nbytes)
 
     def give(self, r: Reservation) -> None:

@@ -172,7 +172,7 @@ class LeaseBook:
     def take_release(self) -> bool:
         """True exactly once: when the room is closed and holds nothing. The caller then runs
         the room's release callback."""
-        if self.released or not self.closed or self.live or self.quarantined:  # (holds_nothing)
+        if self.released or not self.closed or not self.holds_nothing:
             return False
         self.released = True
         return True
