@@ -30,9 +30,9 @@ from .helpers.agents import host_pool, open_pair, poll_until
 from .helpers.aio import open_agents as open_aio_agents
 from .helpers.cluster import open_cluster
 from .helpers.faults import break_the_drain
+from .helpers.pp import BOUND, PAGES, check_layers, open_pp
 from .helpers.threads import agents
 from .helpers.threads import poll_until as thread_poll_until
-from .test_pp import BOUND, PAGES, _check_layers, open_pp
 
 
 def ready_room(num_pages: int, num_layers: int) -> PrefillRoom:
@@ -215,7 +215,7 @@ async def test_pipeline_stages_stream_their_own_layers(
                 s.send(src, layers=range(layer, layer + 1), last=layer == 1)
         with trio.fail_after(BOUND):
             assert await receiver.wait() is KVPoll.Success, receiver.failure
-        _check_layers(c, room, dst)
+        check_layers(c, room, dst)
         assert c.decode_pools[0].aux_ok(5, room)
 
 

@@ -9,8 +9,6 @@ per-token loop would copy. Every fake "byte" is an int64 that encodes where it c
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Literal
 
 import numpy as np
@@ -44,62 +42,14 @@ from trio_pd.core._topology import (
     write_heads,
 )
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+from .helpers.plans import FAST, PATHS, assert_same_blocks, make_pool, on_path
 
 Mem = npt.NDArray[np.int64]
 
-#: The hot-path helpers take lists up to ``_memory.SMALL`` elements and numpy above; these
-#: tests' inputs are small, so each runs once per path with the threshold moved.
-PATHS = pytest.mark.parametrize("path", ["lists", "numpy"])
-
-
-@contextmanager
-def on_path(path: str) -> Iterator[None]:
-    saved = _memory.SMALL
-    _memory.SMALL = saved if path == "lists" else -1
-    try:
-        yield
-    finally:
-        _memory.SMALL = saved
 
 # --------------------------------------------------------------------------------------------
 # Helpers: pools, fake memory, memcpy, naive reference planner
 # --------------------------------------------------------------------------------------------
-
-
-def make_pool(
-    *,
-    layout: Literal["mha", "mla"] = "mha",
-    page_size: int = 4,
-    num_pages: int = 8,
-    num_layers: int = 2,
-    head_bytes: int = 2,
-    heads: int = 1,
-    first_head: int = 0,
-    base: int = 64,
-    gap: int = 16,
-    aux_item_len: int = 8,
-    aux_slots: int = 4,
-) -> PoolSpec:
-    """Buffers laid out one after another from ``base`` with ``gap`` unused bytes between
-    them (so a block that crosses a buffer edge lands in a gap and is noticed)."""
-    item_len = page_size * heads * head_bytes
-    num_buffers = 2 * num_layers if layout == "mha" else num_layers
-    stride = num_pages * item_len + gap
-    bases = tuple(base + i * stride for i in range(num_buffers))
-    return PoolSpec(
-        layout=layout,
-        page_size=page_size,
-        num_pages=num_pages,
-        num_layers=num_layers,
-        head_bytes=head_bytes,
-        heads=heads,
-        first_head=first_head,
-        buffer_bases=bases,
-        aux_base=base + num_buffers * stride,
-        aux_item_len=aux_item_len,
-        aux_slots=aux_slots,
-    )
 
 
 def mem_size(pool: PoolSpec) -> int:
@@ -688,10 +638,7 @@ def _check_small(
                             and src.page_size == dst.page_size) or not sp)
         assert want is None or not applies  # declined only what it does not plan
         return
-    assert want is not None and again is not None
-    for got, ref, arr in zip(small, want, again, strict=True):
-        assert got.dtype == arr.dtype == np.uint64
-        assert got.tolist() == ref.tolist() == arr.tolist()
+    assert_same_blocks(small, again, want)
 
 
 @FAST

@@ -10,9 +10,6 @@ shows. Every wait is bounded.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -21,135 +18,32 @@ import trio
 
 from trio_pd import (
     BootstrapError,
-    DecodeAgent,
     DecodeConfig,
     IncompatiblePeer,
     KVPoll,
-    PrefillAgent,
     PrefillConfig,
     RemoteFailure,
-    open_decode,
     open_prefill,
 )
 from trio_pd.bootstrap._bootstrap_client import BootstrapClient, PrefillRankInfo
 from trio_pd.core._errors import ConfigurationError, NotReady
 from trio_pd.core._memory import layer_buffers, layer_view
-from trio_pd.core._topology import head_range, pairing_problem, source_ranks, writes_aux
+from trio_pd.core._topology import pairing_problem, source_ranks, writes_aux
 from trio_pd.engines import TransferEngine, make_engine
 from trio_pd.engines.fault import Fault, FaultEngine
 from trio_pd.testing.pools import AUX_ITEM_LEN, HostKVPool
 
 from .helpers.agents import poll_until
-
-BOUND = 20.0
-PAGE, HEAD_BYTES, PAGES = 4, 16, 64
-
-
-
-# ------------------------------------------------------------------------------ a cluster
-
-
-@dataclass
-class Stage:
-    """One prefill rank: TP rank ``tp_rank`` of PP stage ``pp_rank``."""
-
-    agent: PrefillAgent
-    pool: HostKVPool
-    engine: TransferEngine
-    pp_rank: int
-    tp_rank: int
-
-
-@dataclass
-class Cluster:
-    url: str
-    layout: str
-    layers: int
-    stages: list[Stage]
-    decode: list[DecodeAgent]
-    decode_pools: list[HostKVPool]
-    engines: list[TransferEngine] = field(default_factory=list)
-
-
-def _heads(layout: str, rank: int, tp: int, kv_heads: int) -> tuple[int, int]:
-    return head_range(rank, tp, kv_heads) if layout == "mha" else (0, 1)
-
-
-def _pool(layout: str, rank: int, tp: int, kv_heads: int, layers: int, *, first: int = 0,
-          model: int | None = None) -> HostKVPool:
-    first_head, heads = _heads(layout, rank, tp, kv_heads)
-    return HostKVPool(
-        layout=layout,  # type: ignore[arg-type]
-        num_pages=PAGES, num_layers=layers, page_size=PAGE, head_bytes=HEAD_BYTES,
-        heads=heads, first_head=first_head, aux_slots=16, first_layer=first,
-        model_layers=model,
-    )
-
-
-@asynccontextmanager
-async def open_pp(
-    engine_name: str,
-    url: str,
-    *,
-    pp: int,
-    prefill_tp: int,
-    decode_tp: int,
-    layout: str = "mha",
-    layers: int = 4,
-    kv_heads: int = 4,
-    decode_layers: int | None = None,
-    stage_layers: list[tuple[int, int]] | None = None,
-    wrap: dict[tuple[int, int], Callable[[TransferEngine], TransferEngine]] | None = None,
-    prefill_config: PrefillConfig | None = None,
-    decode_config: DecodeConfig | None = None,
-) -> AsyncIterator[Cluster]:
-    """``pp`` stages of ``prefill_tp`` ranks (layers split evenly, or ``stage_layers``'
-    ``(first, count)`` per stage) and ``decode_tp`` decode ranks of ``decode_layers``
-    (default: every layer), on one bootstrap service."""
-    wrap = wrap or {}
-    kv = kv_heads if layout == "mha" else 1
-    split = stage_layers or [(s * layers // pp, layers // pp) for s in range(pp)]
-    async with AsyncExitStack() as stack:
-        c = Cluster(url, layout, layers, [], [], [])
-        for s, (first, count) in enumerate(split):
-            for t in range(prefill_tp):
-                engine: TransferEngine = make_engine(engine_name)
-                stack.callback(engine.close)
-                if (s, t) in wrap:
-                    engine = wrap[s, t](engine)
-                pool = _pool(layout, t, prefill_tp, kv, count, first=first, model=layers)
-                agent = await stack.enter_async_context(open_prefill(
-                    engine=engine, pool=pool.spec, bootstrap_url=url, tp_rank=t,
-                    tp_size=prefill_tp, kv_heads=kv, pp_rank=s, pp_size=pp, first_layer=first,
-                    config=prefill_config,
-                ))
-                c.stages.append(Stage(agent, pool, engine, s, t))
-        for d in range(decode_tp):
-            engine = make_engine(engine_name)
-            stack.callback(engine.close)
-            pool = _pool(layout, d, decode_tp, kv, decode_layers or layers)
-            decode = await stack.enter_async_context(
-                open_decode(engine=engine, pool=pool.spec, tp_rank=d, tp_size=decode_tp,
-                            config=decode_config)
-            )
-            c.decode.append(decode)
-            c.decode_pools.append(pool)
-        yield c
-
-
-def _buffers_of_layer(layout: str, layers: int, layer: int) -> list[int]:
-    return layer_buffers(layout, layers, layer, 1)
-
-
-def _check_layers(c: Cluster, room: int, dst: np.ndarray) -> None:
-    """Every decode rank holds, in each layer's buffers, the bytes of that model layer
-    (and of its heads): checked layer by layer, so a misplaced layer names itself."""
-    for d, pool in enumerate(c.decode_pools):
-        want = pool.expected(room, len(dst))
-        got = pool.kv[:, dst, :]
-        for layer in range(c.layers):
-            for b in _buffers_of_layer(c.layout, c.layers, layer):
-                assert (got[b] == want[b]).all(), f"decode rank {d}: layer {layer} (buffer {b})"
+from .helpers.pp import (
+    BOUND,
+    HEAD_BYTES,
+    PAGE,
+    PAGES,
+    Cluster,
+    check_layers,
+    open_pp,
+    pp_pool,
+)
 
 
 async def _one_request(c: Cluster, room: int, n: int, *, aux: int = 3, dst_aux: int = 5,
@@ -173,7 +67,7 @@ async def _one_request(c: Cluster, room: int, n: int, *, aux: int = 3, dst_aux: 
         out += [await s.wait() for s in senders]
     for r in receivers:
         assert r.poll() is KVPoll.Success, r.failure
-    _check_layers(c, room, dst)
+    check_layers(c, room, dst)
     for pool in c.decode_pools:
         assert pool.aux_ok(dst_aux, room)
     return out
@@ -420,7 +314,7 @@ async def test_bootstrap_refuses_overlapping_and_gapped_stages(bootstrap_url: st
 async def test_open_prefill_checks_its_stage(bootstrap_url: str) -> None:
     """pp_rank outside pp_size, stage 0 not at layer 0, a negative first layer, a bool:
     ConfigurationError before anything starts."""
-    pool = _pool("mha", 0, 1, 2, 2)
+    pool = pp_pool("mha", 0, 1, 2, 2)
     engine = make_engine("mooncake")
     try:
         for kwargs in ({"pp_rank": 2, "pp_size": 2}, {"pp_rank": 0, "pp_size": 2,

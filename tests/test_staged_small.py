@@ -25,7 +25,7 @@ from trio_pd.core._plan import (
     validate_blocks,
 )
 
-from .test_plan import FAST, PATHS, make_pool, on_path
+from .helpers.plans import FAST, PATHS, assert_same_blocks, make_pool, on_path
 
 BASE = 1 << 40  # where the staging range starts (any address: nothing is read or written)
 
@@ -86,10 +86,7 @@ def test_plan_staged_small_matches_the_general_path(
         few = bool(dp) and contiguous_runs(dp, dp)[2].size <= SMALL_CHUNK
         assert want is None or not few  # declined only what it does not plan
         return
-    assert want is not None and again is not None
-    for got, ref, arr in zip(quick, want, again, strict=True):
-        assert got.dtype == arr.dtype == np.uint64
-        assert got.tolist() == ref.tolist() == arr.tolist()
+    assert_same_blocks(quick, again, want)
 
 
 def test_plan_staged_small_declines_what_it_cannot_plan() -> None:
