@@ -257,10 +257,7 @@ class ChunkPlanner:
         prepare = None
         # layer-wise: both sides seen as pools of the chunk's layers only (their buffers);
         # a landing target's destination is the peer's landing area (_landing)
-        if chunk.layers is None and not target.landing:  # (_layer_views' answer, no call)
-            src_pool, dst_pool = self.pool, peer.pool
-        else:
-            src_pool, dst_pool = self._layer_views(chunk.layers, peer, target.landing)
+        src_pool, dst_pool = self._layer_views(chunk.layers, peer, target.landing)
         src_pages = chunk.pages
         skip = target.prefix - chunk.start  # pages of the chunk decode holds already
         if skip > 0:

@@ -436,7 +436,7 @@ class DecodeAgent:
         size from its first such answer. :class:`~trio_pd.ConfigurationError` for a
         ``dp_rank`` that is not an int in ``[0, 1024)``; a DP rank the instance does not have
         fails the room (:class:`~trio_pd.BootstrapError`, the service's 404)."""
-        room = room if type(room) is int else as_index(room, "room")  # (an int: no call)
+        room = as_index(room, "room")
         if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on decode rank {self.tp_rank}")
         if "?" in bootstrap_url:
@@ -566,8 +566,7 @@ class DecodeAgent:
                     self._arm(rec, self.table.timer(rec, "waiting"))
                     self.wire.send_transfers(rec)
                 case Succeeded():
-                    if rec.landing is not None:  # (most rooms hold no landing range)
-                        self.wire.give_landing(rec)  # (scattered already, before Success)
+                    self.wire.give_landing(rec)  # (scattered already, before Success)
                     count_room_end(self.counters, self.metrics, rec.started)
                     rec.terminal.set()
                 case Forget():

@@ -467,7 +467,7 @@ class PrefillAgent:
         that is treated as one for another use of the room (acked, the room left alone: a late
         ABORT of an old use must not kill this one); the room then fails at its bootstrap
         deadline if no TRANSFER follows."""
-        room = room if type(room) is int else as_index(room, "room")  # (an int: no call)
+        room = as_index(room, "room")
         if room in self.table.rooms:
             raise TransferError(f"room {room} is still in use on prefill rank {self.tp_rank}")
         pool = self.pool

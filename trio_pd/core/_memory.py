@@ -860,8 +860,7 @@ def stamp_aux_row(pool: PoolSpec, slot: int, room: int, epoch: int) -> None:
     :attr:`~PoolSpec.aux_kind`) with a device copy that has landed when this returns, so the
     engine call that follows reads the stamp. Raises :class:`~trio_pd.EngineError` if the
     copy fails."""
-    # (aux_row_address inline: once a request on the event loop)
-    address, stamp = pool.aux_base + slot * pool.aux_item_len, AUX_STAMP.pack(room, epoch)
+    address, stamp = aux_row_address(pool, slot), AUX_STAMP.pack(room, epoch)
     kind = pool.aux_kind
     if kind is not None and kind.device is not None:
         from ..io._cuda import write

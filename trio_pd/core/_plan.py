@@ -588,9 +588,8 @@ def _finish_small(
             or not 0 <= a < asrc.aux_slots or not 0 <= b < adst.aux_slots
         ):
             return None
-        # (aux_row_address of the first aux buffer, inline: neither pool has another)
-        s.append(asrc.aux_base + a * asrc.aux_item_len)
-        d.append(adst.aux_base + b * adst.aux_item_len)
+        s.append(aux_row_address(asrc, a))
+        d.append(aux_row_address(adst, b))
         lens.append(asrc.aux_item_len)
     base_list, reach_list = regions.base_list, regions.reach_list
     for x, k in zip(d, lens, strict=True):

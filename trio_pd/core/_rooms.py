@@ -566,7 +566,7 @@ class ChunkQueue:
             else:
                 break
             group.append(following)
-        if group[-1] is first:  # (alone)
+        if len(group) == 1:
             return first, 0
         for following in group[1:]:
             del self.queued[following]
