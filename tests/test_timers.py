@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import gc
 import weakref
-from functools import partial
 
 import trio
 import trio.testing
 
 from trio_pd.io._timers import Timers
+
+
+def nothing(_: object) -> None:
+    """An action for deadlines that never come up in the test."""
 
 
 async def test_after_runs_in_deadline_order_ties_in_arming_order(
@@ -23,13 +26,13 @@ async def test_after_runs_in_deadline_order_ties_in_arming_order(
         fired.append((name, trio.current_time()))
 
     start = trio.current_time()
-    timers.after(2.0, lambda: mark("late"))  # armed before the task runs: still this clock
+    timers.after(2.0, mark, "late")  # armed before the task runs: still this clock
     async with trio.open_nursery() as nursery:
         nursery.start_soon(timers.run)
         await trio.testing.wait_all_tasks_blocked()
         for name in ("a", "b", "c"):
-            timers.after(1.0, partial(mark, name))
-        timers.at(start + 0.5, lambda: mark("early"))
+            timers.after(1.0, mark, name)
+        timers.at(start + 0.5, mark, "early")
         await trio.sleep(3.0)
         nursery.cancel_scope.cancel()
     assert [name for name, _ in fired] == ["early", "a", "b", "c", "late"]
@@ -55,18 +58,19 @@ async def test_the_clock_is_the_runs_while_running_and_the_plain_call_after(
 async def test_a_cancelled_deadline_never_runs_and_lets_its_action_go_at_once(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """What an action holds (a room's record) is let go when it is cancelled, not when its
-    deadline comes; cancelling twice, or after it ran, changes nothing."""
+    """What a deadline holds (its action's argument: a room's record) is let go when it is
+    cancelled, not when its deadline comes; cancelling twice, or after it ran, changes
+    nothing."""
 
     class Held:
         pass
 
     timers = Timers()
-    fired: list[str] = []
+    fired: list[object] = []
     held = Held()
     gone = weakref.ref(held)
-    keep = timers.after(1.0, lambda: fired.append("kept"))
-    drop = timers.after(300.0, partial(fired.append, held))
+    keep = timers.after(1.0, fired.append, "kept")
+    drop = timers.after(300.0, fired.append, held)
     del held
     timers.cancel(drop)
     gc.collect()
@@ -87,10 +91,10 @@ def test_cancelled_deadlines_never_grow_the_heap_past_twice_the_armed_ones() -> 
     would otherwise hold for five minutes)."""
     timers = Timers()
     timers.clock = lambda: 0.0
-    armed = [timers.after(300.0 + k, lambda: None) for k in range(10)]
+    armed = [timers.after(300.0 + k, nothing, None) for k in range(10)]
     biggest = 0
     for k in range(100_000):
-        timers.cancel(timers.after(300.0 + k % 7, lambda: None))
+        timers.cancel(timers.after(300.0 + k % 7, nothing, None))
         biggest = max(biggest, len(timers._heap))
     assert len(timers) == len(armed) == 10
     assert biggest <= 2 * 10 + 66
@@ -104,12 +108,12 @@ async def test_cancel_all_cancels_each_once_clears_the_list_and_keeps_the_heap_b
     twice, and rooms forgotten by the thousand leave the heap bounded as single cancels do."""
     timers = Timers()
     fired: list[str] = []
-    ran = timers.after(1.0, lambda: fired.append("ran"))
+    ran = timers.after(1.0, fired.append, "ran")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(timers.run)
         await trio.sleep(2.0)
-        room = [timers.after(5.0, lambda: fired.append("a")), ran,
-                timers.after(9.0, lambda: fired.append("b"))]
+        room = [timers.after(5.0, fired.append, "a"), ran,
+                timers.after(9.0, fired.append, "b")]
         timers.cancel(room[2])  # (cancelled once already: counted once)
         timers.cancel_all(room)
         assert room == [] and len(timers) == 0
@@ -117,10 +121,10 @@ async def test_cancel_all_cancels_each_once_clears_the_list_and_keeps_the_heap_b
         nursery.cancel_scope.cancel()
     assert fired == ["ran"]
     timers.clock = lambda: 0.0
-    kept = [timers.after(300.0 + k, lambda: None) for k in range(10)]
+    kept = [timers.after(300.0 + k, nothing, None) for k in range(10)]
     biggest = 0
     for _ in range(10_000):
-        timers.cancel_all([timers.after(300.0, lambda: None), timers.after(301.0, lambda: None)])
+        timers.cancel_all([timers.after(300.0, nothing, None), timers.after(301.0, nothing, None)])
         biggest = max(biggest, len(timers._heap))
     assert len(timers) == len(kept) == 10
     assert biggest <= 2 * 10 + 66 + 2

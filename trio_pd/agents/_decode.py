@@ -363,6 +363,8 @@ class DecodeAgent:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.counters = Counters()
         self.timers = Timers()
+        #: what every deadline the table arms calls: one bound method, held by each entry
+        self._deadline_passed = self._timer_due
         self.control = control or ControlPlane(
             host, self.counters, sndhwm=config.sndhwm, max_peers=config.max_peer_sockets,
             keys=Keypair.generate() if self.security.curve else None,
@@ -621,7 +623,7 @@ class DecodeAgent:
         """Arm a deadline the table made (:meth:`_timer_due` hears it); one of ``rec``'s own
         goes when the room is forgotten (:class:`~trio_pd.io._timers.Timers`, why)."""
         after, key = arm.after, arm.key
-        timer = self.timers.after(after, partial(self._timer_due, key))
+        timer = self.timers.after(after, self._deadline_passed, key)
         if type(key) is RoomDeadline and key.rec is rec:
             rec.timers.append(timer)
 

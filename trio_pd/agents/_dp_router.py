@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Generic, assert_never
 
 import trio
@@ -182,7 +181,7 @@ class DpRouter(Generic[R]):
                         nursery.start_soon(asker.client.aclose)
                 case Arm(after=after, key=key):
                     assert key not in self._armed, key  # (one deadline a key, at a time)
-                    self._armed[key] = self.timers.after(after, partial(self._timer_due, key))
+                    self._armed[key] = self.timers.after(after, self._timer_due, key)
                 case Disarm(key=key):
                     self.timers.cancel(self._armed.pop(key))
                 case Count(name=name):

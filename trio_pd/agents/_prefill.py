@@ -383,6 +383,8 @@ class PrefillAgent:
         self.pp_rank, self.pp_size, self.first_layer = pp_rank, pp_size, first_layer
         self.counters = Counters()
         self.timers = Timers()
+        #: what every deadline the table arms calls: one bound method, held by each entry
+        self._deadline_passed = self._timer_due
         #: authentication (docs/security.md); off unless open_prefill turned it on
         self.security = security or Security(curve=False, token=None)
         self.control = control or ControlPlane(
@@ -527,7 +529,7 @@ class PrefillAgent:
             case SendFailed(endpoint=endpoint, epoch=epoch, reason=reason):
                 self.wire.send_failed(room, epoch, endpoint, reason)
             case Arm(after=after, key=key):
-                self.timers.after(after, partial(self._timer_due, key))
+                self.timers.after(after, self._deadline_passed, key)
             case Count(name=name):
                 self.counters.bump(name)
             case Refused(error=error):
@@ -586,7 +588,7 @@ class PrefillAgent:
                 case Quarantine(lease=lease):
                     self.workers.quarantine(rec, lease)
                 case Arm(after=after, key=key) if type(key) is RoomDeadline and key.rec is rec:
-                    rec.timers.append(self.timers.after(after, partial(self._timer_due, key)))
+                    rec.timers.append(self.timers.after(after, self._deadline_passed, key))
                 case _:
                     self._carry_one(room, effect)
         effect = None  # (no name for a Reject's error in this frame: _raise_reject)

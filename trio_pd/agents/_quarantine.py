@@ -117,7 +117,7 @@ class Quarantines:
         for effect in due:
             match effect:
                 case Arm(after=after, key=key):
-                    self._registry.timers.after(after, partial(self._timer_due, key))
+                    self._registry.timers.after(after, self._timer_due, key)
                 case Count(name=name):
                     self._registry.counters.bump(name)
                 case Warn(message=message):

@@ -57,13 +57,13 @@ def sweep_idle_sockets(timers: Timers, control: ControlPlane, idle: float) -> No
     seconds, from ``timers`` (one timer, for good; the agent's timer task runs it)."""
     period = max(idle / 2, 0.01)
 
-    def sweep() -> None:
+    def sweep(_: None) -> None:
         try:
             control.senders.close_idle(idle)
         finally:
-            timers.after(period, sweep)
+            timers.after(period, sweep, None)
 
-    timers.after(period, sweep)
+    timers.after(period, sweep, None)
 
 #: ``handle(msg, pages)``; with CURVE on, ``handle(msg, pages, sender)``, where ``sender`` is
 #: the z85 public key the message came from (the ZAP handler's User-Id). A handler for a

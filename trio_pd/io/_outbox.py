@@ -30,7 +30,6 @@ agent's :class:`~trio_pd.io._timers.Timers`, and it never raises out of a timer 
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable, Hashable
@@ -162,7 +161,7 @@ class Outbox:
     def _schedule(self, endpoint: str) -> None:
         if endpoint not in self._scheduled:
             self._scheduled.add(endpoint)
-            self._timers.after(self._retry_interval, functools.partial(self._retry, endpoint))
+            self._timers.after(self._retry_interval, self._retry, endpoint)
 
     def _retry(self, endpoint: str) -> None:
         """The timer action for ``endpoint``: one round, then the next timer if anything is
@@ -174,7 +173,7 @@ class Outbox:
             log.exception("outbox round for %s failed", endpoint)
         try:
             if self._queues.get(endpoint):
-                self._timers.after(self._retry_interval, functools.partial(self._retry, endpoint))
+                self._timers.after(self._retry_interval, self._retry, endpoint)
             else:
                 self._scheduled.discard(endpoint)
         except Exception:

@@ -6,9 +6,15 @@ room. Actions are synchronous and run in deadline order.
 it acts on (a room's deadline holds the room's record, its page ids with it), so a deadline
 left in the heap until it expires keeps an ended room for the whole timeout: with
 300-second timeouts, every room of the last five minutes, and the garbage collector walking
-all of them. :meth:`Timers.cancel` drops the action at once; the heap's entry (three words)
+all of them. :meth:`Timers.cancel` drops the action at once; the heap's entry (four words)
 stays until it comes up or the heap is rebuilt, which happens when cancelled entries are
-more than half of it, so the heap is at most twice the deadlines still armed."""
+more than half of it, so the heap is at most twice the deadlines still armed.
+
+**An entry holds the action and its one argument, not a closure of them.** Every deadline
+is "call this owner's handler with this key", and thousands are armed at once (three a
+room, on the two sides): a ``functools.partial`` per deadline (the partial, its argument
+tuple, its keyword dict and the bound method: about 250 bytes) was most of what an armed
+deadline cost. The owners pass a handler they made once (:meth:`Timers.after`)."""
 
 from __future__ import annotations
 
@@ -16,16 +22,18 @@ import heapq
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import trio
 
 log = logging.getLogger("trio_pd.timers")
 
-#: an armed deadline: ``[deadline, seq, action]``, the action None once it ran or was
-#: cancelled (a list, so that the heap compares it in C; ``seq`` is unique, so the action
-#: is never compared)
+#: an armed deadline: ``[deadline, seq, action, arg]``, action and arg None once it ran or
+#: was cancelled (a list, so that the heap compares it in C; ``seq`` is unique, so the
+#: action is never compared)
 Timer: TypeAlias = list[Any]
+
+T = TypeVar("T")
 
 #: the heap is rebuilt once cancelled entries are more than half of it and at least this many
 _COMPACT_MIN = 64
@@ -45,33 +53,34 @@ class Timers:
         """Deadlines armed and not yet run or cancelled."""
         return len(self._heap) - self._cancelled
 
-    def at(self, deadline: float, action: Callable[[], object]) -> Timer:
-        """Run ``action()`` once ``trio.current_time()`` reaches ``deadline``; the handle
+    def at(self, deadline: float, action: Callable[[T], object], arg: T) -> Timer:
+        """Run ``action(arg)`` once ``trio.current_time()`` reaches ``deadline``; the handle
         :meth:`cancel` takes."""
         self._seq += 1
-        timer = [deadline, self._seq, action]
+        timer = [deadline, self._seq, action, arg]
         heapq.heappush(self._heap, timer)
         if self._heap[0] is timer:
             self._wakeup.set()
         return timer
 
-    def after(self, delay: float, action: Callable[[], object]) -> Timer:
-        """Run ``action()`` ``delay`` seconds from now (:meth:`at`, inlined: a request arms
-        several)."""
+    def after(self, delay: float, action: Callable[[T], object], arg: T) -> Timer:
+        """Run ``action(arg)`` ``delay`` seconds from now (:meth:`at`, inlined: a request arms
+        several). ``action`` is best one object its owner made once (a bound method read
+        once), not one per deadline: the entry holds it until it runs or is cancelled."""
         heap = self._heap
         self._seq += 1
-        timer = [self.clock() + delay, self._seq, action]
+        timer = [self.clock() + delay, self._seq, action, arg]
         heapq.heappush(heap, timer)
         if heap[0] is timer:
             self._wakeup.set()
         return timer
 
     def cancel(self, timer: Timer) -> None:
-        """``timer``'s action will not run, and is let go now. A no-op for one that ran or
-        was cancelled already."""
+        """``timer``'s action will not run, and it and its argument are let go now. A no-op
+        for one that ran or was cancelled already."""
         if timer[2] is None:
             return
-        timer[2] = None
+        timer[2] = timer[3] = None
         self._let_go(1)
 
     def cancel_all(self, timers: list[Timer]) -> None:
@@ -80,7 +89,7 @@ class Timers:
         cancelled = 0
         for timer in timers:  # (cancel's mark, once a timer, without its call)
             if timer[2] is not None:
-                timer[2] = None
+                timer[2] = timer[3] = None
                 cancelled += 1
         timers.clear()
         if cancelled:
@@ -111,14 +120,15 @@ class Timers:
                 now = clock()
                 while heap and heap[0][0] <= now:
                     timer = heapq.heappop(heap)
-                    action, timer[2] = timer[2], None
+                    action, arg = timer[2], timer[3]
                     if action is None:
                         self._cancelled -= 1
                         continue
+                    timer[2] = timer[3] = None
                     try:
-                        action()
+                        action(arg)
                     except Exception:  # one room's bug must not end the agent (SPEC §5.7)
-                        log.exception("timer action %r raised", action)
+                        log.exception("timer action %r(%r) raised", action, arg)
                 self._wakeup = trio.Event()
                 deadline = heap[0][0] if heap else math.inf
                 with trio.move_on_at(deadline):
