@@ -361,10 +361,8 @@ class DecodeAgent:
         self.security = security or Security(curve=False, token=None)
         self.engine, self.pool, self.config = engine, pool, config
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.counters = Counters()
-        self.timers = Timers()
-        #: what every deadline the table arms calls: one bound method, held by each entry
-        self._deadline_passed = self._timer_due
+        self.counters, self.timers = Counters(), Timers()
+        self._deadline_passed = self._timer_due  # (one bound method for every deadline)
         self.control = control or ControlPlane(
             host, self.counters, sndhwm=config.sndhwm, max_peers=config.max_peer_sockets,
             keys=Keypair.generate() if self.security.curve else None,

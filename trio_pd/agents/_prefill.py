@@ -381,10 +381,8 @@ class PrefillAgent:
         self.engine, self.pool, self.config = engine, pool, config
         self.tp_rank, self.tp_size, self.kv_heads = tp_rank, tp_size, kv_heads
         self.pp_rank, self.pp_size, self.first_layer = pp_rank, pp_size, first_layer
-        self.counters = Counters()
-        self.timers = Timers()
-        #: what every deadline the table arms calls: one bound method, held by each entry
-        self._deadline_passed = self._timer_due
+        self.counters, self.timers = Counters(), Timers()
+        self._deadline_passed = self._timer_due  # (one bound method for every deadline)
         #: authentication (docs/security.md); off unless open_prefill turned it on
         self.security = security or Security(curve=False, token=None)
         self.control = control or ControlPlane(
