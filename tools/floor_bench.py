@@ -98,15 +98,27 @@ class Counts(trio.abc.Instrument):
         self.rounds += 1
 
 
+def zsock(ctx: zmq.Context[Any], kind: int) -> Any:
+    """A socket of the floor's control plane: no linger, no high-water mark in the way."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    return sock
+
+
 class Pusher:
     """One thread for one peer: engine calls in order, ``depth`` started ahead of the one it
-    waits for; a finished call's ``done(arg)`` runs on the trio loop (``run_sync_soon``)."""
+    waits for; a finished call's ``done(arg)`` runs on the trio loop (``run_sync_soon``).
+    A call's ``prepare`` (if any) runs on the thread right before the call starts (a gather
+    into staging), so it overlaps the call in flight before it."""
 
     def __init__(self, engine: Any, peer: str, depth: int = 2) -> None:
         self.engine, self.peer, self.depth = engine, peer, depth
         self.token = trio.lowlevel.current_trio_token()
         self.cond = threading.Condition()
-        self.jobs: deque[tuple[Blocks, Callable[[Any], None], Any]] = deque()
+        self.jobs: deque[tuple[Blocks, Callable[[Any], None], Any,
+                               Callable[[], None] | None]] = deque()
         self.idle = False
         self.closed = False
         #: (started, waited) perf_counter pairs of every call, and the rooms of each
@@ -114,9 +126,10 @@ class Pusher:
         self.thread = threading.Thread(target=self._serve, daemon=True, name=f"push {peer}")
         self.thread.start()
 
-    def submit(self, blocks: Blocks, done: Callable[[Any], None], arg: Any) -> None:
+    def submit(self, blocks: Blocks, done: Callable[[Any], None], arg: Any,
+               prepare: Callable[[], None] | None = None) -> None:
         with self.cond:
-            self.jobs.append((blocks, done, arg))
+            self.jobs.append((blocks, done, arg, prepare))
             if self.idle:
                 self.cond.notify()
 
@@ -140,7 +153,9 @@ class Pusher:
                 elif not flying:
                     return  # closed, nothing queued or flying
             if job is not None:
-                blk, done, arg = job
+                blk, done, arg, prepare = job
+                if prepare is not None:
+                    prepare()
                 t0 = time.perf_counter()
                 flying.append((done, (arg, t0), start_write(self.engine, self.peer, *blk)))
                 continue
@@ -316,11 +331,7 @@ class Floor:
         self.timeline: dict[str, float] = {}
 
     def _sock(self, kind: int) -> Any:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        return sock
+        return zsock(self.ctx, kind)
 
     def _on_status(self, msg: bytes) -> None:
         pop = self.events.pop
