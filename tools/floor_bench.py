@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import struct
@@ -110,11 +111,12 @@ def zsock(ctx: zmq.Context[Any], kind: int) -> Any:
 class Pusher:
     """One thread for one peer: engine calls in order, ``depth`` started ahead of the one it
     waits for; a finished call's ``done(arg)`` runs on the trio loop (``run_sync_soon``).
-    A call's ``prepare`` (if any) runs on the thread right before the call starts (a gather
-    into staging), so it overlaps the call in flight before it."""
+    ``nice``: the thread's nice value raised by that much (Linux). A call's ``prepare`` (if
+    any) runs on the thread right before the call starts (a gather into staging), so it
+    overlaps the call in flight before it."""
 
-    def __init__(self, engine: Any, peer: str, depth: int = 2) -> None:
-        self.engine, self.peer, self.depth = engine, peer, depth
+    def __init__(self, engine: Any, peer: str, depth: int = 2, nice: int = 0) -> None:
+        self.engine, self.peer, self.depth, self.nice = engine, peer, depth, nice
         self.token = trio.lowlevel.current_trio_token()
         self.cond = threading.Condition()
         self.jobs: deque[tuple[Blocks, Callable[[Any], None], Any,
@@ -140,6 +142,9 @@ class Pusher:
         self.thread.join(10)
 
     def _serve(self) -> None:
+        if self.nice:  # (as trio_pd's lanes: the loop preempts a thread waiting on the engine)
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
         flying: deque[tuple[Callable[[Any], None], Any, Pending]] = deque()
         while True:
             job = None

@@ -167,8 +167,8 @@ class _Room:
 class FloorRun:
     """One run of a floor mode: fresh pools and engines, both sides on the current loop."""
 
-    def __init__(self, opts: DemoOptions, mode: str) -> None:
-        self.opts, self.mode = opts, mode
+    def __init__(self, opts: DemoOptions, mode: str, nice: int = 0) -> None:
+        self.opts, self.mode, self.nice = opts, mode, nice
         self.tp = tp = opts.decode_tp
         self.src = _demo._pool(opts, 0, 1)
         self.dsts = [_demo._pool(opts, d, tp) for d in range(tp)]
@@ -373,7 +373,7 @@ class FloorRun:
             self.dec_push.append(push)
             self.dec_pull.append(pull)
             self.pre_push.append(back)
-        self.pushers = [Pusher(self.pe, de.session_id) for de in self.des]
+        self.pushers = [Pusher(self.pe, de.session_id, nice=self.nice) for de in self.des]
         try:
             async with trio.open_nursery() as service:
                 service.start_soon(_drain, self.pre_pull, self.on_transfer)
@@ -444,7 +444,7 @@ def _windows(sink: list[tuple[float, float]]) -> Iterator[None]:
         yield
 
 
-def one_run(engine: str, mode: str, sampler: Sampler) -> dict[str, Any]:
+def one_run(engine: str, mode: str, sampler: Sampler, nice: int = 0) -> dict[str, Any]:
     base = phase_options(engine)
     tp = 1 if mode.endswith("1") else 4
     opts = replace(base, decode_tp=tp)
@@ -459,7 +459,7 @@ def one_run(engine: str, mode: str, sampler: Sampler) -> dict[str, Any]:
         window = win[0]
         harness = sum(r["harness_cpu_seconds"] for r in out["ranks"])
     else:
-        out = trio.run(FloorRun(opts, mode).run)
+        out = trio.run(FloorRun(opts, mode, nice).run)
         calls, window, harness = out["calls"], out["window"], out["harness_cpu_s"]
     loop_cpu, proc_cpu = sampler.window(*window)
     return {"engine": engine, "mode": mode, "tp": tp, "bytes": out["bytes"],
@@ -483,7 +483,8 @@ def _no_sanitizer() -> Iterator[None]:
         yield
 
 
-def main(engines: list[str], rounds: int, modes: list[str], lean: bool = False) -> None:
+def main(engines: list[str], rounds: int, modes: list[str], lean: bool = False,
+         nice: int = 0) -> None:
     sampler = Sampler()
     proc = f"{os.getpid()}-{int(time.time())}"
     stack = ExitStack()
@@ -492,12 +493,12 @@ def main(engines: list[str], rounds: int, modes: list[str], lean: bool = False) 
     try:
         for e in engines:  # a warm-up run of each mode, not printed
             for m in modes:
-                one_run(e, m, sampler)
+                one_run(e, m, sampler, nice)
         for rnd in range(rounds):
             for e in engines:
                 for m in modes:
-                    print(json.dumps({"proc": proc, "round": rnd, "lean": lean,
-                                      **one_run(e, m, sampler)}), flush=True)
+                    print(json.dumps({"proc": proc, "round": rnd, "lean": lean, "nice": nice,
+                                      **one_run(e, m, sampler, nice)}), flush=True)
     finally:
         sampler.close()
         stack.close()
@@ -513,7 +514,8 @@ def summary(path: str) -> None:
         for line in fh:
             if line.startswith("{"):
                 r = json.loads(line)
-                e = r["engine"] + (" (no sanitizer)" if r.get("lean") else "")
+                e = (r["engine"] + (" (no sanitizer)" if r.get("lean") else "")
+                     + (f", floor threads nice +{r['nice']}" if r.get("nice") else ""))
                 by[e][r["mode"]].append(r)
                 ones[(r["proc"], e, r["round"], r["mode"])] = r["gbps"]
     for e, ms in by.items():
@@ -540,10 +542,12 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--summary", metavar="JSONL")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="raise the floor's engine threads' nice value (trio_pd's lanes: 10)")
     ap.add_argument("--lean", action="store_true",
                     help="every page allocator without its sanitizer (floor and trio_pd)")
     ns = ap.parse_args()
     if ns.summary:
         summary(ns.summary)
         sys.exit(0)
-    main(ns.engines.split(","), ns.rounds, ns.modes.split(","), ns.lean)
+    main(ns.engines.split(","), ns.rounds, ns.modes.split(","), ns.lean, ns.nice)
