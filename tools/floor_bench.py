@@ -123,6 +123,8 @@ class Pusher:
                                Callable[[], None] | None]] = deque()
         self.idle = False
         self.closed = False
+        #: the thread's CPU seconds (``time.thread_time``) when it ended
+        self.cpu = 0.0
         #: (started, waited) perf_counter pairs of every call, and the rooms of each
         self.times: list[tuple[float, float]] = []
         self.thread = threading.Thread(target=self._serve, daemon=True, name=f"push {peer}")
@@ -156,6 +158,7 @@ class Pusher:
                 if self.jobs and len(flying) < self.depth:
                     job = self.jobs.popleft()
                 elif not flying:
+                    self.cpu = time.thread_time()
                     return  # closed, nothing queued or flying
             if job is not None:
                 blk, done, arg, prepare = job

@@ -60,7 +60,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import struct
 import sys
 import threading
@@ -167,7 +166,7 @@ class _Room:
 class FloorRun:
     """One run of a floor mode: fresh pools and engines, both sides on the current loop."""
 
-    def __init__(self, opts: DemoOptions, mode: str, nice: int = 0) -> None:
+    def __init__(self, opts: DemoOptions, mode: str, nice: int = 0, warm: bool = False) -> None:
         self.opts, self.mode, self.nice = opts, mode, nice
         self.tp = tp = opts.decode_tp
         self.src = _demo._pool(opts, 0, 1)
@@ -183,6 +182,8 @@ class FloorRun:
             de.register(pool.spec.regions())
             self.pe.add_peer(de.session_id, de.metadata())
             self.des.append(de)
+            if warm:  # one aux row written before the window: the peer's connection is open
+                self.pe.write(de.session_id, *plan_aux(self.src.spec, pool.spec, 0, 0))
         self.join = join_bytes(self.pe) if mode == "join4" else 0
         self.rooms: dict[int, _Room] = {}
         self.chunks = {r.room: chunk_ranges(r.num_pages, opts.chunk_pages)
@@ -193,6 +194,9 @@ class FloorRun:
         #: poisoning and poison checks), as the demo's ``harness_cpu_seconds`` counts it
         self.harness = 0.0
         self.allocs: list[Any] = []
+        #: per decode rank: CPU seconds of its gathers (on its thread; loop4: on the loop,
+        #: so also in the loop's CPU)
+        self.gather_cpu = [0.0] * tp
         self.queued: list[list[tuple[_Room, int]]] = [[] for _ in range(tp)]
         self.inflight = [0] * tp
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -226,8 +230,10 @@ class FloorRun:
             return
         blocks, res, gather = self._plan(r, i, d)
         if gather is not None and self.mode == "loop4":
-            gather()
+            self._timed(gather, d)()
             gather = None
+        elif gather is not None:
+            gather = self._timed(gather, d)
         self.calls += 1
         self.pushers[d].submit(blocks, self._done, (d, [(r, i)], [res]), gather)
 
@@ -255,11 +261,23 @@ class FloorRun:
             self.inflight[d] += 1
             self.calls += 1
 
-            def gather_all(gs: list[Any] = gathers) -> None:
+            def gather_all(gs: list[Any] = gathers, d: int = d) -> None:
+                cpu = time.thread_time()
                 for g in gs:
                     g()
+                self.gather_cpu[d] += time.thread_time() - cpu
 
             self.pushers[d].submit(concat(parts), self._done, (d, units, res), gather_all)
+
+    def _timed(self, gather: Any, d: int) -> Any:
+        """``gather``, its CPU time added to rank ``d``'s (it runs on that rank's thread)."""
+
+        def timed() -> None:
+            cpu = time.thread_time()
+            gather()
+            self.gather_cpu[d] += time.thread_time() - cpu
+
+        return timed
 
     def _plan(self, r: _Room, i: int, d: int) -> tuple[Blocks, Reservation | None, Any]:
         """Chunk ``i``'s blocks for rank ``d`` (staged where the mode stages), the staging
@@ -388,6 +406,7 @@ class FloorRun:
         finally:
             for p in self.pushers:
                 p.close()
+            self.thread_cpu = sum(p.cpu for p in self.pushers)
             for s in (self.pre_pull, *self.dec_push, *self.dec_pull, *self.pre_push):
                 s.close()
             self.ctx.term()
@@ -403,7 +422,8 @@ class FloorRun:
         return {"bytes": nbytes, "transfer_seconds": secs, "transfer_gbps": nbytes / secs / 1e9,
                 "window": (min(a for a, _ in intervals), max(z for _, z in intervals)),
                 "calls": self.calls,
-                "harness_cpu_s": self.harness + sum(a.cpu_seconds for a in self.allocs)}
+                "harness_cpu_s": self.harness + sum(a.cpu_seconds for a in self.allocs),
+                "threads_cpu_s": self.thread_cpu, "gather_cpu_s": sum(self.gather_cpu)}
 
     async def _prefill_rank(self, reqs: list[Request]) -> None:
         pages_alloc = _demo._page_allocator(self.opts, self.src, SOURCE_POISON, 0)
@@ -444,7 +464,8 @@ def _windows(sink: list[tuple[float, float]]) -> Iterator[None]:
         yield
 
 
-def one_run(engine: str, mode: str, sampler: Sampler, nice: int = 0) -> dict[str, Any]:
+def one_run(engine: str, mode: str, sampler: Sampler, nice: int = 0,
+            warm: bool = False) -> dict[str, Any]:
     base = phase_options(engine)
     tp = 1 if mode.endswith("1") else 4
     opts = replace(base, decode_tp=tp)
@@ -458,16 +479,19 @@ def one_run(engine: str, mode: str, sampler: Sampler, nice: int = 0) -> dict[str
         calls = sum(r["engine_calls"] for r in out["ranks"] if r["role"] == "prefill")
         window = win[0]
         harness = sum(r["harness_cpu_seconds"] for r in out["ranks"])
+        extra = {}
     else:
-        out = trio.run(FloorRun(opts, mode, nice).run)
+        out = trio.run(FloorRun(opts, mode, nice, warm).run)
         calls, window, harness = out["calls"], out["window"], out["harness_cpu_s"]
+        extra = {"threads_cpu_s": round(out["threads_cpu_s"], 4),
+                 "gather_cpu_s": round(out["gather_cpu_s"], 4)}
     loop_cpu, proc_cpu = sampler.window(*window)
     return {"engine": engine, "mode": mode, "tp": tp, "bytes": out["bytes"],
             "gbps": round(out["transfer_gbps"], 4),
             "seconds": round(out["transfer_seconds"], 4),
             "window_s": round(window[1] - window[0], 4), "loop_cpu_s": round(loop_cpu, 4),
             "proc_cpu_s": round(proc_cpu, 4), "calls": calls,
-            "harness_cpu_s": round(harness, 4)}
+            "harness_cpu_s": round(harness, 4), **extra}
 
 
 @contextmanager
@@ -484,7 +508,7 @@ def _no_sanitizer() -> Iterator[None]:
 
 
 def main(engines: list[str], rounds: int, modes: list[str], lean: bool = False,
-         nice: int = 0) -> None:
+         nice: int = 0, warm: bool = False) -> None:
     sampler = Sampler()
     proc = f"{os.getpid()}-{int(time.time())}"
     stack = ExitStack()
@@ -493,12 +517,13 @@ def main(engines: list[str], rounds: int, modes: list[str], lean: bool = False,
     try:
         for e in engines:  # a warm-up run of each mode, not printed
             for m in modes:
-                one_run(e, m, sampler, nice)
+                one_run(e, m, sampler, nice, warm)
         for rnd in range(rounds):
             for e in engines:
                 for m in modes:
                     print(json.dumps({"proc": proc, "round": rnd, "lean": lean, "nice": nice,
-                                      **one_run(e, m, sampler, nice)}), flush=True)
+                                      "warm": warm, **one_run(e, m, sampler, nice, warm)}),
+                          flush=True)
     finally:
         sampler.close()
         stack.close()
@@ -515,25 +540,27 @@ def summary(path: str) -> None:
             if line.startswith("{"):
                 r = json.loads(line)
                 e = (r["engine"] + (" (no sanitizer)" if r.get("lean") else "")
-                     + (f", floor threads nice +{r['nice']}" if r.get("nice") else ""))
+                     + (f", floor threads nice +{r['nice']}" if r.get("nice") else "")
+                     + (", floor peers written to before" if r.get("warm") else ""))
                 by[e][r["mode"]].append(r)
                 ones[(r["proc"], e, r["round"], r["mode"])] = r["gbps"]
     for e, ms in by.items():
         print(f"\n{e}: {len(ms.get('floor1', []))} rounds")
-        print(f"{'mode':9} {'ratio':>17} {'GB/s':>17} {'window ms':>15} {'loop CPU ms':>15} "
-              f"{'loop busy %':>13} {'proc CPU ms':>15} {'harness ms':>15} {'calls':>6}")
+        cols = (("GB/s", "gbps", 1, "{:.2f}"), ("window ms", "window_s", 1e3, "{:.0f}"),
+                ("loop CPU ms", "loop_cpu_s", 1e3, "{:.0f}"),
+                ("proc CPU ms", "proc_cpu_s", 1e3, "{:.0f}"),
+                ("harness ms", "harness_cpu_s", 1e3, "{:.0f}"),
+                ("threads ms", "threads_cpu_s", 1e3, "{:.0f}"),
+                ("gather ms", "gather_cpu_s", 1e3, "{:.0f}"), ("calls", "calls", 1, "{:.0f}"))
+        print(f"{'mode':9} {'ratio':>17} {'loop busy %':>13} "
+              + " ".join(f"{c[0]:>17}" for c in cols))
         for m, rs in ms.items():
             base = "trio_pd1" if m.startswith("trio_pd") else "floor1"
             ratio = [r["gbps"] / ones[k] for r in rs
                      if (k := (r["proc"], e, r["round"], base)) in ones]
-            print(f"{m:9} {_span(ratio, '{:.2f}'):>17} "
-                  f"{_span([r['gbps'] for r in rs], '{:.2f}'):>17} "
-                  f"{_span([r['window_s'] * 1e3 for r in rs]):>15} "
-                  f"{_span([r['loop_cpu_s'] * 1e3 for r in rs]):>15} "
-                  f"{_span([100 * r['loop_cpu_s'] / r['window_s'] for r in rs]):>13} "
-                  f"{_span([r['proc_cpu_s'] * 1e3 for r in rs]):>15} "
-                  f"{_span([r['harness_cpu_s'] * 1e3 for r in rs]):>15} "
-                  f"{statistics.median([r['calls'] for r in rs]):6.0f}")
+            busy = [100 * r["loop_cpu_s"] / r["window_s"] for r in rs]
+            print(f"{m:9} {_span(ratio, '{:.2f}'):>17} {_span(busy):>13} " + " ".join(
+                f"{_span([r[k] * x for r in rs if k in r], f):>17}" for _, k, x, f in cols))
 
 
 if __name__ == "__main__":
@@ -544,10 +571,12 @@ if __name__ == "__main__":
     ap.add_argument("--summary", metavar="JSONL")
     ap.add_argument("--nice", type=int, default=0,
                     help="raise the floor's engine threads' nice value (trio_pd's lanes: 10)")
+    ap.add_argument("--warm", action="store_true",
+                    help="the floor writes one aux row to each peer before its window")
     ap.add_argument("--lean", action="store_true",
                     help="every page allocator without its sanitizer (floor and trio_pd)")
     ns = ap.parse_args()
     if ns.summary:
         summary(ns.summary)
         sys.exit(0)
-    main(ns.engines.split(","), ns.rounds, ns.modes.split(","), ns.lean, ns.nice)
+    main(ns.engines.split(","), ns.rounds, ns.modes.split(","), ns.lean, ns.nice, ns.warm)
