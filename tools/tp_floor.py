@@ -42,7 +42,9 @@ Modes (each a whole run, alternated round by round with trio_pd's):
 * ``inplace4``: TP 1->4, design (c): no staging; every token slot's head slice is its own
   block (``plan_pages`` with the rank's heads: 1,024 blocks a chunk per rank).
 * ``trio_pd1`` / ``trio_pd4``: ``trio.run(run_in_process, replace(base, decode_tp=...))``,
-  exactly as the bench's phase runs it.
+  exactly as the bench's phase runs it (CURVE on, the demo's default).
+* ``trio_pd1_insecure`` / ``trio_pd4_insecure``: the same with ``secure=False`` (not in the
+  default modes).
 
 Per run: ``gbps`` as the demo's ``transfer_gbps`` (the verified bytes of every decode rank
 over the union of its requests' in-flight intervals, ``time.monotonic`` from the decode
@@ -467,8 +469,8 @@ def _windows(sink: list[tuple[float, float]]) -> Iterator[None]:
 def one_run(engine: str, mode: str, sampler: Sampler, nice: int = 0,
             warm: bool = False) -> dict[str, Any]:
     base = phase_options(engine)
-    tp = 1 if mode.endswith("1") else 4
-    opts = replace(base, decode_tp=tp)
+    tp = 4 if "4" in mode else 1
+    opts = replace(base, decode_tp=tp, secure=not mode.endswith("_insecure"))
     if mode.startswith("trio_pd"):
         win: list[tuple[float, float]] = []
         with _windows(win):
@@ -529,12 +531,20 @@ def main(engines: list[str], rounds: int, modes: list[str], lean: bool = False,
         stack.close()
 
 
+def _cpu_bound(r: dict[str, Any]) -> float:
+    """The shortest window a run's CPU allows on two free cores: the loop thread's CPU (one
+    thread runs it) or half the process's CPU, whichever is longer."""
+    return float(max(r["loop_cpu_s"], r["proc_cpu_s"] / 2))
+
+
 def summary(path: str) -> None:
-    """Medians and ranges per engine and mode; ratios each TP 1->4 run over the TP 1->1 run
-    of the same round of the same process (floor designs over ``floor1``, ``trio_pd4`` over
-    ``trio_pd1``)."""
+    """Medians and ranges per engine and mode. ``ratio``: each TP 1->4 run's GB/s over the
+    TP 1->1 run of the same round of the same process (floor designs over ``floor1``,
+    ``trio_pd4`` over ``trio_pd1``); ``over best 1``: over the faster of that round's two
+    TP 1->1 runs; ``CPU bound``: the same ratio of :func:`_cpu_bound` (what the runs' CPU
+    allows on two free cores, whatever else shares the box)."""
     by: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    ones: dict[tuple[str, str, int, str], float] = {}
+    ones: dict[tuple[str, str, int, str], dict[str, Any]] = {}
     with open(path) as fh:
         for line in fh:
             if line.startswith("{"):
@@ -543,7 +553,7 @@ def summary(path: str) -> None:
                      + (f", floor threads nice +{r['nice']}" if r.get("nice") else "")
                      + (", floor peers written to before" if r.get("warm") else ""))
                 by[e][r["mode"]].append(r)
-                ones[(r["proc"], e, r["round"], r["mode"])] = r["gbps"]
+                ones[(r["proc"], e, r["round"], r["mode"])] = r
     for e, ms in by.items():
         print(f"\n{e}: {len(ms.get('floor1', []))} rounds")
         cols = (("GB/s", "gbps", 1, "{:.2f}"), ("window ms", "window_s", 1e3, "{:.0f}"),
@@ -552,14 +562,19 @@ def summary(path: str) -> None:
                 ("harness ms", "harness_cpu_s", 1e3, "{:.0f}"),
                 ("threads ms", "threads_cpu_s", 1e3, "{:.0f}"),
                 ("gather ms", "gather_cpu_s", 1e3, "{:.0f}"), ("calls", "calls", 1, "{:.0f}"))
-        print(f"{'mode':9} {'ratio':>17} {'loop busy %':>13} "
+        print(f"{'mode':9} {'ratio':>17} {'over best 1':>17} {'CPU bound':>17} "
+              f"{'loop busy %':>13} "
               + " ".join(f"{c[0]:>17}" for c in cols))
         for m, rs in ms.items():
-            base = "trio_pd1" if m.startswith("trio_pd") else "floor1"
-            ratio = [r["gbps"] / ones[k] for r in rs
-                     if (k := (r["proc"], e, r["round"], base)) in ones]
+            base = m.replace("4", "1") if m.startswith("trio_pd") else "floor1"
+            pairs = [(r, ones[k]) for r in rs if (k := (r["proc"], e, r["round"], base)) in ones]
+            ratio = [r["gbps"] / b["gbps"] for r, b in pairs]
+            best = [r["gbps"] / max(ones.get((r["proc"], e, r["round"], one), {"gbps": 0})["gbps"]
+                                    for one in ("floor1", "trio_pd1")) for r in rs]
+            bound = [_cpu_bound(b) / _cpu_bound(r) for r, b in pairs]
             busy = [100 * r["loop_cpu_s"] / r["window_s"] for r in rs]
-            print(f"{m:9} {_span(ratio, '{:.2f}'):>17} {_span(busy):>13} " + " ".join(
+            print(f"{m:9} {_span(ratio, '{:.2f}'):>17} {_span(best, '{:.2f}'):>17} "
+                  f"{_span(bound, '{:.2f}'):>17} {_span(busy):>13} " + " ".join(
                 f"{_span([r[k] * x for r in rs if k in r], f):>17}" for _, k, x, f in cols))
 
 
