@@ -113,14 +113,15 @@ class Pusher:
     waits for; a finished call's ``done(arg)`` runs on the trio loop (``run_sync_soon``).
     ``nice``: the thread's nice value raised by that much (Linux). A call's ``prepare`` (if
     any) runs on the thread right before the call starts (a gather into staging), so it
-    overlaps the call in flight before it."""
+    overlaps the call in flight before it; a call's ``peer`` (if given) is where it writes
+    instead (one thread for several peers, waited in order)."""
 
     def __init__(self, engine: Any, peer: str, depth: int = 2, nice: int = 0) -> None:
         self.engine, self.peer, self.depth, self.nice = engine, peer, depth, nice
         self.token = trio.lowlevel.current_trio_token()
         self.cond = threading.Condition()
         self.jobs: deque[tuple[Blocks, Callable[[Any], None], Any,
-                               Callable[[], None] | None]] = deque()
+                               Callable[[], None] | None, str]] = deque()
         self.idle = False
         self.closed = False
         #: the thread's CPU seconds (``time.thread_time``) when it ended
@@ -131,9 +132,9 @@ class Pusher:
         self.thread.start()
 
     def submit(self, blocks: Blocks, done: Callable[[Any], None], arg: Any,
-               prepare: Callable[[], None] | None = None) -> None:
+               prepare: Callable[[], None] | None = None, peer: str | None = None) -> None:
         with self.cond:
-            self.jobs.append((blocks, done, arg, prepare))
+            self.jobs.append((blocks, done, arg, prepare, peer or self.peer))
             if self.idle:
                 self.cond.notify()
 
@@ -161,11 +162,11 @@ class Pusher:
                     self.cpu = time.thread_time()
                     return  # closed, nothing queued or flying
             if job is not None:
-                blk, done, arg, prepare = job
+                blk, done, arg, prepare, peer = job
                 if prepare is not None:
                     prepare()
                 t0 = time.perf_counter()
-                flying.append((done, (arg, t0), start_write(self.engine, self.peer, *blk)))
+                flying.append((done, (arg, t0), start_write(self.engine, peer, *blk)))
                 continue
             done, (arg, t0), pending = flying.popleft()
             pending.wait()  # (an engine error ends the thread: the load then hangs, bounded)

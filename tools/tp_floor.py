@@ -8,7 +8,7 @@ it reach 0.7?
 
 Run from the repository root (one process at a time: it measures CPU)::
 
-    python tools/tp_floor.py --engines nixl,mooncake --rounds 6 >> /tmp/tp.jsonl
+    python tools/tp_floor.py --engines nixl,mooncake --rounds 8 --nice 10 >> /tmp/tp.jsonl
     python tools/tp_floor.py --summary /tmp/tp.jsonl
 
 The load is the phase's own: the demo's options as ``run_tp_mismatch`` builds them from the
@@ -37,10 +37,13 @@ Modes (each a whole run, alternated round by round with trio_pd's):
 * ``thread4``: TP 1->4, design (b): the same plan, the gather run on the rank's thread
   right before its call, so the gather of one call overlaps the write of the one before
   (one thread per decode rank, two calls in flight).
+* ``one4``: ``thread4`` with ONE thread for the four decode ranks (up to eight calls in
+  flight, waited in the order they started): one poller of the engine instead of four.
 * ``join4``: ``thread4`` with every ready (chunk, rank) of a rank joined into one call up
   to the engine's ``join_bytes`` (several gathers, one call).
 * ``inplace4``: TP 1->4, design (c): no staging; every token slot's head slice is its own
-  block (``plan_pages`` with the rank's heads: 1,024 blocks a chunk per rank).
+  block (``plan_pages`` with the rank's heads: 1,024 blocks a chunk per rank). Not in the
+  default modes (seconds a run on NIXL, half a minute on Mooncake).
 * ``trio_pd1`` / ``trio_pd4``: ``trio.run(run_in_process, replace(base, decode_tp=...))``,
   exactly as the bench's phase runs it (CURVE on, the demo's default).
 * ``trio_pd1_insecure`` / ``trio_pd4_insecure``: the same with ``secure=False`` (not in the
@@ -51,9 +54,20 @@ over the union of its requests' in-flight intervals, ``time.monotonic`` from the
 request's start to its completion), ``window_s`` (first start to last end), ``loop_cpu_s``
 and ``proc_cpu_s``: the trio loop thread's CPU (its ``CLOCK_THREAD_CPUTIME``) and the
 process's CPU over that window, sampled every 2 ms by a sampler thread (the same for every
-mode), and ``calls``: prefill engine calls. The summary gives medians and ranges per engine
-and mode, and the ratios TP 1->4 over the same round's TP 1->1: each floor design over
-``floor1``, ``trio_pd4`` over ``trio_pd1``.
+mode), ``harness_cpu_s``: the loop's CPU in the demo's own work over the run (fill, verify,
+the page allocators' poisoning and checks; the demo's ``harness_cpu_seconds``), ``calls``:
+prefill engine calls; floor modes also ``threads_cpu_s`` (the per-peer threads' CPU over
+the run: gathers where they run them, engine submits and waits) and ``gather_cpu_s`` (the
+gathers alone, on whichever thread ran them).
+
+Options: ``--nice N`` raises the floor's per-peer threads' nice value (trio_pd's lanes run
+at +10: ``PrefillConfig.lane_nice``); ``--lean`` makes every page allocator, the floor's and
+the demo's, without its sanitizer; ``--warm`` has the floor write to each peer once before
+its window. The summary gives medians and ranges per engine and mode: ``ratio`` (each
+TP 1->4 run over its round's TP 1->1 run: floor designs over ``floor1``, trio_pd over
+trio_pd), ``over best 1`` (over the faster TP 1->1 run of the round) and ``CPU bound`` (the
+same ratio of ``max(loop CPU, process CPU / 2)``: the shortest window the run's CPU allows on
+two free cores).
 """
 
 from __future__ import annotations
@@ -104,8 +118,8 @@ from trio_pd.tools._demo import DemoOptions, RankResult, Request
 
 _HEAD = struct.Struct("<qqqq")  # room, epoch, destination aux row, decode rank
 _DONTWAIT = int(zmq.DONTWAIT)
-FLOORS4 = ("loop4", "thread4", "join4", "inplace4")
-MODES = ("floor1", *FLOORS4, "trio_pd1", "trio_pd4")
+#: the default modes (``inplace4`` and the ``_insecure`` ones are asked for by name)
+MODES = ("floor1", "loop4", "thread4", "one4", "join4", "trio_pd1", "trio_pd4")
 #: the staging area's size: trio_pd's default (``PrefillConfig.staging_bytes``)
 STAGING = 64 << 20
 
@@ -174,7 +188,7 @@ class FloorRun:
         self.src = _demo._pool(opts, 0, 1)
         self.dsts = [_demo._pool(opts, d, tp) for d in range(tp)]
         self.heads = [(f, f + n) for f, n in (_demo._heads(opts, d, tp) for d in range(tp))]
-        self.area = StagingArea(STAGING if mode in ("loop4", "thread4", "join4") else 0)
+        self.area = StagingArea(STAGING if mode in ("loop4", "thread4", "join4", "one4") else 0)
         self.pe = make_engine(opts.engine)
         self.pe.register(self.src.spec.regions() + ([self.area.region] if self.area.units
                                                      else []))
@@ -237,7 +251,8 @@ class FloorRun:
         elif gather is not None:
             gather = self._timed(gather, d)
         self.calls += 1
-        self.pushers[d].submit(blocks, self._done, (d, [(r, i)], [res]), gather)
+        self.pushers[d].submit(blocks, self._done, (d, [(r, i)], [res]), gather,
+                               self.des[d].session_id)
 
     def _flush(self, d: int) -> None:
         """``join4``: every queued unit of rank ``d`` into calls of up to ``join`` bytes,
@@ -393,7 +408,11 @@ class FloorRun:
             self.dec_push.append(push)
             self.dec_pull.append(pull)
             self.pre_push.append(back)
-        self.pushers = [Pusher(self.pe, de.session_id, nice=self.nice) for de in self.des]
+        if self.mode == "one4":  # one thread for every peer, two calls per peer in flight
+            one = Pusher(self.pe, self.des[0].session_id, depth=2 * tp, nice=self.nice)
+            self.pushers = [one] * tp
+        else:
+            self.pushers = [Pusher(self.pe, de.session_id, nice=self.nice) for de in self.des]
         try:
             async with trio.open_nursery() as service:
                 service.start_soon(_drain, self.pre_pull, self.on_transfer)
@@ -406,9 +425,10 @@ class FloorRun:
                         ranks.start_soon(self._decode_rank, d, reqs)
                 service.cancel_scope.cancel()
         finally:
-            for p in self.pushers:
+            unique = list({id(p): p for p in self.pushers}.values())
+            for p in unique:
                 p.close()
-            self.thread_cpu = sum(p.cpu for p in self.pushers)
+            self.thread_cpu = sum(p.cpu for p in unique)
             for s in (self.pre_pull, *self.dec_push, *self.dec_pull, *self.pre_push):
                 s.close()
             self.ctx.term()
