@@ -41,6 +41,7 @@ Modes (each a whole run, alternated round by round with trio_pd's):
   flight, waited in the order they started): one poller of the engine instead of four.
 * ``join4``: ``thread4`` with every ready (chunk, rank) of a rank joined into one call up
   to the engine's ``join_bytes`` (several gathers, one call).
+* ``onejoin4``: ``join4`` on ONE thread for the four decode ranks (as ``one4``).
 * ``inplace4``: TP 1->4, design (c): no staging; every token slot's head slice is its own
   block (``plan_pages`` with the rank's heads: 1,024 blocks a chunk per rank). Not in the
   default modes (seconds a run on NIXL, half a minute on Mooncake).
@@ -188,7 +189,7 @@ class FloorRun:
         self.src = _demo._pool(opts, 0, 1)
         self.dsts = [_demo._pool(opts, d, tp) for d in range(tp)]
         self.heads = [(f, f + n) for f, n in (_demo._heads(opts, d, tp) for d in range(tp))]
-        self.area = StagingArea(STAGING if mode in ("loop4", "thread4", "join4", "one4") else 0)
+        self.area = StagingArea(0 if mode == "inplace4" or self.tp == 1 else STAGING)
         self.pe = make_engine(opts.engine)
         self.pe.register(self.src.spec.regions() + ([self.area.region] if self.area.units
                                                      else []))
@@ -200,7 +201,7 @@ class FloorRun:
             self.des.append(de)
             if warm:  # one aux row written before the window: the peer's connection is open
                 self.pe.write(de.session_id, *plan_aux(self.src.spec, pool.spec, 0, 0))
-        self.join = join_bytes(self.pe) if mode == "join4" else 0
+        self.join = join_bytes(self.pe) if mode in ("join4", "onejoin4") else 0
         self.rooms: dict[int, _Room] = {}
         self.chunks = {r.room: chunk_ranges(r.num_pages, opts.chunk_pages)
                        for r in _demo.plan_requests(opts)}
@@ -284,7 +285,8 @@ class FloorRun:
                     g()
                 self.gather_cpu[d] += time.thread_time() - cpu
 
-            self.pushers[d].submit(concat(parts), self._done, (d, units, res), gather_all)
+            self.pushers[d].submit(concat(parts), self._done, (d, units, res), gather_all,
+                                   self.des[d].session_id)
 
     def _timed(self, gather: Any, d: int) -> Any:
         """``gather``, its CPU time added to rank ``d``'s (it runs on that rank's thread)."""
@@ -408,7 +410,7 @@ class FloorRun:
             self.dec_push.append(push)
             self.dec_pull.append(pull)
             self.pre_push.append(back)
-        if self.mode == "one4":  # one thread for every peer, two calls per peer in flight
+        if self.mode in ("one4", "onejoin4"):  # one thread for every peer, two calls a peer
             one = Pusher(self.pe, self.des[0].session_id, depth=2 * tp, nice=self.nice)
             self.pushers = [one] * tp
         else:
@@ -575,14 +577,14 @@ def summary(path: str) -> None:
                 by[e][r["mode"]].append(r)
                 ones[(r["proc"], e, r["round"], r["mode"])] = r
     for e, ms in by.items():
-        print(f"\n{e}: {len(ms.get('floor1', []))} rounds")
+        print(f"\n{e}")
         cols = (("GB/s", "gbps", 1, "{:.2f}"), ("window ms", "window_s", 1e3, "{:.0f}"),
                 ("loop CPU ms", "loop_cpu_s", 1e3, "{:.0f}"),
                 ("proc CPU ms", "proc_cpu_s", 1e3, "{:.0f}"),
                 ("harness ms", "harness_cpu_s", 1e3, "{:.0f}"),
                 ("threads ms", "threads_cpu_s", 1e3, "{:.0f}"),
                 ("gather ms", "gather_cpu_s", 1e3, "{:.0f}"), ("calls", "calls", 1, "{:.0f}"))
-        print(f"{'mode':9} {'ratio':>17} {'over best 1':>17} {'CPU bound':>17} "
+        print(f"{'mode':9} {'runs':>4} {'ratio':>17} {'over best 1':>17} {'CPU bound':>17} "
               f"{'loop busy %':>13} "
               + " ".join(f"{c[0]:>17}" for c in cols))
         for m, rs in ms.items():
@@ -593,7 +595,7 @@ def summary(path: str) -> None:
                                     for one in ("floor1", "trio_pd1")) for r in rs]
             bound = [_cpu_bound(b) / _cpu_bound(r) for r, b in pairs]
             busy = [100 * r["loop_cpu_s"] / r["window_s"] for r in rs]
-            print(f"{m:9} {_span(ratio, '{:.2f}'):>17} {_span(best, '{:.2f}'):>17} "
+            print(f"{m:9} {len(rs):4} {_span(ratio, '{:.2f}'):>17} {_span(best, '{:.2f}'):>17} "
                   f"{_span(bound, '{:.2f}'):>17} {_span(busy):>13} " + " ".join(
                 f"{_span([r[k] * x for r in rs if k in r], f):>17}" for _, k, x, f in cols))
 
