@@ -49,6 +49,9 @@ Modes (each a whole run, alternated round by round with trio_pd's):
   exactly as the bench's phase runs it (CURVE on, the demo's default).
 * ``trio_pd1_insecure`` / ``trio_pd4_insecure``: the same with ``secure=False`` (not in the
   default modes).
+* any mode with ``@poll`` after its name (``thread4@poll``, ``trio_pd4@poll``...): run with
+  the NIXL adapter's first sleep between completion checks at 250 us instead of 20 us (its
+  module constant patched for the run; NIXL only).
 
 Per run: ``gbps`` as the demo's ``transfer_gbps`` (the verified bytes of every decode rank
 over the union of its requests' in-flight intervals, ``time.monotonic`` from the decode
@@ -111,7 +114,7 @@ from trio_pd.core._plan import (
     total_bytes,
 )
 from trio_pd.core._staging import Reservation, StagingArea
-from trio_pd.engines import join_bytes, make_engine
+from trio_pd.engines import join_bytes, make_engine, nixl
 from trio_pd.testing.pools import DEST_POISON, SOURCE_POISON, PageAllocator
 from trio_pd.tools import _demo
 from trio_pd.tools._bench import BenchOptions
@@ -121,6 +124,9 @@ _HEAD = struct.Struct("<qqqq")  # room, epoch, destination aux row, decode rank
 _DONTWAIT = int(zmq.DONTWAIT)
 #: the default modes (``inplace4`` and the ``_insecure`` ones are asked for by name)
 MODES = ("floor1", "loop4", "thread4", "one4", "join4", "trio_pd1", "trio_pd4")
+#: ``@poll`` modes: NIXL's first sleep between a write's completion checks (the adapter's
+#: ``POLL_FIRST_S`` is 20 us, doubling up to 1 ms)
+POLL_FIRST_S = 250e-6
 #: the staging area's size: trio_pd's default (``PrefillConfig.staging_bytes``)
 STAGING = 64 << 20
 
@@ -184,6 +190,7 @@ class FloorRun:
     """One run of a floor mode: fresh pools and engines, both sides on the current loop."""
 
     def __init__(self, opts: DemoOptions, mode: str, nice: int = 0, warm: bool = False) -> None:
+        mode = mode.split("@")[0]  # (a run's patches are the caller's)
         self.opts, self.mode, self.nice = opts, mode, nice
         self.tp = tp = opts.decode_tp
         self.src = _demo._pool(opts, 0, 1)
@@ -493,6 +500,14 @@ def one_run(engine: str, mode: str, sampler: Sampler, nice: int = 0,
     base = phase_options(engine)
     tp = 4 if "4" in mode else 1
     opts = replace(base, decode_tp=tp, secure=not mode.endswith("_insecure"))
+    with ExitStack() as stack:
+        if mode.endswith("@poll"):  # NIXL's waits: the first sleep between checks longer
+            stack.enter_context(mock.patch.object(nixl, "POLL_FIRST_S", POLL_FIRST_S))
+        return _one_run(engine, mode, sampler, nice, warm, opts, tp)
+
+
+def _one_run(engine: str, mode: str, sampler: Sampler, nice: int, warm: bool,
+             opts: DemoOptions, tp: int) -> dict[str, Any]:
     if mode.startswith("trio_pd"):
         win: list[tuple[float, float]] = []
         with _windows(win):
