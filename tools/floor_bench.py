@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import struct
@@ -98,25 +99,42 @@ class Counts(trio.abc.Instrument):
         self.rounds += 1
 
 
+def zsock(ctx: zmq.Context[Any], kind: int) -> Any:
+    """A socket of the floor's control plane: no linger, no high-water mark in the way."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    return sock
+
+
 class Pusher:
     """One thread for one peer: engine calls in order, ``depth`` started ahead of the one it
-    waits for; a finished call's ``done(arg)`` runs on the trio loop (``run_sync_soon``)."""
+    waits for; a finished call's ``done(arg)`` runs on the trio loop (``run_sync_soon``).
+    ``nice``: the thread's nice value raised by that much (Linux). A call's ``prepare`` (if
+    any) runs on the thread right before the call starts (a gather into staging), so it
+    overlaps the call in flight before it; a call's ``peer`` (if given) is where it writes
+    instead (one thread for several peers, waited in order)."""
 
-    def __init__(self, engine: Any, peer: str, depth: int = 2) -> None:
-        self.engine, self.peer, self.depth = engine, peer, depth
+    def __init__(self, engine: Any, peer: str, depth: int = 2, nice: int = 0) -> None:
+        self.engine, self.peer, self.depth, self.nice = engine, peer, depth, nice
         self.token = trio.lowlevel.current_trio_token()
         self.cond = threading.Condition()
-        self.jobs: deque[tuple[Blocks, Callable[[Any], None], Any]] = deque()
+        self.jobs: deque[tuple[Blocks, Callable[[Any], None], Any,
+                               Callable[[], None] | None, str]] = deque()
         self.idle = False
         self.closed = False
+        #: the thread's CPU seconds (``time.thread_time``) when it ended
+        self.cpu = 0.0
         #: (started, waited) perf_counter pairs of every call, and the rooms of each
         self.times: list[tuple[float, float]] = []
         self.thread = threading.Thread(target=self._serve, daemon=True, name=f"push {peer}")
         self.thread.start()
 
-    def submit(self, blocks: Blocks, done: Callable[[Any], None], arg: Any) -> None:
+    def submit(self, blocks: Blocks, done: Callable[[Any], None], arg: Any,
+               prepare: Callable[[], None] | None = None, peer: str | None = None) -> None:
         with self.cond:
-            self.jobs.append((blocks, done, arg))
+            self.jobs.append((blocks, done, arg, prepare, peer or self.peer))
             if self.idle:
                 self.cond.notify()
 
@@ -127,6 +145,9 @@ class Pusher:
         self.thread.join(10)
 
     def _serve(self) -> None:
+        if self.nice:  # (as trio_pd's lanes: the loop preempts a thread waiting on the engine)
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
         flying: deque[tuple[Callable[[Any], None], Any, Pending]] = deque()
         while True:
             job = None
@@ -138,11 +159,14 @@ class Pusher:
                 if self.jobs and len(flying) < self.depth:
                     job = self.jobs.popleft()
                 elif not flying:
+                    self.cpu = time.thread_time()
                     return  # closed, nothing queued or flying
             if job is not None:
-                blk, done, arg = job
+                blk, done, arg, prepare, peer = job
+                if prepare is not None:
+                    prepare()
                 t0 = time.perf_counter()
-                flying.append((done, (arg, t0), start_write(self.engine, self.peer, *blk)))
+                flying.append((done, (arg, t0), start_write(self.engine, peer, *blk)))
                 continue
             done, (arg, t0), pending = flying.popleft()
             pending.wait()  # (an engine error ends the thread: the load then hangs, bounded)
@@ -316,11 +340,7 @@ class Floor:
         self.timeline: dict[str, float] = {}
 
     def _sock(self, kind: int) -> Any:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        return sock
+        return zsock(self.ctx, kind)
 
     def _on_status(self, msg: bytes) -> None:
         pop = self.events.pop
