@@ -215,6 +215,29 @@ def test_bench_prints_json_before_plotting(
     assert len(seen) == 1 and json.loads(seen[0]) == result
 
 
+@pytest.mark.parametrize("json_out", [True, False])
+def test_bench_names_the_targets_it_missed(
+    json_out: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missed target is said in one line: after the table, or on stderr with ``--json``
+    (stdout stays the JSON alone). A target the run could not judge (None) is not counted."""
+    result = {"targets": {"ratio>=0.9": True, "10k_rooms<=4KiB/room": False,
+                          "loop_cpu<=250us/request": False, "facades<=300us/request": None}}
+    monkeypatch.setattr(_bench, "run", lambda opts, progress=None: result)
+    monkeypatch.setattr(_bench, "problems", lambda r: [])
+    monkeypatch.setattr(_bench, "table", lambda r: "(the table)")
+    assert _main(["bench", "--quick"] + (["--json"] if json_out else [])) == 0
+    out, err = capsys.readouterr()
+    line = ("targets: 1 of 3 met; missed: 10k_rooms<=4KiB/room, "
+            "loop_cpu<=250us/request")
+    if json_out:
+        assert json.loads(out) == result and line in err.splitlines()
+    else:
+        assert out.splitlines()[-1] == line
+    assert _bench.targets_line({"targets": {"ratio>=0.9": True}}) == "targets: 1 of 1 met"
+    assert _bench.targets_line({"preset": "peer"}) is None
+
+
 # ------------------------------------------------------------------ help, version, entry points
 
 

@@ -394,12 +394,17 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
             result = _bench.run(opts, tick)
     problems = _bench.problems(result)
+    targets = _bench.targets_line(result)
     if args.json:
         print(json.dumps(result), flush=True)
+        if targets:  # (stdout is the JSON alone)
+            print(targets, file=sys.stderr, flush=True)
     else:
         from rich.console import Console
 
         Console().print(_bench.table(result))
+        if targets:
+            print(targets, flush=True)
         if problems:
             print("PROBLEMS: " + "; ".join(problems), flush=True)
     if args.plot:  # after the numbers are out: a plotting failure loses none of them

@@ -1149,6 +1149,18 @@ def targets_met(r: dict[str, Any]) -> dict[str, bool | None]:
     }
 
 
+def targets_line(r: dict[str, Any]) -> str | None:
+    """One line that says how many of the run's targets it met and names the ones it
+    missed (None: a run with no targets, e.g. ``--preset peer``). Printed after the table,
+    and on stderr with ``--json``, so that a missed target is read, not only stored."""
+    judged = {k: v for k, v in (r.get("targets") or {}).items() if v is not None}
+    if not judged:
+        return None
+    missed = [k for k, v in judged.items() if not v]
+    return (f"targets: {len(judged) - len(missed)} of {len(judged)} met"
+            + (f"; missed: {', '.join(missed)}" if missed else ""))
+
+
 def problems(r: dict[str, Any]) -> list[str]:
     """What makes a bench run a failure (the command exits 1): wrong bytes or failed
     requests, never a missed target."""
