@@ -21,7 +21,6 @@ import gc
 import os
 import threading
 import time
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -345,10 +344,9 @@ async def test_ended_rooms_are_let_go_at_once_not_at_their_deadlines(
         # their deadlines are cancelled, not only let go (the heap's bound: test_timers);
         # what stays armed holds ints only (the failed rooms' bounded memory, the sweeps)
         for agent in (pair.prefill, pair.decode):
-            armed = [t[2] for t in agent.timers._heap if t[2] is not None]
+            armed = [t for t in agent.timers._heap if t[2] is not None]
             assert len(armed) == len(agent.timers)
-            assert not [a for a in armed if isinstance(a, partial)
-                        and any(isinstance(x, RoomDeadline) for x in a.args)]
+            assert not [t[3] for t in armed if isinstance(t[3], RoomDeadline)]
 
 
 # ------------------------------------------------------------------------ big page arrays
