@@ -85,6 +85,28 @@ async def test_a_cancelled_deadline_never_runs_and_lets_its_action_go_at_once(
     assert fired == ["kept"] and len(timers) == 0
 
 
+async def test_a_deadline_that_ran_lets_its_argument_go_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Once an action has run, neither its handle (kept in a room's list until the room is
+    forgotten) nor the timer task, asleep until the next deadline, holds its argument."""
+
+    class Held:
+        pass
+
+    timers = Timers()
+    held = Held()
+    gone = weakref.ref(held)
+    handle = timers.after(1.0, nothing, held)
+    del held
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timers.run)
+        await trio.sleep(2.0)  # it ran; run() now sleeps with nothing armed
+        gc.collect()
+        assert gone() is None and handle[2:] == [None, None]
+        nursery.cancel_scope.cancel()
+
+
 def test_cancelled_deadlines_never_grow_the_heap_past_twice_the_armed_ones() -> None:
     """100,000 rooms, each arming one long deadline cancelled when the room ends: the heap
     stays bounded by the deadlines still armed (what a server with 300-second timeouts

@@ -129,6 +129,7 @@ class Timers:
                         action(arg)
                     except Exception:  # one room's bug must not end the agent (SPEC §5.7)
                         log.exception("timer action %r(%r) raised", action, arg)
+                    action = arg = None  # (not held by this frame while it sleeps)
                 self._wakeup = trio.Event()
                 deadline = heap[0][0] if heap else math.inf
                 with trio.move_on_at(deadline):
