@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import trio
 import trio.testing
 
@@ -105,6 +106,29 @@ async def test_a_deadline_that_ran_lets_its_argument_go_at_once(
         gc.collect()
         assert gone() is None and handle[2:] == [None, None]
         nursery.cancel_scope.cancel()
+
+
+async def test_an_action_that_raises_is_logged_and_the_next_ones_still_run(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One deadline's bug must not end the agent's timer task: it is logged with its
+    argument, and the deadlines after it run."""
+
+    def boom(key: str) -> None:
+        raise RuntimeError(key)
+
+    timers = Timers()
+    fired: list[str] = []
+    timers.after(1.0, boom, "room 7")
+    timers.after(1.0, fired.append, "same deadline")
+    timers.after(2.0, fired.append, "later")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timers.run)
+        await trio.sleep(3.0)
+        nursery.cancel_scope.cancel()
+    assert fired == ["same deadline", "later"]
+    [record] = [r for r in caplog.records if r.name == "trio_pd.timers"]
+    assert "'room 7'" in record.getMessage() and record.exc_info is not None
 
 
 def test_cancelled_deadlines_never_grow_the_heap_past_twice_the_armed_ones() -> None:
