@@ -605,9 +605,11 @@ def summary(path: str) -> None:
         for m, rs in ms.items():
             base = m.replace("4", "1") if m.startswith("trio_pd") else "floor1"
             pairs = [(r, ones[k]) for r in rs if (k := (r["proc"], e, r["round"], base)) in ones]
-            ratio = [r["gbps"] / b["gbps"] for r, b in pairs]
-            best = [r["gbps"] / max(ones.get((r["proc"], e, r["round"], one), {"gbps": 0})["gbps"]
-                                    for one in ("floor1", "trio_pd1")) for r in rs]
+            ratio = [r["gbps"] / b["gbps"] for r, b in pairs if b["gbps"]]
+            # over the round's faster TP 1->1 run, where the round has one
+            tops = [(r, max(ones.get((r["proc"], e, r["round"], one), {"gbps": 0})["gbps"]
+                            for one in ("floor1", "trio_pd1"))) for r in rs]
+            best = [r["gbps"] / top for r, top in tops if top]
             bound = [_cpu_bound(b) / _cpu_bound(r) for r, b in pairs]
             busy = [100 * r["loop_cpu_s"] / r["window_s"] for r in rs]
             print(f"{m:9} {len(rs):4} {_span(ratio, '{:.2f}'):>17} {_span(best, '{:.2f}'):>17} "

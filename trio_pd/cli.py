@@ -403,10 +403,10 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         from rich.console import Console
 
         Console().print(_bench.table(result))
-        if targets:
-            print(targets, flush=True)
         if problems:
             print("PROBLEMS: " + "; ".join(problems), flush=True)
+        if targets:  # (the last line)
+            print(targets, flush=True)
     if args.plot:  # after the numbers are out: a plotting failure loses none of them
         _bench.plot(result, args.plot)
     return 1 if problems else 0

@@ -111,6 +111,7 @@ class DpRouter(Generic[R]):
             RouteDeadlines(bootstrap=bootstrap_timeout), max_routes=_MAX_ROUTES
         )
         self._askers: dict[str, _Asker] = {}
+        self._deadline_passed = self._timer_due  # (one bound method for every deadline)
         #: the deadlines the routes armed and have not yet disarmed, each until it runs or
         #: a :class:`Disarm` cancels it (a room's holds its record: it goes when its wait
         #: ends, not when its deadline would have passed)
@@ -181,7 +182,7 @@ class DpRouter(Generic[R]):
                         nursery.start_soon(asker.client.aclose)
                 case Arm(after=after, key=key):
                     assert key not in self._armed, key  # (one deadline a key, at a time)
-                    self._armed[key] = self.timers.after(after, self._timer_due, key)
+                    self._armed[key] = self.timers.after(after, self._deadline_passed, key)
                 case Disarm(key=key):
                     self.timers.cancel(self._armed.pop(key))
                 case Count(name=name):

@@ -84,6 +84,7 @@ class Quarantines:
     def __init__(self, registry: PeerRegistry) -> None:
         self._registry = registry
         self.fences: Fences[DecodePeer] = Fences(FenceDeadlines(registry.fence))
+        self._deadline_passed = self._timer_due  # (one bound method for every deadline)
 
     def fenced(self) -> set[int]:
         """The ids of the peers some quarantine waits on (they may not be dropped)."""
@@ -117,7 +118,7 @@ class Quarantines:
         for effect in due:
             match effect:
                 case Arm(after=after, key=key):
-                    self._registry.timers.after(after, self._timer_due, key)
+                    self._registry.timers.after(after, self._deadline_passed, key)
                 case Count(name=name):
                     self._registry.counters.bump(name)
                 case Warn(message=message):
